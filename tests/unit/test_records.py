@@ -1,0 +1,223 @@
+"""Signed DHT records without sockets: signing, every rejection reason, merge, decoder fuzzing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p.errors import RemoteProtocolError
+from p2p.records import (
+    MAX_RECORD_SET_BYTES,
+    MAX_VALUE_BYTES,
+    RecordRejected,
+    RecordSigner,
+    SignedRecord,
+    decode_record_set,
+    encode_record_set,
+    merge_records,
+    subkey_owner,
+    subkey_values,
+    valid_records,
+    validate_record,
+)
+
+NOW = 1_700_000_000.0
+KEY = b"run/alpha/members"
+
+ALICE = RecordSigner(bytes(range(32)))
+BOB = RecordSigner(bytes(range(1, 33)))
+
+
+def _reason(record: SignedRecord, *, key: bytes = KEY, now: float = NOW) -> str:
+    with pytest.raises(RecordRejected) as info:
+        validate_record(record, key=key, now=now)
+    return info.value.reason
+
+
+def test_signed_record_validates_and_round_trips() -> None:
+    record = ALICE.sign(KEY, b"hello", NOW + 60)
+    validate_record(record, key=KEY, now=NOW)
+    assert record.subkey == ALICE.peer_id
+    assert subkey_owner(record.subkey) == ALICE.peer_id
+    [decoded] = decode_record_set(encode_record_set([record]))
+    assert decoded == record
+
+
+def test_peer_id_matches_libp2p_derivation() -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.peer.id import ID
+
+    key_pair = create_new_key_pair(bytes(range(32)))
+    signer = RecordSigner(key_pair.private_key.to_bytes())
+    assert signer.peer_id == ID.from_pubkey(key_pair.public_key).to_bytes()
+
+
+def test_unsigned_is_rejected() -> None:
+    record = dataclasses.replace(ALICE.sign(KEY, b"v", NOW + 60), signature=b"")
+    assert _reason(record) == "unsigned"
+
+
+def test_bad_signature_is_rejected() -> None:
+    record = ALICE.sign(KEY, b"v", NOW + 60)
+    tampered_value = dataclasses.replace(record, value=b"w")
+    assert _reason(tampered_value) == "bad-signature"
+    # Extending one's own expiry without re-signing is a bad signature too.
+    tampered_expiry = dataclasses.replace(record, expiration_time=NOW + 6000)
+    assert _reason(tampered_expiry) == "bad-signature"
+    flipped = bytes([record.signature[0] ^ 1]) + record.signature[1:]
+    assert _reason(dataclasses.replace(record, signature=flipped)) == "bad-signature"
+    assert _reason(dataclasses.replace(record, signature=b"x" * 63)) == "bad-signature"
+
+
+def test_forged_owner_is_rejected() -> None:
+    # Bob claims Alice's subkey and owner, signing with his own key: the key does not derive
+    # the owner id.
+    bob_as_alice = dataclasses.replace(
+        BOB.sign(KEY, b"evil", NOW + 60), owner=ALICE.peer_id, subkey=ALICE.peer_id
+    )
+    assert _reason(bob_as_alice) == "forged-owner"
+    # Bob signs honestly as himself but writes Alice's subkey: the subkey is not his.
+    honest_bob = BOB.sign(KEY, b"evil", NOW + 60)
+    unsigned = dataclasses.replace(honest_bob, subkey=ALICE.peer_id, signature=b"")
+    resigned = dataclasses.replace(
+        unsigned, signature=BOB._private_key.sign(unsigned.signed_payload())
+    )
+    assert _reason(resigned) == "forged-owner"
+    # Bob copies Alice's public key and id but cannot sign for them.
+    stolen = dataclasses.replace(
+        honest_bob, owner=ALICE.peer_id, subkey=ALICE.peer_id, public_key=ALICE.public_key
+    )
+    assert _reason(stolen) == "bad-signature"
+    assert _reason(dataclasses.replace(honest_bob, public_key=b"short")) == "forged-owner"
+
+
+def test_expired_and_replayed_under_other_key_are_rejected() -> None:
+    record = ALICE.sign(KEY, b"v", NOW + 60)
+    assert _reason(record, now=NOW + 60) == "expired"
+    assert _reason(record, key=b"other") == "wrong-key"
+
+
+def test_tagged_subkeys_are_owner_bound() -> None:
+    record = ALICE.sign(KEY, b"v", NOW + 60, tag=b"stage-3")
+    validate_record(record, key=KEY, now=NOW)
+    assert record.subkey == ALICE.peer_id + b"/stage-3"
+    assert subkey_owner(ALICE.peer_id + b"x") is None
+    assert subkey_owner(b"short") is None
+
+
+def test_oversized_is_rejected_before_decoding() -> None:
+    with pytest.raises(RecordRejected) as info:
+        decode_record_set(b"\x00" * (MAX_RECORD_SET_BYTES + 1))
+    assert info.value.reason == "oversized"
+    with pytest.raises(ValueError):
+        ALICE.sign(KEY, b"v" * (MAX_VALUE_BYTES + 1), NOW + 60)
+    big = dataclasses.replace(ALICE.sign(KEY, b"v", NOW + 60), value=b"v" * (MAX_VALUE_BYTES + 1))
+    assert _reason(big) == "oversized"
+    # An oversized value inside an otherwise well-formed set is refused by the decoder limits.
+    wire = msgpack.packb([1, [big.to_wire()]], use_bin_type=True)
+    with pytest.raises(RemoteProtocolError):
+        decode_record_set(wire)
+
+
+def test_malformed_shapes_raise_remote_protocol_error() -> None:
+    record = ALICE.sign(KEY, b"v", NOW + 60)
+    bad_inputs = [
+        b"",
+        msgpack.packb([2, []]),
+        msgpack.packb([1, [record.to_wire()[:-1]]], use_bin_type=True),
+        msgpack.packb([1, [[*record.to_wire()[:5], 5, 0, record.signature]]], use_bin_type=True),
+        msgpack.packb({"a": 1}),
+        msgpack.packb([True, []]),
+        encode_record_set([record]) + b"\x00",
+    ]
+    for data in bad_inputs:
+        with pytest.raises(RemoteProtocolError):
+            decode_record_set(data)
+
+
+def test_merge_keeps_freshest_per_subkey() -> None:
+    old = ALICE.sign(KEY, b"old", NOW + 10, version=5)
+    new = ALICE.sign(KEY, b"new", NOW + 20, version=0)
+    same_expiry_newer_version = ALICE.sign(KEY, b"newer", NOW + 20, version=1)
+    bob = BOB.sign(KEY, b"bob", NOW + 15)
+    merged = merge_records({}, [old, bob], now=NOW)
+    merged = merge_records(merged, [new], now=NOW)
+    assert subkey_values(merged, now=NOW) == {ALICE.peer_id: b"new", BOB.peer_id: b"bob"}
+    merged = merge_records(merged, [old, same_expiry_newer_version], now=NOW)
+    assert merged[ALICE.peer_id].value == b"newer"
+    # Expired entries are dropped, both held and incoming.
+    assert subkey_values(merge_records(merged, [], now=NOW + 16), now=NOW + 16) == {
+        ALICE.peer_id: b"newer"
+    }
+    assert merge_records({}, [old], now=NOW + 10) == {}
+
+
+def test_valid_records_strict_rejects_lenient_drops() -> None:
+    good = ALICE.sign(KEY, b"a", NOW + 60)
+    forged = dataclasses.replace(BOB.sign(KEY, b"b", NOW + 60), subkey=ALICE.peer_id)
+    data = encode_record_set([good, forged])
+    with pytest.raises(RecordRejected):
+        valid_records(data, key=KEY, now=NOW, strict=True)
+    lenient = valid_records(data, key=KEY, now=NOW, strict=False)
+    assert subkey_values(lenient, now=NOW) == {ALICE.peer_id: b"a"}
+
+
+_signers = st.sampled_from([ALICE, BOB, RecordSigner(b"\x07" * 32)])
+_records = st.builds(
+    lambda signer, value, ttl, version, tag: signer.sign(
+        KEY, value, NOW + ttl, version=version, tag=tag
+    ),
+    _signers,
+    st.binary(max_size=64),
+    st.floats(min_value=-100, max_value=100, allow_nan=False),
+    st.integers(min_value=0, max_value=2**63 - 1),
+    st.sampled_from([b"", b"a", b"stage/1"]),
+)
+
+
+@given(st.lists(_records, max_size=8))
+@settings(max_examples=50, deadline=None)
+def test_record_set_round_trips(records: list[SignedRecord]) -> None:
+    decoded = decode_record_set(encode_record_set(records))
+    assert sorted(decoded, key=lambda r: r.subkey) == sorted(records, key=lambda r: r.subkey)
+
+
+@given(st.lists(_records, max_size=6), st.lists(_records, max_size=6))
+@settings(max_examples=50, deadline=None)
+def test_merge_is_commutative_and_idempotent(a: list[SignedRecord], b: list[SignedRecord]) -> None:
+    ab = merge_records(merge_records({}, a, now=NOW), b, now=NOW)
+    ba = merge_records(merge_records({}, b, now=NOW), a, now=NOW)
+    assert ab == ba
+    assert merge_records(ab, a + b, now=NOW) == ab
+    for subkey, record in ab.items():
+        candidates = [r for r in a + b if r.subkey == subkey and r.expiration_time > NOW]
+        assert record.freshness() == max(r.freshness() for r in candidates)
+
+
+@given(st.binary(max_size=4096))
+@settings(max_examples=300, deadline=None)
+def test_garbage_decodes_or_raises_remote_protocol_error(data: bytes) -> None:
+    try:
+        records = decode_record_set(data)
+    except RemoteProtocolError:
+        return
+    assert all(isinstance(r, SignedRecord) for r in records)
+
+
+@given(st.lists(_records, min_size=1, max_size=3), st.data())
+@settings(max_examples=50, deadline=None)
+def test_bit_flips_never_validate_as_someone_else(records: list[SignedRecord], data) -> None:
+    wire = bytearray(encode_record_set(records))
+    index = data.draw(st.integers(min_value=0, max_value=len(wire) - 1))
+    wire[index] ^= data.draw(st.integers(min_value=1, max_value=255))
+    try:
+        held = valid_records(bytes(wire), key=KEY, now=NOW - 1000, strict=False)
+    except RemoteProtocolError:
+        return
+    originals = {(r.subkey, r.value, r.expiration_time, r.version) for r in records}
+    for record in held.values():
+        assert (record.subkey, record.value, record.expiration_time, record.version) in originals
