@@ -1,0 +1,36 @@
+"""One error family for everything p2p raises.
+
+Handlers at a service boundary catch ``P2PError`` (or ``Exception``) and keep serving; py-libp2p
+#1120 shows what happens when one sibling exception (``StreamReset``) is missed.
+"""
+
+from __future__ import annotations
+
+
+class P2PError(Exception):
+    """Base of every error raised by the p2p package."""
+
+
+class RemoteProtocolError(P2PError):
+    """The remote peer broke the protocol: garbage, oversized, truncated or unknown input."""
+
+
+class LocalProtocolError(P2PError):
+    """We tried to do something the protocol forbids (a bug on our side)."""
+
+
+class RemoteError(P2PError):
+    """The remote handler failed and said so; ``code`` is a short machine-readable tag."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class PeerUnreachable(P2PError):
+    """No direct or relayed connection to the peer could be made."""
+
+
+class IdentityError(P2PError):
+    """The identity key file is missing, malformed or unsafe."""

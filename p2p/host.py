@@ -1,0 +1,235 @@
+"""The libp2p host a node runs in its own process: TCP + Noise + yamux, no sidecar daemon.
+
+``open_host(config)`` is an async context manager: the host listens when it is entered and is torn
+down when the enclosing scope exits or is cancelled (cancellation is the shutdown path; there is no
+``stop()``). The wrapper adds what 0.8.1 lacks or gets wrong:
+
+- dials without the ~250 ms happy-eyeballs wait (``max_connections_per_peer=1``, measured in
+  DESIGN.md), and bounded by a deadline;
+- a connection limit that holds: libp2p's limit is passed through *and* enforced by a notifee that
+  closes any connection beyond ``max_connections`` (the resource manager's count is off by one);
+- stream handlers that never let an exception escape: in 0.8.1 an exception leaving a handler
+  kills the whole host, so every handler is wrapped, logged, counted and its stream reset;
+- ``connection_kind(peer)``: whether our connection to a peer is direct or through a relay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.crypto.keys import KeyPair
+from libp2p.custom_types import TProtocol
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+from p2p.errors import PeerUnreachable
+
+log = logging.getLogger(__name__)
+
+ConnectionKind = Literal["direct", "relayed"]
+StreamHandler = Callable[[INetStream], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    key_pair: KeyPair
+    listen_addrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    # Replace the listen addresses in what we advertise (a public IP behind port forwarding).
+    announce_addrs: tuple[str, ...] = ()
+    max_connections: int = 256
+    dial_timeout_s: float = 10.0
+    enable_upnp: bool = False
+    extra_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class HostStatistics:
+    handler_failures: int = 0
+    connections_refused_over_limit: int = 0
+
+
+def is_relayed(conn: INetConn) -> bool:
+    try:
+        addrs = conn.get_transport_addresses()
+    except Exception:
+        return False
+    return any("/p2p-circuit" in str(a) for a in addrs)
+
+
+class _LimitNotifee(INotifee):
+    """Closes connections beyond the limit as soon as they are established."""
+
+    def __init__(self, host: Host) -> None:
+        self._host = host
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        total = sum(len(conns) for conns in network.get_connections_map().values())
+        if total > self._host.config.max_connections:
+            self._host.statistics.connections_refused_over_limit += 1
+            log.warning(
+                "closing connection from %s: %d connections > limit %d",
+                conn.muxed_conn.peer_id,
+                total,
+                self._host.config.max_connections,
+            )
+            self._host._nursery.start_soon(_close_quietly, conn)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
+        pass
+
+
+async def _close_quietly(conn: INetConn) -> None:
+    with trio.move_on_after(2):
+        try:
+            await conn.close()
+        except Exception as exc:
+            log.debug("closing connection failed: %r", exc)
+
+
+class Host:
+    """A running libp2p host. Create it with ``open_host``."""
+
+    def __init__(self, config: HostConfig, libp2p_host: IHost, nursery: trio.Nursery) -> None:
+        self.config = config
+        self.libp2p = libp2p_host
+        self.peer_id: ID = libp2p_host.get_id()
+        self.statistics = HostStatistics()
+        self._nursery = nursery
+
+    def addrs(self) -> list[multiaddr.Multiaddr]:
+        """Our dialable addresses, each ending in ``/p2p/<peer id>``."""
+        return list(self.libp2p.get_addrs())
+
+    def set_handler(self, protocol: str, handler: StreamHandler) -> None:
+        """Serve ``protocol``; an exception from ``handler`` is logged and resets the stream."""
+
+        async def guarded(stream: INetStream) -> None:
+            try:
+                await handler(stream)
+            except Exception as exc:
+                self.statistics.handler_failures += 1
+                peer = stream.muxed_conn.peer_id
+                log.warning("handler %s failed for peer %s: %r", protocol, peer, exc)
+                await reset_quietly(stream)
+
+        self.libp2p.set_stream_handler(TProtocol(protocol), guarded)
+
+    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> None:
+        """Connect to ``peer_id`` at one of ``addrs``; raises ``PeerUnreachable``."""
+        if self.libp2p.get_network().get_connections(peer_id):
+            return
+        try:
+            with trio.fail_after(self.config.dial_timeout_s):
+                await self.libp2p.connect(PeerInfo(peer_id, list(addrs)))
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(f"dialing {peer_id} timed out") from exc
+        except Exception as exc:
+            raise PeerUnreachable(f"cannot dial {peer_id}: {exc}") from exc
+
+    async def open_stream(self, peer_id: ID, protocol: str) -> INetStream:
+        try:
+            with trio.fail_after(self.config.dial_timeout_s):
+                return await self.libp2p.new_stream(peer_id, [TProtocol(protocol)])
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(f"opening {protocol} to {peer_id} timed out") from exc
+        except Exception as exc:
+            raise PeerUnreachable(f"cannot open {protocol} to {peer_id}: {exc}") from exc
+
+    def connected_peers(self) -> list[ID]:
+        return list(self.libp2p.get_network().get_connections_map())
+
+    def connection_kind(self, peer_id: ID) -> ConnectionKind | None:
+        """``direct`` if any live connection to the peer is direct, ``relayed`` if all go
+        through a relay, None when not connected."""
+        conns = self.libp2p.get_network().get_connections(peer_id)
+        if not conns:
+            return None
+        return "relayed" if all(is_relayed(c) for c in conns) else "direct"
+
+
+async def reset_quietly(stream: INetStream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.reset()
+        except Exception as exc:
+            log.debug("stream reset failed: %r", exc)
+
+
+def build_libp2p_host(config: HostConfig) -> IHost:
+    limit = config.max_connections
+    connection_config = ConnectionConfig(
+        # One connection per peer is what removes the 250 ms dial wait (DESIGN.md).
+        max_connections_per_peer=1,
+        # libp2p's own limit admits one fewer than asked; ours (the notifee) is exact.
+        max_connections=limit + 1,
+        high_watermark=limit + 1,
+        low_watermark=min(limit, 100),
+        min_connections=0,
+        dial_timeout=config.dial_timeout_s,
+    )
+    return new_host(
+        key_pair=config.key_pair,
+        connection_config=connection_config,
+        enable_upnp=config.enable_upnp,
+        announce_addrs=[multiaddr.Multiaddr(a) for a in config.announce_addrs] or None,
+        **config.extra_options,
+    )
+
+
+@asynccontextmanager
+async def open_host(config: HostConfig) -> AsyncIterator[Host]:
+    """Run a host listening on ``config.listen_addrs`` for the duration of the block.
+
+    An exception from the block propagates as itself (libp2p's nurseries would otherwise wrap it
+    in nested exception groups).
+    """
+    libp2p_host = build_libp2p_host(config)
+    listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
+    try:
+        async with trio.open_nursery() as nursery:
+            # Cancel our nursery only after libp2p's run() has exited: cancelling earlier makes
+            # its teardown raise Cancelled, which replaces (and so swallows) the block's error.
+            try:
+                async with libp2p_host.run(listen):
+                    host = Host(config, libp2p_host, nursery)
+                    libp2p_host.get_network().register_notifee(_LimitNotifee(host))
+                    yield host
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        raise _sole_leaf(group) from None
+
+
+def _sole_leaf(group: BaseExceptionGroup) -> BaseException:
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for inner in exc.exceptions:
+                walk(inner)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    return leaves[0] if len(leaves) == 1 else group

@@ -1,0 +1,266 @@
+"""Typed, versioned, size-limited msgpack messages and the frames that carry them.
+
+A message on the wire is ``msgpack([PROTOCOL_VERSION, type_code, body])`` where ``body`` is the
+positional list of the dataclass's fields (positional lists give canonical bytes, which signing
+needs). Every message type is a frozen dataclass registered once under a unique code; a duplicate
+code fails at import, an unknown code or version is a ``RemoteProtocolError``.
+
+A frame is a 4-byte big-endian length followed by that many bytes. The length is checked against
+the reader's limit *before* any body byte is read or buffered, so a peer announcing 4 GiB costs us
+four bytes. ``FrameDecoder`` is the sans-IO half (bytes in, frames out); ``read_frame`` /
+``write_frame`` drive it over anything with ``read(n)`` / ``write(data)``.
+
+Field schemas are the dataclass annotations, checked on decode: ``int``, ``float``, ``str``,
+``bytes``, ``bool``, ``X | None``, ``list[X]``/``tuple[X, ...]`` and ``dict[str, X]``. Types may
+add their own invariants in ``__post_init__`` (raising ``ValueError``), which decode reports as a
+``RemoteProtocolError`` too: one function turns every decode failure into that one error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol, TypeVar
+
+import msgpack
+
+from p2p.errors import LocalProtocolError, RemoteProtocolError
+
+PROTOCOL_VERSION = 1
+FRAME_HEADER = struct.Struct(">I")
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024
+
+M = TypeVar("M", bound="Message")
+_REGISTRY: dict[int, type[Message]] = {}
+
+
+class Message:
+    """Base of every wire message. Subclasses are frozen dataclasses made with ``@message``."""
+
+    TYPE_CODE: ClassVar[int]
+    MAX_BYTES: ClassVar[int] = DEFAULT_MAX_MESSAGE_BYTES
+    _FIELDS: ClassVar[tuple[tuple[str, Any], ...]]
+
+    def to_wire(self) -> list[Any]:
+        return [getattr(self, name) for name, _ in self._FIELDS]
+
+    @classmethod
+    def from_wire(cls: type[M], body: Any) -> M:
+        if not isinstance(body, list) or len(body) != len(cls._FIELDS):
+            raise RemoteProtocolError(f"{cls.__name__}: body must be a list of {len(cls._FIELDS)}")
+        values = [
+            _check(value, hint, f"{cls.__name__}.{name}")
+            for value, (name, hint) in zip(body, cls._FIELDS, strict=True)
+        ]
+        try:
+            return cls(*values)
+        except (ValueError, TypeError) as exc:
+            raise RemoteProtocolError(f"{cls.__name__}: {exc}") from exc
+
+
+def message(
+    code: int, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> Callable[[type[M]], type[M]]:
+    """Register a frozen dataclass as the wire message ``code`` (unique across the program)."""
+
+    def register(cls: type[M]) -> type[M]:
+        if not issubclass(cls, Message):
+            raise LocalProtocolError(f"{cls.__name__} must subclass p2p.wire.Message")
+        if not dataclasses.is_dataclass(cls):
+            cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        if code in _REGISTRY:
+            raise LocalProtocolError(
+                f"message code {code} used by {_REGISTRY[code].__name__} and {cls.__name__}"
+            )
+        hints = typing.get_type_hints(cls)
+        cls._FIELDS = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+        cls.TYPE_CODE = code
+        cls.MAX_BYTES = max_bytes
+        _REGISTRY[code] = cls
+        return cls
+
+    return register
+
+
+def registered_types() -> dict[int, type[Message]]:
+    return dict(_REGISTRY)
+
+
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """Validate ``value`` against a field annotation; convert msgpack lists to tuples."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check(value, arg, where)
+            except RemoteProtocolError as exc:
+                errors.append(str(exc))
+        raise RemoteProtocolError(f"{where}: no union member matched ({'; '.join(errors)})")
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise RemoteProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(hint)
+        item = args[0] if args else Any
+        checked = [_check(v, item, f"{where}[]") for v in value]
+        return tuple(checked) if origin is tuple else checked
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise RemoteProtocolError(f"{where}: expected a map, got {type(value).__name__}")
+        key_hint, value_hint = typing.get_args(hint)
+        return {
+            _check(k, key_hint, f"{where}.key"): _check(v, value_hint, f"{where}[{k!r}]")
+            for k, v in value.items()
+        }
+    if hint is Any:
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RemoteProtocolError(f"{where}: expected float, got {type(value).__name__}")
+        return float(value)
+    if hint is int and isinstance(value, bool):
+        raise RemoteProtocolError(f"{where}: expected int, got bool")
+    if isinstance(hint, type) and isinstance(value, hint):
+        return value
+    wanted = getattr(hint, "__name__", hint)
+    raise RemoteProtocolError(f"{where}: expected {wanted}, got {type(value).__name__}")
+
+
+def encode(msg: Message) -> bytes:
+    """The bytes of one message (no frame header). Raises LocalProtocolError if over its limit."""
+    data = msgpack.packb([PROTOCOL_VERSION, msg.TYPE_CODE, msg.to_wire()], use_bin_type=True)
+    if len(data) > msg.MAX_BYTES:
+        raise LocalProtocolError(f"{type(msg).__name__} is {len(data)} bytes > {msg.MAX_BYTES}")
+    return data
+
+
+def decode(data: bytes, *expected: type[M]) -> M:
+    """Parse one message; with ``expected`` given, any other type is a protocol error.
+
+    Raises ``RemoteProtocolError`` for every malformed input; no other exception escapes.
+    """
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises a zoo of types for garbage
+        raise RemoteProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise RemoteProtocolError("message must be [version, type_code, body]")
+    version, code, body = obj
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {version!r}")
+    cls = _REGISTRY.get(code) if isinstance(code, int) and not isinstance(code, bool) else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {code!r}")
+    if expected and cls not in expected:
+        names = ", ".join(t.__name__ for t in expected)
+        raise RemoteProtocolError(f"unexpected message {cls.__name__}, wanted {names}")
+    if len(data) > cls.MAX_BYTES:
+        raise RemoteProtocolError(f"{cls.__name__} is {len(data)} bytes > {cls.MAX_BYTES}")
+    return cls.from_wire(body)  # type: ignore[return-value]
+
+
+def frame(payload: bytes) -> bytes:
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Sans-IO frame splitter: ``receive_data`` bytes in, ``next_frame`` frames out.
+
+    ``next_frame`` returns a frame, or None when more data is needed; it raises
+    ``RemoteProtocolError`` as soon as a header announces more than ``max_frame_bytes``.
+    """
+
+    def __init__(self, max_frame_bytes: int) -> None:
+        self.max_frame_bytes = max_frame_bytes
+        self._buffer = bytearray()
+        self._eof = False
+
+    def receive_data(self, data: bytes) -> None:
+        if self._eof:
+            raise LocalProtocolError("data after end of stream")
+        if not data:
+            self._eof = True
+            return
+        self._buffer += data
+
+    def next_frame(self) -> bytes | None:
+        if len(self._buffer) < FRAME_HEADER.size:
+            if self._eof and self._buffer:
+                raise RemoteProtocolError("stream ended inside a frame header")
+            return None
+        (length,) = FRAME_HEADER.unpack_from(self._buffer)
+        if length > self.max_frame_bytes:
+            raise RemoteProtocolError(
+                f"frame of {length} bytes exceeds limit {self.max_frame_bytes}"
+            )
+        end = FRAME_HEADER.size + length
+        if len(self._buffer) < end:
+            if self._eof:
+                raise RemoteProtocolError(f"stream ended {end - len(self._buffer)} bytes short")
+            return None
+        payload = bytes(self._buffer[FRAME_HEADER.size : end])
+        del self._buffer[:end]
+        return payload
+
+
+class ByteStream(Protocol):
+    async def read(self, n: int | None = None) -> bytes: ...
+    async def write(self, data: bytes) -> None: ...
+
+
+async def read_exactly(stream: ByteStream, n: int) -> bytes:
+    """Read exactly ``n`` bytes; a stream that ends early is a RemoteProtocolError."""
+    parts: list[bytes] = []
+    remaining = n
+    while remaining:
+        try:
+            chunk = await stream.read(remaining)
+        except Exception as exc:
+            if _is_eof(exc):
+                chunk = b""
+            else:
+                raise
+        if not chunk:
+            raise RemoteProtocolError(f"stream ended {remaining} of {n} bytes short")
+        parts.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(parts)
+
+
+def _is_eof(exc: BaseException) -> bool:
+    # libp2p's NetStream.read raises StreamEOF at end of stream instead of returning b"".
+    return type(exc).__name__ in {"StreamEOF", "EOFError", "IncompleteReadError"}
+
+
+async def read_frame(stream: ByteStream, max_frame_bytes: int) -> bytes:
+    """Read one frame; the length is checked against ``max_frame_bytes`` before the body."""
+    (length,) = FRAME_HEADER.unpack(await read_exactly(stream, FRAME_HEADER.size))
+    if length > max_frame_bytes:
+        raise RemoteProtocolError(f"frame of {length} bytes exceeds limit {max_frame_bytes}")
+    return await read_exactly(stream, length) if length else b""
+
+
+async def write_frame(stream: ByteStream, payload: bytes) -> None:
+    await stream.write(frame(payload))
+
+
+async def send_message(stream: ByteStream, msg: Message) -> None:
+    await write_frame(stream, encode(msg))
+
+
+async def receive_message(stream: ByteStream, *expected: type[M]) -> M:
+    """Read and decode one message of one of the ``expected`` types (their largest limit)."""
+    limit = (
+        max(t.MAX_BYTES for t in expected)
+        if expected
+        else max(t.MAX_BYTES for t in _REGISTRY.values())
+    )
+    return decode(await read_frame(stream, limit), *expected)

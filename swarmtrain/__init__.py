@@ -1,0 +1,1 @@
+"""The application: CLI, config, the coordinator and volunteer roles."""
