@@ -1,0 +1,34 @@
+"""Imports point down (swarmtrain -> diloco, swarm, verify -> p2p); p2p imports nothing of ours."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYER = {"p2p": 0, "swarm": 1, "verify": 1, "diloco": 2, "swarmtrain": 3}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_imports_only_point_down() -> None:
+    violations = []
+    for package, level in LAYER.items():
+        for path in (ROOT / package).rglob("*.py") if (ROOT / package).is_dir() else []:
+            for name in _imports(path) & LAYER.keys():
+                if name != package and LAYER[name] >= level:
+                    violations.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not violations, violations
+
+
+def test_p2p_exists_and_is_checked() -> None:
+    assert any((ROOT / "p2p").rglob("*.py"))
