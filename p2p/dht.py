@@ -1,0 +1,521 @@
+"""The DHT a node runs: libp2p 0.8.1 Kademlia as the server, our own fast client on top.
+
+What 0.8.1 gives and where this layer departs from it (read ``libp2p/kad_dht/kad_dht.py``):
+
+* **Server side is libp2p's.** ``KadDHT.handle_stream`` serves FIND_NODE / GET_VALUE / PUT_VALUE
+  on ``/ipfs/kad/1.0.0``. A PUT is checked by the ``NamespacedValidator`` (we register namespace
+  ``swarmtrain`` with strict validation, so keys outside a registered namespace are refused), then
+  ``validator.select([held, incoming])`` decides: index 0 rejects and resets the stream, 1 calls
+  ``value_store.put_record``, which in 0.8.1 *replaces* the held value. Our ``_MergingValueStore``
+  merges instead, so a key keeps every owner's subkey; our ``select`` accepts any incoming value
+  that contributes at least one freshest entry.
+* **Client side is ours.** ``KadDHT.get_value`` first runs a full iterative FIND_NODE lookup, then
+  queries candidates ALPHA at a time over a fresh stream each (a multistream-select negotiation,
+  ~7 ms here, per request), keeps querying until candidates run out, then pushes "entry
+  corrections" to every peer that lacked the value -- a get costs several round trips plus
+  stores, 118 ms median across 12 hosts. Here a get asks only the ``replicas`` closest peers it
+  knows, all at once, over pooled streams that stay open (the Kad handler loops over messages on
+  one stream), and walks closer peers named in the answers only when they beat what it asked.
+* **Joining.** The DHT does not add connected peers to its routing table by itself. ``bootstrap``
+  connects, asks the bootstrap peers for our own id (FIND_NODE), then asks every peer returned;
+  each peer we ask adds us (its handler does), and we add each one that answers.
+* **Limits.** 0.8.1 caps concurrent inbound Kad streams at 12 and resets the rest; pooled streams
+  each hold one slot while idle, so the cap is raised to ``DhtConfig.max_inbound_streams``.
+
+Every network wait is bounded by ``DhtConfig.request_timeout_s`` per peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgpack
+import trio
+import varint
+from libp2p.abc import IHost
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.common import (
+    BUCKET_SIZE,
+    MAX_DHT_MESSAGE_SIZE,
+    PROTOCOL_ID,
+    format_time_rfc3339,
+)
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
+from libp2p.kad_dht.utils import maybe_consume_signed_record, sort_peer_ids_by_distance
+from libp2p.kad_dht.value_store import ValueStore
+from libp2p.network.stream.net_stream import INetStream
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.peer.peerstore import env_to_send_in_RPC
+from libp2p.records.validator import Validator
+from libp2p.utils.varint import read_varint_prefixed_bytes_limited
+from multiaddr import Multiaddr
+
+from p2p.errors import P2PError, RemoteProtocolError
+from p2p.records import (
+    MAX_RECORD_SET_BYTES,
+    RecordSigner,
+    SignedRecord,
+    decode_record_set,
+    encode_record_set,
+    merge_records,
+    subkey_values,
+    valid_records,
+)
+
+if TYPE_CHECKING:
+    from p2p.host import Host
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "swarmtrain"
+_KEY_PREFIX = f"/{NAMESPACE}/".encode()
+ADDRS_KEY_PREFIX = "addrs/"
+_MAX_ADDRS = 32
+_MAX_KAD_KEY_BYTES = 128
+
+
+@dataclass(frozen=True)
+class DhtConfig:
+    replicas: int = 3  # peers that hold each key (hivemind's num_replicas is 5; 3 suffices here)
+    request_timeout_s: float = 3.0
+    lookup_rounds: int = 3
+    idle_streams_per_peer: int = 4
+    max_inbound_streams: int = 512
+    refresh_interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DhtStatistics:
+    routing_table_size: int
+    keys_held: int
+    requests_failed: int
+
+
+class SubkeyDictValidator(Validator):
+    """libp2p's validator hook for namespace ``swarmtrain``: values are signed record sets."""
+
+    def validate(self, key: str, value: bytes) -> None:
+        """Raise ``RecordRejected`` unless every record in ``value`` is valid for ``key``."""
+        valid_records(value, key=key.encode(), now=time.time(), strict=True)
+
+    def select(self, key: str, values: list[bytes]) -> int:
+        """The last value that holds at least one entry of the merge of all of them.
+
+        In a PUT, ``values`` is ``[held, incoming]``: 1 (accept, then merge) unless the incoming
+        entries are all stale. Callers validate values first (kad does), so this only decodes.
+        """
+        now = time.time()
+        parsed: list[list[SignedRecord]] = []
+        for value in values:
+            try:
+                parsed.append(decode_record_set(value))
+            except RemoteProtocolError:
+                parsed.append([])
+        merged: dict[bytes, SignedRecord] = {}
+        for records in parsed:
+            merged = merge_records(merged, records, now=now)
+        for index in reversed(range(len(parsed))):
+            if any(merged.get(r.subkey) == r for r in parsed[index]):
+                return index
+        return 0
+
+
+class MergingValueStore(ValueStore):
+    """libp2p's value store, except that our keys merge subkey entries instead of replacing.
+
+    The parsed entries of each key are kept beside the encoded protobuf record that the Kad
+    handler serves, so a GET costs no decoding and a PUT verifies only the incoming entries.
+    """
+
+    def __init__(self, host: IHost, local_peer_id: ID) -> None:
+        super().__init__(host, local_peer_id)
+        self._sets: dict[bytes, dict[bytes, SignedRecord]] = {}
+
+    def put_record(self, key: bytes, record: Record) -> None:
+        if not key.startswith(_KEY_PREFIX):
+            super().put_record(key, record)
+            return
+        # The Kad handler validated already; validating again keeps this store safe on its own.
+        incoming = valid_records(record.value, key=key, now=time.time(), strict=True)
+        self.merge(key, incoming.values())
+
+    def merge(self, key: bytes, records: Iterable[SignedRecord]) -> None:
+        """Merge validated ``records`` into what we hold for ``key``; ValueError if too big."""
+        now = time.time()
+        self._write(key, merge_records(self.records(key, now), records, now=now))
+
+    def _write(self, key: bytes, merged: dict[bytes, SignedRecord]) -> None:
+        if not merged:
+            self.remove(key)
+            return
+        record = Record(key=key, value=encode_record_set(merged.values()))
+        record.timeReceived = format_time_rfc3339()
+        if key not in self.store:
+            self._evict_if_full()
+        self.store[key] = (record, max(r.expiration_time for r in merged.values()))
+        self._sets[key] = merged
+
+    def records(self, key: bytes, now: float) -> dict[bytes, SignedRecord]:
+        """Our unexpired entries for ``key``."""
+        if key not in self.store:
+            self._sets.pop(key, None)
+            return {}
+        return {sk: r for sk, r in self._sets.get(key, {}).items() if r.expiration_time > now}
+
+    def get(self, key: bytes) -> Record | None:
+        held = self._sets.get(key)
+        if held is not None:
+            now = time.time()
+            if any(r.expiration_time <= now for r in held.values()):
+                self._write(key, self.records(key, now))
+        return super().get(key)
+
+    def remove(self, key: bytes) -> bool:
+        self._sets.pop(key, None)
+        return super().remove(key)
+
+    def prune(self, now: float) -> None:
+        """Drop expired entries and keys."""
+        for key in list(self._sets):
+            self._write(key, self.records(key, now))
+        self.cleanup_expired()
+
+
+def dht_key(key: str) -> bytes:
+    """The Kademlia key (and record key) for an application key; ValueError if too long."""
+    kbytes = f"/{NAMESPACE}/{key}".encode()
+    # 0.8.1's Kad handler resets GET_VALUE streams for keys over 128 bytes.
+    if len(kbytes) > _MAX_KAD_KEY_BYTES:
+        raise ValueError(f"DHT key over {_MAX_KAD_KEY_BYTES} bytes: {key!r}")
+    return kbytes
+
+
+class Dht:
+    """Signed, subkey-dictionary DHT on a running ``p2p.host.Host``.
+
+    Start with ``await nursery.start(dht.run)``; stop by cancelling that nursery.
+    """
+
+    def __init__(self, host: Host, config: DhtConfig | None = None) -> None:
+        self.config = config or DhtConfig()
+        self._host = host
+        self._libp2p = host.libp2p
+        self.peer_id: ID = host.peer_id
+        self.signer = RecordSigner(self._libp2p.get_private_key().to_bytes())
+        self._kad = KadDHT(self._libp2p, DHTMode.SERVER, strict_validation=True)
+        self._kad.register_validator(NAMESPACE, SubkeyDictValidator())
+        self.store_local = MergingValueStore(self._libp2p, self.peer_id)
+        self._kad.value_store = self.store_local
+        self._kad._inbound_limiter = trio.CapacityLimiter(self.config.max_inbound_streams)
+        # Replace KadDHT's raw registration with the host's guarded one: an exception escaping a
+        # handler kills a 0.8.1 host.
+        host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
+        self._idle: dict[ID, list[INetStream]] = {}
+        self._requests_failed = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve and keep the routing table fresh until cancelled."""
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(self.config.refresh_interval_s)
+                self.store_local.prune(time.time())
+                if self._kad.routing_table.size():
+                    await self._self_lookup(
+                        self._kad.routing_table.find_local_closest_peers(
+                            self.peer_id.to_bytes(), BUCKET_SIZE
+                        )
+                    )
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                for streams in self._idle.values():
+                    for stream in streams:
+                        await _reset_quietly(stream)
+            self._idle.clear()
+
+    async def bootstrap(self, peers: Sequence[PeerInfo]) -> int:
+        """Join through ``peers``; returns the routing table size.
+
+        Raises ``P2PError`` if no bootstrap peer can be reached.
+        """
+        connected = []
+        async with trio.open_nursery() as nursery:
+            for info in peers:
+                nursery.start_soon(self._connect_one, info, connected)
+        if not connected:
+            raise P2PError("no bootstrap peer could be reached")
+        await self._self_lookup(connected)
+        return self._kad.routing_table.size()
+
+    def statistics(self) -> DhtStatistics:
+        return DhtStatistics(
+            routing_table_size=self._kad.routing_table.size(),
+            keys_held=len(self.store_local.store),
+            requests_failed=self._requests_failed,
+        )
+
+    def routing_table_peers(self) -> list[ID]:
+        return self._kad.routing_table.find_local_closest_peers(self.peer_id.to_bytes(), 10**6)
+
+    # ------------------------------------------------------------------ values
+
+    async def store(
+        self, key: str, value: bytes, expiration_time: float, *, tag: bytes = b"", version: int = 0
+    ) -> int:
+        """Sign ``value`` under our own subkey of ``key`` and store it at the closest peers.
+
+        Returns how many peers (ourselves included) hold it now; 0 means nobody took it.
+        """
+        record = self.signer.sign(dht_key(key), value, expiration_time, tag=tag, version=version)
+        return await self.store_records(key, [record])
+
+    async def store_records(self, key: str, records: Iterable[SignedRecord]) -> int:
+        """Store already-signed records (ours or relayed from their owners) under ``key``.
+
+        Returns how many peers (ourselves included) accepted them. Raises ``RecordRejected``
+        if a record is invalid (peers would refuse it, so that is a local bug).
+        """
+        kbytes = dht_key(key)
+        data = encode_record_set(records)
+        incoming = valid_records(data, key=kbytes, now=time.time(), strict=True)
+        targets, _ = await self._lookup(kbytes)
+        stored = [0]
+        if self.peer_id in targets:
+            self.store_local.merge(kbytes, incoming.values())
+            stored[0] += 1
+
+        async def one(peer: ID) -> None:
+            if await self.put_raw(peer, kbytes, data):
+                stored[0] += 1
+
+        async with trio.open_nursery() as nursery:
+            for peer in targets:
+                if peer != self.peer_id:
+                    nursery.start_soon(one, peer)
+        return stored[0]
+
+    async def get(self, key: str) -> dict[bytes, bytes]:
+        """``{subkey: value}`` of the freshest unexpired entries (empty if none was found)."""
+        return subkey_values(await self.get_records(key), now=time.time())
+
+    async def get_records(self, key: str) -> dict[bytes, SignedRecord]:
+        """Every valid unexpired entry the ``replicas`` closest peers hold, merged per subkey."""
+        _, merged = await self._lookup(dht_key(key))
+        return merged
+
+    async def _lookup(self, kbytes: bytes) -> tuple[list[ID], dict[bytes, SignedRecord]]:
+        """Iterative GET_VALUE: the ``replicas`` closest live peers (maybe us) and their entries.
+
+        Each round asks, all at once, those of the ``replicas`` closest known peers not yet
+        asked; answers name closer peers, which join the candidates. In a swarm whose routing
+        tables are complete this is one round.
+        """
+        now = time.time()
+        merged = self.store_local.records(kbytes, now)
+        asked: set[ID] = {self.peer_id}
+        answered: list[ID] = [self.peer_id]
+        named: list[ID] = []
+        for _ in range(self.config.lookup_rounds):
+            known = self._kad.routing_table.find_local_closest_peers(kbytes, self.config.replicas)
+            # Candidates: peers not asked yet, and those that answered (a silent one is skipped).
+            pool = [p for p in dict.fromkeys([*known, *named]) if p not in asked] + answered
+            wanted = sort_peer_ids_by_distance(kbytes, pool)[: self.config.replicas]
+            batch = [p for p in wanted if p not in asked]
+            if not batch:
+                break
+            asked.update(batch)
+            answers: list[tuple[ID, bytes | None, list[ID]]] = []
+            async with trio.open_nursery() as nursery:
+                for peer in batch:
+                    nursery.start_soon(self._get_one, peer, kbytes, answers)
+            for peer, data, closer in answers:
+                answered.append(peer)
+                named.extend(p for p in closer if p not in named)
+                if data is None:
+                    continue
+                try:
+                    held = valid_records(data, key=kbytes, now=now, strict=False)
+                except RemoteProtocolError as exc:
+                    log.info("peer %s sent a malformed value: %s", peer, exc)
+                    continue
+                merged = merge_records(merged, held.values(), now=now)
+        closest = sort_peer_ids_by_distance(kbytes, answered)[: self.config.replicas]
+        return closest, merged
+
+    # ------------------------------------------------------------------ addresses
+
+    async def publish_addrs(self, addrs: Sequence[Multiaddr], expiration_time: float) -> int:
+        """Publish where we can be reached (``/p2p-circuit`` relay addresses included)."""
+        packed = msgpack.packb([a.to_bytes() for a in addrs[:_MAX_ADDRS]], use_bin_type=True)
+        return await self.store(
+            ADDRS_KEY_PREFIX + self.peer_id.to_base58(), packed, expiration_time
+        )
+
+    async def find_addrs(self, peer_id: ID) -> list[Multiaddr]:
+        """The addresses ``peer_id`` published about itself (only its own signed entry counts)."""
+        records = await self.get_records(ADDRS_KEY_PREFIX + peer_id.to_base58())
+        record = records.get(peer_id.to_bytes())
+        if record is None:
+            return []
+        try:
+            raw = msgpack.unpackb(record.value, raw=False, max_array_len=_MAX_ADDRS)
+            return [Multiaddr(a) for a in raw if isinstance(a, bytes)]
+        except Exception as exc:
+            log.info("peer %s published unreadable addresses: %r", peer_id, exc)
+            return []
+
+    # ------------------------------------------------------------------ wire
+
+    async def put_raw(self, peer: ID, kbytes: bytes, data: bytes) -> bool:
+        """Send one PUT_VALUE with ``data`` as-is to ``peer``; True if it accepted.
+
+        No local validation: tools and tests use it to see what peers refuse.
+        """
+        request = Message(type=Message.MessageType.PUT_VALUE, key=kbytes)
+        request.record.key = kbytes
+        request.record.value = data
+        response = await self._request(peer, request)
+        return response is not None and response.key == kbytes
+
+    async def _get_one(
+        self, peer: ID, kbytes: bytes, answers: list[tuple[ID, bytes | None, list[ID]]]
+    ) -> None:
+        request = Message(type=Message.MessageType.GET_VALUE, key=kbytes)
+        response = await self._request(peer, request)
+        if response is None:
+            return
+        closer = self._learn_peers(response)
+        data = response.record.value if response.HasField("record") else None
+        if data is not None and len(data) > MAX_RECORD_SET_BYTES:
+            data = None
+        answers.append((peer, data, closer))
+
+    async def _request(self, peer: ID, request: Message, *, fresh: bool = False) -> Message | None:
+        """One request/response on a pooled (or, if ``fresh``, a new) stream.
+
+        Returns None (logged, counted) on any failure or timeout.
+        """
+        payload = varint.encode(request.ByteSize()) + request.SerializeToString()
+        with trio.move_on_after(self.config.request_timeout_s):
+            idle = [] if fresh else self._idle.get(peer)
+            while idle:
+                stream = idle.pop()
+                if stream.is_closed:
+                    continue
+                # A pooled stream may have died while idle (peer restarted, reset): retry fresh.
+                response = await self._exchange(peer, stream, payload, request.type)
+                if response is not None:
+                    return response
+            try:
+                stream = await self._libp2p.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+            except Exception as exc:
+                self._requests_failed += 1
+                log.debug("cannot open kad stream to %s: %r", peer, exc)
+                return None
+            response = await self._exchange(peer, stream, payload, request.type)
+            if response is None:
+                self._requests_failed += 1
+            return response
+        self._requests_failed += 1
+        log.debug("kad request %s to %s timed out", request.type, peer)
+        return None
+
+    async def _exchange(
+        self, peer: ID, stream: INetStream, payload: bytes, kind: int
+    ) -> Message | None:
+        """Write one framed request, read one framed answer; pool the stream if all went well."""
+        ok = False
+        try:
+            await stream.write(payload)
+            raw = await read_varint_prefixed_bytes_limited(stream, MAX_DHT_MESSAGE_SIZE)
+            response = Message()
+            response.ParseFromString(raw)
+            if response.type != kind:
+                raise RemoteProtocolError(f"answer of type {response.type} to {kind}")
+            ok = True
+            return response
+        except Exception as exc:
+            log.debug("kad exchange with %s failed: %r", peer, exc)
+            return None
+        finally:
+            pool = self._idle.setdefault(peer, [])
+            if ok and len(pool) < self.config.idle_streams_per_peer:
+                pool.append(stream)
+            else:
+                with trio.CancelScope(shield=True):
+                    await _reset_quietly(stream)
+
+    def _learn_peers(self, response: Message) -> list[ID]:
+        """Record the addresses of peers named in an answer; return their ids."""
+        found = []
+        for proto in response.closerPeers:
+            try:
+                pid = ID(proto.id)
+                if pid == self.peer_id:
+                    continue
+                if proto.addrs:
+                    self._libp2p.get_peerstore().add_addrs(
+                        pid, [Multiaddr(a) for a in proto.addrs[:_MAX_ADDRS]], 600
+                    )
+                found.append(pid)
+            except Exception as exc:
+                log.debug("ignoring unreadable peer entry: %r", exc)
+        return found
+
+    # ------------------------------------------------------------------ joining
+
+    async def _connect_one(self, info: PeerInfo, connected: list[ID]) -> None:
+        try:
+            await self._host.connect(info.peer_id, info.addrs)
+        except P2PError as exc:
+            log.warning("bootstrap peer %s unreachable: %s", info.peer_id, exc)
+            return
+        connected.append(info.peer_id)
+
+    async def _self_lookup(self, start: Sequence[ID]) -> None:
+        """FIND_NODE(our id) at ``start``, then at every new peer named, for a few rounds."""
+        asked: set[ID] = {self.peer_id}
+        batch = list(start)
+        for _ in range(self.config.lookup_rounds):
+            batch = [p for p in dict.fromkeys(batch) if p not in asked]
+            if not batch:
+                return
+            asked.update(batch)
+            named: list[ID] = []
+            async with trio.open_nursery() as nursery:
+                for peer in batch[:BUCKET_SIZE]:
+                    nursery.start_soon(self._find_node_one, peer, named)
+            batch = named
+
+    async def _find_node_one(self, peer: ID, named: list[ID]) -> None:
+        request = Message(type=Message.MessageType.FIND_NODE, key=self.peer_id.to_bytes())
+        # Our signed peer record lets the answering peer learn our listen addresses.
+        request.senderRecord = env_to_send_in_RPC(self._libp2p)[0]
+        response = await self._request(peer, request)
+        if response is None:
+            return
+        if not maybe_consume_signed_record(response, self._libp2p, peer):
+            log.info("peer %s sent an invalid signed peer record", peer)
+        await self._kad.add_peer(peer, skip_server_mode_check=True)
+        named.extend(self._learn_peers(response))
+        # 0.8.1's Kad handler adds the remote peer to its routing table when a stream starts,
+        # before reading the signed peer record that tells it our addresses; so the first
+        # stream from a new peer never gets us added. A second stream, opened now that it
+        # knows our addresses, does.
+        await self._request(peer, request, fresh=True)
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    with trio.move_on_after(1):
+        try:
+            await stream.reset()
+        except Exception as exc:
+            log.debug("stream reset failed: %r", exc)

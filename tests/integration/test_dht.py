@@ -1,0 +1,149 @@
+"""Real processes on 127.0.0.1: a DHT formed through one bootstrap peer, signed subkey records.
+
+Every peer is a ``dht_peer.py`` process; it is ready when it prints its READY line, and every
+reply is awaited with a deadline (no sleeps). One swarm serves the whole module: starting nine
+Python processes costs most of the time on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from libp2p.peer.id import ID
+
+PEERS = 8  # joiners, plus one bootstrap peer
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("dht_peer.py")
+START_TIMEOUT_S = 60.0
+REPLY_TIMEOUT_S = 40.0
+
+
+class Peer:
+    """A dht_peer.py process and a thread that turns its stdout into a queue of lines."""
+
+    def __init__(self) -> None:
+        cmd = [sys.executable, str(SCRIPT)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.addr = ""
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _line(self, deadline: float) -> str:
+        try:
+            line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"peer {self.addr or self.proc.pid} did not answer") from None
+        if line is None:
+            raise AssertionError(f"peer exited with {self.proc.wait(5)}")
+        return line
+
+    def wait_ready(self, deadline: float) -> None:
+        while not (line := self._line(deadline)).startswith("READY "):
+            pass
+        _, self.addr = line.split()
+
+    @property
+    def peer_id(self) -> ID:
+        return ID.from_base58(self.addr.rsplit("/p2p/", 1)[1])
+
+    def ask(self, *words: str) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(words) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self._line(time.monotonic() + REPLY_TIMEOUT_S))
+        assert "error" not in reply, reply
+        return reply
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[Peer]]:
+    peers: list[Peer] = []
+    try:
+        # Processes start together (imports dominate); joins go one at a time so that what each
+        # peer knows afterwards is deterministic.
+        peers.extend(Peer() for _ in range(PEERS + 1))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for peer in peers:
+            peer.wait_ready(deadline)
+        for i, peer in enumerate(peers[1:], start=1):
+            # Everyone who joined before is found through the bootstrap peer alone.
+            assert peer.ask("join", peers[0].addr)["routing_table_size"] == i
+        yield peers
+    finally:
+        for peer in peers:
+            peer.stop()
+
+
+def test_peers_join_through_one_bootstrap(swarm: list[Peer]) -> None:
+    assert len({p.addr for p in swarm}) == PEERS + 1
+    # Joining also made every earlier peer learn the newcomer: all routing tables are complete.
+    sizes = [p.ask("peers")["routing_table_size"] for p in swarm]
+    assert sizes == [PEERS] * (PEERS + 1)
+
+
+def test_record_written_by_one_is_read_by_another(swarm: list[Peer]) -> None:
+    writer, reader = swarm[1], swarm[-1]
+    assert writer.ask("store", "single", b"hello".hex(), "300")["stored"] >= 2
+    values = reader.ask("get", "single")["values"]
+    assert values == {writer.peer_id.to_bytes().hex(): b"hello".hex()}
+    # A newer write by the owner replaces its own entry everywhere.
+    assert writer.ask("store", "single", b"hello again".hex(), "600")["stored"] >= 2
+    assert reader.ask("get", "single")["values"] == {
+        writer.peer_id.to_bytes().hex(): b"hello again".hex()
+    }
+
+
+def test_many_writers_share_one_key_as_subkeys(swarm: list[Peer]) -> None:
+    writers = swarm[1:6]
+    for i, peer in enumerate(writers):
+        assert peer.ask("store", "members", f"{i:02x}", "300")["stored"] >= 2
+    expected = {p.peer_id.to_bytes().hex(): f"{i:02x}" for i, p in enumerate(writers)}
+    for reader in (swarm[0], swarm[7], swarm[8]):
+        assert reader.ask("get", "members")["values"] == expected
+
+
+def test_second_writer_cannot_overwrite_a_subkey_it_does_not_own(swarm: list[Peer]) -> None:
+    owner, forger, reader = swarm[2], swarm[3], swarm[6]
+    victim = owner.peer_id.to_bytes().hex()
+    assert owner.ask("store", "owned", b"mine".hex(), "300")["stored"] >= 2
+    result = forger.ask("forge", "owned", victim, b"stolen".hex())
+    assert result["asked"] >= 3 * 2
+    assert result["accepted"] == 0
+    assert reader.ask("get", "owned")["values"] == {victim: b"mine".hex()}
+
+
+def test_relay_addresses_are_found_by_peer_id(swarm: list[Peer]) -> None:
+    publisher, seeker, relay = swarm[4], swarm[5], swarm[0]
+    circuit = f"{relay.addr}/p2p-circuit/p2p/{publisher.peer_id}"
+    assert publisher.ask("publish_addrs", "300", circuit)["stored"] >= 2
+    found = seeker.ask("find_addrs", publisher.peer_id.to_bytes().hex())["addrs"]
+    assert circuit in found
+    assert any(a.endswith(str(publisher.peer_id)) and "p2p-circuit" not in a for a in found)
+    assert seeker.ask("find_addrs", seeker.peer_id.to_bytes().hex())["addrs"] == []
