@@ -30,6 +30,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.utils.address_validation import expand_wildcard_address
 
 from p2p.errors import PeerUnreachable
 
@@ -118,8 +119,21 @@ class Host:
         self._nursery = nursery
 
     def addrs(self) -> list[multiaddr.Multiaddr]:
-        """Our dialable addresses, each ending in ``/p2p/<peer id>``."""
-        return list(self.libp2p.get_addrs())
+        """Our dialable addresses, each ending in ``/p2p/<peer id>``, loopback last.
+
+        A wildcard listen address (0.0.0.0) is expanded to every interface address: a peer
+        cannot dial 0.0.0.0, and publishing it would waste every dialer's first attempt.
+        """
+        suffix = f"/p2p/{self.peer_id}"
+        out: list[str] = []
+        for addr in self.libp2p.get_addrs():
+            text = str(addr).removesuffix(suffix)
+            if text.startswith("/ip4/0.0.0.0/") or text.startswith("/ip6/::/"):
+                out.extend(str(a) for a in expand_wildcard_address(multiaddr.Multiaddr(text)))
+            else:
+                out.append(text)
+        unique = sorted(dict.fromkeys(out), key=lambda a: a.startswith(("/ip4/127.", "/ip6/::1/")))
+        return [multiaddr.Multiaddr(a + suffix) for a in unique]
 
     def set_handler(self, protocol: str, handler: StreamHandler) -> None:
         """Serve ``protocol``; an exception from ``handler`` is logged and resets the stream."""

@@ -1,0 +1,190 @@
+"""A node: the host plus the services every swarmtrain peer runs, composed in one nursery.
+
+``open_node(config)`` starts, in order: the host; the DHT (server side served at once); the ping
+and dial-back services; for a ``relay`` node, the circuit relay v2 hop. It then joins through the
+bootstrap peers, asks them to dial us back (reachability), reserves relay slots if we are private,
+and publishes our addresses (``/p2p-circuit`` ones included) in our signed DHT record. The block
+runs with everything up; leaving it (or cancellation) shuts all of it down.
+
+``Node.reach(peer_id)`` finds a peer's addresses in the DHT and connects: direct first, then
+through a relay, then tries to upgrade the relayed connection to a direct one (DCUtR).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import multiaddr
+import trio
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+from p2p.dht import Dht, DhtConfig
+from p2p.errors import P2PError, PeerUnreachable
+from p2p.host import Host, HostConfig, open_host
+from p2p.rpc import call_unary, serve_unary
+from p2p.wire import Message, message
+
+log = logging.getLogger(__name__)
+
+PING_PROTOCOL = "/swarmtrain/ping/1"
+ADDR_RECORD_TTL_S = 600.0
+
+
+@message(20, max_bytes=128)
+class PingRequest(Message):
+    nonce: bytes
+
+
+@message(21, max_bytes=128)
+class PingReply(Message):
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    host: HostConfig
+    role: Literal["relay", "peer"] = "peer"
+    bootstrap: tuple[str, ...] = ()
+    dht: DhtConfig = field(default_factory=DhtConfig)
+    join_timeout_s: float = 20.0
+
+
+@dataclass(frozen=True)
+class PingResult:
+    peer_id: str
+    ok: bool
+    direct: bool | None
+    rtt_ms: float | None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "peer_id": self.peer_id,
+            "ok": self.ok,
+            "direct": self.direct,
+            "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
+        }
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+class Node:
+    def __init__(self, config: NodeConfig, host: Host, dht: Dht) -> None:
+        self.config = config
+        self.host = host
+        self.dht = dht
+        self.bootstrap_peers: list[PeerInfo] = []
+
+    async def _join(self) -> None:
+        infos = []
+        for addr in self.config.bootstrap:
+            try:
+                infos.append(info_from_p2p_addr(multiaddr.Multiaddr(addr)))
+            except Exception as exc:
+                raise P2PError(f"bad --join address {addr!r}: {exc}") from exc
+        self.bootstrap_peers = infos
+        with trio.move_on_after(self.config.join_timeout_s) as scope:
+            size = await self.dht.bootstrap(infos)
+        if scope.cancelled_caught:
+            raise PeerUnreachable(
+                f"could not join through {', '.join(self.config.bootstrap)} "
+                f"within {self.config.join_timeout_s:.0f} s"
+            )
+        log.info("joined the DHT: %d peers in the routing table", size)
+
+    def advertised_addrs(self) -> list[multiaddr.Multiaddr]:
+        return [_without_p2p(a) for a in self.host.addrs()]
+
+    async def publish_addrs(self) -> int:
+        return await self.dht.publish_addrs(
+            self.advertised_addrs(), time.time() + ADDR_RECORD_TTL_S
+        )
+
+    async def find(self, peer_id: ID) -> list[multiaddr.Multiaddr]:
+        known = (
+            self.host.libp2p.get_peerstore().addrs(peer_id)
+            if _has_addrs(self.host, peer_id)
+            else []
+        )
+        found = await self.dht.find_addrs(peer_id)
+        return list(dict.fromkeys([*found, *known]))
+
+    async def reach(self, peer_id: ID) -> None:
+        """Connect to ``peer_id``; raises ``PeerUnreachable`` naming what was tried."""
+        if self.host.connection_kind(peer_id) is not None:
+            return
+        addrs = await self.find(peer_id)
+        if not addrs:
+            raise PeerUnreachable(f"{peer_id} has no address in the DHT (is it online?)")
+        await self.host.connect(peer_id, addrs)
+
+    async def ping(self, peer_id: ID, *, rounds: int = 3, deadline_s: float = 10.0) -> PingResult:
+        """Reach the peer and measure the best of ``rounds`` request/response round trips."""
+        try:
+            await self.reach(peer_id)
+            best = float("inf")
+            for _ in range(rounds):
+                nonce = os.urandom(8)
+                start = time.perf_counter()
+                reply = await call_unary(
+                    self.host,
+                    peer_id,
+                    PING_PROTOCOL,
+                    PingRequest(nonce),
+                    PingReply,
+                    deadline_s=deadline_s,
+                )
+                if reply.nonce != nonce:
+                    raise P2PError("ping reply carried the wrong nonce")
+                best = min(best, time.perf_counter() - start)
+        except P2PError as exc:
+            return PingResult(str(peer_id), False, None, None, str(exc))
+        kind = self.host.connection_kind(peer_id)
+        return PingResult(str(peer_id), True, kind == "direct", best * 1000)
+
+
+def _has_addrs(host: Host, peer_id: ID) -> bool:
+    try:
+        return bool(host.libp2p.get_peerstore().addrs(peer_id))
+    except Exception:
+        return False
+
+
+def _without_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
+    text = str(addr)
+    head, sep, tail = text.rpartition("/p2p/")
+    return multiaddr.Multiaddr(head) if sep and "/" not in tail else addr
+
+
+async def _serve_ping(peer: ID, request: PingRequest) -> PingReply:
+    return PingReply(request.nonce)
+
+
+@asynccontextmanager
+async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
+    async with open_host(config.host) as host, trio.open_nursery() as nursery:
+        dht = Dht(host, config.dht)
+        await nursery.start(dht.run)
+        serve_unary(host, PING_PROTOCOL, PingRequest, _serve_ping)
+        node = Node(config, host, dht)
+        if config.bootstrap:
+            await node._join()
+        await node.publish_addrs()
+        try:
+            yield node
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def join_addr(node: Node, preferred: Sequence[multiaddr.Multiaddr] = ()) -> str:
+    """The address others pass to ``--join``: ours, ending in ``/p2p/<id>``."""
+    addrs = list(preferred) or node.host.addrs()
+    return str(addrs[0])

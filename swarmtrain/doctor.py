@@ -1,0 +1,132 @@
+"""``swarmtrain doctor``: what a volunteer with trouble runs.
+
+Reports our peer id, listen and observed addresses, reachability and how it was decided, the relay
+slots we hold, and for each ``--ping`` peer (found through the DHT) whether we reached it, directly
+or through a relay, and the round-trip time. Without ``--join`` it starts a relay in this process
+on loopback and checks against that, so the whole stack runs on a machine with no network.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from p2p import HostConfig
+from p2p.node import NodeConfig, PingResult, join_addr, open_node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    join: tuple[str, ...] = ()
+    ping: tuple[str, ...] = ()
+    linger_s: float = 0.0
+
+
+@dataclass
+class DoctorReport:
+    peer_id: str
+    listen_addrs: list[str]
+    observed_addrs: list[str] = field(default_factory=list)
+    reachability: str = "unknown"
+    reachability_how: str = ""
+    relays: list[str] = field(default_factory=list)
+    pings: list[PingResult] = field(default_factory=list)
+    joined: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(p.ok for p in self.pings)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "peer_id": self.peer_id,
+            "listen_addrs": self.listen_addrs,
+            "observed_addrs": self.observed_addrs,
+            "reachability": self.reachability,
+            "reachability_how": self.reachability_how,
+            "relays": self.relays,
+            "joined": self.joined,
+            "pings": [p.to_json() for p in self.pings],
+            "problems": self.problems,
+        }
+
+
+def format_report(report: DoctorReport) -> str:
+    lines = [
+        f"peer id       {report.peer_id}",
+        *(f"listening     {a}" for a in report.listen_addrs),
+        *(f"observed as   {a}" for a in report.observed_addrs),
+        f"reachability  {report.reachability}"
+        + (f" ({report.reachability_how})" if report.reachability_how else ""),
+        *(f"relay slot    {r}" for r in report.relays),
+        *(f"joined via    {j}" for j in report.joined),
+    ]
+    for p in report.pings:
+        if p.ok:
+            how = "direct" if p.direct else "relayed"
+            lines.append(f"ping          {p.peer_id}: ok, {how}, {p.rtt_ms:.2f} ms")
+        else:
+            lines.append(f"ping          {p.peer_id}: FAILED: {p.error}")
+    lines.extend(f"problem       {text}" for text in report.problems)
+    lines.append("result        " + ("all checks passed" if report.ok else "problems found"))
+    return "\n".join(lines)
+
+
+async def run_doctor(
+    key_pair: KeyPair,
+    options: DoctorOptions,
+    emit: Callable[[DoctorReport], None] | None = None,
+) -> DoctorReport:
+    """Run the checks; ``emit`` gets the report before lingering (so a caller can print it)."""
+    async with AsyncExitStack() as stack:
+        join = list(options.join)
+        ping = list(options.ping)
+        if not join:
+            log.info("no --join given: starting a relay in this process on loopback")
+            local = await stack.enter_async_context(
+                open_node(
+                    NodeConfig(
+                        HostConfig(create_new_key_pair(), listen_addrs=("/ip4/127.0.0.1/tcp/0",)),
+                        role="relay",
+                    )
+                )
+            )
+            join = [join_addr(local)]
+            ping = ping or [str(local.host.peer_id)]
+        node = await stack.enter_async_context(
+            open_node(
+                NodeConfig(HostConfig(key_pair, listen_addrs=options.listen), bootstrap=tuple(join))
+            )
+        )
+        report = DoctorReport(
+            peer_id=str(node.host.peer_id),
+            listen_addrs=[str(a) for a in node.host.addrs()],
+            joined=join,
+        )
+        for text in ping:
+            try:
+                peer_id = ID.from_base58(text)
+            except Exception:
+                report.pings.append(PingResult(text, False, None, None, "not a peer id"))
+                continue
+            result = await node.ping(peer_id)
+            if not result.ok:
+                log.warning("could not reach %s: %s", text, result.error)
+            report.pings.append(result)
+        if emit is not None:
+            emit(report)
+        if options.linger_s > 0:
+            log.info("staying online for %.0f s so others can reach us", options.linger_s)
+            await trio.sleep(options.linger_s)
+        return report

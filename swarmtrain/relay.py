@@ -1,0 +1,46 @@
+"""``swarmtrain relay``: a long-running public helper peer.
+
+Bootstrap and DHT server, circuit relay v2 hop and dial-back reachability service, like hivemind's
+``run_dht.py`` bootstrap but also helping NATed peers. The first line on stdout is the join
+address (a multiaddr ending in ``/p2p/<peer id>``); everything else goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+from libp2p.crypto.keys import KeyPair
+
+from p2p import HostConfig
+from p2p.node import NodeConfig, join_addr, open_node
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/4001",)
+    announce: tuple[str, ...] = ()
+    status_interval_s: float = 60.0
+
+
+async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
+    config = NodeConfig(
+        HostConfig(key_pair, listen_addrs=options.listen, announce_addrs=options.announce),
+        role="relay",
+    )
+    async with open_node(config) as node:
+        print(join_addr(node), flush=True)
+        for addr in node.host.addrs()[1:]:
+            log.info("also reachable at %s", addr)
+        while True:
+            await trio.sleep(options.status_interval_s)
+            stats = node.dht.statistics()
+            log.info(
+                "%d peers connected, %d in the routing table, %d keys held",
+                len(node.host.connected_peers()),
+                stats.routing_table_size,
+                stats.keys_held,
+            )
