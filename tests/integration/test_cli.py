@@ -1,0 +1,102 @@
+"""The swarmtrain commands as a user runs them: real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from peerproc import PeerProcess
+
+SWARMTRAIN = [sys.executable, "-m", "swarmtrain.cli"]
+
+
+def _run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SWARMTRAIN, *args], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+
+
+def test_id_creates_a_private_key_and_is_stable(tmp_path: Path) -> None:
+    key = tmp_path / "id.key"
+    first = _run("id", "--identity", str(key))
+    second = _run("id", "--identity", str(key))
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == second.stdout and first.stdout.startswith("12D3KooW")
+    assert key.stat().st_mode & 0o777 == 0o600
+
+
+def test_world_readable_identity_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    key = tmp_path / "id.key"
+    _run("id", "--identity", str(key))
+    os.chmod(key, 0o644)
+    result = _run("id", "--identity", str(key))
+    assert result.returncode == 1
+    assert "readable by others" in result.stderr and "chmod 600" in result.stderr
+
+
+def test_doctor_alone_checks_against_an_in_process_relay(tmp_path: Path) -> None:
+    result = _run("doctor", "--identity", str(tmp_path / "k"), "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(report) >= {"peer_id", "listen_addrs", "observed_addrs", "reachability", "relays"}
+    (ping,) = report["pings"]
+    assert ping["ok"] and ping["direct"] and ping["rtt_ms"] > 0
+
+
+def test_relay_and_two_doctors_find_and_ping_each_other(tmp_path: Path) -> None:
+    relay = PeerProcess(
+        [
+            *SWARMTRAIN,
+            "relay",
+            "--identity",
+            str(tmp_path / "r"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ]
+    )
+    lingering = None
+    try:
+        join = relay.wait_line(timeout_s=30)
+        assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
+        lingering = PeerProcess(
+            [
+                *SWARMTRAIN,
+                "doctor",
+                "--identity",
+                str(tmp_path / "a"),
+                "--join",
+                join,
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--linger",
+                "60",
+                "--json",
+            ]
+        )
+        first = json.loads(lingering.wait_line(timeout_s=30))
+        result = _run(
+            "doctor",
+            "--identity",
+            str(tmp_path / "b"),
+            "--join",
+            join,
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--ping",
+            first["peer_id"],
+            "--ping",
+            "12D3KooWNotARealPeerIdAtAll",
+            "--json",
+        )
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+        found, bogus = report["pings"]
+        assert found["peer_id"] == first["peer_id"] and found["ok"] and found["direct"]
+        assert not bogus["ok"] and bogus["error"]
+        assert result.returncode == 1  # a failed ping is a failed check
+    finally:
+        if lingering is not None:
+            assert lingering.stop() in (0, 130)
+        assert relay.stop() in (0, 130), relay.stderr[-2000:]
