@@ -580,6 +580,7 @@ async def receive_bulk(
     listener: BulkListener | None = None,
     config: BulkConfig = DEFAULT_CONFIG,
     check_meta: Callable[[bytes, int], None] | None = None,
+    into: bytearray | None = None,
     peer_ids: tuple[bytes, bytes] | None = None,
     remote_ip: str | None = None,
 ) -> BulkReceived:
@@ -588,7 +589,9 @@ async def receive_bulk(
 
     ``listener``: ours, where the sender should dial (preferred over dialing the sender's).
     ``check_meta(meta, total_bytes)`` runs before the payload is allocated; it raises
-    ``RemoteProtocolError`` to refuse. Returns ``BulkReceived`` with every byte authenticated.
+    ``RemoteProtocolError`` to refuse. ``into``: a buffer to receive into (it must be exactly
+    ``total_bytes`` long, else the offer is refused) instead of a fresh one. Returns
+    ``BulkReceived`` with every byte authenticated.
     Raises ``RemoteProtocolError`` (malformed, tampered, truncated or oversized input; the sender
     is told why), ``BulkTransferFailed`` (timeout, lost connection, failed dial).
     """
@@ -603,6 +606,8 @@ async def receive_bulk(
             )
         if check_meta is not None:
             check_meta(offer.meta, offer.total_bytes)
+        if into is not None and len(into) != offer.total_bytes:
+            raise RemoteProtocolError(f"offer of {offer.total_bytes} bytes, expected {len(into)}")
     except RemoteProtocolError as exc:
         await _write_control(stream, Reject(str(exc)[:200]), config.control_timeout_s)
         raise
@@ -624,7 +629,7 @@ async def receive_bulk(
         mode = DataMode.DIAL_SENDER
     else:
         mode = DataMode.STREAM
-    dest = bytearray(offer.total_bytes)
+    dest = into if into is not None else bytearray(offer.total_bytes)
     accept = Accept(share, mode, listener.port if mode is DataMode.DIAL_RECEIVER else 0)  # type: ignore[union-attr]
 
     try:
