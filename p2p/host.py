@@ -202,13 +202,22 @@ def build_libp2p_host(config: HostConfig) -> IHost:
         min_connections=0,
         dial_timeout=config.dial_timeout_s,
     )
-    return new_host(
+    libp2p_host = new_host(
         key_pair=config.key_pair,
         connection_config=connection_config,
         enable_upnp=config.enable_upnp,
         announce_addrs=[multiaddr.Multiaddr(a) for a in config.announce_addrs] or None,
         **config.extra_options,
     )
+
+    # The auto-connector redials every peer in the peerstore until the connection count reaches
+    # the watermarks' midpoint: hundreds of dials to NATed and departed peers. Whom to connect to
+    # is the DHT's and the node's decision.
+    async def no_auto_dials() -> None:
+        return None
+
+    libp2p_host.get_network().auto_connector.maybe_connect = no_auto_dials  # type: ignore[method-assign]
+    return libp2p_host
 
 
 @asynccontextmanager
@@ -231,8 +240,20 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
                     yield host
             finally:
                 nursery.cancel_scope.cancel()
+                await _close_listeners(libp2p_host)
     except BaseExceptionGroup as group:
         raise _sole_leaf(group) from None
+
+
+async def _close_listeners(libp2p_host: IHost) -> None:
+    # 0.8.1 leaves its TCP listeners open after run() exits: the port keeps accepting into the
+    # kernel backlog with nobody serving, and a restarted node cannot bind it.
+    with trio.CancelScope(shield=True), trio.move_on_after(2):
+        for listener in list(libp2p_host.get_network().listeners.values()):
+            try:
+                await listener.close()
+            except Exception as exc:
+                log.debug("closing listener failed: %r", exc)
 
 
 def _sole_leaf(group: BaseExceptionGroup) -> BaseException:
