@@ -1,0 +1,304 @@
+"""Bulk data plane on loopback: real libp2p hosts, real TCP data connections, real listeners."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import outcome
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2p.bulk import (
+    PROTOCOL,
+    BulkConfig,
+    BulkListener,
+    receive_array,
+    receive_bulk,
+    send_array,
+    send_bulk,
+)
+from p2p.bulk_frames import (
+    FRAME_HEADER_BYTES,
+    HELLO_BYTES,
+    Accept,
+    BulkSender,
+    DataMode,
+    Hello,
+    Offer,
+    Outcome,
+    TransferLayout,
+    control_length,
+    decode_control,
+    derive_session_key,
+    encode_control,
+    seal_hello,
+)
+from p2p.errors import RemoteError, RemoteProtocolError
+from p2p.host import Host, HostConfig, open_host
+
+MiB = 1 << 20
+TEST_DEADLINE_S = 90
+
+
+@dataclass
+class Peers:
+    receiver: Host
+    sender: Host
+    receiver_listener: BulkListener
+    sender_listener: BulkListener
+
+
+@asynccontextmanager
+async def two_peers() -> AsyncIterator[Peers]:
+    async with (
+        open_host(HostConfig(create_new_key_pair())) as receiver,
+        open_host(HostConfig(create_new_key_pair())) as sender,
+        trio.open_nursery() as nursery,
+    ):
+        receiver_listener = BulkListener("127.0.0.1", hello_timeout_s=2.0)
+        sender_listener = BulkListener("127.0.0.1", hello_timeout_s=2.0)
+        await nursery.start(receiver_listener.run)
+        await nursery.start(sender_listener.run)
+        await sender.connect(receiver.peer_id, receiver.addrs())
+        yield Peers(receiver, sender, receiver_listener, sender_listener)
+        nursery.cancel_scope.cancel()
+
+
+async def exchange(
+    peers: Peers,
+    receive: Callable[[Any], Awaitable[Any]],
+    send: Callable[[Any], Awaitable[Any]],
+) -> tuple[outcome.Outcome, outcome.Outcome]:
+    """Run ``receive`` in the receiver's stream handler and ``send`` on a stream to it."""
+    send_channel, receive_channel = trio.open_memory_channel[outcome.Outcome](1)
+
+    async def handler(stream: Any) -> None:
+        result = await outcome.acapture(receive, stream)
+        await send_channel.send(result)
+        await stream.close()
+
+    peers.receiver.set_handler(PROTOCOL, handler)
+    stream = await peers.sender.open_stream(peers.receiver.peer_id, PROTOCOL)
+    sent = await outcome.acapture(send, stream)
+    with trio.fail_after(30):
+        received = await receive_channel.receive()
+    await stream.close()
+    return received, sent
+
+
+def array_64mib() -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((4096, 4096), dtype=np.float32)
+
+
+async def test_64mib_array_over_the_bulk_path() -> None:
+    array = array_64mib()
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_array(s, direct=True, listener=peers.receiver_listener),
+                lambda s: send_array(s, array, direct=True),
+            )
+    assert sent.unwrap() is DataMode.DIAL_RECEIVER
+    got = received.unwrap()
+    assert got.dtype == np.float32 and got.shape == (4096, 4096)
+    assert np.array_equal(got, array)
+
+
+async def test_64mib_over_the_libp2p_fallback() -> None:
+    payload = os.urandom(64 * MiB)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                # Relayed: the receiver has a listener, but the connection is not direct.
+                lambda s: receive_bulk(s, direct=False, listener=peers.receiver_listener),
+                lambda s: send_bulk(s, payload, direct=False, listener=peers.sender_listener),
+            )
+    assert sent.unwrap() is DataMode.STREAM
+    got = received.unwrap()
+    assert got.mode is DataMode.STREAM and got.data == payload
+
+
+async def test_striped_and_dialing_the_sender() -> None:
+    payload = os.urandom(9 * MiB + 123)
+    config = BulkConfig(frame_bytes=MiB, stripes=3)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                # The receiver has no listener (behind NAT): it dials the sender's.
+                lambda s: receive_bulk(s, direct=True, config=config),
+                lambda s: send_bulk(
+                    s,
+                    payload,
+                    direct=True,
+                    listener=peers.sender_listener,
+                    meta=b"hello",
+                    config=config,
+                ),
+            )
+    assert sent.unwrap() is DataMode.DIAL_SENDER
+    got = received.unwrap()
+    assert (got.mode, got.meta, got.data) == (DataMode.DIAL_SENDER, b"hello", payload)
+    assert peers.sender_listener.statistics["accepted"] == 3
+
+
+async def test_failed_dial_falls_back_to_the_stream(caplog: pytest.LogCaptureFixture) -> None:
+    payload = os.urandom(3 * MiB)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, listener=peers.receiver_listener),
+                # The listener is bound to 127.0.0.1 only: 127.0.0.2 refuses the connection.
+                lambda s: send_bulk(s, payload, direct=True, remote_ip="127.0.0.2"),
+            )
+    assert sent.unwrap() is DataMode.STREAM
+    assert received.unwrap().data == payload
+    assert "using the libp2p stream" in caplog.text
+
+
+async def test_oversized_offer_refused_before_allocation() -> None:
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, config=BulkConfig(max_bytes=MiB)),
+                lambda s: send_bulk(s, bytes(MiB + 1), direct=True),
+            )
+    with pytest.raises(RemoteProtocolError, match="exceeds our limit"):
+        received.unwrap()
+    with pytest.raises(RemoteError, match="rejected"):
+        sent.unwrap()
+
+
+async def test_tensor_header_that_lies_is_refused() -> None:
+    from p2p.tensors import TensorHeader
+    from p2p.wire import encode
+
+    lying = encode(TensorHeader("float32", [10], 40, MiB))
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_array(s, direct=True, listener=peers.receiver_listener),
+                lambda s: send_bulk(s, bytes(80), direct=True, meta=lying),
+            )
+    with pytest.raises(RemoteProtocolError, match="disagrees"):
+        received.unwrap()
+    with pytest.raises(RemoteError):
+        sent.unwrap()
+
+
+async def _rejected(port: int, data: bytes, *, hang_up: bool = False) -> None:
+    """Connect, send ``data`` (then half-close if ``hang_up``), wait until the listener closes."""
+    sock = trio.socket.socket()
+    with sock:
+        await sock.connect(("127.0.0.1", port))
+        if data:
+            await sock.send(data)
+        if hang_up:
+            sock.shutdown(socket.SHUT_WR)
+        with trio.fail_after(10):
+            while await sock.recv(4096):
+                pass
+
+
+async def test_unauthenticated_connections_rejected_and_listener_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="p2p.bulk")
+    key, wrong_key, transfer_id = os.urandom(32), os.urandom(32), os.urandom(16)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            listener = peers.receiver_listener
+            port = listener.port
+            with listener.expect(transfer_id, 1, key) as pending:
+                await _rejected(port, b"")  # connects and says nothing: hello timeout
+                await _rejected(port, b"GET / HTTP/1.1\r\n\r\n".ljust(HELLO_BYTES, b"x"))
+                await _rejected(port, seal_hello(key, Hello(os.urandom(16), 0, 1)))
+                await _rejected(port, seal_hello(wrong_key, Hello(transfer_id, 0, 1)))
+                await _rejected(port, b"STBK\x01", hang_up=True)  # ends mid-hello
+                assert pending.socks == [None]
+                assert listener.statistics["rejected"] == 5
+            for reason in (
+                "no hello within",
+                "bad magic",
+                "unknown or expired transfer id",
+                "wrong key",
+                "connection closed after 5 hello bytes",
+            ):
+                assert reason in caplog.text, reason
+            # Still serving: a real transfer goes through the same listener.
+            payload = os.urandom(2 * MiB)
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, listener=listener),
+                lambda s: send_bulk(s, payload, direct=True),
+            )
+            assert sent.unwrap() is DataMode.DIAL_RECEIVER
+            assert received.unwrap().data == payload
+
+
+async def _read_control(stream: Any) -> Any:
+    async def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            data += await stream.read(n - len(data))
+        return data
+
+    return decode_control(await exactly(control_length(await exactly(4))))
+
+
+async def test_truncated_data_connection_detected() -> None:
+    """A sender that stops before its END frame: the receiver refuses and says why."""
+    layout = TransferLayout(4 * MiB, MiB, 1)
+    payload = os.urandom(layout.total_bytes)
+
+    async def truncating_sender(stream: Any) -> Outcome:
+        local, remote = peers.sender.peer_id.to_bytes(), peers.receiver.peer_id.to_bytes()
+        offer = Offer(os.urandom(16), layout.total_bytes, MiB, 1, os.urandom(32), True, 0, b"")
+        await stream.write(encode_control(offer))
+        accept = await _read_control(stream)
+        assert isinstance(accept, Accept) and accept.mode is DataMode.DIAL_RECEIVER
+        key = derive_session_key(
+            sender_share=offer.share,
+            receiver_share=accept.share,
+            sender_peer_id=local,
+            receiver_peer_id=remote,
+            transfer_id=offer.transfer_id,
+        )
+        sender = BulkSender(key, layout, 0)
+        out = bytearray(layout.frame_buffer_bytes)
+        sock = trio.socket.socket()
+        with sock:
+            await sock.connect(("127.0.0.1", accept.listen_port))
+            await sock.send(seal_hello(key, Hello(offer.transfer_id, 0, 1)))
+            for _ in range(2):  # two of four data frames, then hang up
+                frame = sender.next_frame(memoryview(payload), out)
+                assert frame is not None and len(frame) > FRAME_HEADER_BYTES
+                view = memoryview(bytes(frame))
+                while view:
+                    view = view[await sock.send(view) :]
+        return await _read_control(stream)
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, listener=peers.receiver_listener),
+                truncating_sender,
+            )
+    with pytest.raises(RemoteProtocolError, match="closed after 2 of 5 frames"):
+        received.unwrap()
+    verdict = sent.unwrap()
+    assert isinstance(verdict, Outcome) and not verdict.ok and "closed after" in verdict.reason
