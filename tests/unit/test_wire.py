@@ -4,6 +4,8 @@ RemoteProtocolError whether it arrives whole or a byte at a time."""
 from __future__ import annotations
 
 import contextlib
+import importlib
+import pkgutil
 import struct
 from typing import Any
 
@@ -26,6 +28,10 @@ from p2p.wire import (
     message,
     registered_types,
 )
+
+# Import every p2p module so that every registered wire message is tested below.
+for _module in pkgutil.iter_modules(p2p.__path__):
+    importlib.import_module(f"p2p.{_module.name}")
 
 
 def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
