@@ -1,0 +1,430 @@
+"""NAT traversal on py-libp2p 0.8.1: dial-back reachability, circuit relay v2, DCUtR, UPnP.
+
+``NatService(host, config)`` is one service in the node's nursery (``await nursery.start(nat.run)``)
+that owns, on the host:
+
+- the dial-back server (``/swarmtrain/dialback/1``): on request it dials the asker's addresses
+  from a *throwaway host* (new key, new socket, new source port), so the answer says whether a
+  stranger can reach the asker. 0.8.1's AutoNAT answers over the existing connection and always
+  says reachable (DESIGN.md). The decisions live in ``p2p.reachability`` (sans-IO);
+- circuit relay v2: the hop role with limits when ``config.relay_hop`` (public peers), the stop
+  role always (so anyone can be reached through a relay), reservations on relays for private
+  peers (``reserve``), and the ``/p2p-circuit`` addresses those give (``circuit_addrs``). 0.8.1
+  does not add them to ``get_addrs()``: publish them in the peer's DHT record;
+- DCUtR hole punching (``libp2p.relay.circuit_v2.dcutr``), used by ``connect``: direct first, then
+  through a relay, then an upgrade of the relayed connection to a direct one.
+
+UPnP port mapping is libp2p's (``HostConfig.enable_upnp``; off by default, off in the lab where no
+gateway answers); ``upnp_status`` reports what it achieved.
+
+Measured in the namespace lab (tests/natlab), 0.8.1, TCP: a relayed dial takes 60-130 ms; DCUtR
+between two port-restricted cone NATs succeeds on the first round in about 0.35 s (it binds the
+punch dials to the listen port, which is SO_REUSEPORT, and advertises WAN_IP:listen_port, which
+port-preserving NATs honour), and the direct connection is then preferred for new streams;
+against a symmetric NAT every round fails and 0.8.1 gives up after about 21 s, so ``connect``
+bounds the wait (``holepunch_timeout_s``) and keeps the relayed connection. The per-peer
+connection limit of 1 (``p2p.host``) does not stop the punched connection from being added
+beside the relayed one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
+from libp2p.tools.anyio_service import background_trio_service
+
+from p2p.errors import P2PError, PeerUnreachable
+from p2p.host import Host
+from p2p.reachability import (
+    DIALBACK_PROTOCOL,
+    DialBackRequest,
+    DialBackResponse,
+    HelperReport,
+    ReachabilityVerdict,
+    decide_reachability,
+    dialback_candidates,
+    parse_tcp_addr,
+    report_from_response,
+    select_dialback_targets,
+)
+from p2p.rpc import RpcErrorReply, RpcStream, call_unary
+
+log = logging.getLogger(__name__)
+
+ConnectionKind = Literal["direct", "relayed"]
+
+
+@dataclass(frozen=True)
+class RelayServiceLimits:
+    """What a public peer grants others through its relay (circuit relay v2 hop)."""
+
+    circuit_duration_s: int = 3600
+    circuit_data_bytes: int = 1 << 30
+    max_circuits_per_reservation: int = 16
+    max_reservations: int = 128
+    reservation_ttl_s: int = 3600
+
+
+@dataclass(frozen=True)
+class NatConfig:
+    # Offer the circuit relay v2 hop role (public peers; `swarmtrain relay` and the coordinator).
+    relay_hop: bool = False
+    relay_limits: RelayServiceLimits = field(default_factory=RelayServiceLimits)
+    # Answer other peers' dial-back requests (costs one outbound dial per request address).
+    dialback_server: bool = True
+    dialback_dial_timeout_s: float = 3.0
+    dialback_max_concurrent: int = 4
+    direct_dial_timeout_s: float = 3.0
+    relay_dial_timeout_s: float = 10.0
+    # DCUtR: upgrade relayed connections to direct ones. 0.8.1 needs ~0.35 s when it works and
+    # gives up after ~21 s when it cannot (symmetric NAT); connect() waits at most this long.
+    holepunch: bool = True
+    holepunch_timeout_s: float = 8.0
+
+
+# --------------------------------------------------------------------------- connection kinds
+
+
+def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
+    """``direct`` if any live connection to ``peer_id`` is direct, ``relayed`` if all go through
+    a relay, None when not connected."""
+    raw = host.libp2p if isinstance(host, Host) else host
+    conns = raw.get_network().get_connections(peer_id)
+    if not conns:
+        return None
+    return "relayed" if all(_conn_is_relayed(c) for c in conns) else "direct"
+
+
+def stream_kind(stream: INetStream) -> ConnectionKind:
+    """Whether this stream runs over a relayed or a direct connection."""
+    return "relayed" if _conn_is_relayed(stream.muxed_conn) else "direct"
+
+
+def _conn_is_relayed(conn: Any) -> bool:
+    # Both signals: 0.8.1 types the connections it builds for circuits as RELAYED, and tags them
+    # with /p2p-circuit addresses; an inbound circuit can miss the type, an outbound the tag.
+    try:
+        if conn.get_connection_type() is ConnectionType.RELAYED:
+            return True
+    except Exception:
+        pass
+    try:
+        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
+    except Exception:
+        return False
+
+
+def is_circuit_addr(addr: multiaddr.Multiaddr | str) -> bool:
+    return "/p2p-circuit" in str(addr)
+
+
+def _without_p2p(addr: multiaddr.Multiaddr) -> str:
+    text = str(addr)
+    return text.split("/p2p/")[0] if "/p2p/" in text and not is_circuit_addr(text) else text
+
+
+def observed_addrs(host: IHost) -> list[multiaddr.Multiaddr]:
+    """Addresses other peers told us (identify) they see us at; unconfirmed ones included,
+    since a NATed peer usually has exactly one observer: its relay."""
+    manager = getattr(host, "_observed_addr_manager", None)
+    if manager is None:
+        return []
+    try:
+        return [a for a in manager.addrs(min_observers=1) if not is_circuit_addr(a)]
+    except Exception as exc:
+        log.debug("observed addresses unavailable: %r", exc)
+        return []
+
+
+def upnp_status(host: IHost | Host) -> dict[str, object]:
+    """Whether UPnP is on and which external IP a gateway gave (None: no gateway answered)."""
+    raw = host.libp2p if isinstance(host, Host) else host
+    manager = getattr(raw, "upnp", None)
+    if manager is None:
+        return {"enabled": False, "external_ip": None}
+    try:
+        return {"enabled": True, "external_ip": manager.get_external_ip()}
+    except Exception:
+        return {"enabled": True, "external_ip": None}
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class NatService:
+    """Reachability, relaying and hole punching for one host. Run with ``nursery.start(run)``."""
+
+    def __init__(self, host: Host, config: NatConfig | None = None) -> None:
+        self.host = host
+        self.config = config or NatConfig()
+        raw = host.libp2p
+        limits = self.config.relay_limits
+        self._relay_limits = RelayLimits(
+            duration=limits.circuit_duration_s,
+            data=limits.circuit_data_bytes,
+            max_circuit_conns=limits.max_circuits_per_reservation,
+            max_reservations=limits.max_reservations,
+            reservation_ttl=limits.reservation_ttl_s,
+        )
+        roles = RelayRole.STOP | RelayRole.CLIENT
+        if self.config.relay_hop:
+            roles |= RelayRole.HOP
+        self._relay_protocol = CircuitV2Protocol(
+            raw, limits=self._relay_limits, allow_hop=self.config.relay_hop
+        )
+        self._transport = CircuitV2Transport(
+            raw, self._relay_protocol, RelayConfig(roles=roles, limits=self._relay_limits)
+        )
+        self._dcutr = DCUtRProtocol(raw) if self.config.holepunch else None
+        self._circuits: dict[ID, multiaddr.Multiaddr] = {}
+        self._dialback_slots = trio.Semaphore(self.config.dialback_max_concurrent)
+        self._nursery: trio.Nursery | None = None
+        self.last_verdict: ReachabilityVerdict | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            async with background_trio_service(self._relay_protocol):
+                with trio.fail_after(10):
+                    await self._relay_protocol.event_started.wait()
+                if self.config.dialback_server:
+                    self.host.set_handler(DIALBACK_PROTOCOL, self._serve_dialback)
+                if self._dcutr is None:
+                    task_status.started()
+                    await trio.sleep_forever()
+                async with background_trio_service(self._dcutr):
+                    with trio.fail_after(10):
+                        await self._dcutr.event_started.wait()
+                    task_status.started()
+                    await trio.sleep_forever()
+
+    # ------------------------------------------------------------------ reachability
+
+    async def check_reachability(
+        self, helpers: Sequence[ID], *, min_confirmations: int = 1
+    ) -> ReachabilityVerdict:
+        """Ask each helper (concurrently) to dial us back over a fresh connection; decide.
+
+        Never raises for a helper's failure: that helper's report carries the error.
+        """
+        raw = self.host.libp2p
+        candidates = dialback_candidates(
+            [str(a) for a in raw.get_addrs()], [str(a) for a in observed_addrs(raw)]
+        )
+        reports: list[HelperReport] = []
+        deadline_s = self.config.dialback_dial_timeout_s + 5.0
+
+        async def ask(helper: ID) -> None:
+            try:
+                response = await call_unary(
+                    self.host,
+                    helper,
+                    DIALBACK_PROTOCOL,
+                    DialBackRequest(candidates),
+                    DialBackResponse,
+                    deadline_s=deadline_s,
+                )
+            except P2PError as exc:
+                reports.append(HelperReport(helper.to_base58(), error=str(exc)))
+                return
+            reports.append(report_from_response(helper.to_base58(), response))
+
+        async with trio.open_nursery() as nursery:
+            for helper in dict.fromkeys(helpers):
+                if helper != self.host.peer_id:
+                    nursery.start_soon(ask, helper)
+        verdict = decide_reachability(reports, min_confirmations=min_confirmations)
+        log.info("reachability %s: %s", verdict.status.value, verdict.reason)
+        self.last_verdict = verdict
+        return verdict
+
+    async def _serve_dialback(self, stream: INetStream) -> None:
+        rpc = RpcStream(stream)
+        request = await rpc.receive(DialBackRequest)
+        observed_ip = _remote_ip(stream)
+        if observed_ip is None:
+            # Over a relayed connection we cannot see the asker's address, so there is no IP we
+            # may safely dial (anti-amplification: only ever dial the IP we see).
+            await rpc.send(RpcErrorReply("no_observed_ip", "ask over a direct connection"))
+            await rpc.close()
+            return
+        targets = select_dialback_targets(request.addrs, observed_ip)
+        async with self._dialback_slots:
+            results = await dial_back(
+                rpc.peer_id, targets, timeout_s=self.config.dialback_dial_timeout_s
+            )
+        await rpc.send(
+            DialBackResponse(
+                observed_ip,
+                tuple(t for t, _ in results),
+                tuple(err == "" for _, err in results),
+                tuple(err for _, err in results),
+            )
+        )
+        await rpc.close()
+
+    # ------------------------------------------------------------------ relays
+
+    async def reserve(self, relay: PeerInfo) -> multiaddr.Multiaddr:
+        """Reserve a slot on ``relay``; returns our circuit address through it. 0.8.1 refreshes
+        the reservation before it expires. Raises ``PeerUnreachable``."""
+        await self.host.connect(relay.peer_id, relay.addrs)
+        relay_addr = next(
+            (a for a in self.host.libp2p.get_peerstore().addrs(relay.peer_id)
+             if parse_tcp_addr(str(a)) is not None and not is_circuit_addr(a)),
+            None,
+        )
+        if relay_addr is None:
+            raise PeerUnreachable(f"relay {relay.peer_id} has no TCP address to publish")
+        assert self._nursery is not None, "NatService.run() is not running"
+        stream = await self.host.open_stream(relay.peer_id, HOP_PROTOCOL)
+        try:
+            with trio.fail_after(self.config.relay_dial_timeout_s):
+                ok = await self._transport.reserve(stream, relay.peer_id, self._nursery)
+        except trio.TooSlowError as exc:
+            raise PeerUnreachable(f"reservation on {relay.peer_id} timed out") from exc
+        finally:
+            with trio.move_on_after(1):
+                await stream.close()
+        if not ok:
+            raise PeerUnreachable(f"relay {relay.peer_id} refused a reservation")
+        circuit = multiaddr.Multiaddr(
+            f"{_without_p2p(relay_addr)}/p2p/{relay.peer_id.to_base58()}"
+            f"/p2p-circuit/p2p/{self.host.peer_id.to_base58()}"
+        )
+        self._circuits[relay.peer_id] = circuit
+        log.info("reserved a relay slot: %s", circuit)
+        return circuit
+
+    def circuit_addrs(self) -> list[multiaddr.Multiaddr]:
+        """Our ``/p2p-circuit`` addresses, one per relay holding a reservation for us."""
+        return list(self._circuits.values())
+
+    def relays(self) -> list[ID]:
+        return list(self._circuits)
+
+    # ------------------------------------------------------------------ connect ladder
+
+    async def connect(
+        self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr], *, wait_direct: bool = True
+    ) -> ConnectionKind:
+        """Connect to ``peer_id``: directly at its plain addresses, else through a relay at its
+        ``/p2p-circuit`` addresses, then try to upgrade a relayed connection with DCUtR (waiting
+        up to ``holepunch_timeout_s`` when ``wait_direct``, else in the background).
+
+        Returns the kind of connection we end up with. Raises ``PeerUnreachable``.
+        """
+        kind = connection_kind(self.host.libp2p, peer_id)
+        errors: list[str] = []
+        if kind is None:
+            direct = [a for a in addrs if not is_circuit_addr(a)]
+            if direct:
+                with trio.move_on_after(self.config.direct_dial_timeout_s):
+                    try:
+                        await self.host.libp2p.connect(PeerInfo(peer_id, direct))
+                    except Exception as exc:
+                        errors.append(f"direct: {exc}")
+                kind = connection_kind(self.host.libp2p, peer_id)
+                if kind is None and not errors:
+                    errors.append(f"direct: no answer in {self.config.direct_dial_timeout_s} s")
+                if kind is None:
+                    # Forget the addresses that just failed: DCUtR's first step re-dials every
+                    # plain address in the peerstore (10 s budget, swarm retries with backoff),
+                    # which measured 8+ s here and used up the whole hole-punch window.
+                    self.host.libp2p.get_peerstore().clear_addrs(peer_id)
+        if kind is None:
+            for circuit in (a for a in addrs if is_circuit_addr(a)):
+                with trio.move_on_after(self.config.relay_dial_timeout_s):
+                    try:
+                        await self._transport.dial(circuit)
+                    except Exception as exc:
+                        errors.append(f"relay {circuit}: {exc}")
+                kind = connection_kind(self.host.libp2p, peer_id)
+                if kind is not None:
+                    break
+        if kind is None:
+            raise PeerUnreachable(
+                f"cannot reach {peer_id}: " + ("; ".join(errors) or "no addresses")
+            )
+        if kind == "relayed" and self._dcutr is not None:
+            if wait_direct:
+                await self.upgrade(peer_id)
+            elif self._nursery is not None:
+                self._nursery.start_soon(self.upgrade, peer_id)
+        return connection_kind(self.host.libp2p, peer_id) or kind
+
+    async def upgrade(self, peer_id: ID) -> bool:
+        """Try to turn a relayed connection into a direct one (DCUtR); bounded; never raises."""
+        if self._dcutr is None:
+            return False
+        with trio.move_on_after(self.config.holepunch_timeout_s):
+            try:
+                await self._dcutr.initiate_hole_punch(peer_id)
+            except Exception as exc:
+                log.info("hole punch to %s failed: %r", peer_id, exc)
+        direct = connection_kind(self.host.libp2p, peer_id) == "direct"
+        log.info("connection to %s is %s", peer_id, "direct" if direct else "still relayed")
+        return direct
+
+
+# --------------------------------------------------------------------------- dial-back helper
+
+
+def _remote_ip(stream: INetStream) -> str | None:
+    if _conn_is_relayed(stream.muxed_conn):
+        return None
+    try:
+        remote = stream.get_remote_address()
+    except Exception:
+        remote = None
+    if remote:
+        return str(remote[0])
+    return None
+
+
+async def dial_back(
+    peer_id: ID, targets: Sequence[str], *, timeout_s: float
+) -> list[tuple[str, str]]:
+    """Dial ``peer_id`` at each target from a throwaway host (fresh key and sockets, so nothing
+    is reused from existing connections); ``[(target, "" if it answered else why not)]``.
+    Each dial is bounded by ``timeout_s``; the whole call by about that much."""
+    if not targets:
+        return []
+    results: dict[str, str] = {}
+    probe = new_host(
+        key_pair=create_new_key_pair(),
+        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=timeout_s),
+    )
+
+    async def dial_one(target: str) -> None:
+        results[target] = f"no answer in {timeout_s} s"
+        with trio.move_on_after(timeout_s):
+            try:
+                await probe.get_network().dial_addr(multiaddr.Multiaddr(target), peer_id)
+                results[target] = ""
+            except Exception as exc:
+                results[target] = f"{type(exc).__name__}: {exc}"[:200]
+
+    with trio.move_on_after(timeout_s + 2.0):
+        async with probe.run([]), trio.open_nursery() as nursery:
+            for target in targets:
+                nursery.start_soon(dial_one, target)
+    return [(t, results.get(t, "not dialed")) for t in targets]
