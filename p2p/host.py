@@ -216,8 +216,29 @@ def build_libp2p_host(config: HostConfig) -> IHost:
     async def no_auto_dials() -> None:
         return None
 
-    libp2p_host.get_network().auto_connector.maybe_connect = no_auto_dials  # type: ignore[method-assign]
+    network = libp2p_host.get_network()
+    network.auto_connector.maybe_connect = no_auto_dials  # type: ignore[method-assign]
+
+    # Every inbound stream, for every protocol (libp2p's own identify, ping, relay and kad
+    # handlers included), passes through here: nothing a remote peer sends can raise out of it.
+    dispatch = libp2p_host._swarm_stream_handler  # type: ignore[attr-defined]
+
+    async def guarded_dispatch(stream: INetStream) -> None:
+        try:
+            await dispatch(stream)
+        except Exception as exc:
+            log.info("inbound stream from %s failed: %r", _peer_of(stream), exc)
+            await reset_quietly(stream)
+
+    network.set_stream_handler(guarded_dispatch)
     return libp2p_host
+
+
+def _peer_of(stream: INetStream) -> object:
+    try:
+        return stream.muxed_conn.peer_id
+    except Exception:
+        return "?"
 
 
 @asynccontextmanager

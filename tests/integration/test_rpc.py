@@ -3,6 +3,7 @@ leave the peer serving, each rejection is logged with its reason, connection lim
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
 from collections.abc import AsyncIterator
@@ -153,3 +154,19 @@ async def test_connection_limit_holds() -> None:
                 await _echo_works(h1, _peer_id(addr))
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize("protocol", ["/ipfs/id/push/1.0.0", "/ipfs/ping/1.0.0"])
+async def test_garbage_on_libp2p_own_protocols_leaves_host_serving(
+    peer: tuple[PeerProcess, multiaddr.Multiaddr], protocol: str
+) -> None:
+    proc, addr = peer
+    with trio.fail_after(30):
+        async with _Client(addr) as host:
+            for payload in (b"\xff" * 64, struct.pack(">I", 0xFFFFFFFF), b"\x80" * 12):
+                stream = await host.open_stream(_peer_id(addr), protocol)
+                await stream.write(payload)
+                with contextlib.suppress(Exception):
+                    await stream.close()
+            await _echo_works(host, _peer_id(addr))
+    assert proc.proc.poll() is None
