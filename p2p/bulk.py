@@ -152,13 +152,30 @@ async def _read_exactly(stream: ByteStream, n: int) -> bytes:
     return b"".join(parts)
 
 
+@contextmanager
+def _stream_errors(what: str) -> Iterator[None]:
+    """Turn libp2p's stream exceptions (StreamReset, StreamClosed, ...) and our own deadlines
+    into ``BulkTransferFailed``, so callers see only the ``P2PError`` family."""
+    try:
+        yield
+    except P2PError:
+        raise
+    except trio.TooSlowError:
+        raise BulkTransferFailed(f"{what}: timed out") from None
+    except Exception as exc:
+        raise BulkTransferFailed(f"{what}: {exc!r}") from exc
+
+
 async def _write_control(stream: ByteStream, message: ControlMessage, timeout_s: float) -> None:
-    with trio.fail_after(timeout_s):
+    with _stream_errors(f"sending {type(message).__name__}"), trio.fail_after(timeout_s):
         await stream.write(encode_control(message))
 
 
 async def _read_control(stream: ByteStream, timeout_s: float | None) -> ControlMessage:
-    with trio.fail_after(timeout_s) if timeout_s is not None else _no_deadline():
+    with (
+        _stream_errors("reading a control message"),
+        trio.fail_after(timeout_s) if timeout_s is not None else _no_deadline(),
+    ):
         length = control_length(await _read_exactly(stream, 4))
         return decode_control(await _read_exactly(stream, length))
 
@@ -291,6 +308,9 @@ class BulkListener:
         finally:
             if owned is not None:
                 owned.close()
+
+    def is_pending(self, transfer_id: bytes) -> bool:
+        return transfer_id in self._pending
 
     @contextmanager
     def expect(
@@ -565,12 +585,10 @@ async def send_bulk(
 
 async def _send_on_stream(stream: ByteStream, source: memoryview, config: BulkConfig) -> None:
     chunk = config.stream_chunk_bytes
-    try:
+    with _stream_errors("sending on the libp2p stream"):
         for offset in range(0, len(source), chunk):
             with trio.fail_after(config.idle_timeout_s):
                 await stream.write(bytes(source[offset : offset + chunk]))
-    except trio.TooSlowError as exc:
-        raise _io_failure("sending on the libp2p stream", exc) from None
 
 
 async def receive_bulk(
@@ -606,6 +624,8 @@ async def receive_bulk(
             )
         if check_meta is not None:
             check_meta(offer.meta, offer.total_bytes)
+        if listener is not None and listener.is_pending(offer.transfer_id):
+            raise RemoteProtocolError("transfer id already in use")
         if into is not None and len(into) != offer.total_bytes:
             raise RemoteProtocolError(f"offer of {offer.total_bytes} bytes, expected {len(into)}")
     except RemoteProtocolError as exc:
@@ -684,7 +704,7 @@ async def receive_bulk(
 async def _receive_on_stream(stream: ByteStream, dest: bytearray, config: BulkConfig) -> None:
     view = memoryview(dest)
     got = 0
-    try:
+    with _stream_errors("receiving on the libp2p stream"):
         while got < len(dest):
             with trio.fail_after(config.idle_timeout_s):
                 want = min(len(dest) - got, config.stream_chunk_bytes)
@@ -698,8 +718,6 @@ async def _receive_on_stream(stream: ByteStream, dest: bytearray, config: BulkCo
                 raise RemoteProtocolError(f"stream ended after {got} of {len(dest)} bytes")
             view[got : got + len(chunk)] = chunk
             got += len(chunk)
-    except trio.TooSlowError as exc:
-        raise _io_failure("receiving on the libp2p stream", exc) from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from p2p.bulk import (
     PROTOCOL,
     BulkConfig,
     BulkListener,
+    BulkTransferFailed,
     receive_array,
     receive_bulk,
     send_array,
@@ -302,3 +303,19 @@ async def test_truncated_data_connection_detected() -> None:
         received.unwrap()
     verdict = sent.unwrap()
     assert isinstance(verdict, Outcome) and not verdict.ok and "closed after" in verdict.reason
+
+
+async def test_reset_control_stream_surfaces_as_a_p2p_error() -> None:
+    """Whether libp2p reports the reset as EOF or as StreamReset, no libp2p exception escapes."""
+
+    async def rude_receiver(stream: Any) -> None:
+        await stream.read(4)
+        await stream.reset()
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            _, sent = await exchange(
+                peers, rude_receiver, lambda s: send_bulk(s, bytes(MiB), direct=True)
+            )
+    with pytest.raises((RemoteProtocolError, BulkTransferFailed)):
+        sent.unwrap()
