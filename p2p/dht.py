@@ -85,7 +85,8 @@ class DhtConfig:
     replicas: int = 3  # peers that hold each key (hivemind's num_replicas is 5; 3 suffices here)
     request_timeout_s: float = 3.0
     lookup_rounds: int = 3
-    idle_streams_per_peer: int = 4
+    # Requests in flight to one peer; each holds one stream, kept open afterwards for reuse.
+    streams_per_peer: int = 8
     max_inbound_streams: int = 512
     refresh_interval_s: float = 60.0
 
@@ -217,6 +218,7 @@ class Dht:
         # handler kills a 0.8.1 host.
         host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
         self._idle: dict[ID, list[INetStream]] = {}
+        self._slots: dict[ID, trio.Semaphore] = {}
         self._requests_failed = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -302,32 +304,48 @@ class Dht:
                     nursery.start_soon(one, peer)
         return stored[0]
 
-    async def get(self, key: str) -> dict[bytes, bytes]:
-        """``{subkey: value}`` of the freshest unexpired entries (empty if none was found)."""
-        return subkey_values(await self.get_records(key), now=time.time())
+    async def get(self, key: str, *, latest: bool = False) -> dict[bytes, bytes]:
+        """``{subkey: value}`` of the freshest unexpired entries (empty if none was found).
 
-    async def get_records(self, key: str) -> dict[bytes, SignedRecord]:
-        """Every valid unexpired entry the ``replicas`` closest peers hold, merged per subkey."""
-        _, merged = await self._lookup(dht_key(key))
+        See ``get_records`` for ``latest``.
+        """
+        return subkey_values(await self.get_records(key, latest=latest), now=time.time())
+
+    async def get_records(self, key: str, *, latest: bool = False) -> dict[bytes, SignedRecord]:
+        """Valid unexpired entries of ``key``, merged per subkey.
+
+        ``latest=False`` (hivemind's default too): what we hold, else what the single closest
+        peer holding the key has; every store reaches that peer, so it lacks an entry only if
+        that store failed there. ``latest=True`` asks all ``replicas`` closest peers and merges.
+        """
+        kbytes = dht_key(key)
+        if not latest:
+            _, merged = await self._lookup(kbytes, width=1)
+            if merged:
+                return merged
+        _, merged = await self._lookup(kbytes, width=self.config.replicas)
         return merged
 
-    async def _lookup(self, kbytes: bytes) -> tuple[list[ID], dict[bytes, SignedRecord]]:
-        """Iterative GET_VALUE: the ``replicas`` closest live peers (maybe us) and their entries.
+    async def _lookup(
+        self, kbytes: bytes, *, width: int | None = None
+    ) -> tuple[list[ID], dict[bytes, SignedRecord]]:
+        """Iterative GET_VALUE: the ``width`` closest live peers (maybe us) and their entries.
 
-        Each round asks, all at once, those of the ``replicas`` closest known peers not yet
-        asked; answers name closer peers, which join the candidates. In a swarm whose routing
-        tables are complete this is one round.
+        Each round asks, all at once, those of the ``width`` (default ``replicas``) closest known
+        peers not yet asked; answers name closer peers, which join the candidates. In a swarm
+        whose routing tables are complete this is one round.
         """
+        width = width or self.config.replicas
         now = time.time()
         merged = self.store_local.records(kbytes, now)
         asked: set[ID] = {self.peer_id}
         answered: list[ID] = [self.peer_id]
         named: list[ID] = []
         for _ in range(self.config.lookup_rounds):
-            known = self._kad.routing_table.find_local_closest_peers(kbytes, self.config.replicas)
+            known = self._kad.routing_table.find_local_closest_peers(kbytes, width)
             # Candidates: peers not asked yet, and those that answered (a silent one is skipped).
             pool = [p for p in dict.fromkeys([*known, *named]) if p not in asked] + answered
-            wanted = sort_peer_ids_by_distance(kbytes, pool)[: self.config.replicas]
+            wanted = sort_peer_ids_by_distance(kbytes, pool)[:width]
             batch = [p for p in wanted if p not in asked]
             if not batch:
                 break
@@ -347,7 +365,7 @@ class Dht:
                     log.info("peer %s sent a malformed value: %s", peer, exc)
                     continue
                 merged = merge_records(merged, held.values(), now=now)
-        closest = sort_peer_ids_by_distance(kbytes, answered)[: self.config.replicas]
+        closest = sort_peer_ids_by_distance(kbytes, answered)[:width]
         return closest, merged
 
     # ------------------------------------------------------------------ addresses
@@ -404,29 +422,37 @@ class Dht:
         Returns None (logged, counted) on any failure or timeout.
         """
         payload = varint.encode(request.ByteSize()) + request.SerializeToString()
+        slots = self._slots.setdefault(peer, trio.Semaphore(self.config.streams_per_peer))
         with trio.move_on_after(self.config.request_timeout_s):
-            idle = [] if fresh else self._idle.get(peer)
-            while idle:
-                stream = idle.pop()
-                if stream.is_closed:
-                    continue
-                # A pooled stream may have died while idle (peer restarted, reset): retry fresh.
-                response = await self._exchange(peer, stream, payload, request.type)
-                if response is not None:
-                    return response
-            try:
-                stream = await self._libp2p.new_stream(peer, [TProtocol(PROTOCOL_ID)])
-            except Exception as exc:
-                self._requests_failed += 1
-                log.debug("cannot open kad stream to %s: %r", peer, exc)
-                return None
-            response = await self._exchange(peer, stream, payload, request.type)
-            if response is None:
-                self._requests_failed += 1
-            return response
+            async with slots:
+                return await self._request_in_slot(peer, request.type, payload, fresh)
         self._requests_failed += 1
         log.debug("kad request %s to %s timed out", request.type, peer)
         return None
+
+    async def _request_in_slot(
+        self, peer: ID, kind: int, payload: bytes, fresh: bool
+    ) -> Message | None:
+        """The request itself, holding one of the peer's stream slots."""
+        idle = [] if fresh else self._idle.get(peer)
+        while idle:
+            stream = idle.pop()
+            if stream.is_closed:
+                continue
+            # A pooled stream may have died while idle (peer restarted, reset): retry fresh.
+            response = await self._exchange(peer, stream, payload, kind)
+            if response is not None:
+                return response
+        try:
+            stream = await self._libp2p.new_stream(peer, [TProtocol(PROTOCOL_ID)])
+        except Exception as exc:
+            self._requests_failed += 1
+            log.debug("cannot open kad stream to %s: %r", peer, exc)
+            return None
+        response = await self._exchange(peer, stream, payload, kind)
+        if response is None:
+            self._requests_failed += 1
+        return response
 
     async def _exchange(
         self, peer: ID, stream: INetStream, payload: bytes, kind: int
@@ -447,7 +473,7 @@ class Dht:
             return None
         finally:
             pool = self._idle.setdefault(peer, [])
-            if ok and len(pool) < self.config.idle_streams_per_peer:
+            if ok and len(pool) < self.config.streams_per_peer:
                 pool.append(stream)
             else:
                 with trio.CancelScope(shield=True):
