@@ -288,8 +288,11 @@ class NatService:
         the reservation before it expires. Raises ``PeerUnreachable``."""
         await self.host.connect(relay.peer_id, relay.addrs)
         relay_addr = next(
-            (a for a in self.host.libp2p.get_peerstore().addrs(relay.peer_id)
-             if parse_tcp_addr(str(a)) is not None and not is_circuit_addr(a)),
+            (
+                a
+                for a in self.host.libp2p.get_peerstore().addrs(relay.peer_id)
+                if parse_tcp_addr(str(a)) is not None and not is_circuit_addr(a)
+            ),
             None,
         )
         if relay_addr is None:

@@ -107,9 +107,7 @@ def is_dialable_ip(ip: str) -> bool:
         addr = ipaddress.IPv4Address(ip)
     except ValueError:
         return False
-    return not (
-        addr.is_unspecified or addr.is_loopback or addr.is_multicast or addr.is_link_local
-    )
+    return not (addr.is_unspecified or addr.is_loopback or addr.is_multicast or addr.is_link_local)
 
 
 def dialback_candidates(

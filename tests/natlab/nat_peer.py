@@ -142,7 +142,8 @@ if __name__ == "__main__":
     parser.add_argument("--log-level", default=os.environ.get("NAT_PEER_LOG_LEVEL", "WARNING"))
     parsed = parser.parse_args()
     logging.basicConfig(
-        level=logging.WARNING, stream=sys.stderr,
+        level=logging.WARNING,
+        stream=sys.stderr,
         format="%(relativeCreated)6d %(name)s %(levelname)s %(message)s",
     )
     for name in ("p2p", "nat_peer", "libp2p.relay"):

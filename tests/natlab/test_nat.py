@@ -47,8 +47,11 @@ def test_nat_traversal(
 
     procs = {
         name: spawn(name, ns, "--listen", f"/ip4/{ip}/tcp/4001", "--join", r["join"])
-        for name, ns, ip in [("c", "c", "198.51.100.3"), ("a", "a", "192.168.1.10"),
-                             ("b", "b", "192.168.2.10")]
+        for name, ns, ip in [
+            ("c", "c", "198.51.100.3"),
+            ("a", "a", "192.168.1.10"),
+            ("b", "b", "192.168.2.10"),
+        ]
     }
     ready = {name: proc.read_json(STARTUP_S) for name, proc in procs.items()}
     c, a, b = ready["c"], ready["a"], ready["b"]
@@ -74,8 +77,11 @@ def test_nat_traversal(
     ping(procs["a"], c)
     ping(procs["b"], c)
     ping(procs["c"], r)
-    results = [procs["a"].read_json(COMMAND_S), procs["b"].read_json(COMMAND_S),
-               procs["c"].read_json(COMMAND_S)]
+    results = [
+        procs["a"].read_json(COMMAND_S),
+        procs["b"].read_json(COMMAND_S),
+        procs["c"].read_json(COMMAND_S),
+    ]
     ping(procs["a"], r)
     ping(procs["b"], r)
     results += [procs["a"].read_json(COMMAND_S), procs["b"].read_json(COMMAND_S)]

@@ -86,8 +86,9 @@ def test_min_confirmations_validated() -> None:
             HelperReport,
             helper=st.sampled_from(["h1", "h2", "h3"]),
             outcomes=st.lists(
-                st.builds(DialOutcome, addr=st.sampled_from(["/ip4/1.1.1.1/tcp/1", "x"]),
-                          ok=st.booleans()),
+                st.builds(
+                    DialOutcome, addr=st.sampled_from(["/ip4/1.1.1.1/tcp/1", "x"]), ok=st.booleans()
+                ),
                 max_size=3,
             ).map(tuple),
             error=st.sampled_from(["", "", "timeout"]),
@@ -110,8 +111,15 @@ def test_verdict_invariants(reports: list[HelperReport]) -> None:
 
 def test_parse_tcp_addr() -> None:
     assert parse_tcp_addr("/ip4/1.2.3.4/tcp/5/p2p/Qm").multiaddr() == "/ip4/1.2.3.4/tcp/5"
-    for bad in ["", "/ip6/::1/tcp/1", "/ip4/1.2.3/tcp/1", "/ip4/1.2.3.4/udp/1",
-                "/ip4/1.2.3.4/tcp/0", "/ip4/1.2.3.4/tcp/x", "/ip4/1.2.3.4/tcp/1/p2p-circuit"]:
+    for bad in [
+        "",
+        "/ip6/::1/tcp/1",
+        "/ip4/1.2.3/tcp/1",
+        "/ip4/1.2.3.4/udp/1",
+        "/ip4/1.2.3.4/tcp/0",
+        "/ip4/1.2.3.4/tcp/x",
+        "/ip4/1.2.3.4/tcp/1/p2p-circuit",
+    ]:
         assert parse_tcp_addr(bad) is None, bad
 
 
