@@ -1,6 +1,7 @@
 """Bulk data plane vs a plain libp2p stream vs a plain TCP socket, two processes on loopback.
 
     python -m bench.p2p_stream [--size-mib 256] [--repeats 3] [--seed 0] [--stripes 1]
+                               [--frame-kib 1024]
 
 The parent sends, a child process receives. Each path moves ``--size-mib`` MiB ``--repeats``
 times, interleaved (tcp, bulk, libp2p, tcp, ...) so drift in machine load hits all three alike.
@@ -63,11 +64,11 @@ async def read_exactly(stream: Any, n: int) -> bytes:
 # --- receiver (child process) ------------------------------------------------------------------
 
 
-async def receiver_main(size: int, stripes: int) -> None:
+async def receiver_main(size: int, stripes: int, frame_bytes: int) -> None:
     dest = prefaulted(size)
     view = memoryview(dest)
     results: list[dict[str, Any]] = []
-    config = BulkConfig(stripes=stripes, max_bytes=size)
+    config = BulkConfig(frame_bytes=frame_bytes, stripes=stripes, max_bytes=size)
     listener = BulkListener("127.0.0.1")
     async with open_host(HostConfig(create_new_key_pair())) as host, trio.open_nursery() as nursery:
         await nursery.start(listener.run)
@@ -132,9 +133,10 @@ async def send_all(sock: Any, data: memoryview) -> None:
         sent += await sock.send(data[sent:])
 
 
-async def sender_main(ready: dict[str, Any], size: int, repeats: int, seed: int, stripes: int):
+async def sender_main(
+    ready: dict[str, Any], size: int, repeats: int, seed: int, config: BulkConfig
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     payload = memoryview(_payload(size, seed))
-    config = BulkConfig(stripes=stripes)
     addr = multiaddr.Multiaddr(ready["addr"])
     peer_id = ID.from_base58(addr.get_peer_id())
     runs: list[dict[str, Any]] = []
@@ -223,11 +225,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stripes", type=int, default=1)
+    parser.add_argument("--frame-kib", type=int, default=BulkConfig().frame_bytes >> 10)
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     args = parser.parse_args()
     size = args.size_mib << 20
     if args.role == "receiver":
-        trio.run(receiver_main, size, args.stripes)
+        trio.run(receiver_main, size, args.stripes, args.frame_kib << 10)
         return
     child = subprocess.Popen(
         [
@@ -240,6 +243,8 @@ def main() -> None:
             str(args.size_mib),
             "--stripes",
             str(args.stripes),
+            "--frame-kib",
+            str(args.frame_kib),
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -250,7 +255,8 @@ def main() -> None:
         if not line:
             raise SystemExit("receiver process died before it was ready")
         ready = json.loads(line)
-        runs, remote = trio.run(sender_main, ready, size, args.repeats, args.seed, args.stripes)
+        config = BulkConfig(frame_bytes=args.frame_kib << 10, stripes=args.stripes)
+        runs, remote = trio.run(sender_main, ready, size, args.repeats, args.seed, config)
     finally:
         child.terminate()
         child.wait(timeout=10)
@@ -261,7 +267,7 @@ def main() -> None:
             "repeats": args.repeats,
             "seed": args.seed,
             "stripes": args.stripes,
-            "frame_bytes": BulkConfig().frame_bytes,
+            "frame_bytes": args.frame_kib << 10,
             "cpus": os.cpu_count(),
             "host": socket.gethostname(),
         },

@@ -14,20 +14,28 @@ dial direction: the receiver answers ``DIAL_RECEIVER`` (sender dials us) when it
 else ``DIAL_SENDER`` when the sender offered one. Give a ``BulkListener`` only to a peer whose
 reachability is public (our dial-back check), and open its port where the libp2p port is open.
 
-We do not reuse the libp2p TCP port with SO_REUSEPORT: py-libp2p's listener does not set it, so we
-cannot bind beside it, and if both did, the kernel would hash new *libp2p* connections onto our
-listener at random. When neither side has a reachable listener (both NATed; a DCUtR hole-punched
-connection) or the connection is relayed (``direct=False``), the payload rides the libp2p stream
+We do not share the libp2p TCP port. py-libp2p 0.8.1 does set SO_REUSEPORT on its listener (for
+DCUtR hole punching), so we could bind beside it, but Linux then spreads new incoming connections
+over both sockets by hash, and some libp2p dials would land on the bulk listener. One port serving
+both would need a demultiplexer that sniffs the first bytes (our ``STBK`` versus multistream) and
+hands libp2p an accepted socket, which 0.8.1's TCP transport has no entry for. Reusing the libp2p
+port on the *dialing* side would not help either: the 4-tuple toward the peer's libp2p port is
+taken by the libp2p connection, and toward any other port the peer's NAT has no mapping. So when
+neither side has a reachable listener (both NATed, e.g. a DCUtR hole-punched connection) or the
+connection is relayed (``direct=False``), the payload rides the libp2p stream
 itself (``DataMode.STREAM``): slower, but it crosses whatever that connection crosses. A dial that
 fails also falls back to the stream (``Fallback`` message). A bulk TCP hole punch coordinated over
 the control stream, as DCUtR does, is future work.
 
 Concurrency
 -----------
-AEAD runs inline on the trio thread: a 1 MiB frame takes about 0.4 ms here, shorter than one
-trio scheduling hiccup, and a worker-thread hop per frame measured slower on 2 cores. Every wait is
-bounded: control messages by ``control_timeout_s``, dials and the arrival of data connections by
-``connect_timeout_s``, each frame's progress by ``idle_timeout_s``.
+AEAD runs inline on the trio thread: a 1 MiB frame takes about 0.4 ms here, too short to stall
+heartbeats, and a worker-thread hop per frame cannot buy CPU on a 2-core box where sender and
+receiver already keep both cores busy (measuring it here was lost in other jobs' load). Every
+wait is bounded: control messages by ``control_timeout_s``, dials and the arrival of data
+connections by ``connect_timeout_s``, each frame's progress by ``idle_timeout_s``, a connection's
+hello by the listener's ``hello_timeout_s``; at most ``max_unauthenticated`` connections may be
+waiting for their hello at once (more are closed at accept), so a flood cannot pile up sockets.
 """
 
 from __future__ import annotations
@@ -243,11 +251,18 @@ class BulkListener:
     """
 
     def __init__(
-        self, host: str = "0.0.0.0", port: int = 0, *, hello_timeout_s: float = 10.0
+        self,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        *,
+        hello_timeout_s: float = 10.0,
+        max_unauthenticated: int = 64,
     ) -> None:
         self.host = host
         self._requested_port = port
         self.hello_timeout_s = hello_timeout_s
+        self.max_unauthenticated = max_unauthenticated
+        self._unauthenticated = 0
         self.port = 0
         self.statistics: Counter[str] = Counter()
         self._pending: dict[bytes, _PendingTransfer] = {}
@@ -271,6 +286,12 @@ class BulkListener:
                         self.statistics["accept_errors"] += 1
                         await trio.sleep(0.1)
                         continue
+                    if self._unauthenticated >= self.max_unauthenticated:
+                        self.statistics["refused_busy"] += 1
+                        log.warning("bulk connection from %s refused: too many pending", address)
+                        sock.close()
+                        continue
+                    self._unauthenticated += 1
                     nursery.start_soon(self._admit, sock, address)
 
     async def _admit(self, sock: trio.socket.SocketType, address: object) -> None:
@@ -306,6 +327,7 @@ class BulkListener:
             self.statistics["errors"] += 1
             log.warning("bulk connection from %s failed: %r", address, exc)
         finally:
+            self._unauthenticated -= 1
             if owned is not None:
                 owned.close()
 

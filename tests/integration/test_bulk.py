@@ -319,3 +319,16 @@ async def test_reset_control_stream_surfaces_as_a_p2p_error() -> None:
             )
     with pytest.raises((RemoteProtocolError, BulkTransferFailed)):
         sent.unwrap()
+
+
+async def test_listener_caps_connections_waiting_for_their_hello() -> None:
+    listener = BulkListener("127.0.0.1", hello_timeout_s=30.0, max_unauthenticated=1)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(listener.run)
+            silent = trio.socket.socket()
+            with silent:
+                await silent.connect(("127.0.0.1", port))
+                await _rejected(port, b"")  # closed at once: the one slot is taken
+                assert listener.statistics["refused_busy"] == 1
+            nursery.cancel_scope.cancel()
