@@ -401,9 +401,12 @@ async def _dial_or_fall_back(
 
 
 async def _await_connections(
-    pending: _PendingTransfer, stream: ByteStream, timeout_s: float
+    pending: _PendingTransfer, stream: ByteStream, config: BulkConfig
 ) -> list[trio.socket.SocketType | None] | Fallback:
     """Wait for all data connections, or for the dialer's ``Fallback`` on the control stream.
+
+    The wait outlasts the dialer's own connect timeout by a control timeout, so a dialer that
+    gives up is heard (and both fall back) rather than both sides timing out together.
 
     Cancelling the control read is safe: the dialer writes nothing on the control stream between
     a successful dial and the end of the data, so no message can be half-read.
@@ -418,6 +421,7 @@ async def _await_connections(
         result = message
         cancel_scope.cancel()
 
+    timeout_s = config.connect_timeout_s + config.control_timeout_s
     try:
         with trio.fail_after(timeout_s):
             async with trio.open_nursery() as nursery:
@@ -427,6 +431,8 @@ async def _await_connections(
                 nursery.cancel_scope.cancel()
     except trio.TooSlowError:
         raise BulkTransferFailed(f"data connections did not arrive within {timeout_s} s") from None
+    except BaseExceptionGroup as group:  # the control watcher failed: report it as itself
+        raise _first_leaf(group) from None
     assert result is not None
     return result
 
@@ -566,7 +572,7 @@ async def send_bulk(
             if pending is None:
                 raise RemoteProtocolError("receiver chose DIAL_SENDER but we offered no listener")
             pending.set_key(key)
-            arrived = await _await_connections(pending, stream, config.connect_timeout_s)
+            arrived = await _await_connections(pending, stream, config)
             if isinstance(arrived, Fallback):
                 log.warning(
                     "receiver could not dial us (%s); using the libp2p stream", arrived.reason
@@ -681,7 +687,7 @@ async def receive_bulk(
             # Register before answering, so a fast sender's connection finds its transfer.
             with listener.expect(offer.transfer_id, layout.stripe_count, key) as pending:
                 await _write_control(stream, accept, config.control_timeout_s)
-                arrived = await _await_connections(pending, stream, config.connect_timeout_s)
+                arrived = await _await_connections(pending, stream, config)
                 if isinstance(arrived, Fallback):
                     log.warning(
                         "sender could not dial us (%s); using the libp2p stream", arrived.reason
