@@ -69,12 +69,15 @@ async def _peer_command(dht, host, line: str) -> dict:
         held = [bool(dht.store_local.records(dht_key(k), time.time())) for k in keys]
         latencies: list[float] = []
         ok = [0]
+        stored_at: dict[int, int] = {}
         expiration = time.time() + 600
 
         async def one(i: int) -> None:
             start = time.perf_counter()
             if cmd.startswith("store"):
-                ok[0] += (await dht.store(keys[i], values[i], expiration)) > 0
+                replicas = await dht.store(keys[i], values[i], expiration)
+                stored_at[replicas] = stored_at.get(replicas, 0) + 1
+                ok[0] += replicas > 0
             else:
                 got = await dht.get(keys[i], latest=cmd == "get_latest_seq")
                 ok[0] += list(got.values()) == [values[i]]
@@ -103,6 +106,7 @@ async def _peer_command(dht, host, line: str) -> dict:
         return {
             "ops_per_s": count / elapsed,
             "ok": ok[0],
+            "replicas_histogram": stored_at,
             "p50_ms": _pct(latencies, 0.5) * 1e3,
             "p99_ms": _pct(latencies, 0.99) * 1e3,
             "remote_keys": len(remote),
@@ -282,7 +286,12 @@ def main() -> None:
     parser.add_argument("--join", default=None)
     args = parser.parse_args()
     if args.role == "peer":
+        import logging
+
         import trio
+
+        # py-libp2p warns on every stream a client resets; BENCH_LOG_LEVEL=DEBUG shows ours.
+        logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "ERROR"))
 
         trio.run(_peer_main, args.join)
         return

@@ -482,12 +482,14 @@ class Dht:
     def _learn_peers(self, response: Message) -> list[ID]:
         """Record the addresses of peers named in an answer; return their ids."""
         found = []
+        table = self._kad.routing_table
         for proto in response.closerPeers:
             try:
                 pid = ID(proto.id)
                 if pid == self.peer_id:
                     continue
-                if proto.addrs:
+                # Parsing multiaddrs is most of a small answer's cost: skip peers we know.
+                if proto.addrs and not table.peer_in_table(pid):
                     self._libp2p.get_peerstore().add_addrs(
                         pid, [Multiaddr(a) for a in proto.addrs[:_MAX_ADDRS]], 600
                     )
