@@ -221,3 +221,44 @@ def test_bit_flips_never_validate_as_someone_else(records: list[SignedRecord], d
     originals = {(r.subkey, r.value, r.expiration_time, r.version) for r in records}
     for record in held.values():
         assert (record.subkey, record.value, record.expiration_time, record.version) in originals
+
+
+def test_kad_select_accepts_any_value_that_adds_a_freshest_entry() -> None:
+    from p2p.dht import SubkeyDictValidator
+
+    select = SubkeyDictValidator().select
+    key = KEY.decode()
+    far = 4_000_000_000.0  # select reads the real clock; these expire long after the test
+    held = encode_record_set([ALICE.sign(KEY, b"a", far + 60), BOB.sign(KEY, b"b", far + 60)])
+    newer_bob = encode_record_set([BOB.sign(KEY, b"b2", far + 120)])
+    stale_bob = encode_record_set([BOB.sign(KEY, b"b0", far + 30)])
+    assert select(key, [held, newer_bob]) == 1  # accepted, then merged by the store
+    assert select(key, [held, held]) == 1  # a repeated store is acknowledged, not reset
+    assert select(key, [held, stale_bob]) == 0
+    assert select(key, [held, b"garbage"]) == 0
+
+
+def test_merging_value_store_keeps_every_owner_and_drops_expired() -> None:
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+    from p2p.dht import MergingValueStore
+
+    store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
+    key = b"/swarmtrain/members"
+    far = 4_000_000_000.0  # the store reads the real clock; these expire long after the test
+    alice = ALICE.sign(key, b"a", far)
+    bob = BOB.sign(key, b"b", far + 1)
+    store.put_record(key, Record(key=key, value=encode_record_set([alice])))
+    store.put_record(key, Record(key=key, value=encode_record_set([bob])))
+    served = store.get(key)
+    assert served is not None
+    assert decode_record_set(served.value) == sorted([alice, bob], key=lambda r: r.subkey)
+    with pytest.raises(RecordRejected):
+        store.put_record(
+            key,
+            Record(key=key, value=encode_record_set([dataclasses.replace(bob, value=b"forged")])),
+        )
+    assert store.records(key, far - 1) == {ALICE.peer_id: alice, BOB.peer_id: bob}
+    assert store.records(key, far + 0.5) == {BOB.peer_id: bob}
+    store.prune(far + 2)
+    assert store.get(key) is None
