@@ -306,9 +306,10 @@ class BulkListener:
             pending = self._pending.get(hello.transfer_id)
             if pending is None:
                 raise RemoteProtocolError("unknown or expired transfer id")
-            with trio.fail_after(self.hello_timeout_s):
+            with trio.move_on_after(self.hello_timeout_s):
                 await pending.key_known.wait()
-            assert pending.key is not None
+            if self._pending.get(hello.transfer_id) is not pending or pending.key is None:
+                raise RemoteProtocolError("transfer ended before its key was agreed")
             verify_hello(pending.key, bytes(data))
             pending.deliver(hello, sock)
             owned = None
@@ -483,12 +484,17 @@ async def _run_stripes(
 
 
 def _first_leaf(group: BaseExceptionGroup) -> BaseException:
-    for exc in group.exceptions:
+    """The first exception in ``group`` (depth first) that is not a Cancelled, if any."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
         if isinstance(exc, BaseExceptionGroup):
-            return _first_leaf(exc)
-        if not isinstance(exc, trio.Cancelled):
-            return exc
-    return group.exceptions[0]
+            pending[:0] = exc.exceptions
+        else:
+            leaves.append(exc)
+    real = [exc for exc in leaves if not isinstance(exc, trio.Cancelled)]
+    return (real or leaves)[0]
 
 
 def _io_failure(what: str, exc: BaseException) -> BulkTransferFailed:
