@@ -24,7 +24,10 @@ port-preserving NATs honour), and the direct connection is then preferred for ne
 against a symmetric NAT every round fails and 0.8.1 gives up after about 21 s, so ``connect``
 bounds the wait (``holepunch_timeout_s``) and keeps the relayed connection. The per-peer
 connection limit of 1 (``p2p.host``) does not stop the punched connection from being added
-beside the relayed one.
+beside the relayed one. End to end, ``connect`` from a cone-NATed peer to another one reaches a
+direct connection in about 1 s (0.5 s head start for plain addresses, ~0.1 s relayed dial,
+~0.35 s punch); to a peer behind a symmetric NAT it returns relayed after the 8 s punch budget.
+Dial-back verdicts: about 10 ms for a public peer, the 3 s dial timeout for a private one.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from p2p.reachability import (
     DialBackRequest,
     DialBackResponse,
     HelperReport,
+    Reachability,
     ReachabilityVerdict,
     decide_reachability,
     dialback_candidates,
@@ -93,6 +97,9 @@ class NatConfig:
     dialback_dial_timeout_s: float = 3.0
     dialback_max_concurrent: int = 4
     direct_dial_timeout_s: float = 3.0
+    # How long plain addresses get before circuit addresses are dialed too (a public peer
+    # answers in milliseconds; a NATed one never does).
+    direct_head_start_s: float = 0.5
     relay_dial_timeout_s: float = 10.0
     # DCUtR: upgrade relayed connections to direct ones. 0.8.1 needs ~0.35 s when it works and
     # gives up after ~21 s when it cannot (symmetric NAT); connect() waits at most this long.
@@ -338,41 +345,65 @@ class NatService:
         kind = connection_kind(self.host.libp2p, peer_id)
         errors: list[str] = []
         if kind is None:
-            direct = [a for a in addrs if not is_circuit_addr(a)]
-            if direct:
-                with trio.move_on_after(self.config.direct_dial_timeout_s):
-                    try:
-                        await self.host.libp2p.connect(PeerInfo(peer_id, direct))
-                    except Exception as exc:
-                        errors.append(f"direct: {exc}")
-                kind = connection_kind(self.host.libp2p, peer_id)
-                if kind is None and not errors:
-                    errors.append(f"direct: no answer in {self.config.direct_dial_timeout_s} s")
-                if kind is None:
-                    # Forget the addresses that just failed: DCUtR's first step re-dials every
-                    # plain address in the peerstore (10 s budget, swarm retries with backoff),
-                    # which measured 8+ s here and used up the whole hole-punch window.
-                    self.host.libp2p.get_peerstore().clear_addrs(peer_id)
-        if kind is None:
-            for circuit in (a for a in addrs if is_circuit_addr(a)):
-                with trio.move_on_after(self.config.relay_dial_timeout_s):
-                    try:
-                        await self._transport.dial(circuit)
-                    except Exception as exc:
-                        errors.append(f"relay {circuit}: {exc}")
-                kind = connection_kind(self.host.libp2p, peer_id)
-                if kind is not None:
-                    break
+            await self._race_direct_and_relayed(peer_id, addrs, errors)
+            kind = connection_kind(self.host.libp2p, peer_id)
         if kind is None:
             raise PeerUnreachable(
                 f"cannot reach {peer_id}: " + ("; ".join(errors) or "no addresses")
             )
+        log.debug("connected to %s: %s (%s)", peer_id, kind, "; ".join(errors))
         if kind == "relayed" and self._dcutr is not None:
             if wait_direct:
                 await self.upgrade(peer_id)
             elif self._nursery is not None:
                 self._nursery.start_soon(self.upgrade, peer_id)
         return connection_kind(self.host.libp2p, peer_id) or kind
+
+    async def _race_direct_and_relayed(
+        self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr], errors: list[str]
+    ) -> None:
+        """Dial the plain addresses; after ``direct_head_start_s`` without a connection, also
+        dial the circuit addresses (happy-eyeballs style). The first connection cancels the
+        rest. Measured: 0.8.1's connect to an unroutable LAN address of a peer behind another NAT
+        neither fails nor succeeds within 3 s, so waiting for it first cost 3 s per connect."""
+        direct = [a for a in addrs if not is_circuit_addr(a)]
+        circuits = [a for a in addrs if is_circuit_addr(a)]
+        network = self.host.libp2p.get_network()
+
+        async with trio.open_nursery() as nursery:
+
+            async def dial_direct() -> None:
+                with trio.move_on_after(self.config.direct_dial_timeout_s):
+                    try:
+                        await self.host.libp2p.connect(PeerInfo(peer_id, direct))
+                    except Exception as exc:
+                        errors.append(f"direct: {exc}")
+                if network.get_connections(peer_id):
+                    nursery.cancel_scope.cancel()
+
+            async def dial_relayed() -> None:
+                if direct:
+                    await trio.sleep(self.config.direct_head_start_s)
+                for circuit in circuits:
+                    with trio.move_on_after(self.config.relay_dial_timeout_s):
+                        try:
+                            await self._transport.dial(circuit)
+                        except Exception as exc:
+                            errors.append(f"relay {circuit}: {exc}")
+                    if network.get_connections(peer_id):
+                        nursery.cancel_scope.cancel()
+                        return
+
+            if direct:
+                nursery.start_soon(dial_direct)
+            if circuits:
+                nursery.start_soon(dial_relayed)
+        if direct and connection_kind(self.host.libp2p, peer_id) != "direct":
+            # Forget the plain addresses that did not answer: DCUtR's first step re-dials every
+            # plain address in the peerstore (10 s budget, swarm retries with backoff), which
+            # measured 8+ s here and used up the whole hole-punch window.
+            errors.append(f"direct: no answer in {self.config.direct_head_start_s} s")
+            self.host.libp2p.get_peerstore().clear_addrs(peer_id)
 
     async def upgrade(self, peer_id: ID) -> bool:
         """Try to turn a relayed connection into a direct one (DCUtR); bounded; never raises."""
@@ -386,6 +417,31 @@ class NatService:
         direct = connection_kind(self.host.libp2p, peer_id) == "direct"
         log.info("connection to %s is %s", peer_id, "direct" if direct else "still relayed")
         return direct
+
+
+# --------------------------------------------------------------------------- node composition
+
+
+async def establish(nat: NatService, helpers: Sequence[PeerInfo]) -> ReachabilityVerdict:
+    """What a joining node does once connected to its bootstrap peers: ask them for a dial-back,
+    and when we are not public, reserve a slot on each of them (they are relays). A relay that
+    refuses is logged and skipped; never raises for one helper's failure."""
+    verdict = await nat.check_reachability([h.peer_id for h in helpers])
+    if verdict.status is not Reachability.PUBLIC:
+        for helper in helpers:
+            try:
+                await nat.reserve(helper)
+            except P2PError as exc:
+                log.warning("no relay slot on %s: %s", helper.peer_id, exc)
+    return verdict
+
+
+def advertised_addrs(host: Host, nat: NatService) -> list[multiaddr.Multiaddr]:
+    """What to publish in our DHT record: our plain addresses (without ``/p2p/``; a LAN neighbour
+    may reach them, and ``connect`` drops them quickly when they fail), then our circuit addresses
+    (0.8.1 does not list them in ``get_addrs()``)."""
+    plain = [multiaddr.Multiaddr(_without_p2p(a)) for a in host.addrs() if not is_circuit_addr(a)]
+    return [*plain, *nat.circuit_addrs()]
 
 
 # --------------------------------------------------------------------------- dial-back helper

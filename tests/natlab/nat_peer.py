@@ -31,15 +31,23 @@ from typing import Any
 
 import multiaddr
 import trio
+from libp2p.abc import INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from p2p.errors import P2PError
 from p2p.host import HostConfig, open_host
-from p2p.nat import NatConfig, NatService, connection_kind, observed_addrs
-from p2p.reachability import Reachability
-from p2p.rpc import call_unary, serve_unary
+from p2p.nat import (
+    NatConfig,
+    NatService,
+    advertised_addrs,
+    connection_kind,
+    establish,
+    observed_addrs,
+    stream_kind,
+)
+from p2p.rpc import RpcStream, call_unary
 from p2p.wire import Message, message
 
 ECHO_PROTOCOL = "/swarmtrain/natlab/echo/1"
@@ -49,6 +57,12 @@ log = logging.getLogger("nat_peer")
 @message(9100, max_bytes=1024)
 class Echo(Message):
     payload: bytes
+
+
+@message(9101, max_bytes=1024)
+class EchoReply(Message):
+    payload: bytes
+    server_kind: str  # how the server's end of the stream came in: "direct" or "relayed"
 
 
 def emit(**fields: Any) -> None:
@@ -77,18 +91,19 @@ async def main(args: argparse.Namespace) -> None:
         nat = NatService(host, nat_config)
         await nursery.start(nat.run)
 
-        async def echo(_peer: ID, request: Echo) -> Echo:
-            return Echo(request.payload)
+        async def echo(stream: INetStream) -> None:
+            rpc = RpcStream(stream)
+            request = await rpc.receive(Echo)
+            await rpc.send(EchoReply(request.payload, stream_kind(stream)))
+            await rpc.close()
 
-        serve_unary(host, ECHO_PROTOCOL, Echo, echo)
+        host.set_handler(ECHO_PROTOCOL, echo)
         join = f"{args.listen}/p2p/{host.peer_id.to_base58()}"
         verdict = None
         if args.join:
             relay = info_from_p2p_addr(multiaddr.Multiaddr(args.join))
             await host.connect(relay.peer_id, relay.addrs)
-            verdict = await nat.check_reachability([relay.peer_id])
-            if verdict.status is not Reachability.PUBLIC:
-                await nat.reserve(relay)
+            verdict = await establish(nat, [relay])
         emit(
             event="ready",
             peer_id=host.peer_id.to_base58(),
@@ -97,6 +112,7 @@ async def main(args: argparse.Namespace) -> None:
             observed_addrs=[str(a) for a in observed_addrs(host.libp2p)],
             reachability=verdict.to_json() if verdict else None,
             relays=[str(a) for a in nat.circuit_addrs()],
+            advertised=[str(a) for a in advertised_addrs(host, nat)],
         )
         stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
         async for line in lines(stdin):
@@ -122,9 +138,10 @@ async def ping(host: Any, nat: NatService, command: dict[str, Any]) -> dict[str,
         result["connect_s"] = round(time.monotonic() - started, 3)
         sent = os.urandom(16)
         t0 = trio.current_time()
-        reply = await call_unary(host, peer_id, ECHO_PROTOCOL, Echo(sent), Echo, deadline_s=10)
+        reply = await call_unary(host, peer_id, ECHO_PROTOCOL, Echo(sent), EchoReply, deadline_s=10)
         result["rtt_ms"] = round((trio.current_time() - t0) * 1000, 2)
         result["ok"] = reply.payload == sent
+        result["server_kind"] = reply.server_kind
     except P2PError as exc:
         result["error"] = str(exc)
     kind = connection_kind(host, peer_id)

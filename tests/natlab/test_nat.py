@@ -11,6 +11,7 @@ A behind a port-restricted cone NAT (nat1), B behind nat2 (port-restricted or sy
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,8 @@ COMMAND_S = 40.0
 
 
 def addrs_of(ready: dict[str, Any]) -> list[str]:
-    return [*ready["listen_addrs"], *ready["relays"]]
+    # What the peer would publish in its DHT record (plain addresses, then circuit ones).
+    return ready.get("advertised") or ready["listen_addrs"]
 
 
 def ping(src: LabProcess, dst: dict[str, Any]) -> None:
@@ -70,9 +72,14 @@ def test_nat_traversal(
     # Every pair: A->B first, alone, so its hole punch is not racing anything else.
     ping(procs["a"], b)
     ab = procs["a"].read_json(COMMAND_S)
+    print("a->b", json.dumps(ab))  # timings, shown on failure or with -s
     assert ab["ok"], (ab, procs["a"].tail(), procs["b"].tail())
     assert ab["kind"] == a_to_b, (ab, procs["a"].tail(), procs["b"].tail())
     assert ab["direct"] is (a_to_b == "direct")
+    if a_to_b == "relayed":
+        # B's end agrees: the RPC came in over the relay. (After a punch, B may serve the first
+        # stream on either connection, so only the relayed case pins the server's view.)
+        assert ab["server_kind"] == "relayed", ab
 
     ping(procs["a"], c)
     ping(procs["b"], c)
@@ -86,6 +93,8 @@ def test_nat_traversal(
     ping(procs["b"], r)
     results += [procs["a"].read_json(COMMAND_S), procs["b"].read_json(COMMAND_S)]
     for result in results:
+        print("ping", json.dumps(result))
         assert result["event"] == "ping" and result["ok"], result
         # Everything else involves a public peer, reachable directly.
         assert result["kind"] == "direct", result
+        assert result["server_kind"] == "direct", result
