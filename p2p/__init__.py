@@ -3,6 +3,7 @@
 This package imports nothing else of swarmtrain's; everything above builds on the names here.
 """
 
+from p2p.dht import Dht, DhtConfig, DhtStatistics, dht_key
 from p2p.errors import (
     IdentityError,
     LocalProtocolError,
@@ -13,6 +14,15 @@ from p2p.errors import (
 )
 from p2p.host import Host, HostConfig, open_host
 from p2p.identity import default_identity_path, load_or_create_identity, peer_id_of
+from p2p.records import (
+    RecordRejected,
+    RecordSigner,
+    SignedRecord,
+    merge_records,
+    peer_id_from_public_key,
+    subkey_values,
+    validate_record,
+)
 from p2p.rpc import (
     RpcStream,
     RpcTimeout,
@@ -24,6 +34,9 @@ from p2p.rpc import (
 from p2p.wire import Message, decode, encode, message
 
 __all__ = [
+    "Dht",
+    "DhtConfig",
+    "DhtStatistics",
     "Host",
     "HostConfig",
     "IdentityError",
@@ -31,19 +44,27 @@ __all__ = [
     "Message",
     "P2PError",
     "PeerUnreachable",
+    "RecordRejected",
+    "RecordSigner",
     "RemoteError",
     "RemoteProtocolError",
     "RpcStream",
     "RpcTimeout",
+    "SignedRecord",
     "call_stream",
     "call_unary",
     "decode",
     "default_identity_path",
+    "dht_key",
     "encode",
     "load_or_create_identity",
+    "merge_records",
     "message",
     "open_host",
+    "peer_id_from_public_key",
     "peer_id_of",
     "serve_stream",
     "serve_unary",
+    "subkey_values",
+    "validate_record",
 ]
