@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -755,7 +756,28 @@ async def _receive_on_stream(stream: ByteStream, dest: bytearray, config: BulkCo
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensors (numpy arrays; torch callers use ``torch.from_numpy`` / ``tensor.numpy()``)
+# Tensors: (dtype from the allow-list in ``p2p.tensors``, shape, little-endian raw bytes)
+
+
+def _wire_bytes(array: Any) -> memoryview:
+    from p2p.tensors import as_wire_bytes
+
+    # as_wire_bytes cannot cast a view with a zero in its shape; an empty tensor is no bytes.
+    return memoryview(b"") if array.size == 0 else as_wire_bytes(array)
+
+
+def _check_tensor_meta(meta: bytes, total_bytes: int) -> None:
+    """Runs before allocation: an allowed dtype, and ``prod(shape) * itemsize == total_bytes``
+    (``TensorHeader`` validates the first equation, we the second)."""
+    from p2p.tensors import TensorHeader
+    from p2p.wire import decode
+
+    try:
+        header = decode(meta, TensorHeader)
+    except (ValueError, TypeError) as exc:
+        raise RemoteProtocolError(f"bad tensor header: {exc}") from None
+    if header.nbytes != total_bytes:
+        raise RemoteProtocolError("tensor header disagrees with the transfer size")
 
 
 async def send_array(stream: ByteStream, array: Any, **kwargs: Any) -> DataMode:
@@ -764,11 +786,11 @@ async def send_array(stream: ByteStream, array: Any, **kwargs: Any) -> DataMode:
     Same keyword arguments, return value and exceptions as ``send_bulk`` (``meta`` excepted).
     Raises ``ValueError`` for a dtype outside the allow-list.
     """
-    from p2p.tensors import as_wire_bytes, header_for
+    from p2p.tensors import header_for
     from p2p.wire import encode
 
     meta = encode(header_for(array))
-    return await send_bulk(stream, as_wire_bytes(array), meta=meta, **kwargs)
+    return await send_bulk(stream, _wire_bytes(array), meta=meta, **kwargs)
 
 
 async def receive_array(stream: ByteStream, **kwargs: Any) -> Any:
@@ -780,13 +802,45 @@ async def receive_array(stream: ByteStream, **kwargs: Any) -> Any:
     from p2p.tensors import TensorHeader, from_wire_bytes
     from p2p.wire import decode
 
-    def check(meta: bytes, total_bytes: int) -> None:
-        try:
-            header = decode(meta, TensorHeader)
-        except (ValueError, TypeError) as exc:
-            raise RemoteProtocolError(f"bad tensor header: {exc}") from None
-        if header.nbytes != total_bytes:
-            raise RemoteProtocolError("tensor header disagrees with the transfer size")
-
-    received = await receive_bulk(stream, check_meta=check, **kwargs)
+    received = await receive_bulk(stream, check_meta=_check_tensor_meta, **kwargs)
     return from_wire_bytes(decode(received.meta, TensorHeader), received.data)
+
+
+async def send_tensor(stream: ByteStream, tensor: Any, **kwargs: Any) -> DataMode:
+    """Send a torch tensor (CPU or not; bfloat16 included). Same contract as ``send_array``."""
+    import torch
+
+    from p2p.tensors import TensorHeader
+    from p2p.wire import encode
+
+    tensor = tensor.detach().to("cpu").contiguous()
+    if tensor.dtype == torch.bfloat16:
+        # numpy has no bfloat16: its bytes travel as uint16 under the name "bfloat16".
+        array = tensor.view(torch.uint16).numpy()
+        header = TensorHeader("bfloat16", list(array.shape), array.nbytes, DEFAULT_FRAME_BYTES)
+    else:
+        from p2p.tensors import header_for
+
+        array = tensor.numpy()
+        header = header_for(array)
+    return await send_bulk(stream, _wire_bytes(array), meta=encode(header), **kwargs)
+
+
+async def receive_tensor(stream: ByteStream, **kwargs: Any) -> Any:
+    """Receive a tensor sent with ``send_tensor`` (or an array sent with ``send_array``) as a
+    CPU torch tensor sharing the received buffer. Same contract as ``receive_array``."""
+    import torch
+
+    from p2p.tensors import TensorHeader
+    from p2p.wire import decode
+
+    if sys.byteorder != "little":
+        raise LocalProtocolError(
+            "torch.frombuffer of little-endian bytes needs a little-endian host"
+        )
+    received = await receive_bulk(stream, check_meta=_check_tensor_meta, **kwargs)
+    header = decode(received.meta, TensorHeader)
+    dtype = torch.bfloat16 if header.dtype == "bfloat16" else getattr(torch, header.dtype)
+    if not received.data:  # frombuffer refuses an empty buffer
+        return torch.empty(header.shape, dtype=dtype)
+    return torch.frombuffer(received.data, dtype=dtype).reshape(header.shape)

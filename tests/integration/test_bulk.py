@@ -332,3 +332,26 @@ async def test_listener_caps_connections_waiting_for_their_hello() -> None:
                 await _rejected(port, b"")  # closed at once: the one slot is taken
                 assert listener.statistics["refused_busy"] == 1
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape"), [("bfloat16", (3, 1000)), ("float32", (7, 11, 13)), ("int64", (0, 5))]
+)
+async def test_torch_tensors_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
+    import torch
+
+    from p2p.bulk import receive_tensor, send_tensor
+
+    generator = torch.Generator().manual_seed(3)
+    tensor = (torch.randn(shape, generator=generator) * 100).to(getattr(torch, dtype))
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_tensor(s, direct=True, listener=peers.receiver_listener),
+                lambda s: send_tensor(s, tensor, direct=True),
+            )
+    sent.unwrap()
+    got = received.unwrap()
+    assert got.dtype == tensor.dtype and got.shape == tensor.shape
+    assert torch.equal(got, tensor)
