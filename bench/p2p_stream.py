@@ -232,6 +232,7 @@ def main() -> None:
     if args.role == "receiver":
         trio.run(receiver_main, size, args.stripes, args.frame_kib << 10)
         return
+    load_before = os.getloadavg()[0]
     child = subprocess.Popen(
         [
             sys.executable,
@@ -270,6 +271,9 @@ def main() -> None:
             "frame_bytes": args.frame_kib << 10,
             "cpus": os.cpu_count(),
             "host": socket.gethostname(),
+            # Other jobs on the box inflate CPU-s per GiB unevenly: say how busy it was.
+            "loadavg_1m_before": round(load_before, 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
         },
         "git_sha": git_sha(),
         **summarize(runs, remote, size),
