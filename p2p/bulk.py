@@ -95,9 +95,13 @@ class ByteStream(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BulkConfig:
+    """Sender side: ``frame_bytes``, ``stripes`` (TCP connections per transfer). Receiver side:
+    ``max_bytes``, the largest offer accepted (it is allocated up front, so keep it as small as
+    the caller's largest expected tensor). Both: the deadlines, see the module docstring."""
+
     frame_bytes: int = DEFAULT_FRAME_BYTES
     stripes: int = 1
-    max_bytes: int = 8 << 30  # the most a receiver accepts in one transfer
+    max_bytes: int = 1 << 30
     control_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 30.0
