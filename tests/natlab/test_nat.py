@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from tests.natlab.conftest import LabProcess
+if TYPE_CHECKING:
+    from tests.natlab.conftest import LabProcess
 
 pytestmark = pytest.mark.natlab
 
