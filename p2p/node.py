@@ -28,6 +28,8 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from p2p.dht import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import Host, HostConfig, open_host
+from p2p.nat import NatConfig, NatService, advertised_addrs, establish, observed_addrs
+from p2p.reachability import Reachability, ReachabilityVerdict
 from p2p.rpc import call_unary, serve_unary
 from p2p.wire import Message, message
 
@@ -53,7 +55,10 @@ class NodeConfig:
     role: Literal["relay", "peer"] = "peer"
     bootstrap: tuple[str, ...] = ()
     dht: DhtConfig = field(default_factory=DhtConfig)
+    # None: derived from the role (a relay offers the circuit relay v2 hop).
+    nat: NatConfig | None = None
     join_timeout_s: float = 20.0
+    republish_interval_s: float = ADDR_RECORD_TTL_S / 2
 
 
 @dataclass(frozen=True)
@@ -77,11 +82,26 @@ class PingResult:
 
 
 class Node:
-    def __init__(self, config: NodeConfig, host: Host, dht: Dht) -> None:
+    def __init__(self, config: NodeConfig, host: Host, dht: Dht, nat: NatService) -> None:
         self.config = config
         self.host = host
         self.dht = dht
+        self.nat = nat
         self.bootstrap_peers: list[PeerInfo] = []
+        self.reachability = ReachabilityVerdict(Reachability.UNKNOWN, "not checked yet")
+
+    async def check_reachability(self, helpers: Sequence[PeerInfo]) -> ReachabilityVerdict:
+        """Ask ``helpers`` to dial us back; if we are not public, reserve relay slots on them."""
+        self.reachability = await establish(self.nat, helpers)
+        return self.reachability
+
+    def observed_addrs(self) -> list[multiaddr.Multiaddr]:
+        """Our addresses as other peers see them (identify), NAT mappings included."""
+        return observed_addrs(self.host.libp2p)
+
+    def relay_addrs(self) -> list[multiaddr.Multiaddr]:
+        """Our ``/p2p-circuit`` addresses, one per relay holding a slot for us."""
+        return self.nat.circuit_addrs()
 
     async def _join(self) -> None:
         infos = []
@@ -100,13 +120,19 @@ class Node:
             )
         log.info("joined the DHT: %d peers in the routing table", size)
 
-    def advertised_addrs(self) -> list[multiaddr.Multiaddr]:
-        return [_without_p2p(a) for a in self.host.addrs()]
-
     async def publish_addrs(self) -> int:
+        """Sign and store our addresses, relay circuits included, under ``addrs/<peer id>``."""
         return await self.dht.publish_addrs(
-            self.advertised_addrs(), time.time() + ADDR_RECORD_TTL_S
+            advertised_addrs(self.host, self.nat), time.time() + ADDR_RECORD_TTL_S
         )
+
+    async def _republish_forever(self) -> None:
+        while True:
+            await trio.sleep(self.config.republish_interval_s)
+            try:
+                await self.publish_addrs()
+            except P2PError as exc:
+                log.warning("could not republish our addresses: %s", exc)
 
     async def find(self, peer_id: ID) -> list[multiaddr.Multiaddr]:
         known = (
@@ -118,13 +144,16 @@ class Node:
         return list(dict.fromkeys([*found, *known]))
 
     async def reach(self, peer_id: ID) -> None:
-        """Connect to ``peer_id``; raises ``PeerUnreachable`` naming what was tried."""
+        """Connect to ``peer_id``: direct, else through a relay, then a DCUtR upgrade.
+
+        Raises ``PeerUnreachable`` naming what was tried.
+        """
         if self.host.connection_kind(peer_id) is not None:
             return
         addrs = await self.find(peer_id)
         if not addrs:
             raise PeerUnreachable(f"{peer_id} has no address in the DHT (is it online?)")
-        await self.host.connect(peer_id, addrs)
+        await self.nat.connect(peer_id, addrs)
 
     async def ping(self, peer_id: ID, *, rounds: int = 3, deadline_s: float = 10.0) -> PingResult:
         """Reach the peer and measure the best of ``rounds`` request/response round trips."""
@@ -158,12 +187,6 @@ def _has_addrs(host: Host, peer_id: ID) -> bool:
         return False
 
 
-def _without_p2p(addr: multiaddr.Multiaddr) -> multiaddr.Multiaddr:
-    text = str(addr)
-    head, sep, tail = text.rpartition("/p2p/")
-    return multiaddr.Multiaddr(head) if sep and "/" not in tail else addr
-
-
 async def _serve_ping(peer: ID, request: PingRequest) -> PingReply:
     return PingReply(request.nonce)
 
@@ -171,13 +194,17 @@ async def _serve_ping(peer: ID, request: PingRequest) -> PingReply:
 @asynccontextmanager
 async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
     async with open_host(config.host) as host, trio.open_nursery() as nursery:
+        nat = NatService(host, config.nat or NatConfig(relay_hop=config.role == "relay"))
+        await nursery.start(nat.run)
         dht = Dht(host, config.dht)
         await nursery.start(dht.run)
         serve_unary(host, PING_PROTOCOL, PingRequest, _serve_ping)
-        node = Node(config, host, dht)
+        node = Node(config, host, dht, nat)
         if config.bootstrap:
             await node._join()
+            await node.check_reachability(node.bootstrap_peers)
         await node.publish_addrs()
+        nursery.start_soon(node._republish_forever)
         try:
             yield node
         finally:

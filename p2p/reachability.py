@@ -101,13 +101,16 @@ def parse_tcp_addr(addr: str) -> TcpAddr | None:
     return TcpAddr(str(ip), port)
 
 
-def is_dialable_ip(ip: str) -> bool:
-    """Unspecified, loopback, multicast and link-local addresses are never worth dialing back."""
+def is_dialable_ip(ip: str, *, allow_loopback: bool = False) -> bool:
+    """Unspecified, multicast and link-local addresses are never worth dialing back; loopback
+    only between peers on one machine (the helper saw the asker on loopback)."""
     try:
         addr = ipaddress.IPv4Address(ip)
     except ValueError:
         return False
-    return not (addr.is_unspecified or addr.is_loopback or addr.is_multicast or addr.is_link_local)
+    if addr.is_loopback:
+        return allow_loopback
+    return not (addr.is_unspecified or addr.is_multicast or addr.is_link_local)
 
 
 def dialback_candidates(
@@ -119,7 +122,9 @@ def dialback_candidates(
     seen: dict[str, None] = {}
     for addr in (*listen_addrs, *observed_addrs):
         tcp = parse_tcp_addr(addr)
-        if tcp is not None and is_dialable_ip(tcp.ip):
+        # Loopback too: the helper dials only the IP it sees us at, so a loopback address is
+        # only ever used by a helper on this same machine.
+        if tcp is not None and is_dialable_ip(tcp.ip, allow_loopback=True):
             seen.setdefault(tcp.multiaddr(), None)
     return tuple(seen)[:MAX_DIALBACK_ADDRS]
 
@@ -133,7 +138,7 @@ def select_dialback_targets(
     requested port on another IP is tried on ``observed_ip`` (a port-preserving NAT maps it there,
     or the requester is public and listens on all interfaces).
     """
-    if not is_dialable_ip(observed_ip):
+    if not is_dialable_ip(observed_ip, allow_loopback=True):
         return ()
     targets: dict[str, None] = {}
     for addr in requested:

@@ -109,11 +109,20 @@ async def run_doctor(
                 NodeConfig(HostConfig(key_pair, listen_addrs=options.listen), bootstrap=tuple(join))
             )
         )
+        verdict = node.reachability
         report = DoctorReport(
             peer_id=str(node.host.peer_id),
             listen_addrs=[str(a) for a in node.host.addrs()],
+            observed_addrs=[str(a) for a in node.observed_addrs()],
+            reachability=verdict.status.value,
+            reachability_how=verdict.reason,
+            relays=[str(a) for a in node.relay_addrs()],
             joined=join,
         )
+        if verdict.status.value == "private" and not report.relays:
+            report.problems.append(
+                "private and no relay slot: other peers cannot reach us (is the relay up?)"
+            )
         for text in ping:
             try:
                 peer_id = ID.from_base58(text)

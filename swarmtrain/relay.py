@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.crypto.keys import KeyPair
+from libp2p.peer.peerinfo import PeerInfo
 
 from p2p import HostConfig
 from p2p.node import NodeConfig, join_addr, open_node
+from p2p.reachability import Reachability
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,13 @@ async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
             log.info("also reachable at %s", addr)
         while True:
             await trio.sleep(options.status_interval_s)
+            if node.reachability.status is Reachability.UNKNOWN and node.host.connected_peers():
+                # Nobody can vouch for a relay before peers join; then they can dial it back.
+                helpers = [PeerInfo(p, []) for p in node.host.connected_peers()[:3]]
+                verdict = await node.nat.check_reachability([h.peer_id for h in helpers])
+                node.reachability = verdict
+                if verdict.status is Reachability.PRIVATE:
+                    log.warning("peers cannot dial this relay back: %s", verdict.reason)
             stats = node.dht.statistics()
             log.info(
                 "%d peers connected, %d in the routing table, %d keys held",

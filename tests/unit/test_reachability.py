@@ -128,7 +128,24 @@ def test_candidates_drop_undialable_and_dedupe() -> None:
         ["/ip4/0.0.0.0/tcp/1", "/ip4/127.0.0.1/tcp/2", "/ip4/192.168.1.10/tcp/4001/p2p/Qm"],
         ["/ip4/203.0.113.2/tcp/5555", "/ip4/192.168.1.10/tcp/4001"],
     )
-    assert got == ("/ip4/192.168.1.10/tcp/4001", "/ip4/203.0.113.2/tcp/5555")
+    assert got == (
+        "/ip4/127.0.0.1/tcp/2",
+        "/ip4/192.168.1.10/tcp/4001",
+        "/ip4/203.0.113.2/tcp/5555",
+    )
+
+
+def test_loopback_is_dialed_only_for_a_requester_seen_on_loopback() -> None:
+    requested = ["/ip4/127.0.0.1/tcp/2", "/ip4/192.168.1.10/tcp/4001"]
+    assert select_dialback_targets(requested, "127.0.0.1") == (
+        "/ip4/127.0.0.1/tcp/2",
+        "/ip4/127.0.0.1/tcp/4001",
+    )
+    # Seen on a public IP: the loopback port is only ever tried on that IP, never on loopback.
+    assert all(
+        t.startswith("/ip4/198.51.100.3/")
+        for t in select_dialback_targets(requested, "198.51.100.3")
+    )
 
 
 def test_candidates_capped() -> None:
