@@ -64,6 +64,7 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
 from p2p.errors import P2PError, RemoteProtocolError
+from p2p.host import reset_quietly
 from p2p.records import (
     MAX_RECORD_SET_BYTES,
     RecordSigner,
@@ -247,7 +248,7 @@ class Dht:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for streams in self._idle.values():
                     for stream in streams:
-                        await _reset_quietly(stream)
+                        await reset_quietly(stream)
             self._idle.clear()
 
     async def bootstrap(self, peers: Sequence[PeerInfo]) -> int:
@@ -484,7 +485,7 @@ class Dht:
                 pool.append(stream)
             else:
                 with trio.CancelScope(shield=True):
-                    await _reset_quietly(stream)
+                    await reset_quietly(stream)
 
     def _learn_peers(self, response: Message) -> list[ID]:
         """Record the addresses of peers named in an answer; return their ids."""
@@ -546,11 +547,3 @@ class Dht:
         # stream from a new peer never gets us added. A second stream, opened now that it
         # knows our addresses, does.
         await self._request(peer, request, fresh=True)
-
-
-async def _reset_quietly(stream: INetStream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception as exc:
-            log.debug("stream reset failed: %r", exc)
