@@ -11,6 +11,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -62,8 +63,19 @@ def natlab(*args: str, timeout_s: float = 30.0) -> str:
 class LabProcess:
     """A process in one of the lab's namespaces, speaking JSON lines on stdin/stdout."""
 
-    def __init__(self, name: str, namespace: str, argv: list[str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        namespace: str,
+        argv: list[str],
+        log_dir: Path,
+        *,
+        stop_by_signal: bool = False,
+    ) -> None:
         self.name = name
+        # nat_peer.py ends at end of stdin; a swarmtrain command ends on SIGINT (Ctrl+C).
+        self.stop_by_signal = stop_by_signal
+        self._stop_requested = False
         self.stderr_path = log_dir / f"{name}.stderr"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self._stderr = self.stderr_path.open("wb")
@@ -86,22 +98,36 @@ class LabProcess:
             self._lines.put(raw.decode(errors="replace").rstrip("\n"))
         self._lines.put(None)
 
+    def read_line(self, timeout_s: float) -> str:
+        """The next stdout line; fails with the process's stderr tail on deadline or exit."""
+        try:
+            line = self._lines.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            raise AssertionError(
+                f"{self.name}: no line within {timeout_s:.1f} s\n{self.tail()}"
+            ) from None
+        if line is None:
+            self._lines.put(None)  # later reads see the end too
+            code = self.proc.wait(timeout=5)
+            raise AssertionError(f"{self.name} exited ({code}) early\n{self.tail()}")
+        return line
+
     def read_json(self, timeout_s: float) -> dict[str, Any]:
-        """The next JSON line; fails with the process's stderr tail on deadline or exit."""
+        """The next JSON line (other lines skipped), with the same deadline rules."""
         deadline = time.monotonic() + timeout_s
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"{self.name}: no line within {timeout_s} s\n{self.tail()}")
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.proc.wait(timeout=5)
-                raise AssertionError(f"{self.name} exited ({code}) early\n{self.tail()}")
+            line = self.read_line(deadline - time.monotonic())
             if line.startswith("{"):
                 return json.loads(line)
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit status; fails with the stderr tail if the process outlives ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name}: still running after {timeout_s:.1f} s\n{self.tail()}"
+            ) from None
 
     def send(self, obj: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -113,13 +139,23 @@ class LabProcess:
         text = self.stderr_path.read_text(errors="replace").splitlines()
         return f"--- {self.name} stderr (last {lines} lines) ---\n" + "\n".join(text[-lines:])
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Close stdin (the process's signal to exit), then terminate, then kill."""
+    def request_stop(self) -> None:
+        """Ask the process to exit: close stdin, or SIGINT for ``stop_by_signal`` processes."""
+        if self._stop_requested:
+            return
+        self._stop_requested = True
         try:
-            if self.proc.stdin is not None:
+            if self.proc.stdin is not None and not self.proc.stdin.closed:
                 self.proc.stdin.close()
         except OSError:
             pass
+        if self.stop_by_signal and self.proc.poll() is None:
+            # `ip netns exec` execs the command, so this pid is the command itself.
+            self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the process to exit (``request_stop``), then terminate, then kill."""
+        self.request_stop()
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -159,5 +195,29 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., LabProcess]]:
     try:
         yield start
     finally:
-        for proc in reversed(started):
-            proc.stop()
+        _stop_all(started)
+
+
+@pytest.fixture
+def run_in(tmp_path: Path) -> Iterator[Callable[..., LabProcess]]:
+    """``run_in(name, namespace, *argv)`` runs any command in that namespace (``swarmtrain``'s
+    own processes, say); each is stopped with SIGINT, then terminated, after the test."""
+    started: list[LabProcess] = []
+
+    def start(name: str, namespace: str, *argv: str) -> LabProcess:
+        proc = LabProcess(name, namespace, list(argv), tmp_path, stop_by_signal=True)
+        started.append(proc)
+        return proc
+
+    try:
+        yield start
+    finally:
+        _stop_all(started)
+
+
+def _stop_all(procs: list[LabProcess]) -> None:
+    # Ask all first so they shut down side by side, then reap each with its deadline.
+    for proc in reversed(procs):
+        proc.request_stop()
+    for proc in reversed(procs):
+        proc.stop()
