@@ -76,6 +76,8 @@ from p2p.bulk_frames import (
     verify_hello,
 )
 from p2p.errors import LocalProtocolError, P2PError, RemoteError, RemoteProtocolError
+from p2p.tensors import TensorHeader, as_wire_bytes, from_wire_bytes, header_for
+from p2p.wire import decode, encode, read_exactly
 
 log = logging.getLogger(__name__)
 
@@ -146,25 +148,6 @@ async def _recv_into_exactly(sock: trio.socket.SocketType, view: memoryview) -> 
     return got
 
 
-async def _read_exactly(stream: ByteStream, n: int) -> bytes:
-    parts: list[bytes] = []
-    remaining = n
-    while remaining:
-        try:
-            chunk = await stream.read(remaining)
-        except Exception as exc:
-            # py-libp2p raises StreamEOF at end of stream instead of returning b"".
-            if type(exc).__name__ in {"StreamEOF", "EOFError"}:
-                chunk = b""
-            else:
-                raise
-        if not chunk:
-            raise RemoteProtocolError(f"stream ended {remaining} of {n} bytes short")
-        parts.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(parts)
-
-
 @contextmanager
 def _stream_errors(what: str) -> Iterator[None]:
     """Turn libp2p's stream exceptions (StreamReset, StreamClosed, ...) and our own deadlines
@@ -189,8 +172,8 @@ async def _read_control(stream: ByteStream, timeout_s: float | None) -> ControlM
         _stream_errors("reading a control message"),
         trio.fail_after(timeout_s) if timeout_s is not None else _no_deadline(),
     ):
-        length = control_length(await _read_exactly(stream, 4))
-        return decode_control(await _read_exactly(stream, length))
+        length = control_length(await read_exactly(stream, 4))
+        return decode_control(await read_exactly(stream, length))
 
 
 @contextmanager
@@ -763,18 +746,9 @@ async def _receive_on_stream(stream: ByteStream, dest: bytearray, config: BulkCo
 # Tensors: (dtype from the allow-list in ``p2p.tensors``, shape, little-endian raw bytes)
 
 
-def _wire_bytes(array: Any) -> memoryview:
-    from p2p.tensors import as_wire_bytes
-
-    # as_wire_bytes cannot cast a view with a zero in its shape; an empty tensor is no bytes.
-    return memoryview(b"") if array.size == 0 else as_wire_bytes(array)
-
-
 def _check_tensor_meta(meta: bytes, total_bytes: int) -> None:
     """Runs before allocation: an allowed dtype, and ``prod(shape) * itemsize == total_bytes``
     (``TensorHeader`` validates the first equation, we the second)."""
-    from p2p.tensors import TensorHeader
-    from p2p.wire import decode
 
     try:
         header = decode(meta, TensorHeader)
@@ -790,11 +764,9 @@ async def send_array(stream: ByteStream, array: Any, **kwargs: Any) -> DataMode:
     Same keyword arguments, return value and exceptions as ``send_bulk`` (``meta`` excepted).
     Raises ``ValueError`` for a dtype outside the allow-list.
     """
-    from p2p.tensors import header_for
-    from p2p.wire import encode
 
     meta = encode(header_for(array))
-    return await send_bulk(stream, _wire_bytes(array), meta=meta, **kwargs)
+    return await send_bulk(stream, as_wire_bytes(array), meta=meta, **kwargs)
 
 
 async def receive_array(stream: ByteStream, **kwargs: Any) -> Any:
@@ -803,8 +775,6 @@ async def receive_array(stream: ByteStream, **kwargs: Any) -> Any:
     The header (allowed dtype, shape, ``prod(shape) * itemsize == total bytes``) is checked before
     the payload is allocated. Same keyword arguments and exceptions as ``receive_bulk``.
     """
-    from p2p.tensors import TensorHeader, from_wire_bytes
-    from p2p.wire import decode
 
     received = await receive_bulk(stream, check_meta=_check_tensor_meta, **kwargs)
     return from_wire_bytes(decode(received.meta, TensorHeader), received.data)
@@ -814,29 +784,21 @@ async def send_tensor(stream: ByteStream, tensor: Any, **kwargs: Any) -> DataMod
     """Send a torch tensor (CPU or not; bfloat16 included). Same contract as ``send_array``."""
     import torch
 
-    from p2p.tensors import TensorHeader
-    from p2p.wire import encode
-
     tensor = tensor.detach().to("cpu").contiguous()
     if tensor.dtype == torch.bfloat16:
         # numpy has no bfloat16: its bytes travel as uint16 under the name "bfloat16".
         array = tensor.view(torch.uint16).numpy()
         header = TensorHeader("bfloat16", list(array.shape), array.nbytes, DEFAULT_FRAME_BYTES)
     else:
-        from p2p.tensors import header_for
-
         array = tensor.numpy()
         header = header_for(array)
-    return await send_bulk(stream, _wire_bytes(array), meta=encode(header), **kwargs)
+    return await send_bulk(stream, as_wire_bytes(array), meta=encode(header), **kwargs)
 
 
 async def receive_tensor(stream: ByteStream, **kwargs: Any) -> Any:
     """Receive a tensor sent with ``send_tensor`` (or an array sent with ``send_array``) as a
     CPU torch tensor sharing the received buffer. Same contract as ``receive_array``."""
     import torch
-
-    from p2p.tensors import TensorHeader
-    from p2p.wire import decode
 
     if sys.byteorder != "little":
         raise LocalProtocolError(

@@ -67,6 +67,8 @@ def header_for(array: np.ndarray, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Ten
 def as_wire_bytes(array: np.ndarray) -> memoryview:
     """The array's bytes in little-endian C order, without a copy where possible."""
     wanted = wire_dtype(array.dtype.name)
+    if array.size == 0:
+        return memoryview(b"")  # memoryview.cast refuses a shape with a zero in it
     if array.dtype != wanted or not array.flags.c_contiguous:
         array = np.ascontiguousarray(array, dtype=wanted)
     return memoryview(array).cast("B")
