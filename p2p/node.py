@@ -22,12 +22,14 @@ from typing import Literal
 
 import multiaddr
 import trio
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
+from p2p.bulk import BulkConfig, BulkListener, receive_bulk, send_bulk
 from p2p.dht import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
-from p2p.host import Host, HostConfig, open_host
+from p2p.host import Host, HostConfig, open_host, reset_quietly
 from p2p.nat import NatConfig, NatService, advertised_addrs, establish, observed_addrs
 from p2p.reachability import Reachability, ReachabilityVerdict
 from p2p.rpc import call_unary, serve_unary
@@ -36,6 +38,8 @@ from p2p.wire import Message, message
 log = logging.getLogger(__name__)
 
 PING_PROTOCOL = "/swarmtrain/ping/1"
+BULK_PROBE_PROTOCOL = "/swarmtrain/bulk-probe/1"
+MAX_BULK_PROBE_BYTES = 64 << 20
 ADDR_RECORD_TTL_S = 600.0
 
 
@@ -59,6 +63,15 @@ class NodeConfig:
     nat: NatConfig | None = None
     join_timeout_s: float = 20.0
     republish_interval_s: float = ADDR_RECORD_TTL_S / 2
+    # The bulk data plane's TCP port (0: any free port; None: no listener). It is opened only on
+    # a public node (or a relay): a NATed node dials out to its peers' listeners instead.
+    bulk_port: int | None = 0
+
+
+@dataclass(frozen=True)
+class BulkProbeResult:
+    mode: str  # "stream" (through the libp2p connection), "dial_receiver" or "dial_sender"
+    mib_per_s: float
 
 
 @dataclass(frozen=True)
@@ -68,6 +81,7 @@ class PingResult:
     direct: bool | None
     rtt_ms: float | None
     error: str | None = None
+    bulk: BulkProbeResult | None = None
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {
@@ -76,6 +90,9 @@ class PingResult:
             "direct": self.direct,
             "rtt_ms": None if self.rtt_ms is None else round(self.rtt_ms, 3),
         }
+        if self.bulk is not None:
+            out["bulk_mode"] = self.bulk.mode
+            out["bulk_MiBps"] = round(self.bulk.mib_per_s, 1)
         if self.error:
             out["error"] = self.error
         return out
@@ -89,6 +106,7 @@ class Node:
         self.nat = nat
         self.bootstrap_peers: list[PeerInfo] = []
         self.reachability = ReachabilityVerdict(Reachability.UNKNOWN, "not checked yet")
+        self.bulk_listener: BulkListener | None = None
 
     async def check_reachability(self, helpers: Sequence[PeerInfo]) -> ReachabilityVerdict:
         """Ask ``helpers`` to dial us back; if we are not public, reserve relay slots on them."""
@@ -155,6 +173,51 @@ class Node:
             raise PeerUnreachable(f"{peer_id} has no address in the DHT (is it online?)")
         await self.nat.connect(peer_id, addrs)
 
+    def is_direct(self, peer_id: ID) -> bool:
+        return self.host.connection_kind(peer_id) == "direct"
+
+    async def measure_bulk(
+        self, peer_id: ID, nbytes: int, *, deadline_s: float = 60.0
+    ) -> BulkProbeResult:
+        """Send ``nbytes`` over the bulk data plane to ``peer_id``: how the bytes went (a data
+        connection, or the libp2p stream when relayed) and at what rate. Raises ``P2PError``."""
+        await self.reach(peer_id)
+        payload = os.urandom(min(nbytes, MAX_BULK_PROBE_BYTES))
+        with trio.fail_after(deadline_s):
+            stream = await self.host.open_stream(peer_id, BULK_PROBE_PROTOCOL)
+            try:
+                start = time.perf_counter()
+                mode = await send_bulk(
+                    stream, payload, direct=self.is_direct(peer_id), listener=self.bulk_listener
+                )
+                seconds = time.perf_counter() - start
+            finally:
+                await reset_quietly(stream)
+        return BulkProbeResult(mode.name.lower(), len(payload) / (1 << 20) / seconds)
+
+    async def _serve_bulk_probe(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id
+        await receive_bulk(
+            stream,
+            direct=self.is_direct(peer_id),
+            listener=self.bulk_listener,
+            config=BulkConfig(max_bytes=MAX_BULK_PROBE_BYTES),
+        )
+        with trio.move_on_after(2):
+            await stream.close()
+
+    async def _start_bulk_listener(self, nursery: trio.Nursery) -> None:
+        if self.config.bulk_port is None:
+            return
+        public = self.reachability.status is Reachability.PUBLIC
+        if not public and self.config.role != "relay":
+            log.info("not public: bulk transfers dial out to peers (no bulk listener)")
+            return
+        ip = _listen_ip(self.config.host.listen_addrs)
+        listener = BulkListener(ip, self.config.bulk_port)
+        await nursery.start(listener.run)
+        self.bulk_listener = listener
+
     async def ping(self, peer_id: ID, *, rounds: int = 3, deadline_s: float = 10.0) -> PingResult:
         """Reach the peer and measure the best of ``rounds`` request/response round trips."""
         try:
@@ -187,6 +250,14 @@ def _has_addrs(host: Host, peer_id: ID) -> bool:
         return False
 
 
+def _listen_ip(listen_addrs: Sequence[str]) -> str:
+    for addr in listen_addrs:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return "0.0.0.0"
+
+
 async def _serve_ping(peer: ID, request: PingRequest) -> PingReply:
     return PingReply(request.nonce)
 
@@ -200,9 +271,11 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
         await nursery.start(dht.run)
         serve_unary(host, PING_PROTOCOL, PingRequest, _serve_ping)
         node = Node(config, host, dht, nat)
+        node.host.set_handler(BULK_PROBE_PROTOCOL, node._serve_bulk_probe)
         if config.bootstrap:
             await node._join()
             await node.check_reachability(node.bootstrap_peers)
+        await node._start_bulk_listener(nursery)
         await node.publish_addrs()
         nursery.start_soon(node._republish_forever)
         try:

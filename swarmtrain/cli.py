@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="stay online this long after the report so others can --ping us",
     )
+    p_doc.add_argument(
+        "--bulk-mib",
+        type=float,
+        default=4.0,
+        metavar="MIB",
+        help="send this much over the bulk data plane to each pinged peer (0: skip)",
+    )
     p_doc.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -133,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 join=tuple(args.join),
                 ping=tuple(args.ping),
                 linger_s=args.linger,
+                bulk_bytes=int(args.bulk_mib * (1 << 20)),
             )
 
             def emit(report: DoctorReport) -> None:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from p2p import HostConfig
+from p2p import HostConfig, P2PError
 from p2p.node import NodeConfig, PingResult, join_addr, open_node
 
 log = logging.getLogger(__name__)
@@ -30,6 +30,8 @@ class DoctorOptions:
     join: tuple[str, ...] = ()
     ping: tuple[str, ...] = ()
     linger_s: float = 0.0
+    # Bytes sent over the bulk data plane to each pinged peer (0: skip the throughput check).
+    bulk_bytes: int = 4 << 20
 
 
 @dataclass
@@ -75,7 +77,8 @@ def format_report(report: DoctorReport) -> str:
     for p in report.pings:
         if p.ok:
             how = "direct" if p.direct else "relayed"
-            lines.append(f"ping          {p.peer_id}: ok, {how}, {p.rtt_ms:.2f} ms")
+            bulk = "" if p.bulk is None else f", bulk {p.bulk.mib_per_s:.0f} MiB/s ({p.bulk.mode})"
+            lines.append(f"ping          {p.peer_id}: ok, {how}, {p.rtt_ms:.2f} ms{bulk}")
         else:
             lines.append(f"ping          {p.peer_id}: FAILED: {p.error}")
     lines.extend(f"problem       {text}" for text in report.problems)
@@ -132,6 +135,13 @@ async def run_doctor(
             result = await node.ping(peer_id)
             if not result.ok:
                 log.warning("could not reach %s: %s", text, result.error)
+            elif options.bulk_bytes > 0:
+                try:
+                    result = replace(
+                        result, bulk=await node.measure_bulk(peer_id, options.bulk_bytes)
+                    )
+                except P2PError as exc:
+                    result = replace(result, ok=False, error=f"bulk transfer failed: {exc}")
             report.pings.append(result)
         if emit is not None:
             emit(report)

@@ -94,6 +94,10 @@ def test_relay_and_two_doctors_find_and_ping_each_other(tmp_path: Path) -> None:
         report = json.loads(result.stdout.strip().splitlines()[-1])
         found, bogus = report["pings"]
         assert found["peer_id"] == first["peer_id"] and found["ok"] and found["direct"]
+        # The pinged peer is public (dial-back on loopback), so it runs a bulk listener and the
+        # probe's bytes went over a data connection dialed to it, not over the libp2p stream.
+        assert first["reachability"] == "public"
+        assert found["bulk_mode"] == "dial_receiver" and found["bulk_MiBps"] > 0
         assert not bogus["ok"] and bogus["error"]
         assert result.returncode == 1  # a failed ping is a failed check
     finally:
