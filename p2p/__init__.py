@@ -3,6 +3,22 @@
 This package imports nothing else of swarmtrain's; everything above builds on the names here.
 """
 
+from p2p.bulk import (
+    PROTOCOL as BULK_PROTOCOL,
+)
+from p2p.bulk import (
+    BulkConfig,
+    BulkListener,
+    BulkReceived,
+    BulkTransferFailed,
+    receive_array,
+    receive_bulk,
+    receive_tensor,
+    send_array,
+    send_bulk,
+    send_tensor,
+)
+from p2p.bulk_frames import DataMode
 from p2p.dht import Dht, DhtConfig, DhtStatistics, dht_key
 from p2p.errors import (
     IdentityError,
@@ -14,6 +30,9 @@ from p2p.errors import (
 )
 from p2p.host import Host, HostConfig, open_host
 from p2p.identity import default_identity_path, load_or_create_identity, peer_id_of
+from p2p.nat import NatConfig, NatService, RelayServiceLimits, connection_kind, upnp_status
+from p2p.node import Node, NodeConfig, PingResult, join_addr, open_node
+from p2p.reachability import Reachability, ReachabilityVerdict
 from p2p.records import (
     RecordRejected,
     RecordSigner,
@@ -34,6 +53,12 @@ from p2p.rpc import (
 from p2p.wire import Message, decode, encode, message
 
 __all__ = [
+    "BULK_PROTOCOL",
+    "BulkConfig",
+    "BulkListener",
+    "BulkReceived",
+    "BulkTransferFailed",
+    "DataMode",
     "Dht",
     "DhtConfig",
     "DhtStatistics",
@@ -42,10 +67,18 @@ __all__ = [
     "IdentityError",
     "LocalProtocolError",
     "Message",
+    "NatConfig",
+    "NatService",
+    "Node",
+    "NodeConfig",
     "P2PError",
     "PeerUnreachable",
+    "PingResult",
+    "Reachability",
+    "ReachabilityVerdict",
     "RecordRejected",
     "RecordSigner",
+    "RelayServiceLimits",
     "RemoteError",
     "RemoteProtocolError",
     "RpcStream",
@@ -53,18 +86,28 @@ __all__ = [
     "SignedRecord",
     "call_stream",
     "call_unary",
+    "connection_kind",
     "decode",
     "default_identity_path",
     "dht_key",
     "encode",
+    "join_addr",
     "load_or_create_identity",
     "merge_records",
     "message",
     "open_host",
+    "open_node",
     "peer_id_from_public_key",
     "peer_id_of",
+    "receive_array",
+    "receive_bulk",
+    "receive_tensor",
+    "send_array",
+    "send_bulk",
+    "send_tensor",
     "serve_stream",
     "serve_unary",
     "subkey_values",
+    "upnp_status",
     "validate_record",
 ]

@@ -18,8 +18,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from p2p import HostConfig, P2PError
-from p2p.node import NodeConfig, PingResult, join_addr, open_node
+from p2p import HostConfig, NodeConfig, P2PError, PingResult, join_addr, open_node
 
 log = logging.getLogger(__name__)
 

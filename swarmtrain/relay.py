@@ -14,9 +14,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2p import HostConfig
-from p2p.node import NodeConfig, join_addr, open_node
-from p2p.reachability import Reachability
+from p2p import HostConfig, NodeConfig, Reachability, join_addr, open_node
 
 log = logging.getLogger(__name__)
 

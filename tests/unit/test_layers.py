@@ -32,3 +32,15 @@ def test_imports_only_point_down() -> None:
 
 def test_p2p_exists_and_is_checked() -> None:
     assert any((ROOT / "p2p").rglob("*.py"))
+
+
+def test_other_packages_use_only_the_public_face_of_p2p() -> None:
+    """Outside p2p, ``from p2p.<module> import`` is refused: p2p/__init__ names the API."""
+    offenders = []
+    for package in LAYER.keys() - {"p2p"}:
+        for path in (ROOT / package).rglob("*.py") if (ROOT / package).is_dir() else []:
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("p2p."):
+                    offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import")
+    assert not offenders, offenders
