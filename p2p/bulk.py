@@ -3,7 +3,7 @@
 A py-libp2p TCP+Noise+yamux stream costs about ten times the CPU per GiB of a plain TCP socket
 (DESIGN.md). So a transfer is negotiated on a libp2p stream (authenticated by Noise, giving us the
 peer ids and a confidential channel for key shares) and its bytes move over separate TCP
-connections as large AES-256-GCM frames (``p2p.bulk_frames`` has the format and the reasoning).
+connections as large AES-256-OCB3 frames (``p2p.bulk_frames`` has the format and the reasoning).
 
 Who dials whom, and NAT
 -----------------------
