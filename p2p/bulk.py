@@ -21,11 +21,18 @@ both would need a demultiplexer that sniffs the first bytes (our ``STBK`` versus
 hands libp2p an accepted socket, which 0.8.1's TCP transport has no entry for. Reusing the libp2p
 port on the *dialing* side would not help either: the 4-tuple toward the peer's libp2p port is
 taken by the libp2p connection, and toward any other port the peer's NAT has no mapping. So when
-neither side has a reachable listener (both NATed, e.g. a DCUtR hole-punched connection) or the
-connection is relayed (``direct=False``), the payload rides the libp2p stream
-itself (``DataMode.STREAM``): slower, but it crosses whatever that connection crosses. A dial that
-fails also falls back to the stream (``Fallback`` message). A bulk TCP hole punch coordinated over
-the control stream, as DCUtR does, is future work.
+neither side has a listener but the libp2p connection is direct (both NATed, joined by a DCUtR
+hole punch), we punch the data connections the same way (``DataMode.PUNCH``): each side binds one
+fresh port per stripe (SO_REUSEADDR/SO_REUSEPORT, listening on it as well), the ports travel in
+``Offer``/``Accept``, and both connect from their port to the peer's port at the IP the libp2p
+connection sees (the peer NAT's public address) at the same time, retrying within
+``punch_timeout_s``. Each side's outgoing SYN opens its own NAT for the other's; a port-preserving
+cone NAT keeps the announced port. Whichever of connect (simultaneous open) or accept (the peer's
+SYN reached our listening socket first, as on loopback) yields the one connection of that
+4-tuple, the sender sends the hello. A punch that fails in the window (a symmetric NAT maps our
+SYN to another port) ends with the sender's ``Fallback``, as a failed dial does. When the
+connection is relayed (``direct=False``) the payload rides the libp2p stream itself
+(``DataMode.STREAM``): slower, but it crosses whatever that connection crosses.
 
 Concurrency
 -----------
@@ -106,6 +113,9 @@ class BulkConfig:
     max_bytes: int = 1 << 30
     control_timeout_s: float = 10.0
     connect_timeout_s: float = 5.0
+    # A punch needs both sides' SYNs to cross: the first usually dies at the far NAT, the kernel
+    # retransmits after 1 s, so 3 s covers a few SYNs and still falls back soon enough.
+    punch_timeout_s: float = 3.0
     idle_timeout_s: float = 30.0
     stream_chunk_bytes: int = 1 << 20
 
@@ -194,6 +204,10 @@ def _remote_ip(stream: Any) -> str | None:
     except Exception:
         return None
     return address[0] if address else None
+
+
+def _family(ip: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in ip else socket.AF_INET
 
 
 def _close_all(socks: list[trio.socket.SocketType | None]) -> None:
@@ -390,12 +404,16 @@ async def _dial_or_fall_back(
 
 
 async def _await_connections(
-    pending: _PendingTransfer, stream: ByteStream, config: BulkConfig
+    pending: _PendingTransfer,
+    stream: ByteStream,
+    config: BulkConfig,
+    dialer_timeout_s: float | None = None,
 ) -> list[trio.socket.SocketType | None] | Fallback:
     """Wait for all data connections, or for the dialer's ``Fallback`` on the control stream.
 
-    The wait outlasts the dialer's own connect timeout by a control timeout, so a dialer that
-    gives up is heard (and both fall back) rather than both sides timing out together.
+    The wait outlasts the dialer's own connect timeout (``dialer_timeout_s``, by default
+    ``connect_timeout_s``) by a control timeout, so a dialer that gives up is heard (and both
+    fall back) rather than both sides timing out together.
 
     Cancelling the control read is safe: the dialer writes nothing on the control stream between
     a successful dial and the end of the data, so no message can be half-read.
@@ -410,7 +428,9 @@ async def _await_connections(
         result = message
         cancel_scope.cancel()
 
-    timeout_s = config.connect_timeout_s + config.control_timeout_s
+    if dialer_timeout_s is None:
+        dialer_timeout_s = config.connect_timeout_s
+    timeout_s = dialer_timeout_s + config.control_timeout_s
     try:
         with trio.fail_after(timeout_s):
             async with trio.open_nursery() as nursery:
@@ -424,6 +444,196 @@ async def _await_connections(
         raise _first_leaf(group) from None
     assert result is not None
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Hole punching (DataMode.PUNCH)
+
+_ANY_ADDRESS = {socket.AF_INET: "0.0.0.0", socket.AF_INET6: "::"}
+# Between connect attempts that failed at once (refused, 4-tuple taken by a connection our
+# listening socket is about to accept, no route yet): short, the window bounds the total.
+_PUNCH_RETRY_S = 0.05
+
+
+def _punch_socket(family: socket.AddressFamily) -> trio.socket.SocketType:
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    # Both options on every socket of the port: the listening one and each connect attempt bind
+    # the same port, which Linux allows only when all of them set SO_REUSEPORT.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
+
+
+async def _open_punch_ports(ip: str, count: int) -> list[trio.socket.SocketType]:
+    """One listening socket per stripe on a fresh ephemeral port, for a punch toward ``ip``.
+
+    Listening as well as connecting means the punch also completes when the peer's SYN arrives
+    before ours left (loopback, or a NAT that filters only by address). Raises ``OSError``."""
+    family = _family(ip)
+    socks: list[trio.socket.SocketType] = []
+    try:
+        for _ in range(count):
+            sock = _punch_socket(family)
+            socks.append(sock)
+            await sock.bind((_ANY_ADDRESS[family], 0))
+            sock.listen(1)
+    except BaseException:
+        _close_all(list(socks))
+        raise
+    return socks
+
+
+async def _punch(listen_sock: trio.socket.SocketType, ip: str, port: int) -> trio.socket.SocketType:
+    """The TCP connection between ``listen_sock``'s port and ``(ip, port)``: connect to it from
+    that port again and again while accepting on it; the first connection wins. Unbounded:
+    the caller's deadline ends it."""
+    family = listen_sock.family
+    local_port = listen_sock.getsockname()[1]
+    result: trio.socket.SocketType | None = None
+
+    def won(sock: trio.socket.SocketType, scope: trio.CancelScope) -> None:
+        nonlocal result
+        if result is None:  # both loops may finish in the same scheduling round
+            result = sock
+            scope.cancel()
+        else:
+            sock.close()
+
+    async def accept_loop(scope: trio.CancelScope) -> None:
+        while True:
+            sock, address = await listen_sock.accept()
+            if address[0] != ip:  # not our peer: the hello would fail anyway, keep the port
+                log.warning("punch port %d: connection from %s refused", local_port, address)
+                sock.close()
+                continue
+            won(sock, scope)
+            return
+
+    async def connect_loop(scope: trio.CancelScope) -> None:
+        while True:
+            sock = _punch_socket(family)
+            try:
+                await sock.bind((_ANY_ADDRESS[family], local_port))
+                await sock.connect((ip, port))
+            except OSError as exc:
+                sock.close()
+                log.debug("punch %d -> %s:%d: %r; retrying", local_port, ip, port, exc)
+                await trio.sleep(_PUNCH_RETRY_S)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            won(sock, scope)
+            return
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept_loop, nursery.cancel_scope)
+        nursery.start_soon(connect_loop, nursery.cancel_scope)
+    assert result is not None
+    return result
+
+
+async def _punch_as_sender(
+    stream: ByteStream,
+    ip: str,
+    listen_socks: list[trio.socket.SocketType],
+    peer_ports: tuple[int, ...],
+    key: bytes,
+    transfer_id: bytes,
+    layout: TransferLayout,
+    config: BulkConfig,
+) -> list[trio.socket.SocketType | None] | None:
+    """Punch every stripe within ``punch_timeout_s`` and send each its hello; else close what
+    was punched, tell the receiver (``Fallback``) and return None: the stream carries the data."""
+    socks: list[trio.socket.SocketType | None] = [None] * layout.stripe_count
+
+    async def punch_stripe(stripe: int) -> None:
+        socks[stripe] = await _punch(listen_socks[stripe], ip, peer_ports[stripe])
+
+    try:
+        with trio.move_on_after(config.punch_timeout_s):
+            async with trio.open_nursery() as nursery:
+                for stripe in range(layout.stripe_count):
+                    nursery.start_soon(punch_stripe, stripe)
+        if any(sock is None for sock in socks):
+            raise trio.TooSlowError(f"no connection within {config.punch_timeout_s} s")
+        with trio.fail_after(config.connect_timeout_s):
+            for stripe, sock in enumerate(socks):
+                assert sock is not None
+                hello = seal_hello(key, Hello(transfer_id, stripe, layout.stripe_count))
+                await _send_all(sock, memoryview(hello))
+        return socks
+    except BaseExceptionGroup as group:
+        _close_all(socks)
+        leaf = _first_leaf(group)
+        if not isinstance(leaf, OSError):
+            raise leaf from None
+        failure: BaseException = leaf
+    except (OSError, trio.TooSlowError) as exc:
+        _close_all(socks)
+        failure = exc
+    except BaseException:
+        _close_all(socks)
+        raise
+    log.warning("bulk punch to %s failed (%r); using the libp2p stream", ip, failure)
+    await _write_control(
+        stream, Fallback(f"punch failed: {failure!r}"[:200]), config.control_timeout_s
+    )
+    return None
+
+
+async def _punch_as_receiver(
+    stream: ByteStream,
+    ip: str,
+    listen_socks: list[trio.socket.SocketType],
+    peer_ports: tuple[int, ...],
+    key: bytes,
+    transfer_id: bytes,
+    layout: TransferLayout,
+    config: BulkConfig,
+) -> list[trio.socket.SocketType | None] | Fallback:
+    """Punch every stripe and authenticate the sender's hello on it, until all stripes are in or
+    the sender's ``Fallback`` arrives (the sender's window plus a control timeout at most)."""
+    pending = _PendingTransfer(key, layout.stripe_count, [None] * layout.stripe_count)
+    pending.set_key(key)
+
+    async def punch_stripe(stripe: int) -> None:
+        sock: trio.socket.SocketType | None = await _punch(
+            listen_socks[stripe], ip, peer_ports[stripe]
+        )
+        assert sock is not None
+        try:
+            data = bytearray(HELLO_BYTES)
+            with _stream_errors(f"reading the hello of punched stripe {stripe}"):
+                with trio.fail_after(config.connect_timeout_s):
+                    got = await _recv_into_exactly(sock, memoryview(data))
+            if got < HELLO_BYTES:
+                raise BulkTransferFailed(f"punched stripe {stripe} closed before its hello")
+            hello = verify_hello(key, bytes(data))
+            if hello.transfer_id != transfer_id or hello.stripe != stripe:
+                raise RemoteProtocolError(f"punched stripe {stripe} carries another hello")
+            pending.deliver(hello, sock)
+            sock = None
+        finally:
+            if sock is not None:
+                sock.close()
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for stripe in range(layout.stripe_count):
+                nursery.start_soon(punch_stripe, stripe)
+            arrived = await _await_connections(pending, stream, config, config.punch_timeout_s)
+            nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        _close_all(pending.socks)
+        raise _first_leaf(group) from None
+    except BaseException:
+        _close_all(pending.socks)
+        raise
+    if isinstance(arrived, Fallback):
+        _close_all(pending.socks)
+    return arrived
 
 
 # ---------------------------------------------------------------------------------------------
@@ -522,18 +732,29 @@ async def send_bulk(
     local_id, remote_id = peer_ids or _peer_ids(stream)
     share = os.urandom(32)
     our_port = listener.port if (listener is not None and direct) else 0
-    offer = Offer(
-        os.urandom(16),
-        len(source),
-        config.frame_bytes,
-        config.stripes,
-        share,
-        direct,
-        our_port,
-        meta,
-    )
-    layout = offer.layout
+    ip = remote_ip or _remote_ip(stream)
     with ExitStack() as registration:
+        # No listener of ours on a direct connection: offer ports to punch from, bound before
+        # the offer names them. (If the receiver listens it will choose that instead.)
+        punch_socks: list[trio.socket.SocketType] = []
+        if direct and not our_port and ip is not None:
+            try:
+                punch_socks = await _open_punch_ports(ip, config.stripes)
+            except OSError as exc:
+                log.warning("cannot open bulk punch ports (%r): not offering a punch", exc)
+            registration.callback(_close_all, list(punch_socks))
+        offer = Offer(
+            os.urandom(16),
+            len(source),
+            config.frame_bytes,
+            config.stripes,
+            share,
+            direct,
+            our_port,
+            meta,
+            tuple(sock.getsockname()[1] for sock in punch_socks),
+        )
+        layout = offer.layout
         # Register before offering: the receiver may dial the moment it has answered.
         pending = (
             registration.enter_context(listener.expect(offer.transfer_id, layout.stripe_count))
@@ -575,6 +796,22 @@ async def send_bulk(
             else:
                 socks = list(arrived)
                 pending.socks = [None] * layout.stripe_count  # now ours to close
+        elif mode is DataMode.PUNCH:
+            if not offer.punch_ports or len(reply.punch_ports) != layout.stripe_count:
+                raise RemoteProtocolError("receiver chose PUNCH without a port per stripe")
+            assert ip is not None
+            socks = await _punch_as_sender(
+                stream,
+                ip,
+                punch_socks,
+                reply.punch_ports,
+                key,
+                offer.transfer_id,
+                layout,
+                config,
+            )
+            if socks is None:
+                mode = DataMode.STREAM
 
     if socks is not None:
 
@@ -663,16 +900,30 @@ async def receive_bulk(
         transfer_id=offer.transfer_id,
     )
     layout = offer.layout
+    dest = into if into is not None else bytearray(offer.total_bytes)
+    ip = remote_ip or _remote_ip(stream)
+    punch_socks: list[trio.socket.SocketType] = []
     if not (direct and offer.direct):
         mode = DataMode.STREAM
     elif listener is not None and listener.port:
         mode = DataMode.DIAL_RECEIVER
     elif offer.listen_port:
         mode = DataMode.DIAL_SENDER
+    elif offer.punch_ports and ip is not None:
+        try:
+            punch_socks = await _open_punch_ports(ip, layout.stripe_count)
+            mode = DataMode.PUNCH
+        except OSError as exc:
+            log.warning("cannot open bulk punch ports (%r); using the libp2p stream", exc)
+            mode = DataMode.STREAM
     else:
         mode = DataMode.STREAM
-    dest = into if into is not None else bytearray(offer.total_bytes)
-    accept = Accept(share, mode, listener.port if mode is DataMode.DIAL_RECEIVER else 0)  # type: ignore[union-attr]
+    accept = Accept(
+        share,
+        mode,
+        listener.port if mode is DataMode.DIAL_RECEIVER else 0,  # type: ignore[union-attr]
+        tuple(sock.getsockname()[1] for sock in punch_socks),
+    )
 
     try:
         socks: list[trio.socket.SocketType | None] | None = None
@@ -690,6 +941,29 @@ async def receive_bulk(
                 else:
                     socks = list(arrived)
                     pending.socks = [None] * layout.stripe_count
+        elif mode is DataMode.PUNCH:
+            assert ip is not None
+            try:
+                await _write_control(stream, accept, config.control_timeout_s)
+                punched = await _punch_as_receiver(
+                    stream,
+                    ip,
+                    punch_socks,
+                    offer.punch_ports,
+                    key,
+                    offer.transfer_id,
+                    layout,
+                    config,
+                )
+            finally:
+                _close_all(list(punch_socks))
+            if isinstance(punched, Fallback):
+                log.warning(
+                    "punch with the sender failed (%s); using the libp2p stream", punched.reason
+                )
+                mode = DataMode.STREAM
+            else:
+                socks = list(punched)
         else:
             await _write_control(stream, accept, config.control_timeout_s)
             if mode is DataMode.DIAL_SENDER:

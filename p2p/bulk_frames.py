@@ -26,6 +26,12 @@ its limit and allocates once) from a *sender* to a *receiver*:
    before anything is read or allocated. Each stripe ends with an ``END`` frame whose plaintext
    repeats the stripe's byte and frame counts; a connection that closes before it is truncation.
 
+   The connections are dialed toward a peer's bulk listener, or, when neither side has one but the
+   libp2p connection is direct (two NATed peers joined by a hole punch), punched: each side
+   announces one fresh port per stripe (``Offer.punch_ports``, ``Accept.punch_ports``, mode
+   ``PUNCH``) and both connect between those ports at once (TCP simultaneous open). The sender
+   always sends the hello, whichever side's connect or accept produced the socket.
+
 Rules: all transitions live in ``BulkSender``/``BulkReceiver``; an error latches the receiver in
 ``ERROR`` (later calls raise ``LocalProtocolError``); every decoding failure of remote input is a
 ``RemoteProtocolError``, any other exception from this module is a bug.
@@ -68,7 +74,10 @@ MAX_CONTROL_BYTES = MAX_META_BYTES + 1024
 MAX_REASON_CHARS = 256
 
 _MAGIC = b"STBK"
+# The hello and frames are unchanged since version 1; the control messages gained punch ports in
+# version 2 (a peer speaking 1 is refused at its first message rather than misread).
 _VERSION = 1
+_CONTROL_VERSION = 2
 _NONCE_DATA = 0x01
 _NONCE_HELLO = 0x02
 _HKDF_INFO = b"swarmtrain/bulk/1 session key"
@@ -397,6 +406,9 @@ class DataMode(enum.IntEnum):
     STREAM = 0  # payload rides the libp2p stream itself (relayed, or no usable listener)
     DIAL_RECEIVER = 1  # sender dials the receiver's bulk listener
     DIAL_SENDER = 2  # receiver dials the sender's bulk listener
+    PUNCH = (
+        3  # neither listens: both connect at once between announced ports (TCP simultaneous open)
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,6 +421,9 @@ class Offer:
     direct: bool
     listen_port: int  # the sender's bulk listener port, 0 if it has none
     meta: bytes
+    # The sender's hole-punch port per stripe (empty: it offers no punch). Offered when the
+    # libp2p connection is direct and the sender has no listener.
+    punch_ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         TransferLayout(self.total_bytes, self.frame_bytes, self.stripe_count)
@@ -416,6 +431,9 @@ class Offer:
         _check_bytes("share", self.share, SHARE_BYTES, exact=True)
         _check_bytes("meta", self.meta, MAX_META_BYTES)
         _check_port(self.listen_port)
+        _check_punch_ports(self.punch_ports)
+        if self.punch_ports and len(self.punch_ports) != self.stripe_count:
+            raise LocalProtocolError("punch_ports must name one port per stripe")
 
     @property
     def layout(self) -> TransferLayout:
@@ -427,12 +445,18 @@ class Accept:
     share: bytes
     mode: DataMode
     listen_port: int  # the receiver's bulk listener port with DIAL_RECEIVER, else 0
+    # The receiver's hole-punch port per stripe with PUNCH, else empty. (The sender checks the
+    # count against its offer: an Accept alone does not know the stripe count.)
+    punch_ports: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_bytes("share", self.share, SHARE_BYTES, exact=True)
         _check_port(self.listen_port)
+        _check_punch_ports(self.punch_ports)
         if (self.mode is DataMode.DIAL_RECEIVER) != (self.listen_port != 0):
             raise LocalProtocolError("listen_port is set exactly when mode is DIAL_RECEIVER")
+        if (self.mode is DataMode.PUNCH) != bool(self.punch_ports):
+            raise LocalProtocolError("punch_ports are set exactly when mode is PUNCH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -482,6 +506,15 @@ def _check_port(port: object) -> None:
         raise LocalProtocolError("port out of range")
 
 
+def _check_punch_ports(ports: object) -> None:
+    if not isinstance(ports, tuple) or len(ports) > MAX_STRIPES:
+        raise LocalProtocolError(f"punch_ports must be a tuple of at most {MAX_STRIPES} ports")
+    for port in ports:
+        _check_port(port)
+        if port == 0:
+            raise LocalProtocolError("a punch port cannot be 0")
+
+
 def encode_control(message: ControlMessage) -> bytes:
     """Encode a control message with its 4-byte length prefix."""
     if isinstance(message, Offer):
@@ -495,9 +528,10 @@ def encode_control(message: ControlMessage) -> bytes:
             message.direct,
             message.listen_port,
             message.meta,
+            list(message.punch_ports),
         ]
     elif isinstance(message, Accept):
-        body = [2, message.share, int(message.mode), message.listen_port]
+        body = [2, message.share, int(message.mode), message.listen_port, list(message.punch_ports)]
     elif isinstance(message, Reject):
         body = [3, message.reason]
     elif isinstance(message, Fallback):
@@ -506,7 +540,7 @@ def encode_control(message: ControlMessage) -> bytes:
         body = [5, message.ok, message.reason]
     else:
         raise LocalProtocolError(f"not a control message: {type(message).__name__}")
-    packed = msgpack.packb([_VERSION, *body], use_bin_type=True)
+    packed = msgpack.packb([_CONTROL_VERSION, *body], use_bin_type=True)
     return len(packed).to_bytes(4, "big") + packed
 
 
@@ -531,7 +565,7 @@ def decode_control(body: bytes) -> ControlMessage:
     if not isinstance(obj, list) or len(obj) < 2:
         raise RemoteProtocolError("control message is not a list")
     version, code, *fields = obj
-    if version != _VERSION or isinstance(version, bool):
+    if version != _CONTROL_VERSION or isinstance(version, bool):
         raise RemoteProtocolError(f"unsupported control version {version!r}")
     try:
         return _decode_body(code, fields)
@@ -545,10 +579,18 @@ def _typed(value: object, kind: type) -> object:
     return value
 
 
+def _ports(value: object) -> tuple[int, ...]:
+    """A msgpack list of ports as a tuple; the length is bounded before anything is copied."""
+    assert isinstance(value, list)
+    if len(value) > MAX_STRIPES:
+        raise RemoteProtocolError(f"{len(value)} punch ports, at most {MAX_STRIPES}")
+    return tuple(_typed(v, int) for v in value)  # type: ignore[misc]
+
+
 def _decode_body(code: object, fields: list[object]) -> ControlMessage:
     shapes: dict[object, tuple[type, ...]] = {
-        1: (bytes, int, int, int, bytes, bool, int, bytes),
-        2: (bytes, int, int),
+        1: (bytes, int, int, int, bytes, bool, int, bytes, list),
+        2: (bytes, int, int, list),
         3: (str,),
         4: (str,),
         5: (bool, str),
@@ -560,12 +602,13 @@ def _decode_body(code: object, fields: list[object]) -> ControlMessage:
         raise RemoteProtocolError(f"control message {code} has {len(fields)} fields")
     values = [_typed(v, t) for v, t in zip(fields, shape, strict=True)]
     if code == 1:
-        return Offer(*values)  # type: ignore[arg-type]
+        *offer_fields, ports = values
+        return Offer(*offer_fields, _ports(ports))  # type: ignore[arg-type]
     if code == 2:
-        share, mode, port = values
-        if mode not in (0, 1, 2):
+        share, mode, port, ports = values
+        if mode not in tuple(DataMode):
             raise RemoteProtocolError(f"unknown data mode {mode!r}")
-        return Accept(share, DataMode(mode), port)  # type: ignore[arg-type]
+        return Accept(share, DataMode(mode), port, _ports(ports))  # type: ignore[arg-type]
     if code == 3:
         return Reject(*values)  # type: ignore[arg-type]
     if code == 4:

@@ -30,7 +30,14 @@ from p2p.bulk import BulkConfig, BulkListener, receive_bulk, send_bulk
 from p2p.dht import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import Host, HostConfig, open_host, reset_quietly
-from p2p.nat import NatConfig, NatService, advertised_addrs, establish, observed_addrs
+from p2p.nat import (
+    NatConfig,
+    NatService,
+    advertised_addrs,
+    establish,
+    observed_addrs,
+    stream_kind,
+)
 from p2p.reachability import Reachability, ReachabilityVerdict
 from p2p.rpc import call_unary, serve_unary
 from p2p.wire import Message, message
@@ -180,26 +187,27 @@ class Node:
         self, peer_id: ID, nbytes: int, *, deadline_s: float = 60.0
     ) -> BulkProbeResult:
         """Send ``nbytes`` over the bulk data plane to ``peer_id``: how the bytes went (a data
-        connection, or the libp2p stream when relayed) and at what rate. Raises ``P2PError``."""
+        connection dialed to a listener or punched between two NATed peers, or the libp2p stream
+        when relayed or the punch failed) and at what rate. Raises ``P2PError``."""
         await self.reach(peer_id)
         payload = os.urandom(min(nbytes, MAX_BULK_PROBE_BYTES))
         with trio.fail_after(deadline_s):
             stream = await self.host.open_stream(peer_id, BULK_PROBE_PROTOCOL)
             try:
                 start = time.perf_counter()
-                mode = await send_bulk(
-                    stream, payload, direct=self.is_direct(peer_id), listener=self.bulk_listener
-                )
+                # The stream's own connection decides: a relayed one's remote address is not the
+                # peer's, so neither a dial nor a punch may aim at it.
+                direct = stream_kind(stream) == "direct"
+                mode = await send_bulk(stream, payload, direct=direct, listener=self.bulk_listener)
                 seconds = time.perf_counter() - start
             finally:
                 await reset_quietly(stream)
         return BulkProbeResult(mode.name.lower(), len(payload) / (1 << 20) / seconds)
 
     async def _serve_bulk_probe(self, stream: INetStream) -> None:
-        peer_id = stream.muxed_conn.peer_id
         await receive_bulk(
             stream,
-            direct=self.is_direct(peer_id),
+            direct=stream_kind(stream) == "direct",
             listener=self.bulk_listener,
             config=BulkConfig(max_bytes=MAX_BULK_PROBE_BYTES),
         )

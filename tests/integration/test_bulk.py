@@ -355,3 +355,58 @@ async def test_torch_tensors_round_trip(dtype: str, shape: tuple[int, ...]) -> N
     got = received.unwrap()
     assert got.dtype == tensor.dtype and got.shape == tensor.shape
     assert torch.equal(got, tensor)
+
+
+async def test_punched_connection_when_neither_side_listens() -> None:
+    """Two NATed peers joined directly (DCUtR): no listener anywhere, so both connect at once
+    between announced ports; on loopback one SYN meets the other side's listening socket."""
+    payload = os.urandom(5 * MiB + 17)
+    config = BulkConfig(frame_bytes=MiB, stripes=2)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, config=config),
+                lambda s: send_bulk(s, payload, direct=True, meta=b"m", config=config),
+            )
+    assert sent.unwrap() is DataMode.PUNCH
+    got = received.unwrap()
+    assert (got.mode, got.meta, got.data) == (DataMode.PUNCH, b"m", payload)
+
+
+async def test_failed_punch_falls_back_to_the_stream_in_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Neither side can reach the other's punch port (both aim at an address nobody answers
+    on, TEST-NET-1): the sender gives up after its window and both use the libp2p stream."""
+    payload = os.urandom(2 * MiB)
+    config = BulkConfig(punch_timeout_s=1.0)
+    nowhere = "192.0.2.1"
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            start = trio.current_time()
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, config=config, remote_ip=nowhere),
+                lambda s: send_bulk(s, payload, direct=True, config=config, remote_ip=nowhere),
+            )
+            elapsed = trio.current_time() - start
+    assert sent.unwrap() is DataMode.STREAM
+    got = received.unwrap()
+    assert got.mode is DataMode.STREAM and got.data == payload
+    assert "punch" in caplog.text and "using the libp2p stream" in caplog.text
+    # The window plus the stream transfer: well under the receiver's own deadline (4 s more).
+    assert elapsed < config.punch_timeout_s + 2.5, elapsed
+
+
+async def test_relayed_connection_never_punches() -> None:
+    payload = os.urandom(MiB)
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=False),
+                lambda s: send_bulk(s, payload, direct=False),
+            )
+    assert sent.unwrap() is DataMode.STREAM
+    assert received.unwrap().mode is DataMode.STREAM

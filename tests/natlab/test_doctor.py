@@ -20,7 +20,8 @@ hold ``/p2p-circuit`` relay slots; every pair of relay, c, A and B exchanges an 
 is ``/swarmtrain/ping/1`` request/response); pings to public peers are direct; A -> B is direct
 after DCUtR between two cone NATs, and relayed (and still ok) when B's NAT is symmetric. After
 each ping doctor sends 4 MiB over the bulk data plane: to a public peer on a data connection
-dialed out across the pinger's NAT, over a relayed connection on the libp2p stream.
+dialed out across the pinger's NAT; between two cone-NATed peers (A -> B after DCUtR) on a data
+connection punched the same way; over a relayed connection (B symmetric) on the libp2p stream.
 ``test_nat.py`` also checks the *server's* view of each connection, which doctor does not report.
 """
 
@@ -112,8 +113,10 @@ def check_pings(
             assert result["bulk_mode"] == "dial_receiver", (result, proc.tail())
         elif not direct:
             assert result["bulk_mode"] == "stream", (result, proc.tail())
-        # Between two NATed peers after a punch: no listener on either side; today the bytes
-        # ride the libp2p stream (bulk_mode "stream"), printed, not pinned.
+        else:
+            # Two NATed peers joined by DCUtR: neither listens, so the data connection is
+            # punched between them as well (TCP simultaneous open across both cone NATs).
+            assert result["bulk_mode"] == "punch", (result, proc.tail())
     return pings
 
 
@@ -201,7 +204,10 @@ def test_doctor_across_nats(
     check_private(a, relay_id)
     expected = {b["peer_id"]: a_to_b_direct, c["peer_id"]: True, relay_id: True}
     a_to_b = check_pings(a_proc, a, expected, public)[b["peer_id"]]
-    print(f"a->b: direct={a_to_b['direct']} rtt={a_to_b['rtt_ms']} ms bulk={a_to_b['bulk_mode']}")
+    print(
+        f"a->b: direct={a_to_b['direct']} rtt={a_to_b['rtt_ms']} ms bulk={a_to_b['bulk_mode']}"
+        f" {a_to_b.get('bulk_MiBps')} MiB/s"
+    )
     assert a_proc.wait(REPORT_S) == 0, a_proc.tail()  # doctor's own verdict: all checks passed
 
     # The lingering peers are still up: nothing crashed under the others' pings.

@@ -293,17 +293,36 @@ def test_http_request_is_not_a_hello() -> None:
 
 # --- control messages ------------------------------------------------------------------------
 
+ports = st.integers(1, 65535)
+
+
+@st.composite
+def offers(draw: st.DrawFn) -> Offer:
+    stripes = draw(st.integers(1, 16))
+    punch = draw(st.booleans())
+    return Offer(
+        transfer_id=draw(st.binary(min_size=16, max_size=16)),
+        total_bytes=draw(st.integers(0, 1 << 40)),
+        frame_bytes=draw(st.integers(MIN_FRAME_BYTES, 16 << 20)),
+        stripe_count=stripes,
+        share=draw(st.binary(min_size=32, max_size=32)),
+        direct=draw(st.booleans()),
+        listen_port=draw(st.integers(0, 65535)),
+        meta=draw(st.binary(max_size=200)),
+        punch_ports=tuple(draw(st.lists(ports, min_size=stripes, max_size=stripes)))
+        if punch
+        else (),
+    )
+
+
 messages = st.one_of(
+    offers(),
     st.builds(
-        Offer,
-        transfer_id=st.binary(min_size=16, max_size=16),
-        total_bytes=st.integers(0, 1 << 40),
-        frame_bytes=st.integers(MIN_FRAME_BYTES, 16 << 20),
-        stripe_count=st.integers(1, 16),
+        Accept,
         share=st.binary(min_size=32, max_size=32),
-        direct=st.booleans(),
-        listen_port=st.integers(0, 65535),
-        meta=st.binary(max_size=200),
+        mode=st.just(DataMode.PUNCH),
+        listen_port=st.just(0),
+        punch_ports=st.lists(ports, min_size=1, max_size=16).map(tuple),
     ),
     st.builds(
         Accept,
@@ -338,6 +357,40 @@ def test_control_garbage_raises_remote_protocol_error(garbage: bytes) -> None:
         decode_control(garbage)
 
 
+_msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(1 << 63), (1 << 64) - 1)
+    | st.binary(max_size=40)
+    | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=20),
+    max_leaves=40,
+)
+
+
+@given(
+    code=st.sampled_from([1, 2]),
+    fields=st.lists(_msgpack_values, min_size=9, max_size=10),
+    mutate=st.integers(0, 9),
+)
+@settings(max_examples=400, deadline=None)
+def test_control_well_framed_garbage_raises_remote_protocol_error(
+    code: int, fields: list[object], mutate: int
+) -> None:
+    """Garbage inside a well-formed message frame (right version, Offer or Accept code), so the
+    field checks are exercised, not just msgpack's: still only RemoteProtocolError."""
+    import msgpack
+
+    good = [os.urandom(16), 10, 4096, 1, os.urandom(32), True, 0, b"", [4000]]
+    if code == 2:
+        good = [os.urandom(32), 3, 0, [4000]]
+    obj = list(good)
+    obj[mutate % len(obj)] = fields[mutate % len(fields)]
+    for candidate in ([2, code, *obj], [2, code, *fields[: len(good)]]):
+        with contextlib.suppress(RemoteProtocolError):
+            decode_control(msgpack.packb(candidate, use_bin_type=True))
+
+
 def test_control_limits() -> None:
     with pytest.raises(RemoteProtocolError):
         control_length((MAX_CONTROL_BYTES + 1).to_bytes(4, "big"))
@@ -346,14 +399,25 @@ def test_control_limits() -> None:
     import msgpack
 
     bad = [
-        [2, 5, True, ""],  # unknown version
-        [1, 99],  # unknown code
-        [1, 5, 1, ""],  # wrong type
-        [1, 2, os.urandom(32), 7, 0],  # unknown mode
-        [1, 2, os.urandom(32), 1, 0],  # DIAL_RECEIVER without a port
-        [1, 1, b"short", 10, 4096, 1, os.urandom(32), True, 0, b""],  # bad transfer id
-        [1, 1, os.urandom(16), -1, 4096, 1, os.urandom(32), True, 0, b""],  # negative size
-        [1, 1, os.urandom(16), 10, 4096, 1, os.urandom(32), 1, 0, b""],  # int for bool
+        [1, 5, True, ""],  # version 1 (no punch ports) is refused
+        [3, 5, True, ""],  # unknown version
+        [2, 99],  # unknown code
+        [2, 5, 1, ""],  # wrong type
+        [2, 2, os.urandom(32), 7, 0, []],  # unknown mode
+        [2, 2, os.urandom(32), 1, 0, []],  # DIAL_RECEIVER without a port
+        [2, 2, os.urandom(32), 0, 0],  # Accept without its punch ports field
+        [2, 2, os.urandom(32), 3, 0, []],  # PUNCH without ports
+        [2, 2, os.urandom(32), 0, 0, [5000]],  # ports without PUNCH
+        [2, 2, os.urandom(32), 3, 0, [0]],  # port 0
+        [2, 2, os.urandom(32), 3, 0, [70000]],  # port out of range
+        [2, 2, os.urandom(32), 3, 0, [True]],  # bool for a port
+        [2, 2, os.urandom(32), 3, 0, [b"\x10\x00"]],  # bytes for a port
+        [2, 2, os.urandom(32), 3, 0, list(range(1000, 1017))],  # more ports than stripes allow
+        [2, 2, os.urandom(32), 3, 0, 5000],  # a port, not a list
+        [2, 1, b"short", 10, 4096, 1, os.urandom(32), True, 0, b"", []],  # bad transfer id
+        [2, 1, os.urandom(16), -1, 4096, 1, os.urandom(32), True, 0, b"", []],  # negative size
+        [2, 1, os.urandom(16), 10, 4096, 1, os.urandom(32), 1, 0, b"", []],  # int for bool
+        [2, 1, os.urandom(16), 10, 4096, 2, os.urandom(32), True, 0, b"", [9]],  # 1 port, 2 stripes
     ]
     for obj in bad:
         with pytest.raises(RemoteProtocolError):
