@@ -41,6 +41,11 @@ def _add_common(parser: argparse.ArgumentParser, *, listen_default: str) -> None
         metavar="MULTIADDR",
         help=f"address to listen on, repeatable [{listen_default}]",
     )
+    parser.add_argument(
+        "--upnp",
+        action="store_true",
+        help="ask the home router for a UPnP port mapping (adds about 4 s when none answers)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -129,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             options = RelayOptions(
                 listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4001"]),
                 announce=tuple(args.announce),
+                upnp=args.upnp,
             )
             trio.run(run_relay, key_pair, options)
         elif args.command == "doctor":
@@ -141,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ping=tuple(args.ping),
                 linger_s=args.linger,
                 bulk_bytes=int(args.bulk_mib * (1 << 20)),
+                upnp=args.upnp,
             )
 
             def emit(report: DoctorReport) -> None:

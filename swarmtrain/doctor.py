@@ -18,7 +18,15 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
-from p2p import HostConfig, NodeConfig, P2PError, PingResult, join_addr, open_node
+from p2p import (
+    HostConfig,
+    NodeConfig,
+    P2PError,
+    PingResult,
+    join_addr,
+    open_node,
+    upnp_status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +39,7 @@ class DoctorOptions:
     linger_s: float = 0.0
     # Bytes sent over the bulk data plane to each pinged peer (0: skip the throughput check).
     bulk_bytes: int = 4 << 20
+    upnp: bool = False
 
 
 @dataclass
@@ -44,6 +53,8 @@ class DoctorReport:
     pings: list[PingResult] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    upnp: dict[str, object] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -60,6 +71,8 @@ class DoctorReport:
             "joined": self.joined,
             "pings": [p.to_json() for p in self.pings],
             "problems": self.problems,
+            "hints": self.hints,
+            "upnp": self.upnp,
         }
 
 
@@ -71,6 +84,11 @@ def format_report(report: DoctorReport) -> str:
         f"reachability  {report.reachability}"
         + (f" ({report.reachability_how})" if report.reachability_how else ""),
         *(f"relay slot    {r}" for r in report.relays),
+        *(
+            [f"upnp          external ip {report.upnp.get('external_ip') or 'none (no gateway)'}"]
+            if report.upnp.get("enabled")
+            else []
+        ),
         *(f"joined via    {j}" for j in report.joined),
     ]
     for p in report.pings:
@@ -81,6 +99,7 @@ def format_report(report: DoctorReport) -> str:
         else:
             lines.append(f"ping          {p.peer_id}: FAILED: {p.error}")
     lines.extend(f"problem       {text}" for text in report.problems)
+    lines.extend(f"hint          {text}" for text in report.hints)
     lines.append("result        " + ("all checks passed" if report.ok else "problems found"))
     return "\n".join(lines)
 
@@ -108,7 +127,10 @@ async def run_doctor(
             ping = ping or [str(local.host.peer_id)]
         node = await stack.enter_async_context(
             open_node(
-                NodeConfig(HostConfig(key_pair, listen_addrs=options.listen), bootstrap=tuple(join))
+                NodeConfig(
+                    HostConfig(key_pair, listen_addrs=options.listen, enable_upnp=options.upnp),
+                    bootstrap=tuple(join),
+                )
             )
         )
         verdict = node.reachability
@@ -120,11 +142,18 @@ async def run_doctor(
             reachability_how=verdict.reason,
             relays=[str(a) for a in node.relay_addrs()],
             joined=join,
+            upnp=upnp_status(node.host),
         )
-        if verdict.status.value == "private" and not report.relays:
-            report.problems.append(
-                "private and no relay slot: other peers cannot reach us (is the relay up?)"
-            )
+        if verdict.status.value == "private":
+            if not report.relays:
+                report.problems.append(
+                    "private and no relay slot: other peers cannot reach us (is the relay up?)"
+                )
+            if not options.upnp:
+                report.hints.append(
+                    "behind a NAT: peers reach us through a relay or a hole punch; if your "
+                    "router supports UPnP, --upnp may make us directly reachable"
+                )
         for text in ping:
             try:
                 peer_id = ID.from_base58(text)

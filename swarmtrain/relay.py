@@ -24,11 +24,17 @@ class RelayOptions:
     listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/4001",)
     announce: tuple[str, ...] = ()
     status_interval_s: float = 60.0
+    upnp: bool = False
 
 
 async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
     config = NodeConfig(
-        HostConfig(key_pair, listen_addrs=options.listen, announce_addrs=options.announce),
+        HostConfig(
+            key_pair,
+            listen_addrs=options.listen,
+            announce_addrs=options.announce,
+            enable_upnp=options.upnp,
+        ),
         role="relay",
     )
     async with open_node(config) as node:

@@ -46,6 +46,15 @@ def test_doctor_alone_checks_against_an_in_process_relay(tmp_path: Path) -> None
     assert ping["ok"] and ping["direct"] and ping["rtt_ms"] > 0
 
 
+def test_doctor_upnp_is_tried_and_fails_plainly_without_a_gateway(tmp_path: Path) -> None:
+    result = _run(
+        "doctor", "--identity", str(tmp_path / "k"), "--upnp", "--bulk-mib", "0", "--json"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["upnp"] == {"enabled": True, "external_ip": None}
+
+
 def test_relay_and_two_doctors_find_and_ping_each_other(tmp_path: Path) -> None:
     relay = PeerProcess(
         [
