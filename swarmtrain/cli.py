@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except P2PError as exc:
         print(f"swarmtrain {args.command}: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"peer_id": str(peer_id_of(key_pair)), "error": str(exc)}))
         return 1
     return 0
 

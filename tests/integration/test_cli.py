@@ -46,6 +46,16 @@ def test_doctor_alone_checks_against_an_in_process_relay(tmp_path: Path) -> None
     assert ping["ok"] and ping["direct"] and ping["rtt_ms"] > 0
 
 
+def test_doctor_names_the_cause_when_the_join_peer_is_down(tmp_path: Path) -> None:
+    dead = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZiYVZb"
+    result = _run("doctor", "--identity", str(tmp_path / "k"), "--join", dead, "--json")
+    assert result.returncode == 1
+    assert "no bootstrap peer could be reached" in result.stderr
+    assert json.loads(result.stdout)["error"] == "no bootstrap peer could be reached"
+    garbage = _run("doctor", "--identity", str(tmp_path / "k"), "--join", "not-an-address")
+    assert garbage.returncode == 1 and "bad --join address 'not-an-address'" in garbage.stderr
+
+
 def test_doctor_upnp_is_tried_and_fails_plainly_without_a_gateway(tmp_path: Path) -> None:
     result = _run(
         "doctor", "--identity", str(tmp_path / "k"), "--upnp", "--bulk-mib", "0", "--json"
