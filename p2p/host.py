@@ -25,6 +25,7 @@ import multiaddr
 import trio
 from libp2p import new_host
 from libp2p.abc import IHost, INetConn, INetStream, INetwork, INotifee
+from libp2p.connection_types import ConnectionType
 from libp2p.crypto.keys import KeyPair
 from libp2p.custom_types import TProtocol
 from libp2p.network.config import ConnectionConfig
@@ -58,12 +59,31 @@ class HostStatistics:
     connections_refused_over_limit: int = 0
 
 
-def is_relayed(conn: INetConn) -> bool:
+def is_relayed(conn: Any) -> bool:
+    """Whether a connection runs through a circuit relay.
+
+    Both signals: 0.8.1 types the connections it builds for circuits as RELAYED, and tags them
+    with /p2p-circuit addresses; an inbound circuit can miss the type, an outbound the tag.
+    """
     try:
-        addrs = conn.get_transport_addresses()
+        if conn.get_connection_type() is ConnectionType.RELAYED:
+            return True
+    except Exception:
+        pass
+    try:
+        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
     except Exception:
         return False
-    return any("/p2p-circuit" in str(a) for a in addrs)
+
+
+def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
+    """``direct`` if any live connection to ``peer_id`` is direct, ``relayed`` if all go through
+    a relay, None when not connected."""
+    raw = host.libp2p if isinstance(host, Host) else host
+    conns = raw.get_network().get_connections(peer_id)
+    if not conns:
+        return None
+    return "relayed" if all(is_relayed(c) for c in conns) else "direct"
 
 
 class _LimitNotifee(INotifee):
@@ -174,12 +194,7 @@ class Host:
         return list(self.libp2p.get_network().get_connections_map())
 
     def connection_kind(self, peer_id: ID) -> ConnectionKind | None:
-        """``direct`` if any live connection to the peer is direct, ``relayed`` if all go
-        through a relay, None when not connected."""
-        conns = self.libp2p.get_network().get_connections(peer_id)
-        if not conns:
-            return None
-        return "relayed" if all(is_relayed(c) for c in conns) else "direct"
+        return connection_kind(self, peer_id)
 
 
 async def reset_quietly(stream: INetStream) -> None:

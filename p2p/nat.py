@@ -35,13 +35,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 import multiaddr
 import trio
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream
-from libp2p.connection_types import ConnectionType
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
@@ -55,7 +53,7 @@ from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.errors import P2PError, PeerUnreachable
-from p2p.host import Host
+from p2p.host import ConnectionKind, Host, connection_kind, is_relayed
 from p2p.reachability import (
     DIALBACK_PROTOCOL,
     DialBackRequest,
@@ -72,8 +70,6 @@ from p2p.reachability import (
 from p2p.rpc import RpcErrorReply, RpcStream, call_unary
 
 log = logging.getLogger(__name__)
-
-ConnectionKind = Literal["direct", "relayed"]
 
 
 @dataclass(frozen=True)
@@ -110,33 +106,9 @@ class NatConfig:
 # --------------------------------------------------------------------------- connection kinds
 
 
-def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
-    """``direct`` if any live connection to ``peer_id`` is direct, ``relayed`` if all go through
-    a relay, None when not connected."""
-    raw = host.libp2p if isinstance(host, Host) else host
-    conns = raw.get_network().get_connections(peer_id)
-    if not conns:
-        return None
-    return "relayed" if all(_conn_is_relayed(c) for c in conns) else "direct"
-
-
 def stream_kind(stream: INetStream) -> ConnectionKind:
     """Whether this stream runs over a relayed or a direct connection."""
-    return "relayed" if _conn_is_relayed(stream.muxed_conn) else "direct"
-
-
-def _conn_is_relayed(conn: Any) -> bool:
-    # Both signals: 0.8.1 types the connections it builds for circuits as RELAYED, and tags them
-    # with /p2p-circuit addresses; an inbound circuit can miss the type, an outbound the tag.
-    try:
-        if conn.get_connection_type() is ConnectionType.RELAYED:
-            return True
-    except Exception:
-        pass
-    try:
-        return any("/p2p-circuit" in str(a) for a in conn.get_transport_addresses())
-    except Exception:
-        return False
+    return "relayed" if is_relayed(stream.muxed_conn) else "direct"
 
 
 def is_circuit_addr(addr: multiaddr.Multiaddr | str) -> bool:
@@ -461,7 +433,7 @@ def advertised_addrs(host: Host, nat: NatService) -> list[multiaddr.Multiaddr]:
 
 
 def _remote_ip(stream: INetStream) -> str | None:
-    if _conn_is_relayed(stream.muxed_conn):
+    if is_relayed(stream.muxed_conn):
         return None
     try:
         remote = stream.get_remote_address()
