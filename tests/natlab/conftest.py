@@ -26,8 +26,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 NATLAB = HERE / "natlab.sh"
 NAT_PEER = HERE / "nat_peer.py"
-# Not the natlab.sh default ("st-"), so a developer's hand-started lab survives a test run.
-PREFIX = os.environ.get("NATLAB_PREFIX", "stt-")
+# Not the natlab.sh default ("st-"), so a developer's hand-started lab survives a test run, and
+# one per pytest process, so two test runs on one machine never tear down each other's lab.
+PREFIX = os.environ.get("NATLAB_PREFIX", f"stt{os.getpid()}-")
 
 
 def lab_unavailable_reason() -> str | None:
