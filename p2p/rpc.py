@@ -35,6 +35,7 @@ from p2p.errors import P2PError, RemoteError, RemoteProtocolError
 from p2p.host import Host, reset_quietly
 from p2p.tensors import TensorHeader, as_wire_bytes, from_wire_bytes, header_for
 from p2p.wire import (
+    FRAME_HEADER,
     Message,
     decode,
     encode,
@@ -105,7 +106,7 @@ class RpcStream:
         for index in range(header.num_chunks):
             start = index * header.chunk_bytes
             want = min(header.chunk_bytes, header.nbytes - start)
-            (length,) = _unpack_len(await read_exactly(self.stream, 4))
+            length = FRAME_HEADER.unpack(await read_exactly(self.stream, FRAME_HEADER.size))[0]
             if length != want:
                 raise RemoteProtocolError(f"tensor chunk {index} is {length} B, expected {want}")
             view[start : start + want] = await read_exactly(self.stream, want)
@@ -117,10 +118,6 @@ class RpcStream:
                 await self.stream.close()
             except Exception as exc:
                 log.debug("stream close failed: %r", exc)
-
-
-def _unpack_len(header: bytes) -> tuple[int]:
-    return (int.from_bytes(header, "big"),)
 
 
 UnaryHandler = Callable[[ID, M], Awaitable[Message]]
@@ -169,8 +166,6 @@ def _guarded(
             log.warning("rejected %s from %s: %s", protocol, rpc.peer_id, exc)
             await _reply_error(rpc, "bad_request", str(exc))
             return
-        except RemoteError:
-            raise
         except Exception as exc:
             log.warning("handler %s failed for %s: %r", protocol, rpc.peer_id, exc)
             await _reply_error(rpc, "internal", f"{type(exc).__name__}: {exc}")
