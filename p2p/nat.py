@@ -3,10 +3,8 @@
 ``NatService(host, config)`` is one service in the node's nursery (``await nursery.start(nat.run)``)
 that owns, on the host:
 
-- the dial-back server (``/swarmtrain/dialback/1``): on request it dials the asker's addresses
-  from a *throwaway host* (new key, new socket, new source port), so the answer says whether a
-  stranger can reach the asker. 0.8.1's AutoNAT answers over the existing connection and always
-  says reachable (DESIGN.md). The decisions live in ``p2p.reachability`` (sans-IO);
+- the dial-back server (``/swarmtrain/dialback/1``, ``p2p.dialback``: it dials the asker back
+  from a throwaway host), and ``check_reachability``, which asks helpers for that dial-back;
 - circuit relay v2: the hop role with limits when ``config.relay_hop`` (public peers), the stop
   role always (so anyone can be reached through a relay), reservations on relays for private
   peers (``reserve``), and the ``/p2p-circuit`` addresses those give (``circuit_addrs``). 0.8.1
@@ -38,10 +36,7 @@ from dataclasses import dataclass, field
 
 import multiaddr
 import trio
-from libp2p import new_host
 from libp2p.abc import IHost, INetStream
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
@@ -52,22 +47,17 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from p2p.dialback import ask_for_dialbacks, serve_dialback
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import ConnectionKind, Host, connection_kind, is_relayed
 from p2p.reachability import (
     DIALBACK_PROTOCOL,
-    DialBackRequest,
-    DialBackResponse,
-    HelperReport,
     Reachability,
     ReachabilityVerdict,
     decide_reachability,
     dialback_candidates,
     parse_tcp_addr,
-    report_from_response,
-    select_dialback_targets,
 )
-from p2p.rpc import RpcErrorReply, RpcStream, call_unary
 
 log = logging.getLogger(__name__)
 
@@ -221,57 +211,19 @@ class NatService:
         candidates = dialback_candidates(
             [str(a) for a in raw.get_addrs()], [str(a) for a in observed_addrs(raw)]
         )
-        reports: list[HelperReport] = []
-        deadline_s = self.config.dialback_dial_timeout_s + 5.0
-
-        async def ask(helper: ID) -> None:
-            try:
-                response = await call_unary(
-                    self.host,
-                    helper,
-                    DIALBACK_PROTOCOL,
-                    DialBackRequest(candidates),
-                    DialBackResponse,
-                    deadline_s=deadline_s,
-                )
-            except P2PError as exc:
-                reports.append(HelperReport(helper.to_base58(), error=str(exc)))
-                return
-            reports.append(report_from_response(helper.to_base58(), response))
-
-        async with trio.open_nursery() as nursery:
-            for helper in dict.fromkeys(helpers):
-                if helper != self.host.peer_id:
-                    nursery.start_soon(ask, helper)
+        reports = await ask_for_dialbacks(
+            self.host,
+            helpers,
+            candidates,
+            deadline_s=self.config.dialback_dial_timeout_s + 5.0,
+        )
         verdict = decide_reachability(reports, min_confirmations=min_confirmations)
         log.info("reachability %s: %s", verdict.status.value, verdict.reason)
         self.last_verdict = verdict
         return verdict
 
     async def _serve_dialback(self, stream: INetStream) -> None:
-        rpc = RpcStream(stream)
-        request = await rpc.receive(DialBackRequest)
-        observed_ip = _remote_ip(stream)
-        if observed_ip is None:
-            # Over a relayed connection we cannot see the asker's address, so there is no IP we
-            # may safely dial (anti-amplification: only ever dial the IP we see).
-            await rpc.send(RpcErrorReply("no_observed_ip", "ask over a direct connection"))
-            await rpc.close()
-            return
-        targets = select_dialback_targets(request.addrs, observed_ip)
-        async with self._dialback_slots:
-            results = await dial_back(
-                rpc.peer_id, targets, timeout_s=self.config.dialback_dial_timeout_s
-            )
-        await rpc.send(
-            DialBackResponse(
-                observed_ip,
-                tuple(t for t, _ in results),
-                tuple(err == "" for _, err in results),
-                tuple(err for _, err in results),
-            )
-        )
-        await rpc.close()
+        await serve_dialback(stream, self._dialback_slots, self.config.dialback_dial_timeout_s)
 
     # ------------------------------------------------------------------ relays
 
@@ -427,48 +379,3 @@ def advertised_addrs(host: Host, nat: NatService) -> list[multiaddr.Multiaddr]:
     (0.8.1 does not list them in ``get_addrs()``)."""
     plain = [multiaddr.Multiaddr(_without_p2p(a)) for a in host.addrs() if not is_circuit_addr(a)]
     return [*plain, *nat.circuit_addrs()]
-
-
-# --------------------------------------------------------------------------- dial-back helper
-
-
-def _remote_ip(stream: INetStream) -> str | None:
-    if is_relayed(stream.muxed_conn):
-        return None
-    try:
-        remote = stream.get_remote_address()
-    except Exception:
-        remote = None
-    if remote:
-        return str(remote[0])
-    return None
-
-
-async def dial_back(
-    peer_id: ID, targets: Sequence[str], *, timeout_s: float
-) -> list[tuple[str, str]]:
-    """Dial ``peer_id`` at each target from a throwaway host (fresh key and sockets, so nothing
-    is reused from existing connections); ``[(target, "" if it answered else why not)]``.
-    Each dial is bounded by ``timeout_s``; the whole call by about that much."""
-    if not targets:
-        return []
-    results: dict[str, str] = {}
-    probe = new_host(
-        key_pair=create_new_key_pair(),
-        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=timeout_s),
-    )
-
-    async def dial_one(target: str) -> None:
-        results[target] = f"no answer in {timeout_s} s"
-        with trio.move_on_after(timeout_s):
-            try:
-                await probe.get_network().dial_addr(multiaddr.Multiaddr(target), peer_id)
-                results[target] = ""
-            except Exception as exc:
-                results[target] = f"{type(exc).__name__}: {exc}"[:200]
-
-    with trio.move_on_after(timeout_s + 2.0):
-        async with probe.run([]), trio.open_nursery() as nursery:
-            for target in targets:
-                nursery.start_soon(dial_one, target)
-    return [(t, results.get(t, "not dialed")) for t in targets]

@@ -217,7 +217,7 @@ async def _rejected(port: int, data: bytes, *, hang_up: bool = False) -> None:
 async def test_unauthenticated_connections_rejected_and_listener_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="p2p.bulk")
+    caplog.set_level(logging.WARNING, logger="p2p.bulk_listener")
     key, wrong_key, transfer_id = os.urandom(32), os.urandom(32), os.urandom(16)
     with trio.fail_after(TEST_DEADLINE_S):
         async with two_peers() as peers:

@@ -1,0 +1,128 @@
+"""Dial-back reachability checks (``/swarmtrain/dialback/1``): the server and the client.
+
+On request the server dials the asker's addresses from a *throwaway host* (new key, new socket,
+new source port), so the answer says whether a stranger can reach the asker. 0.8.1's AutoNAT
+answers over the existing connection and always says reachable (DESIGN.md). The decisions live in
+``p2p.reachability`` (sans-IO); ``p2p.nat.NatService`` serves and asks through these functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import multiaddr
+import trio
+from libp2p import new_host
+from libp2p.abc import INetStream
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+
+from p2p.errors import P2PError
+from p2p.host import Host, is_relayed
+from p2p.reachability import (
+    DIALBACK_PROTOCOL,
+    DialBackRequest,
+    DialBackResponse,
+    HelperReport,
+    report_from_response,
+    select_dialback_targets,
+)
+from p2p.rpc import RpcErrorReply, RpcStream, call_unary
+
+
+async def ask_for_dialbacks(
+    host: Host, helpers: Sequence[ID], candidates: tuple[str, ...], *, deadline_s: float
+) -> list[HelperReport]:
+    """Ask each helper (concurrently) to dial us back at ``candidates``; one report per helper,
+    in the order they came back. Never raises for a helper's failure: its report has the error."""
+    reports: list[HelperReport] = []
+
+    async def ask(helper: ID) -> None:
+        try:
+            response = await call_unary(
+                host,
+                helper,
+                DIALBACK_PROTOCOL,
+                DialBackRequest(candidates),
+                DialBackResponse,
+                deadline_s=deadline_s,
+            )
+        except P2PError as exc:
+            reports.append(HelperReport(helper.to_base58(), error=str(exc)))
+            return
+        reports.append(report_from_response(helper.to_base58(), response))
+
+    async with trio.open_nursery() as nursery:
+        for helper in dict.fromkeys(helpers):
+            if helper != host.peer_id:
+                nursery.start_soon(ask, helper)
+    return reports
+
+
+async def serve_dialback(stream: INetStream, slots: trio.Semaphore, dial_timeout_s: float) -> None:
+    """Answer one dial-back request: dial the asker at the addresses it named on the IP we see it
+    at (at most ``slots`` requests dialing at once), and report what answered."""
+    rpc = RpcStream(stream)
+    request = await rpc.receive(DialBackRequest)
+    observed_ip = _remote_ip(stream)
+    if observed_ip is None:
+        # Over a relayed connection we cannot see the asker's address, so there is no IP we
+        # may safely dial (anti-amplification: only ever dial the IP we see).
+        await rpc.send(RpcErrorReply("no_observed_ip", "ask over a direct connection"))
+        await rpc.close()
+        return
+    targets = select_dialback_targets(request.addrs, observed_ip)
+    async with slots:
+        results = await dial_back(rpc.peer_id, targets, timeout_s=dial_timeout_s)
+    await rpc.send(
+        DialBackResponse(
+            observed_ip,
+            tuple(t for t, _ in results),
+            tuple(err == "" for _, err in results),
+            tuple(err for _, err in results),
+        )
+    )
+    await rpc.close()
+
+
+def _remote_ip(stream: INetStream) -> str | None:
+    if is_relayed(stream.muxed_conn):
+        return None
+    try:
+        remote = stream.get_remote_address()
+    except Exception:
+        remote = None
+    if remote:
+        return str(remote[0])
+    return None
+
+
+async def dial_back(
+    peer_id: ID, targets: Sequence[str], *, timeout_s: float
+) -> list[tuple[str, str]]:
+    """Dial ``peer_id`` at each target from a throwaway host (fresh key and sockets, so nothing
+    is reused from existing connections); ``[(target, "" if it answered else why not)]``.
+    Each dial is bounded by ``timeout_s``; the whole call by about that much."""
+    if not targets:
+        return []
+    results: dict[str, str] = {}
+    probe = new_host(
+        key_pair=create_new_key_pair(),
+        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=timeout_s),
+    )
+
+    async def dial_one(target: str) -> None:
+        results[target] = f"no answer in {timeout_s} s"
+        with trio.move_on_after(timeout_s):
+            try:
+                await probe.get_network().dial_addr(multiaddr.Multiaddr(target), peer_id)
+                results[target] = ""
+            except Exception as exc:
+                results[target] = f"{type(exc).__name__}: {exc}"[:200]
+
+    with trio.move_on_after(timeout_s + 2.0):
+        async with probe.run([]), trio.open_nursery() as nursery:
+            for target in targets:
+                nursery.start_soon(dial_one, target)
+    return [(t, results.get(t, "not dialed")) for t in targets]
