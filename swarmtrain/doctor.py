@@ -8,8 +8,9 @@ on loopback and checks against that, so the whole stack runs on a machine with n
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
 
@@ -104,6 +105,33 @@ def format_report(report: DoctorReport) -> str:
     return "\n".join(lines)
 
 
+def _address_mismatch_hints(listen: Sequence[str], observed_ips: Sequence[str]) -> list[str]:
+    """A host with several public addresses sends from its first one; helpers dial back only the
+    address they see us at, so listening on another one looks private from outside."""
+    listen_ips = {a.split("/")[2] for a in listen if a.startswith("/ip4/")}
+    specific = {x for x in listen_ips if x != "0.0.0.0"}
+    hints = []
+    for ip in observed_ips:
+        if specific and ip not in specific and not any(_behind_nat(x) for x in specific):
+            hints.append(
+                f"we listen on {', '.join(sorted(specific))} but peers see us at {ip}: "
+                f"outbound traffic leaves from another address; listen on {ip} or 0.0.0.0"
+            )
+    return hints
+
+
+_NAT_RANGES = [
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "127.0.0.0/8")
+]
+
+
+def _behind_nat(ip: str) -> bool:
+    """A LAN, carrier-grade NAT or loopback address: being seen elsewhere is expected."""
+    addr = ipaddress.ip_address(ip)
+    return any(addr in net for net in _NAT_RANGES)
+
+
 async def run_doctor(
     key_pair: KeyPair,
     options: DoctorOptions,
@@ -154,6 +182,7 @@ async def run_doctor(
                     "behind a NAT: peers reach us through a relay or a hole punch; if your "
                     "router supports UPnP, --upnp may make us directly reachable"
                 )
+            report.hints.extend(_address_mismatch_hints(options.listen, verdict.observed_ips))
         for text in ping:
             try:
                 peer_id = ID.from_base58(text)
