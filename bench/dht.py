@@ -29,7 +29,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HIVEMIND_BENCH = Path("/work/shared/bench/hivemind/bench_dht.py")
+# The anchor script lives in ../shared beside the checkout (as CI and the brief lay it out).
+HIVEMIND_BENCH = Path(
+    os.environ.get(
+        "HIVEMIND_BENCH_DHT", REPO.parent / "shared" / "bench" / "hivemind" / "bench_dht.py"
+    )
+)
 START_TIMEOUT_S = 120.0
 REPLY_TIMEOUT_S = 600.0
 VALUE_BYTES = 64
