@@ -105,3 +105,18 @@ def running(*argvs: Sequence[str]) -> Iterator[list[PeerProcess]]:
 
 def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+SWARMTRAIN = [sys.executable, "-m", "swarmtrain.cli"]
+
+
+def start_relay(identity: Path) -> tuple[PeerProcess, str]:
+    """A `swarmtrain relay` on loopback and its join address (its first stdout line)."""
+    relay = PeerProcess(
+        [*SWARMTRAIN, "relay", "--identity", str(identity), "--listen", "/ip4/127.0.0.1/tcp/0"]
+    )
+    try:
+        return relay, relay.wait_line(timeout_s=30)
+    except BaseException:
+        relay.stop()
+        raise

@@ -5,12 +5,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from peerproc import PeerProcess
-
-SWARMTRAIN = [sys.executable, "-m", "swarmtrain.cli"]
+from peerproc import SWARMTRAIN, PeerProcess, start_relay
 
 
 def _run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
@@ -66,19 +63,9 @@ def test_doctor_upnp_is_tried_and_fails_plainly_without_a_gateway(tmp_path: Path
 
 
 def test_relay_and_two_doctors_find_and_ping_each_other(tmp_path: Path) -> None:
-    relay = PeerProcess(
-        [
-            *SWARMTRAIN,
-            "relay",
-            "--identity",
-            str(tmp_path / "r"),
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-        ]
-    )
+    relay, join = start_relay(tmp_path / "r")
     lingering = None
     try:
-        join = relay.wait_line(timeout_s=30)
         assert join.startswith("/ip4/127.0.0.1/tcp/") and "/p2p/12D3KooW" in join
         lingering = PeerProcess(
             [

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import multiaddr
@@ -14,11 +13,10 @@ import trio
 import varint
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
-from peerproc import PeerProcess
+from peerproc import SWARMTRAIN, start_relay
 
 from p2p import HostConfig, open_host
 
-SWARMTRAIN = [sys.executable, "-m", "swarmtrain.cli"]
 KAD = "/ipfs/kad/1.0.0"
 
 HOSTILE = [
@@ -30,18 +28,8 @@ HOSTILE = [
 
 
 def test_kad_garbage_leaves_the_relay_serving(tmp_path: Path) -> None:
-    relay = PeerProcess(
-        [
-            *SWARMTRAIN,
-            "relay",
-            "--identity",
-            str(tmp_path / "r"),
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-        ]
-    )
+    relay, join = start_relay(tmp_path / "r")
     try:
-        join = relay.wait_line(timeout_s=30)
         addr = multiaddr.Multiaddr(join)
         relay_id = ID.from_base58(addr.value_for_protocol("p2p"))
 
