@@ -44,3 +44,29 @@ def test_other_packages_use_only_the_public_face_of_p2p() -> None:
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("p2p."):
                     offenders.append(f"{path.relative_to(ROOT)}: from {node.module} import")
     assert not offenders, offenders
+
+
+# Protocol decisions live in sans-IO modules: no event loop, sockets, clocks or randomness.
+SANS_IO = [
+    "p2p/wire.py",
+    "p2p/tensors.py",
+    "p2p/records.py",
+    "p2p/reachability.py",
+    "p2p/bulk_frames.py",
+    "swarm/compression.py",
+    "swarm/matchmaking.py",
+    "swarm/allreduce.py",
+]
+FORBIDDEN_IN_SANS_IO = {"trio", "libp2p", "socket", "time", "random", "asyncio", "threading"}
+
+
+def test_sans_io_modules_import_no_io() -> None:
+    offenders = []
+    for rel in SANS_IO:
+        path = ROOT / rel
+        if not path.exists():
+            continue  # a module an issue has not written yet
+        bad = _imports(path) & FORBIDDEN_IN_SANS_IO
+        if bad:
+            offenders.append(f"{rel} imports {sorted(bad)}")
+    assert not offenders, offenders
