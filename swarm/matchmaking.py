@@ -1,0 +1,425 @@
+"""Matchmaking through the DHT: who averages with whom in round r, decided without a leader.
+
+Theory of operation
+-------------------
+Every peer of a run that wants to average in round ``r`` publishes a ``Declaration`` as its own
+signed subkey under the DHT key ``round_key(run_id, r)`` (``run/<id>/round/<r>``). The groups of a
+round are a *pure function of the set of declarations* (``derive_groups``): no peer proposes,
+votes or leads, so any two peers that read the same set compute the same groups, byte for byte.
+
+``derive_groups`` rules:
+
+* Only declarations for round ``r`` count; a peer that appears twice keeps its greatest
+  declaration (by ``declared_at``, then the other fields), so the input order never matters.
+* Up to ``max_group_size`` peers form one group. Above it the swarm splits into
+  ``g = ceil(n / max_group_size)`` groups whose sizes differ by at most one.
+* Splits change every round so that information mixes (Moshpit SGD, a grid of groups). Peers are
+  ordered by ``sha256(run_seed, peer_id)`` and laid out in rows of ``g``; in round ``r`` the peer
+  at row ``k``, column ``c`` joins group ``(c + k * r) mod g``. Each full row puts one peer in
+  every group, so groups stay balanced; two peers of rows ``k1 != k2`` that meet in round ``r``
+  are apart in round ``r + 1`` unless ``g`` divides ``k2 - k1``. So the partition of round ``r + 1``
+  always differs from that of round ``r`` when the swarm is split, and after a column round and a
+  diagonal round every group holds every column's average once there are at least ``g`` rows.
+
+``Matchmaker`` is the state machine of one peer for one round (role-free, h11 style: all
+transition logic lives in this file and the machine never knows which peer "leads"):
+
+    DECLARING --LocalRequest--> WAITING --(all expected declared)--> FORMED
+                                   |                                   ^
+                                   +--DeadlineReached--> CONFIRMING ---+--> FAILED
+
+* ``LocalRequest(declaration)`` orders ``Publish(declaration)``.
+* ``DeclarationsSeen(decls)`` adds what a DHT read returned to the view. Declarations for another
+  round, or stamped after the deadline, are not for this round and are left out.
+* There is no minimum wait: as soon as every *expected* peer (the driver passes the previous
+  round's members still believed alive) has declared, the group forms.
+* Otherwise, at the deadline, the machine orders one more ``ReadDeclarations`` and decides on the
+  union of its view and that read, delivered as ``DeclarationsReread`` (CONFIRMING); if the read
+  does not come back by ``deadline + config.confirm_timeout_s`` the round fails for this peer.
+* Events after FORMED are ignored (a late declaration is not included: that peer joins the next
+  round, see ``target_round``). Any event after FAILED raises ``LocalProtocolError``.
+
+Convergence rule for partial views (why two peers with different views agree):
+
+1. If every expected peer has declared, the members are exactly the expected peers. Unexpected
+   declarers (newcomers) are deferred to a later round, so two peers that both finish early agree
+   whatever extra declarations each happened to see, and a peer that reached its deadline but whose
+   re-read shows every expected peer applies the same rule and agrees with them too.
+2. Otherwise (an expected peer never declared, so nobody could finish early) the members are all
+   declarers for the round stamped no later than the deadline, read once after the deadline.
+   Honest peers publish for round ``r`` only before its deadline (``target_round``), so after the
+   deadline the set is closed and every re-read returns the same set: the groups are identical.
+
+The assumption is that a DHT read made after the deadline returns every declaration stored before
+it; a peer whose read misses one may compute other groups, and its all-reduce partners then
+refuse it (the group id differs), which costs that peer one round, never a wrong result.
+
+Newcomers enter through the expected set: a peer that is late for round ``r`` declares for
+``r + 1`` (``target_round``), before ``r + 1`` opens; drivers build the expected set of a round as
+the previous round's surviving members plus the declarations already stored when the round opens.
+
+This module is sans-IO: it imports no trio, libp2p, socket, time or random; ``now`` is an argument.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from p2p import LocalProtocolError, RemoteProtocolError
+
+DECLARATION_VERSION = 1
+MAX_PEER_ID_BYTES = 64
+_SEED_DOMAIN = b"swarmtrain/matchmaking/order/1\x00"
+_GROUP_DOMAIN = b"swarmtrain/matchmaking/group/1\x00"
+
+
+def round_key(run_id: str, round_number: int) -> bytes:
+    """The DHT key peers declare under for one round; each declaration is its owner's subkey."""
+    if not run_id or "/" in run_id:
+        raise ValueError(f"run id must be non-empty and contain no '/': {run_id!r}")
+    if round_number < 0:
+        raise ValueError(f"round must be >= 0, got {round_number}")
+    return f"run/{run_id}/round/{round_number}".encode()
+
+
+def _finite(value: float, name: str, *, minimum: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """One peer's wish to average in one round, stored as its signed subkey in the DHT.
+
+    ``weight`` scales its contribution, ``bandwidth_bps`` sizes its all-reduce part,
+    ``declared_at`` is its clock when it published (unix seconds), ``expected_group_size`` is its
+    hint of how many peers it expects in the round (0: no idea). Raises ``ValueError`` if invalid.
+    """
+
+    peer_id: bytes
+    round: int
+    weight: float
+    bandwidth_bps: float
+    declared_at: float
+    expected_group_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, bytes) or not 0 < len(self.peer_id) <= MAX_PEER_ID_BYTES:
+            raise ValueError(f"peer id must be 1..{MAX_PEER_ID_BYTES} bytes")
+        for name in ("round", "expected_group_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        _finite(self.weight, "weight", minimum=0.0)
+        _finite(self.bandwidth_bps, "bandwidth_bps", minimum=0.0)
+        _finite(self.declared_at, "declared_at")
+
+    def _rank(self) -> tuple[float, float, float, int]:
+        return (self.declared_at, self.weight, self.bandwidth_bps, self.expected_group_size)
+
+    def to_wire(self) -> list:
+        """Positional list ``[version, peer_id, round, weight, bandwidth, declared_at, hint]``."""
+        return [
+            DECLARATION_VERSION,
+            self.peer_id,
+            self.round,
+            float(self.weight),
+            float(self.bandwidth_bps),
+            float(self.declared_at),
+            self.expected_group_size,
+        ]
+
+    @classmethod
+    def from_wire(cls, obj: object) -> Declaration:
+        """Decode ``to_wire`` output; anything malformed raises ``RemoteProtocolError``."""
+        if not isinstance(obj, list | tuple) or len(obj) != 7:
+            raise RemoteProtocolError("declaration: expected a list of 7 fields")
+        if obj[0] != DECLARATION_VERSION or isinstance(obj[0], bool):
+            raise RemoteProtocolError(f"declaration: unknown version {obj[0]!r}")
+        try:
+            return cls(*obj[1:])
+        except (TypeError, ValueError) as exc:
+            raise RemoteProtocolError(f"declaration: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """A group of a round: members sorted by peer id; ``group_id`` commits to round and members."""
+
+    round: int
+    index: int
+    members: tuple[Declaration, ...]
+    group_id: bytes = field(init=False)
+
+    def __post_init__(self) -> None:
+        digest = hashlib.sha256(_GROUP_DOMAIN + self.round.to_bytes(8, "big"))
+        for member in self.members:
+            digest.update(len(member.peer_id).to_bytes(1, "big") + member.peer_id)
+        object.__setattr__(self, "group_id", digest.digest())
+
+    @property
+    def peer_ids(self) -> tuple[bytes, ...]:
+        return tuple(member.peer_id for member in self.members)
+
+
+def _latest_per_peer(declarations: Iterable[Declaration], round_number: int) -> list[Declaration]:
+    best: dict[bytes, Declaration] = {}
+    for declaration in declarations:
+        if declaration.round != round_number:
+            continue
+        known = best.get(declaration.peer_id)
+        if known is None or declaration._rank() > known._rank():
+            best[declaration.peer_id] = declaration
+    return list(best.values())
+
+
+def derive_groups(
+    declarations: Iterable[Declaration], round_number: int, *, max_group_size: int, run_seed: bytes
+) -> list[Group]:
+    """Split the declarers of ``round_number`` into groups; a pure function of the *set*.
+
+    Returns groups ordered by index (empty list if nobody declared), each with at most
+    ``max_group_size`` members, sizes differing by at most one. Raises ``ValueError`` if
+    ``max_group_size < 1``. Declarations for other rounds are ignored.
+    """
+    if max_group_size < 1:
+        raise ValueError(f"max_group_size must be >= 1, got {max_group_size}")
+    members = _latest_per_peer(declarations, round_number)
+    if not members:
+        return []
+    members.sort(
+        key=lambda d: (hashlib.sha256(_SEED_DOMAIN + run_seed + d.peer_id).digest(), d.peer_id)
+    )
+    group_count = math.ceil(len(members) / max_group_size)
+    buckets: list[list[Declaration]] = [[] for _ in range(group_count)]
+    for position, declaration in enumerate(members):
+        row, column = divmod(position, group_count)
+        buckets[(column + row * round_number) % group_count].append(declaration)
+    return [
+        Group(round_number, index, tuple(sorted(bucket, key=lambda d: d.peer_id)))
+        for index, bucket in enumerate(buckets)
+    ]
+
+
+def target_round(current_round: int, *, now: float, round_deadline: float, expected: bool) -> int:
+    """The round a peer should declare for: the current one only if it is expected and in time.
+
+    A late or unexpected peer declares for the next round, so its declaration is stored before that
+    round opens and every driver counts it as expected there.
+    """
+    return current_round if expected and now < round_deadline else current_round + 1
+
+
+# -- events and actions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRequest:
+    """Our peer asks to take part with this declaration."""
+
+    declaration: Declaration
+
+
+@dataclass(frozen=True, slots=True)
+class DeclarationsSeen:
+    """A DHT read of the round key returned these declarations (any order, maybe partial)."""
+
+    declarations: tuple[Declaration, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DeadlineReached:
+    """The driver's clock passed ``Matchmaker.deadline``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeclarationsReread:
+    """The answer to ``ReadDeclarations``: a read of the round key made after the deadline.
+
+    A separate event so that a read started before the deadline, arriving late, is never taken for
+    the final read the decision rests on.
+    """
+
+    declarations: tuple[Declaration, ...]
+
+
+Event = LocalRequest | DeclarationsSeen | DeclarationsReread | DeadlineReached
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    declaration: Declaration
+
+
+@dataclass(frozen=True, slots=True)
+class ReadDeclarations:
+    """Read the round key once more and hand the result back as ``DeclarationsReread``."""
+
+    round: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    group: Group
+    groups: tuple[Group, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    reason: str
+
+
+Action = Publish | ReadDeclarations | Finish | Fail
+
+
+class MatchState(enum.Enum):
+    DECLARING = "DECLARING"
+    WAITING = "WAITING"
+    CONFIRMING = "CONFIRMING"
+    FORMED = "FORMED"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True, slots=True)
+class MatchmakingConfig:
+    max_group_size: int
+    run_seed: bytes
+    confirm_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_group_size < 1:
+            raise ValueError("max_group_size must be >= 1")
+        _finite(self.confirm_timeout_s, "confirm_timeout_s", minimum=0.0)
+
+
+class Matchmaker:
+    """One peer's matchmaking for one round. See the module docstring for the rules.
+
+    ``handle(event, now)`` returns the actions to carry out in order. It raises
+    ``LocalProtocolError`` when our side breaks the rules (a second ``LocalRequest``, a declaration
+    for another peer or round, any event after FAILED) and ``RemoteProtocolError`` when the DHT
+    shows a declaration under our own peer id that we did not publish. Either latches FAILED.
+    Any other exception is a bug.
+    """
+
+    def __init__(
+        self,
+        peer_id: bytes,
+        round_number: int,
+        *,
+        expected_peers: Iterable[bytes],
+        deadline: float,
+        config: MatchmakingConfig,
+    ) -> None:
+        self.peer_id = peer_id
+        self.round = round_number
+        self.expected_peers = frozenset(expected_peers)
+        self.deadline = deadline
+        self.config = config
+        self.state = MatchState.DECLARING
+        self.view: dict[bytes, Declaration] = {}
+        self.own: Declaration | None = None
+        self.group: Group | None = None
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        if self.state is MatchState.FAILED:
+            raise LocalProtocolError(f"matchmaker for round {self.round} already failed")
+        try:
+            return self._handle(event, now)
+        except (LocalProtocolError, RemoteProtocolError):
+            self.state = MatchState.FAILED
+            raise
+
+    def _handle(self, event: Event, now: float) -> list[Action]:
+        state = self.state
+        if state is MatchState.FORMED:
+            return []  # late declarations and a racing deadline are not for this round any more
+        if isinstance(event, LocalRequest):
+            if state is not MatchState.DECLARING:
+                raise LocalProtocolError(f"LocalRequest in state {state.name}")
+            own = event.declaration
+            if own.peer_id != self.peer_id or own.round != self.round:
+                raise LocalProtocolError("declaration is for another peer or round")
+            self.own = own
+            self._learn((own,))
+            self.state = MatchState.WAITING
+            return [Publish(own), *self._try_early_finish()]
+        if isinstance(event, DeclarationsSeen):
+            self._learn(event.declarations)
+            return self._try_early_finish() if state is MatchState.WAITING else []
+        if isinstance(event, DeclarationsReread):
+            if state is not MatchState.CONFIRMING:
+                raise LocalProtocolError(
+                    f"DeclarationsReread in state {state.name} (not asked for)"
+                )
+            self._learn(event.declarations)
+            return self._decide_at_deadline()
+        if isinstance(event, DeadlineReached):
+            if now < self.deadline:
+                raise LocalProtocolError(
+                    f"DeadlineReached at {now} before deadline {self.deadline}"
+                )
+            if state is MatchState.DECLARING:
+                return self._fail("deadline passed before we declared")
+            if state is MatchState.WAITING:
+                self.state = MatchState.CONFIRMING
+                self.deadline += self.config.confirm_timeout_s
+                return [ReadDeclarations(self.round)]
+            return self._fail("the re-read of the round key did not come back")
+        raise LocalProtocolError(f"unknown event {event!r}")
+
+    def _learn(self, declarations: Iterable[Declaration]) -> None:
+        cutoff = (
+            self.deadline if self.state is not MatchState.CONFIRMING else self._first_deadline()
+        )
+        for declaration in declarations:
+            if declaration.round != self.round or declaration.declared_at > cutoff:
+                continue  # an old or future round, or too late: that peer joins a later round
+            if (
+                declaration.peer_id == self.peer_id
+                and self.own is not None
+                and declaration != self.own
+            ):
+                raise RemoteProtocolError(
+                    "the DHT holds a declaration under our id we did not make"
+                )
+            known = self.view.get(declaration.peer_id)
+            if known is None or declaration._rank() > known._rank():
+                self.view[declaration.peer_id] = declaration  # greatest wins: order-independent
+
+    def _first_deadline(self) -> float:
+        return self.deadline - self.config.confirm_timeout_s
+
+    def _try_early_finish(self) -> list[Action]:
+        if self.expected_peers and self.expected_peers <= self.view.keys():
+            return self._form([self.view[p] for p in self.expected_peers])
+        return []
+
+    def _decide_at_deadline(self) -> list[Action]:
+        if self.expected_peers and self.expected_peers <= self.view.keys():
+            return self._form([self.view[p] for p in self.expected_peers])
+        return self._form(list(self.view.values()))
+
+    def _form(self, members: list[Declaration]) -> list[Action]:
+        groups = derive_groups(
+            members,
+            self.round,
+            max_group_size=self.config.max_group_size,
+            run_seed=self.config.run_seed,
+        )
+        mine = [group for group in groups if self.peer_id in group.peer_ids]
+        if not mine:
+            return self._fail(f"not admitted to round {self.round}; declare for {self.round + 1}")
+        self.state = MatchState.FORMED
+        self.group = mine[0]
+        return [Finish(mine[0], tuple(groups))]
+
+    def _fail(self, reason: str) -> list[Action]:
+        self.state = MatchState.FAILED
+        return [Fail(reason)]
