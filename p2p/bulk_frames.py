@@ -459,13 +459,17 @@ class Accept:
             raise LocalProtocolError("punch_ports are set exactly when mode is PUNCH")
 
 
+def _check_reason(reason: str) -> None:
+    if len(reason) > MAX_REASON_CHARS:
+        raise LocalProtocolError("reason too long")
+
+
 @dataclass(frozen=True, slots=True)
 class Reject:
     reason: str
 
     def __post_init__(self) -> None:
-        if len(self.reason) > MAX_REASON_CHARS:
-            raise LocalProtocolError("reason too long")
+        _check_reason(self.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,8 +479,7 @@ class Fallback:
     reason: str
 
     def __post_init__(self) -> None:
-        if len(self.reason) > MAX_REASON_CHARS:
-            raise LocalProtocolError("reason too long")
+        _check_reason(self.reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -487,8 +490,7 @@ class Outcome:
     reason: str = ""
 
     def __post_init__(self) -> None:
-        if len(self.reason) > MAX_REASON_CHARS:
-            raise LocalProtocolError("reason too long")
+        _check_reason(self.reason)
 
 
 ControlMessage = Offer | Accept | Reject | Fallback | Outcome

@@ -117,17 +117,7 @@ class SignedRecord:
     def signed_payload(self) -> bytes:
         """The canonical bytes the owner signs: every field but the signature, positional."""
         return _SIGNING_DOMAIN + msgpack.packb(
-            [
-                RECORD_FORMAT_VERSION,
-                self.key,
-                self.subkey,
-                self.value,
-                self.owner,
-                self.public_key,
-                self.expiration_time,
-                self.version,
-            ],
-            use_bin_type=True,
+            [RECORD_FORMAT_VERSION, *self.to_wire()[:-1]], use_bin_type=True
         )
 
     def to_wire(self) -> list[Any]:
