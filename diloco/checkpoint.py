@@ -1,0 +1,191 @@
+"""Atomic per-round checkpoints of a DiLoCo peer, and resuming from the newest good one.
+
+What a checkpoint holds: the global state (its own verified encoding, see ``diloco.state``), the
+run's config fingerprint, and the inner optimizer's state dict. The inner state is saved because
+DiLoCo keeps the inner optimizer's moments across rounds (as OpenDiLoCo does); a resumed peer then
+continues exactly where the round boundary left it. Local progress inside a round, and local
+progress kept after a failed round, is not saved: a restart counts as leaving and rejoining at the
+round boundary.
+
+Why this shape: a node can be killed at any instant, so a file is either the old one or the new
+one (temporary file in the same directory, fsync, ``os.replace``, fsync of the directory), and a
+bad file (truncated, flipped bits) is detected by its checksum, logged and skipped in favour of the
+previous one; the last ``KEEP`` files are kept for that reason. No pickle: the optimizer state is
+msgpack with tensors as (dtype, shape, raw bytes) from an allow-list.
+
+File: ``MAGIC (8 bytes) | sha256(payload) (32 bytes) | payload (msgpack map)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from diloco.state import GlobalState
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"DLCCKPT1"
+KEEP = 2
+_NAME = re.compile(r"^diloco-(\d{10})\.ckpt$")
+_TENSOR_EXT = 1
+_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    state: GlobalState
+    fingerprint: str
+    inner_state: dict[str, Any] | None
+    path: Path
+
+
+def _encode_tensor(obj: object) -> msgpack.ExtType:
+    if not isinstance(obj, torch.Tensor) or obj.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
+    tensor = obj.detach().to("cpu").contiguous()
+    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    body = msgpack.packb([_DTYPE_NAMES[tensor.dtype], list(tensor.shape), raw])
+    return msgpack.ExtType(_TENSOR_EXT, body)
+
+
+def _decode_tensor(code: int, data: bytes) -> torch.Tensor:
+    if code != _TENSOR_EXT:
+        raise ValueError(f"unknown msgpack extension {code} in checkpoint")
+    dtype_name, shape, raw = msgpack.unpackb(data)
+    dtype = _DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
+    if dtype is None or not isinstance(shape, list) or not isinstance(raw, bytes):
+        raise ValueError("malformed tensor in checkpoint")
+    if not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise ValueError("malformed tensor shape in checkpoint")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if len(raw) != math.prod(shape) * itemsize:
+        raise ValueError("tensor data length does not match its shape in checkpoint")
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+
+
+def encode(state: GlobalState, fingerprint: str, inner_state: dict[str, Any] | None) -> bytes:
+    """The checkpoint file's bytes. The inner state holds only msgpack types and tensors of
+    allowed dtypes (TypeError otherwise)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("checkpoints assume a little-endian host")
+    payload = msgpack.packb(
+        {
+            "version": 1,
+            "fingerprint": fingerprint,
+            "state": state.to_bytes(),
+            "inner": inner_state,
+        },
+        default=_encode_tensor,
+    )
+    return MAGIC + hashlib.sha256(payload).digest() + payload
+
+
+def decode(data: bytes, path: Path) -> Checkpoint:
+    """Parse and verify a checkpoint file's bytes; ValueError on any corruption."""
+    if len(data) < len(MAGIC) + 32 or data[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a diloco checkpoint (bad magic or too short)")
+    digest, payload = data[len(MAGIC) : len(MAGIC) + 32], data[len(MAGIC) + 32 :]
+    if hashlib.sha256(payload).digest() != digest:
+        raise ValueError("checksum mismatch (truncated or corrupted file)")
+    try:
+        fields = msgpack.unpackb(payload, ext_hook=_decode_tensor, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as error:
+        raise ValueError(f"undecodable payload: {error}") from error
+    if not isinstance(fields, dict) or fields.get("version") != 1:
+        raise ValueError("unknown checkpoint version")
+    state_bytes, fingerprint, inner = (fields.get(k) for k in ("state", "fingerprint", "inner"))
+    if not isinstance(state_bytes, bytes) or not isinstance(fingerprint, str):
+        raise ValueError("checkpoint lacks its state or fingerprint")
+    if inner is not None and not isinstance(inner, dict):
+        raise ValueError("checkpoint inner optimizer state is not a map")
+    return Checkpoint(GlobalState.from_bytes(state_bytes), fingerprint, inner, path)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(
+    state_dir: str | os.PathLike[str],
+    state: GlobalState,
+    fingerprint: str,
+    inner_state: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``diloco-<round>.ckpt`` atomically, then delete all but the newest ``KEEP``.
+    Returns the path. Raises OSError from the filesystem, TypeError for unencodable state."""
+    directory = Path(state_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    data = encode(state, fingerprint, inner_state)
+    path = directory / f"diloco-{state.round:010d}.ckpt"
+    fd, temporary = tempfile.mkstemp(prefix=".diloco-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    _fsync_dir(directory)
+    for old in _checkpoints(directory)[KEEP:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    """Checkpoint files, newest round first."""
+    found = [p for p in directory.iterdir() if _NAME.match(p.name)] if directory.is_dir() else []
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def load_latest(
+    state_dir: str | os.PathLike[str], fingerprint: str | None = None
+) -> Checkpoint | None:
+    """The newest checkpoint that verifies, or None when there is none.
+
+    A file that fails to read or verify is logged at WARNING with its reason and skipped (it is
+    left on disk for inspection). Raises ValueError when the newest good checkpoint belongs to a
+    different run config than ``fingerprint``: resuming it would silently train something else.
+    """
+    for path in _checkpoints(Path(state_dir)):
+        try:
+            checkpoint = decode(path.read_bytes(), path)
+        except (OSError, ValueError) as error:
+            logger.warning("checkpoint %s is unusable, skipping it: %s", path, error)
+            continue
+        if fingerprint is not None and checkpoint.fingerprint != fingerprint:
+            raise ValueError(
+                f"checkpoint {path} is of run config {checkpoint.fingerprint!r}, not "
+                f"{fingerprint!r}: use another state directory or the matching config"
+            )
+        return checkpoint
+    return None

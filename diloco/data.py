@@ -1,0 +1,175 @@
+"""The embedded default corpus and the deterministic assignment of data to peers.
+
+Why the standard library's own source: it is present on every machine that runs Python, so the
+default run needs no download. Its text differs between Python versions, so peers of one run must
+agree on ``Corpus.fingerprint`` (the run spec carries it) before their data assignments mean the
+same thing.
+
+Why assignment is a pure function of (run seed, round, peer id): any peer, a verifier or a referee
+can recompute which batches a peer was given for a round, peers draw different data without
+coordinating, and a restarted peer draws the same batches again.
+
+Held-out split: a file is held out when sha256(its path relative to the stdlib root) mod 20 == 0,
+so the split depends on names only, never on load order or on the size cap.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 8 * 2**20
+HELDOUT_MODULUS = 20
+# Directories of the stdlib tree that are not the standard library's own source.
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Byte text split into a training and a held-out part (uint8 arrays, read-only)."""
+
+    train: np.ndarray
+    heldout: np.ndarray
+    train_files: tuple[str, ...]
+    heldout_files: tuple[str, ...]
+    fingerprint: str  # sha256 hex over both parts; equal fingerprints mean equal data
+
+
+def is_heldout(relative_path: str) -> bool:
+    digest = hashlib.sha256(relative_path.encode()).digest()
+    return int.from_bytes(digest, "big") % HELDOUT_MODULUS == 0
+
+
+def _stdlib_sources(root: Path) -> list[str]:
+    found = []
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]
+        for name in files:
+            if name.endswith(".py"):
+                found.append((Path(directory) / name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+@functools.lru_cache(maxsize=4)
+def load_stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = None) -> Corpus:
+    """Read the standard library's ``.py`` files in sorted relative-path order, up to ``max_bytes``.
+
+    Files are joined by a newline; the file that crosses the cap is cut at it. Unreadable files
+    are skipped with a debug log (they are the same on every machine with the same Python, so
+    skipping them keeps the result deterministic). Cached per process: the arrays are read-only.
+    Raises ValueError when ``max_bytes`` is too small to give both parts some text.
+    """
+    if max_bytes < 4096:
+        raise ValueError("max_bytes must be at least 4096")
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    parts: dict[bool, list[bytes]] = {False: [], True: []}
+    names: dict[bool, list[str]] = {False: [], True: []}
+    total = 0
+    for relative in _stdlib_sources(base):
+        try:
+            text = (base / relative).read_bytes()
+        except OSError as error:
+            logger.debug("corpus: skipping unreadable %s (%s)", relative, error)
+            continue
+        text = text[: max_bytes - total] + b"\n"
+        held = is_heldout(relative)
+        parts[held].append(text)
+        names[held].append(relative)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    train, heldout = (np.frombuffer(b"".join(parts[h]), dtype=np.uint8) for h in (False, True))
+    if min(len(train), len(heldout)) < 1024:
+        raise ValueError(f"corpus under {base} too small for a split at max_bytes={max_bytes}")
+    hasher = hashlib.sha256()
+    for array in (train, heldout):
+        hasher.update(len(array).to_bytes(8, "little"))
+        hasher.update(array.tobytes())
+    return Corpus(train, heldout, tuple(names[False]), tuple(names[True]), hasher.hexdigest())
+
+
+def _batch_at(data: np.ndarray, offsets: np.ndarray, context: int) -> tuple[torch.Tensor, ...]:
+    windows = np.stack([data[o : o + context + 1] for o in offsets])
+    tokens = torch.from_numpy(windows.astype(np.int64))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def assignment_seed(run_seed: int, round: int, peer_id: bytes) -> int:
+    """A 128-bit seed from (run seed, round, peer id); sha256 so nearby inputs are unrelated."""
+    hasher = hashlib.sha256(b"swarmtrain/diloco/data/1")
+    hasher.update(run_seed.to_bytes(16, "little", signed=True))
+    hasher.update(round.to_bytes(8, "little", signed=False))
+    hasher.update(peer_id)
+    return int.from_bytes(hasher.digest()[:16], "little")
+
+
+def inner_batches(
+    corpus: Corpus,
+    *,
+    run_seed: int,
+    round: int,
+    peer_id: bytes,
+    steps: int,
+    batch_size: int,
+    context: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``steps`` training batches a peer uses in its inner phase of ``round``.
+
+    Each batch is ``(inputs, targets)``, both int64 ``(batch_size, context)``, targets shifted by
+    one byte. Windows start at uniform random offsets in the training part drawn from
+    ``assignment_seed``: the same arguments always give the same batches, and different peers or
+    rounds give different ones. Raises ValueError on non-positive sizes or a context longer than
+    the corpus.
+    """
+    if min(steps, batch_size, context) <= 0 or round < 0:
+        raise ValueError("steps, batch_size and context must be positive; round non-negative")
+    if context + 1 > len(corpus.train):
+        raise ValueError("context longer than the training corpus")
+    rng = np.random.Generator(np.random.PCG64(assignment_seed(run_seed, round, peer_id)))
+    offsets = rng.integers(0, len(corpus.train) - context, size=(steps, batch_size))
+    return [_batch_at(corpus.train, row, context) for row in offsets]
+
+
+def eval_batches(
+    corpus: Corpus, *, batches: int = 8, batch_size: int = 16, context: int = 128
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed set of held-out batches: windows evenly spaced over the held-out part.
+
+    Evenly spaced (not random) so that the evaluation set depends on the corpus alone and covers
+    all of it. Raises ValueError if the held-out part is shorter than one window.
+    """
+    span = len(corpus.heldout) - context - 1
+    if span < 0 or min(batches, batch_size, context) <= 0:
+        raise ValueError("held-out part too short for the requested windows, or bad sizes")
+    offsets = np.linspace(0, span, num=batches * batch_size).astype(np.int64)
+    return [_batch_at(corpus.heldout, row, context) for row in offsets.reshape(batches, batch_size)]
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean held-out cross entropy in nats per byte over ``batches`` (model put in eval mode, then
+    restored). The model must map int64 ``(B, T)`` to logits ``(B, T, 256)``."""
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        total = 0.0
+        for inputs, targets in batches:
+            logits = model(inputs.to(device))
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), targets.to(device).reshape(-1)
+            )
+            total += float(loss)
+        return total / len(batches)
+    finally:
+        model.train(was_training)

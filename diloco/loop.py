@@ -1,0 +1,332 @@
+"""``DiLoCo``: wrap a torch model and its inner optimizer so that every H inner steps an outer round
+averages the pseudo-gradients of all peers and applies Nesterov SGD to the shared global parameters.
+
+Shape (torchft's ``DiLoCo``, hivemind.Optimizer's use): the user's loop stays a plain torch loop.
+DiLoCo registers a post-step hook on the inner optimizer, so either ``diloco.step(samples)`` or the
+inner optimizer's own ``step()`` counts an inner step; the H-th one runs the outer round inside that
+call. ``close()`` (or leaving the ``with`` block) removes the hook.
+
+A round, without overlap (the default):
+  1. pseudo-gradient = global params - local params (one float32 subtraction, flat);
+  2. ``average(round, per-parameter tensors, weight=samples since the last applied round)``;
+  3. on success every peer applies the same Nesterov step to the same global state and copies the
+     new global params into its model: global state and its hash are bit-identical across peers;
+  4. on failure (``average`` raised, or returned tensors of the wrong shapes) no outer update is
+     applied, the round number still advances, and the local params and their sample count are
+     kept, so this peer's work counts in the next round it makes (issue 4 point 2) instead of
+     being thrown away. The inner optimizer's state is kept across rounds in either case.
+
+With ``overlap=True`` (one-round-delayed outer update): at the end of inner phase r the peer hands
+its progress of that phase, d_r = anchor - local, to ``average`` in a background thread and goes on
+training from where it is. At the end of phase r+1 it waits for that result, applies
+G_{r+1} = Nesterov(G_r, mean d_r), and rebases its model on the new global params keeping the
+progress not yet averaged: local = G_{r+1} - d_{r+1}, which becomes the next anchor. So the global
+sequence is the synchronous one, applied one round late, and the averaging hides behind a whole
+inner phase. When round r failed, d_r is added to d_{r+1} and sent with it (weights added too),
+matching the synchronous mode's rule that failed work counts in the next round.
+
+Checkpoints (``state_dir``): after every round the global state and inner optimizer state are saved
+atomically; a new ``DiLoCo`` on the same directory resumes at that round boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from diloco import checkpoint
+from diloco.averaging import Average, AverageOutcome
+from diloco.outer import OuterConfig, outer_step, skipped_round
+from diloco.state import GlobalState, layout_digest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DiLoCoStatistics:
+    round: int  # the round the current inner phase contributes to
+    local_step: int  # inner steps taken in the current phase
+    rounds_applied: int
+    rounds_failed: int
+    last_contributors: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Pending:
+    """An averaging running in the background (overlap mode)."""
+
+    future: Future[AverageOutcome]
+    delta: torch.Tensor
+    weight: float
+
+
+class DiLoCo:
+    """DiLoCo over ``model``'s trainable parameters with ``inner_optimizer`` (e.g. AdamW).
+
+    ``average`` follows ``diloco.Average``. ``inner_steps`` is H. ``run_id`` goes into the config
+    fingerprint that guards checkpoints. Raises ValueError on bad settings, on a model without
+    trainable parameters, or when ``state_dir`` holds a checkpoint of another config or layout.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        average: Average | Callable[[int, list[torch.Tensor], float], AverageOutcome],
+        *,
+        inner_steps: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        overlap: bool = False,
+        state_dir: str | os.PathLike[str] | None = None,
+        run_id: str = "",
+    ) -> None:
+        if inner_steps <= 0:
+            raise ValueError("inner_steps must be positive")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self._average = average
+        self.inner_steps = inner_steps
+        self.outer = OuterConfig(outer_lr, outer_momentum)
+        self.overlap = overlap
+        self._state_dir = state_dir
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        self._params = [p for _, p in named]
+        layout = layout_digest([(n, tuple(p.shape)) for n, p in named])
+        self.fingerprint = _fingerprint(layout, inner_steps, self.outer, overlap, run_id)
+
+        flat = self._local_flat()
+        self._state = GlobalState(0, flat.clone(), torch.zeros_like(flat), layout)
+        self._anchor = flat  # where the current inner phase started (overlap mode)
+        self._local_step = 0
+        self._samples = 0.0  # samples of local progress not yet in an applied round
+        self._step_samples: float | None = None
+        self._pending: _Pending | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._applied = self._failed = 0
+        self._last_contributors: dict[str, float] = {}
+
+        if state_dir is not None:
+            found = checkpoint.load_latest(state_dir, self.fingerprint)
+            if found is not None:
+                self._restore(found.state)
+                if found.inner_state is not None:
+                    inner_optimizer.load_state_dict(found.inner_state)
+                logger.info("resumed from %s at round %d", found.path, found.state.round)
+        self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
+
+    # -- the user's loop ---------------------------------------------------------------------
+
+    def step(self, samples: float = 1.0) -> None:
+        """One inner optimizer step that processed ``samples`` samples (tokens, sequences: any
+        unit, the same on all peers). Runs the outer round when this is the H-th step; in that case
+        this call blocks for the averaging (without overlap) and may log a failed round, which it
+        never raises."""
+        self._step_samples = samples
+        try:
+            self.inner_optimizer.step()
+        finally:
+            self._step_samples = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """Remove the hook; in overlap mode wait for the round in flight and apply it."""
+        self._hook.remove()
+        if self._pending is not None:
+            self._finish_pending(torch.sub(self._anchor, self._local_flat()))
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- shared state ------------------------------------------------------------------------
+
+    @property
+    def round(self) -> int:
+        """The round the current inner phase contributes to (use it to pick that phase's data)."""
+        return self._state.round + (1 if self._pending is not None else 0)
+
+    @property
+    def global_state(self) -> GlobalState:
+        """A copy of the global state (params, outer momentum, number of completed rounds)."""
+        return self._state.clone()
+
+    def state_hash(self) -> str:
+        return self._state.state_hash()
+
+    def state_bytes(self) -> bytes:
+        return self._state.to_bytes()
+
+    def load_state(self, data: bytes) -> None:
+        """Adopt a global state downloaded from peers (a joiner, or a peer whose hash disagreed
+        with the majority): verify it, copy it into the model, start a fresh inner phase. Local
+        progress and a round in flight are dropped. Raises ValueError on malformed bytes or a
+        different parameter layout."""
+        state = GlobalState.from_bytes(data)
+        if self._pending is not None:
+            self._pending.future.cancel()
+            self._pending = None
+        self._restore(state)
+
+    def statistics(self) -> DiLoCoStatistics:
+        return DiLoCoStatistics(
+            self.round,
+            self._local_step,
+            self._applied,
+            self._failed,
+            dict(self._last_contributors),
+        )
+
+    # -- rounds ------------------------------------------------------------------------------
+
+    def _after_inner_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._samples += 1.0 if self._step_samples is None else self._step_samples
+        self._local_step += 1
+        if self._local_step == self.inner_steps:
+            self._local_step = 0
+            if self.overlap:
+                self._overlapped_round()
+            else:
+                self._synchronous_round()
+            self._save_checkpoint()
+
+    def _synchronous_round(self) -> None:
+        delta = torch.sub(self._state.params, self._local_flat())
+        averaged = self._run_average(self._state.round, delta, self._samples)
+        if averaged is None:
+            self._state = skipped_round(self._state)
+            return
+        self._state = outer_step(self._state, averaged, self.outer)
+        self._samples = 0.0
+        self._write_model(self._state.params)
+
+    def _overlapped_round(self) -> None:
+        local = self._local_flat()
+        delta = torch.sub(self._anchor, local)
+        if self._pending is not None:
+            delta = self._finish_pending(delta)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
+        weight, self._samples = self._samples, 0.0
+        future = self._executor.submit(self._average, self._state.round, self._split(delta), weight)
+        self._pending = _Pending(future, delta, weight)
+
+    def _finish_pending(self, delta: torch.Tensor) -> torch.Tensor:
+        """Wait for the round in flight, apply it, and rebase the model on the global params
+        keeping the progress not yet averaged. ``delta`` is the progress since the anchor (anchor -
+        local). Returns the progress still to be averaged: ``delta``, plus the pending round's own
+        when that round failed. The model and anchor become global params - that progress."""
+        pending, self._pending = self._pending, None
+        assert pending is not None
+        averaged = self._run_average(self._state.round, pending.delta, None, pending.future)
+        if averaged is None:
+            self._state = skipped_round(self._state)
+            delta = torch.add(pending.delta, delta)
+            self._samples += pending.weight
+        else:
+            self._state = outer_step(self._state, averaged, self.outer)
+        self._anchor = torch.sub(self._state.params, delta)
+        self._write_model(self._anchor)
+        return delta
+
+    def _run_average(
+        self,
+        round: int,
+        delta: torch.Tensor,
+        weight: float | None,
+        future: Future[AverageOutcome] | None = None,
+    ) -> torch.Tensor | None:
+        """The averaged flat pseudo-gradient, or None when the round failed (logged, counted)."""
+        try:
+            if future is None:
+                assert weight is not None
+                outcome = self._average(round, self._split(delta), weight)
+            else:
+                outcome = future.result()
+            averaged = self._check_outcome(outcome)
+        except Exception as error:
+            self._failed += 1
+            logger.warning(
+                "round %d: averaging failed (%s: %s); no outer update, local progress kept for "
+                "the next round",
+                round,
+                type(error).__name__,
+                error,
+            )
+            return None
+        self._applied += 1
+        self._last_contributors = dict(outcome.contributors)
+        return averaged
+
+    def _check_outcome(self, outcome: AverageOutcome) -> torch.Tensor:
+        if len(outcome.tensors) != len(self._params):
+            raise ValueError(f"{len(outcome.tensors)} averaged tensors for {len(self._params)}")
+        for tensor, param in zip(outcome.tensors, self._params, strict=True):
+            if tensor.shape != param.shape or tensor.dtype != torch.float32:
+                raise ValueError("averaged tensors differ from the parameters in shape or dtype")
+        return torch.cat([t.detach().to("cpu").reshape(-1) for t in outcome.tensors])
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _save_checkpoint(self) -> None:
+        if self._state_dir is not None:
+            inner = self.inner_optimizer.state_dict()
+            checkpoint.save(self._state_dir, self._state, self.fingerprint, inner)
+
+    def _restore(self, state: GlobalState) -> None:
+        if state.layout != self._state.layout or state.params.shape != self._state.params.shape:
+            raise ValueError("the state is for another model (parameter layout differs)")
+        self._state = state
+        self._write_model(state.params)
+        self._anchor = state.params.clone()
+        self._local_step = 0
+        self._samples = 0.0
+
+    def _local_flat(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat(
+                [p.detach().to("cpu", torch.float32).reshape(-1) for p in self._params]
+            )
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        sizes = [p.numel() for p in self._params]
+        return [c.view(p.shape) for c, p in zip(flat.split(sizes), self._params, strict=True)]
+
+    def _write_model(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for chunk, param in zip(self._split(flat), self._params, strict=True):
+                param.copy_(chunk)
+
+
+def _fingerprint(
+    layout: bytes, inner_steps: int, outer: OuterConfig, overlap: bool, run_id: str
+) -> str:
+    """What must match for a checkpoint to be resumed: layout, H, outer settings, mode, run id."""
+    hasher = hashlib.sha256(b"swarmtrain/diloco/config/1")
+    hasher.update(layout)
+    hasher.update(struct.pack("<Qdd?", inner_steps, outer.lr, outer.momentum, overlap))
+    hasher.update(run_id.encode())
+    return hasher.hexdigest()[:32]

@@ -1,0 +1,79 @@
+"""The outer optimizer: Nesterov SGD on the averaged pseudo-gradient, bit-identical on every peer.
+
+Why explicit tensor ops instead of ``torch.optim.SGD``: a fused kernel may contract ``a * b + c``
+into one fused multiply-add on one CPU and not on another (or in a vector body but not in its scalar
+tail), and then peers' global parameters drift apart in the last bit. Here every step is a separate
+elementwise float32 ``mul``, ``add`` or ``sub``; IEEE 754 rounds each of those exactly, so the same
+inputs give the same bits on any machine, any thread count and any memory alignment.
+
+The update, with pseudo-gradient ``g`` (the weighted mean over peers of global minus local params),
+momentum ``mu`` and learning rate ``lr``, matches ``torch.optim.SGD(nesterov=True, dampening=0)``::
+
+    m <- mu * m + g
+    p <- p - lr * (g + mu * m)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from diloco.state import GlobalState
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer Nesterov SGD settings (OpenDiLoCo's defaults)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or not 0 <= self.momentum < 1:
+            raise ValueError("OuterConfig needs lr > 0 and 0 <= momentum < 1")
+
+
+def _f32(value: float) -> torch.Tensor:
+    # A 0-d float32 tensor pins the scalar to float32 before the multiply, so the product is one
+    # float32 multiply however torch chooses to treat Python scalars.
+    return torch.tensor(value, dtype=torch.float32)
+
+
+def nesterov_update(
+    params: torch.Tensor,
+    momentum: torch.Tensor,
+    pseudo_gradient: torch.Tensor,
+    lr: float,
+    mu: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return new ``(params, momentum)``; the inputs are not modified.
+
+    All three tensors must be float32 of one shape (ValueError otherwise). Each line below is one
+    correctly rounded float32 operation; do not merge them into ``addcmul``/``alpha=`` forms.
+    """
+    for tensor in (params, momentum, pseudo_gradient):
+        if tensor.dtype != torch.float32 or tensor.shape != params.shape:
+            raise ValueError("nesterov_update needs float32 tensors of one shape")
+    lr_, mu_ = _f32(lr), _f32(mu)
+    new_momentum = torch.add(torch.mul(momentum, mu_), pseudo_gradient)
+    direction = torch.add(pseudo_gradient, torch.mul(new_momentum, mu_))
+    new_params = torch.sub(params, torch.mul(direction, lr_))
+    return new_params, new_momentum
+
+
+def outer_step(
+    state: GlobalState, pseudo_gradient: torch.Tensor, config: OuterConfig
+) -> GlobalState:
+    """The global state after one outer round: Nesterov step on the averaged pseudo-gradient,
+    round + 1. ``pseudo_gradient`` is flat float32 of the state's length (ValueError otherwise)."""
+    params, momentum = nesterov_update(
+        state.params, state.momentum, pseudo_gradient, config.lr, config.momentum
+    )
+    return GlobalState(state.round + 1, params, momentum, state.layout)
+
+
+def skipped_round(state: GlobalState) -> GlobalState:
+    """The global state after a round whose averaging failed: unchanged except round + 1, so peers
+    that all failed the round stay in agreement and draw fresh data for the next one."""
+    return GlobalState(state.round + 1, state.params, state.momentum, state.layout)

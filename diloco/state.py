@@ -1,0 +1,154 @@
+"""The global state every peer of a run holds bit-identically, its hash, and its byte encoding.
+
+The global state is the flat float32 global parameters, the flat float32 outer momentum buffer and
+the round number, tied to a parameter layout (names, shapes) by ``layout_digest``. Every peer
+publishes ``state_hash()`` each round; peers that disagree with the majority re-sync by downloading
+``to_bytes()`` from others, so the encoding is also a wire format: nothing from it is trusted.
+
+Encoding (all integers little-endian; no pickle, no torch.save)::
+
+    magic      8 bytes  b"DLCSTATE"
+    version    u32      1
+    round      u64
+    layout     32 bytes sha256 of the parameter layout
+    count      u32      number of tensors (2: "params", then "momentum")
+    per tensor: name_len u16, name utf-8, dtype u8 (1 = float32), ndim u8, dims u64 each,
+                nbytes u64, raw little-endian data
+    digest     32 bytes sha256 of everything above
+
+``state_hash()`` is that trailing digest: the hash of the canonical encoding (names in fixed order,
+dtype, shape, raw bytes), so the bytes a joiner downloads carry the hash it must match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+MAGIC = b"DLCSTATE"
+VERSION = 1
+TENSOR_NAMES = ("params", "momentum")
+_DTYPE_FLOAT32 = 1
+_HEADER = struct.Struct("<8sIQ32sI")
+_DIGEST_BYTES = 32
+# A flat vector longer than this is refused before anything is allocated (8 GiB of float32).
+MAX_ELEMENTS = 2**31
+
+
+def layout_digest(named_shapes: Sequence[tuple[str, Sequence[int]]]) -> bytes:
+    """sha256 over parameter names and shapes in order: two peers with equal digests flatten
+    their models the same way."""
+    hasher = hashlib.sha256(b"swarmtrain/diloco/layout/1")
+    for name, shape in named_shapes:
+        hasher.update(struct.pack("<H", len(name.encode())) + name.encode())
+        hasher.update(struct.pack(f"<B{len(shape)}Q", len(shape), *shape))
+    return hasher.digest()
+
+
+def _le_bytes(tensor: torch.Tensor) -> bytes:
+    return np.ascontiguousarray(tensor.detach().cpu().numpy(), dtype="<f4").tobytes()
+
+
+@dataclass
+class GlobalState:
+    """Flat float32 global parameters and outer momentum (CPU, equal length) at ``round``."""
+
+    round: int
+    params: torch.Tensor
+    momentum: torch.Tensor
+    layout: bytes
+
+    def __post_init__(self) -> None:
+        for name in TENSOR_NAMES:
+            tensor = getattr(self, name)
+            if tensor.dtype != torch.float32 or tensor.dim() != 1 or tensor.device.type != "cpu":
+                raise ValueError(f"GlobalState.{name} must be a 1-D float32 CPU tensor")
+        if self.params.shape != self.momentum.shape:
+            raise ValueError("GlobalState params and momentum differ in length")
+        if not 0 <= self.round < 2**64 or len(self.layout) != 32:
+            raise ValueError("GlobalState round out of range or layout digest not 32 bytes")
+
+    def _body(self) -> bytes:
+        chunks = [_HEADER.pack(MAGIC, VERSION, self.round, self.layout, len(TENSOR_NAMES))]
+        for name in TENSOR_NAMES:
+            tensor = getattr(self, name)
+            encoded = name.encode()
+            chunks.append(struct.pack("<H", len(encoded)) + encoded)
+            chunks.append(
+                struct.pack("<BBQQ", _DTYPE_FLOAT32, 1, tensor.numel(), 4 * tensor.numel())
+            )
+            chunks.append(_le_bytes(tensor))
+        return b"".join(chunks)
+
+    def to_bytes(self) -> bytes:
+        body = self._body()
+        return body + hashlib.sha256(body).digest()
+
+    def state_hash(self) -> str:
+        """SHA-256 hex of the canonical encoding; equal hashes mean bit-identical states."""
+        return hashlib.sha256(self._body()).hexdigest()
+
+    def clone(self) -> GlobalState:
+        return GlobalState(self.round, self.params.clone(), self.momentum.clone(), self.layout)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> GlobalState:
+        """Decode and verify ``data``. Every length is checked against what remains before a
+        tensor is built. Raises ValueError naming what is wrong: short input, bad magic or
+        version, unexpected names, dtype or shape, trailing bytes, or a digest mismatch."""
+        view = memoryview(data).cast("B")
+        if len(view) < _HEADER.size + _DIGEST_BYTES:
+            raise ValueError(f"state bytes too short ({len(view)} bytes)")
+        body, digest = view[:-_DIGEST_BYTES], bytes(view[-_DIGEST_BYTES:])
+        magic, version, round_, layout, count = _HEADER.unpack_from(body, 0)
+        if magic != MAGIC:
+            raise ValueError("state bytes do not start with the DLCSTATE magic")
+        if version != VERSION:
+            raise ValueError(f"state encoding version {version} is not {VERSION}")
+        if count != len(TENSOR_NAMES):
+            raise ValueError(f"state holds {count} tensors, expected {len(TENSOR_NAMES)}")
+        position = _HEADER.size
+        tensors = []
+        for expected in TENSOR_NAMES:
+            position, tensor = _read_tensor(body, position, expected)
+            tensors.append(tensor)
+        if position != len(body):
+            raise ValueError(f"{len(body) - position} unexpected bytes after the tensors")
+        if hashlib.sha256(body).digest() != digest:
+            raise ValueError("state digest mismatch: the bytes are corrupt or tampered with")
+        return cls(round_, tensors[0], tensors[1], layout)
+
+
+def _need(body: memoryview, position: int, size: int, what: str) -> None:
+    if size < 0 or position + size > len(body):
+        raise ValueError(f"state bytes end inside {what}")
+
+
+def _read_tensor(body: memoryview, position: int, expected: str) -> tuple[int, torch.Tensor]:
+    _need(body, position, 2, "a tensor name length")
+    (name_len,) = struct.unpack_from("<H", body, position)
+    position += 2
+    _need(body, position, name_len, "a tensor name")
+    name = bytes(body[position : position + name_len])
+    position += name_len
+    if name != expected.encode():
+        raise ValueError(f"expected tensor {expected!r}, found {name!r}")
+    _need(body, position, 2, f"{expected}'s dtype and ndim")
+    dtype, ndim = struct.unpack_from("<BB", body, position)
+    position += 2
+    if dtype != _DTYPE_FLOAT32 or ndim != 1:
+        raise ValueError(f"{expected} must be 1-D float32 (dtype code {dtype}, ndim {ndim})")
+    _need(body, position, 16, f"{expected}'s shape and size")
+    numel, nbytes = struct.unpack_from("<QQ", body, position)
+    position += 16
+    if numel > MAX_ELEMENTS or nbytes != 4 * numel:
+        raise ValueError(f"{expected}: {numel} elements do not match {nbytes} bytes")
+    _need(body, position, nbytes, f"{expected}'s data")
+    array = np.frombuffer(body, dtype="<f4", count=numel, offset=position)
+    # astype copies into native order and owns the memory, so the tensor outlives ``data``.
+    return position + nbytes, torch.from_numpy(array.astype(np.float32))
