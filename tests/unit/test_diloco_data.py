@@ -53,7 +53,9 @@ def _batches(**overrides: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _same(a: list, b: list) -> bool:
-    return all(torch.equal(x, y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb))
+    return all(
+        torch.equal(x, y) for pa, pb in zip(a, b, strict=True) for x, y in zip(pa, pb, strict=True)
+    )
 
 
 def test_assignment_is_deterministic_and_differs_across_peers_rounds_and_seeds() -> None:

@@ -64,7 +64,7 @@ def test_every_truncation_and_every_bit_flip_is_a_value_error() -> None:
         corrupted[index] ^= 0x10
         with pytest.raises(ValueError):
             GlobalState.from_bytes(bytes(corrupted))
-    with pytest.raises(ValueError, match="unexpected bytes|digest"):
+    with pytest.raises(ValueError, match=r"unexpected bytes|digest"):
         GlobalState.from_bytes(data[:-32] + b"x" + data[-32:])
 
 
