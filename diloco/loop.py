@@ -228,6 +228,8 @@ class DiLoCo:
         delta = torch.sub(self._anchor, local)
         if self._pending is not None:
             delta = self._finish_pending(delta)
+        else:
+            self._anchor = local
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
         weight, self._samples = self._samples, 0.0

@@ -1,0 +1,289 @@
+"""DiLoCo with real torch training among in-process peers (LocalAverage, one thread per peer)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from diloco import (
+    AverageOutcome,
+    AveragingFailed,
+    ByteTransformer,
+    ByteTransformerConfig,
+    DiLoCo,
+    LocalAverage,
+    eval_batches,
+    evaluate,
+    inner_batches,
+    load_stdlib_corpus,
+    nesterov_update,
+    weighted_mean,
+)
+
+torch.set_num_threads(1)
+CONFIG = ByteTransformerConfig(d_model=32, n_layers=1, n_heads=2, context=32)
+CORPUS_BYTES = 1 << 20
+BATCH = 4
+PEER_DEADLINE_S = 60.0
+
+
+def _batches(round: int, peer: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return inner_batches(
+        load_stdlib_corpus(CORPUS_BYTES),
+        run_seed=5,
+        round=round,
+        peer_id=f"peer-{peer}".encode(),
+        steps=steps,
+        batch_size=BATCH,
+        context=CONFIG.context,
+    )
+
+
+def _train_phase(diloco: DiLoCo, model: ByteTransformer, peer: int) -> None:
+    """One inner phase on this peer's data for the round in progress; ends in an outer round."""
+    for inputs, targets in _batches(diloco.round, peer, diloco.inner_steps):
+        model.loss(inputs, targets).backward()
+        diloco.step(samples=inputs.numel())
+        diloco.zero_grad()
+
+
+def _run_peers(count: int, work: Callable[[int], object]) -> list[object]:
+    """Run ``work(peer)`` in one thread per peer; re-raise the first failure."""
+    results: list[object] = [None] * count
+    errors: list[BaseException] = []
+
+    def run(peer: int) -> None:
+        try:
+            results[peer] = work(peer)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(peer,)) for peer in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(PEER_DEADLINE_S)
+        assert not thread.is_alive(), "a peer did not finish before the deadline"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _peer(average: Callable, **options: object) -> tuple[DiLoCo, ByteTransformer]:
+    model = ByteTransformer(CONFIG, seed=11)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return DiLoCo(model, inner, average, **options), model
+
+
+def test_three_peers_hold_bit_identical_state_after_every_round() -> None:
+    averaging = LocalAverage(3, timeout_s=PEER_DEADLINE_S)
+
+    def work(peer: int) -> list[str]:
+        diloco, model = _peer(averaging.member(f"peer-{peer}"), inner_steps=3)
+        hashes = [diloco.state_hash()]
+        with diloco:
+            for _ in range(3):
+                _train_phase(diloco, model, peer)
+                hashes.append(diloco.state_hash())
+        assert diloco.statistics().rounds_applied == 3
+        assert diloco.statistics().last_contributors == {
+            f"peer-{p}": 3.0 * BATCH * 32 for p in (0, 1, 2)
+        }
+        assert torch.equal(
+            torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+            diloco.global_state.params,
+        )
+        return hashes
+
+    first, *others = _run_peers(3, work)
+    assert all(hashes == first for hashes in others)
+    assert len(set(first)) == 4  # the state changed every round
+
+
+def test_loss_decreases_over_rounds() -> None:
+    averaging = LocalAverage(2, timeout_s=PEER_DEADLINE_S)
+    held_out = eval_batches(load_stdlib_corpus(CORPUS_BYTES), batches=2, batch_size=8, context=32)
+
+    def work(peer: int) -> tuple[float, float]:
+        diloco, model = _peer(averaging.member(f"peer-{peer}"), inner_steps=8)
+        before = evaluate(model, held_out)
+        with diloco:
+            for _ in range(4):
+                _train_phase(diloco, model, peer)
+        return before, evaluate(model, held_out)
+
+    for before, after in _run_peers(2, work):
+        assert after < before - 1.0, (before, after)
+
+
+def test_a_failed_round_applies_nothing_and_keeps_local_progress() -> None:
+    averaging = LocalAverage(2, timeout_s=PEER_DEADLINE_S)
+
+    def work(peer: int) -> tuple[list[str], dict[str, float]]:
+        member = averaging.member(f"peer-{peer}")
+
+        def flaky(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+            if round == 1:
+                raise ConnectionError("simulated lost round")
+            return member(round, tensors, weight)
+
+        diloco, model = _peer(flaky, inner_steps=2)
+        with diloco:
+            _train_phase(diloco, model, peer)
+            after_first = diloco.global_state
+            _train_phase(diloco, model, peer)
+            after_failed = diloco.global_state
+            local = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            assert after_failed.round == 2 and diloco.round == 2
+            assert torch.equal(after_failed.params, after_first.params)
+            assert torch.equal(after_failed.momentum, after_first.momentum)
+            assert not torch.equal(local, after_failed.params)  # progress kept, not reset
+            _train_phase(diloco, model, peer)
+            stats = diloco.statistics()
+        assert (stats.rounds_applied, stats.rounds_failed) == (2, 1)
+        return [after_first.state_hash(), diloco.state_hash()], stats.last_contributors
+
+    (hashes_a, weights_a), (hashes_b, _) = _run_peers(2, work)
+    assert hashes_a == hashes_b
+    # The failed round's samples ride in the next round's weight: two phases of samples.
+    assert weights_a == {"peer-0": 2 * 2.0 * BATCH * 32, "peer-1": 2 * 2.0 * BATCH * 32}
+
+
+def test_local_average_fails_the_round_when_a_peer_never_arrives(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    averaging = LocalAverage(2, timeout_s=0.2)
+    with pytest.raises(AveragingFailed, match="1 of 2"):
+        averaging.member("a")(0, [torch.ones(2)], 1.0)
+    with pytest.raises(AveragingFailed):
+        averaging.member("b")(0, [torch.ones(2)], 1.0)  # arrives after the round failed
+    diloco, model = _peer(averaging.member("a"), inner_steps=1)
+    with caplog.at_level(logging.WARNING, logger="diloco.loop"), diloco:
+        _train_phase(diloco, model, 0)
+    assert "round 0: averaging failed (AveragingFailed" in caplog.text
+    assert diloco.round == 1 and diloco.statistics().rounds_failed == 1
+
+
+def test_averaged_tensors_of_the_wrong_shape_fail_the_round() -> None:
+    def wrong(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+        return AverageOutcome([torch.zeros(3)], {"x": weight})
+
+    diloco, model = _peer(wrong, inner_steps=1)
+    start = diloco.global_state
+    with diloco:
+        _train_phase(diloco, model, 0)
+    assert diloco.statistics().rounds_failed == 1
+    assert torch.equal(diloco.global_state.params, start.params)
+
+
+def test_a_joiner_adopts_the_state_bytes_and_gets_the_same_hash() -> None:
+    diloco, model = _peer(LocalAverage(1).member("a"), inner_steps=2)
+    with diloco:
+        _train_phase(diloco, model, 0)
+        _train_phase(diloco, model, 0)
+    other = ByteTransformer(CONFIG, seed=99)
+    joiner = DiLoCo(
+        other, torch.optim.AdamW(other.parameters()), LocalAverage(1).member("b"), inner_steps=2
+    )
+    assert joiner.state_hash() != diloco.state_hash()
+    joiner.load_state(diloco.state_bytes())
+    assert joiner.state_hash() == diloco.state_hash() and joiner.round == 2
+    assert all(
+        torch.equal(a, b) for a, b in zip(other.parameters(), model.parameters(), strict=True)
+    )
+    with pytest.raises(ValueError):
+        joiner.load_state(diloco.state_bytes()[:-1])
+    wider = ByteTransformer(ByteTransformerConfig(d_model=64, n_layers=1, n_heads=2, context=32))
+    stranger = DiLoCo(
+        wider, torch.optim.AdamW(wider.parameters()), LocalAverage(1).member("c"), inner_steps=2
+    )
+    with pytest.raises(ValueError, match="layout"):
+        stranger.load_state(diloco.state_bytes())
+    joiner.close()
+    stranger.close()
+
+
+def test_the_inner_optimizers_own_step_counts_while_attached() -> None:
+    diloco, model = _peer(LocalAverage(1).member("a"), inner_steps=2)
+    with diloco:
+        for inputs, targets in _batches(0, 0, 2):
+            model.loss(inputs, targets).backward()
+            diloco.inner_optimizer.step()
+            diloco.inner_optimizer.zero_grad()
+    assert diloco.round == 1
+    assert diloco.statistics().last_contributors == {"a": 2.0}  # one sample per bare step
+    for inputs, targets in _batches(1, 0, 2):
+        model.loss(inputs, targets).backward()
+        diloco.inner_optimizer.step()
+    assert diloco.round == 1  # detached: no more rounds
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _write(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for param in model.parameters():
+            param.copy_(flat[offset : offset + param.numel()].view(param.shape))
+            offset += param.numel()
+
+
+def _split(model: torch.nn.Module, flat: torch.Tensor) -> list[torch.Tensor]:
+    return list(flat.split([p.numel() for p in model.parameters()]))
+
+
+def test_overlap_equals_the_one_round_delayed_update_math() -> None:
+    peers, rounds, steps = 2, 3, 2
+    averaging = LocalAverage(peers, timeout_s=PEER_DEADLINE_S)
+
+    def work(peer: int) -> tuple[str, torch.Tensor]:
+        diloco, model = _peer(averaging.member(f"peer-{peer}"), inner_steps=steps, overlap=True)
+        with diloco:
+            for _ in range(rounds):
+                _train_phase(diloco, model, peer)
+        assert diloco.round == rounds
+        return diloco.state_hash(), _flat(model)
+
+    results = _run_peers(peers, work)
+
+    # The reference: the same peers in one thread, the delayed update written out by hand.
+    models = [ByteTransformer(CONFIG, seed=11) for _ in range(peers)]
+    inners = [torch.optim.AdamW(m.parameters(), lr=3e-3) for m in models]
+    global_params, momentum = _flat(models[0]).clone(), torch.zeros_like(_flat(models[0]))
+    anchors = [global_params.clone() for _ in range(peers)]
+    pending = None
+    for round in range(rounds + 1):
+        if round < rounds:
+            for peer, (model, inner) in enumerate(zip(models, inners, strict=True)):
+                for inputs, targets in _batches(round, peer, steps):
+                    model.loss(inputs, targets).backward()
+                    inner.step()
+                    inner.zero_grad()
+        deltas = [torch.sub(anchors[p], _flat(models[p])) for p in range(peers)]
+        if pending is not None:
+            averaged = torch.cat([t.reshape(-1) for t in weighted_mean(pending)])
+            global_params, momentum = nesterov_update(global_params, momentum, averaged, 0.7, 0.9)
+            anchors = [torch.sub(global_params, deltas[p]) for p in range(peers)]
+            for model, anchor in zip(models, anchors, strict=True):
+                _write(model, anchor)
+        else:
+            anchors = [_flat(m) for m in models]
+        weight = float(steps * BATCH * CONFIG.context)
+        pending = {f"peer-{p}": (_split(models[p], deltas[p]), weight) for p in range(peers)}
+
+    hashes = {state_hash for state_hash, _ in results}
+    assert len(hashes) == 1
+    for peer, (_, local) in enumerate(results):
+        assert torch.equal(local, _flat(models[peer]))
+    # The global params are the ones in every peer's hash: rebuild the state and compare.
+    probe, _ = _peer(LocalAverage(1).member("probe"), inner_steps=1)
+    state = probe.global_state
+    state.params, state.momentum, state.round = global_params, momentum, rounds
+    assert state.state_hash() in hashes
+    probe.close()
