@@ -25,6 +25,9 @@ sequence is the synchronous one, applied one round late, and the averaging hides
 inner phase. When round r failed, d_r is added to d_{r+1} and sent with it (weights added too),
 matching the synchronous mode's rule that failed work counts in the next round.
 
+Error feedback (``compress``): the pseudo-gradient sent is compress(progress + residual), and the
+residual keeps what quantization dropped, committed only when the round is applied.
+
 Checkpoints (``state_dir``): after every round the global state and inner optimizer state are saved
 atomically; a new ``DiLoCo`` on the same directory resumes at that round boundary.
 """
@@ -65,16 +68,23 @@ class _Pending:
     """An averaging running in the background (overlap mode)."""
 
     future: Future[AverageOutcome]
-    delta: torch.Tensor
+    delta: torch.Tensor  # the progress sent, before compression: carried if the round fails
     weight: float
+    residual: torch.Tensor | None  # error-feedback residual to keep if the round succeeds
 
 
 class DiLoCo:
     """DiLoCo over ``model``'s trainable parameters with ``inner_optimizer`` (e.g. AdamW).
 
     ``average`` follows ``diloco.Average``. ``inner_steps`` is H. ``run_id`` goes into the config
-    fingerprint that guards checkpoints. Raises ValueError on bad settings, on a model without
-    trainable parameters, or when ``state_dir`` holds a checkpoint of another config or layout.
+    fingerprint that guards checkpoints. ``compress``, when given, is the deterministic
+    quantize-then-dequantize the averaging applies to a flat float32 pseudo-gradient (e.g. int8
+    blockwise); DiLoCo then sends ``compress(pseudo-gradient + residual)`` and keeps what the
+    quantization lost as the residual for the next round (error feedback, as in 1-bit SGD and
+    PowerSGD). The residual lives in memory only: a restart or ``load_state`` zeroes it.
+
+    Raises ValueError on bad settings, on a model without trainable parameters, or when
+    ``state_dir`` holds a checkpoint of another config or layout.
     """
 
     def __init__(
@@ -89,6 +99,7 @@ class DiLoCo:
         overlap: bool = False,
         state_dir: str | os.PathLike[str] | None = None,
         run_id: str = "",
+        compress: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         if inner_steps <= 0:
             raise ValueError("inner_steps must be positive")
@@ -99,6 +110,7 @@ class DiLoCo:
         self.outer = OuterConfig(outer_lr, outer_momentum)
         self.overlap = overlap
         self._state_dir = state_dir
+        self._compress = compress
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -109,6 +121,7 @@ class DiLoCo:
         flat = self._local_flat()
         self._state = GlobalState(0, flat.clone(), torch.zeros_like(flat), layout)
         self._anchor = flat  # where the current inner phase started (overlap mode)
+        self._residual = torch.zeros_like(flat) if compress is not None else None
         self._local_step = 0
         self._samples = 0.0  # samples of local progress not yet in an applied round
         self._step_samples: float | None = None
@@ -215,12 +228,14 @@ class DiLoCo:
 
     def _synchronous_round(self) -> None:
         delta = torch.sub(self._state.params, self._local_flat())
-        averaged = self._run_average(self._state.round, delta, self._samples)
+        sent, residual = self._contribution(delta)
+        averaged = self._run_average(self._state.round, sent, self._samples)
         if averaged is None:
             self._state = skipped_round(self._state)
             return
         self._state = outer_step(self._state, averaged, self.outer)
         self._samples = 0.0
+        self._residual = residual
         self._write_model(self._state.params)
 
     def _overlapped_round(self) -> None:
@@ -233,8 +248,9 @@ class DiLoCo:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
         weight, self._samples = self._samples, 0.0
-        future = self._executor.submit(self._average, self._state.round, self._split(delta), weight)
-        self._pending = _Pending(future, delta, weight)
+        sent, residual = self._contribution(delta)
+        future = self._executor.submit(self._average, self._state.round, self._split(sent), weight)
+        self._pending = _Pending(future, delta, weight, residual)
 
     def _finish_pending(self, delta: torch.Tensor) -> torch.Tensor:
         """Wait for the round in flight, apply it, and rebase the model on the global params
@@ -250,14 +266,26 @@ class DiLoCo:
             self._samples += pending.weight
         else:
             self._state = outer_step(self._state, averaged, self.outer)
+            self._residual = pending.residual
         self._anchor = torch.sub(self._state.params, delta)
         self._write_model(self._anchor)
         return delta
 
+    def _contribution(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What to send for ``delta``, and the residual to keep if the round succeeds. A failed
+        round keeps the old residual: its loss is already in the local progress carried on."""
+        if self._compress is None or self._residual is None:
+            return delta, None
+        corrected = torch.add(delta, self._residual)
+        sent = self._compress(corrected)
+        if sent.dtype != torch.float32 or sent.shape != corrected.shape:
+            raise ValueError("compress must return a float32 tensor of its input's shape")
+        return sent, torch.sub(corrected, sent)
+
     def _run_average(
         self,
         round: int,
-        delta: torch.Tensor,
+        sent: torch.Tensor,
         weight: float | None,
         future: Future[AverageOutcome] | None = None,
     ) -> torch.Tensor | None:
@@ -265,7 +293,7 @@ class DiLoCo:
         try:
             if future is None:
                 assert weight is not None
-                outcome = self._average(round, self._split(delta), weight)
+                outcome = self._average(round, self._split(sent), weight)
             else:
                 outcome = future.result()
             averaged = self._check_outcome(outcome)
@@ -306,6 +334,8 @@ class DiLoCo:
         self._anchor = state.params.clone()
         self._local_step = 0
         self._samples = 0.0
+        if self._residual is not None:
+            self._residual = torch.zeros_like(state.params)
 
     def _local_flat(self) -> torch.Tensor:
         with torch.no_grad():

@@ -287,3 +287,38 @@ def test_overlap_equals_the_one_round_delayed_update_math() -> None:
     state.params, state.momentum, state.round = global_params, momentum, rounds
     assert state.state_hash() in hashes
     probe.close()
+
+
+def _coarse(flat: torch.Tensor) -> torch.Tensor:
+    # Power-of-two scaling is exact, so this quantizer is deterministic to the bit.
+    return torch.round(flat * 256.0) / 256.0
+
+
+def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_rest() -> None:
+    member = LocalAverage(1).member("solo")
+    holder: list[DiLoCo] = []
+    residual = torch.zeros(0)
+    observed: list[int] = []
+
+    def checking(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+        nonlocal residual
+        diloco = holder[0]
+        sent = torch.cat([t.reshape(-1) for t in tensors])
+        progress = torch.sub(diloco.global_state.params, _flat(diloco.model))
+        corrected = torch.add(progress, residual)
+        assert torch.equal(sent, _coarse(corrected))
+        assert torch.count_nonzero(sent) < sent.numel()  # the quantizer really loses something
+        observed.append(round)
+        if round == 1:
+            raise ConnectionError("lost")  # the residual must stay as it was
+        residual = torch.sub(corrected, sent)
+        return member(round, tensors, weight)
+
+    diloco, model = _peer(checking, inner_steps=2, compress=_coarse)
+    residual = torch.zeros_like(diloco.global_state.params)
+    holder.append(diloco)
+    with diloco:
+        for _ in range(3):
+            _train_phase(diloco, model, 0)
+    assert observed == [0, 1, 2]
+    assert diloco.statistics().rounds_failed == 1
