@@ -5,6 +5,25 @@ the embedded default model and corpus.
 callable (the swarm all-reduce in a real run, ``LocalAverage`` in one process). Everything that
 must be bit-identical across peers (``GlobalState``, ``nesterov_update``, ``weighted_mean``) is
 plain float32/float64 tensor arithmetic with a fixed order. This package imports nothing of ours.
+
+A training script (one peer; in a real run ``average`` is the swarm all-reduce's callable)::
+
+    import torch
+    from diloco import ByteTransformer, DiLoCo, LocalAverage, inner_batches, load_stdlib_corpus
+
+    model = ByteTransformer(seed=0)  # every peer builds the same round-0 params from the seed
+    inner = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    corpus = load_stdlib_corpus()
+    with DiLoCo(model, inner, LocalAverage(1).member("me"), inner_steps=100) as diloco:
+        for _ in range(10):  # rounds
+            for inputs, targets in inner_batches(
+                corpus, run_seed=0, round=diloco.round, peer_id=b"me",
+                steps=100, batch_size=8, context=128,
+            ):
+                model.loss(inputs, targets).backward()
+                diloco.step(samples=inputs.numel())  # the 100th step runs the outer round
+                diloco.zero_grad()
+            print(diloco.round, diloco.state_hash())
 """
 
 from diloco.averaging import Average, AverageOutcome, AveragingFailed, LocalAverage, weighted_mean
