@@ -156,10 +156,12 @@ class DiLoCo:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
-        """Remove the hook; in overlap mode wait for the round in flight and apply it."""
+        """Remove the hook; in overlap mode wait for the round in flight, apply it and save the
+        checkpoint, so the last round's work is neither lost nor left running."""
         self._hook.remove()
         if self._pending is not None:
             self._finish_pending(torch.sub(self._anchor, self._local_flat()))
+            self._save_checkpoint()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
