@@ -3,6 +3,9 @@
 This package imports nothing else of swarmtrain's; everything above builds on the names here.
 """
 
+from libp2p.abc import INetStream as Stream
+from libp2p.peer.id import ID as PeerID
+
 from p2p.bulk import (
     PROTOCOL as BULK_PROTOCOL,
 )
@@ -27,10 +30,18 @@ from p2p.errors import (
     PeerUnreachable,
     RemoteError,
     RemoteProtocolError,
+    StreamEnded,
 )
 from p2p.host import Host, HostConfig, open_host
 from p2p.identity import default_identity_path, load_or_create_identity, peer_id_of
-from p2p.nat import NatConfig, NatService, RelayServiceLimits, connection_kind, upnp_status
+from p2p.nat import (
+    NatConfig,
+    NatService,
+    RelayServiceLimits,
+    connection_kind,
+    stream_kind,
+    upnp_status,
+)
 from p2p.node import Node, NodeConfig, PingResult, join_addr, open_node
 from p2p.reachability import Reachability, ReachabilityVerdict
 from p2p.records import (
@@ -72,6 +83,7 @@ __all__ = [
     "Node",
     "NodeConfig",
     "P2PError",
+    "PeerID",
     "PeerUnreachable",
     "PingResult",
     "Reachability",
@@ -84,6 +96,8 @@ __all__ = [
     "RpcStream",
     "RpcTimeout",
     "SignedRecord",
+    "Stream",
+    "StreamEnded",
     "call_stream",
     "call_unary",
     "connection_kind",
@@ -107,6 +121,7 @@ __all__ = [
     "send_tensor",
     "serve_stream",
     "serve_unary",
+    "stream_kind",
     "subkey_values",
     "upnp_status",
     "validate_record",

@@ -15,6 +15,14 @@ class RemoteProtocolError(P2PError):
     """The remote peer broke the protocol: garbage, oversized, truncated or unknown input."""
 
 
+class StreamEnded(RemoteProtocolError):
+    """The stream ended (or was reset) before the bytes we needed: the peer left or died.
+
+    A ``RemoteProtocolError`` so that readers treating any short read as bad input keep doing so;
+    callers that must tell a departed peer from a lying one catch this first.
+    """
+
+
 class LocalProtocolError(P2PError):
     """We tried to do something the protocol forbids (a bug on our side)."""
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import msgpack
 
-from p2p.errors import LocalProtocolError, RemoteProtocolError
+from p2p.errors import LocalProtocolError, RemoteProtocolError, StreamEnded
 
 PROTOCOL_VERSION = 1
 FRAME_HEADER = struct.Struct(">I")
@@ -229,7 +229,7 @@ async def read_exactly(stream: ByteStream, n: int) -> bytes:
             else:
                 raise
         if not chunk:
-            raise RemoteProtocolError(f"stream ended {remaining} of {n} bytes short")
+            raise StreamEnded(f"stream ended {remaining} of {n} bytes short")
         parts.append(chunk)
         remaining -= len(chunk)
     return b"".join(parts)

@@ -42,12 +42,23 @@ class FakeNetwork:
     survivor ``PeerLost`` on that link: the loss is noticed after whatever got through.
     """
 
-    def __init__(self, vectors, weights, bandwidths, rng: random.Random) -> None:
+    def __init__(
+        self, vectors, weights, bandwidths, rng: random.Random, finalize=None, chunks=1
+    ) -> None:
         self.ids = peer_ids(len(vectors))
         self.vectors = dict(zip(self.ids, vectors, strict=True))
         self.weights = dict(zip(self.ids, weights, strict=True))
         self.machines = {
-            me: AllReduce(me, self.ids, bandwidths, self.vectors[me], self.weights[me], 100.0)
+            me: AllReduce(
+                me,
+                self.ids,
+                bandwidths,
+                self.vectors[me],
+                self.weights[me],
+                100.0,
+                finalize,
+                chunks,
+            )
             for me in self.ids
         }
         self.links: dict[tuple[bytes, bytes], deque] = {
@@ -158,7 +169,9 @@ def build(setup, weights=None) -> FakeNetwork:
     n, numel, rng = setup
     bandwidths = [rng.randint(1, 1000) for _ in range(n)]
     weights = weights or [rng.choice([1.0, 0.5, 3.0, rng.uniform(0.1, 10)]) for _ in range(n)]
-    return FakeNetwork(make_vectors(rng, n, numel), weights, bandwidths, rng)
+    # Several chunks per peer: the reducer of part p is then the owner of chunk group p // chunks.
+    chunks = rng.choice([1, 1, 2, 3])
+    return FakeNetwork(make_vectors(rng, n, numel), weights, bandwidths, rng, chunks=chunks)
 
 
 # ---- partition and reducer ---------------------------------------------------------------------
@@ -176,6 +189,24 @@ def test_partition_covers_every_element_once_in_peer_order(numel, bandwidths):
     for (_, start, stop), bandwidth in zip(parts, bandwidths, strict=True):
         assert abs((stop - start) - numel * bandwidth / total) <= 1
     assert partition(numel, peers, bandwidths) == parts
+
+
+@given(
+    st.integers(0, 10_000),
+    st.lists(st.integers(1, 1000), min_size=1, max_size=8),
+    st.integers(1, 5),
+)
+def test_partition_chunks_split_each_peers_range(numel, bandwidths, chunks):
+    peers = peer_ids(len(bandwidths))
+    whole = partition(numel, peers, bandwidths)
+    parts = partition(numel, peers, bandwidths, chunks)
+    assert len(parts) == len(peers) * chunks
+    for i, (peer, start, stop) in enumerate(whole):
+        mine = parts[i * chunks : (i + 1) * chunks]
+        assert {p for p, _, _ in mine} == {peer}
+        assert mine[0][1] == start and mine[-1][2] == stop
+        assert all(a[2] == b[1] for a, b in itertools.pairwise(mine))
+        assert max(b - a for _, a, b in mine) - min(b - a for _, a, b in mine) <= 1
 
 
 @pytest.mark.parametrize(
@@ -408,3 +439,29 @@ def test_reducer_lost_mid_broadcast_is_forwarded_by_a_peer_that_already_finished
     net.run()
     # the others got the lost reducer's part from `early`, so all agree with what it returned
     assert_agreement(net, must_include=net.ids)
+
+
+def _to_fp16(part_index: int, reduced: np.ndarray) -> np.ndarray:
+    return reduced.astype(np.float16).astype(np.float32)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(round_setup, st.integers(0, 400), st.integers(0, 7))
+def test_finalize_is_what_every_survivor_holds(setup, crash_after, victim):
+    """A lossy codec's encode-then-decode, applied by the reducer, is what survivors hold."""
+    n, numel, rng = setup
+    bandwidths = [rng.randint(1, 1000) for _ in range(n)]
+    net = FakeNetwork(make_vectors(rng, n, numel), [1.0] * n, bandwidths, rng, _to_fp16)
+    net.start()
+    for _ in range(crash_after):
+        if not net.step():
+            break
+    net.crash(net.ids[victim % n])
+    net.run()
+    survivors = net.survivors()
+    assert not net.failed, net.failed
+    results = {net.finished[p].result.tobytes() for p in survivors}
+    assert len(results) == 1
+    first = net.finished[survivors[0]]
+    exact = expected_mean(net, first.contributors)
+    assert first.result.tobytes() == _to_fp16(0, exact).tobytes()

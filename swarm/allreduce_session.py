@@ -1,0 +1,515 @@
+"""Trio driver of one all-reduce round: carries ``swarm.allreduce``'s orders over p2p streams.
+
+Wire, per ordered pair of group members (sender -> receiver), one libp2p stream on ``PROTOCOL``:
+
+    Hello(run_id, group_id, layout digest)
+    ( Item(kind, part, weight, contributors, nbytes, inline)  [payload over the bulk plane] )*
+    Done(result digest)          -- the sender finished; it may still forward parts after this
+
+An item's payload rides inline when small, else ``p2p.send_bulk`` on the same stream (a TCP data
+connection when the libp2p connection is direct, the stream itself when relayed). One stream per
+pair keeps each pair's messages in order, which the machine's forwarding rule relies on (a forwarded
+reduced part arrives before the forwarder's own slice).
+
+The machine is fed from one task (``Session.run``) and runs in a worker thread when the vector is
+large, so reducing never stalls heartbeats. Receivers and senders are separate tasks per peer;
+they report what happened as events into one inbox. A peer is lost when its stream breaks before
+its ``Done`` or when it stops answering pings for ``peer_timeout_s`` (a frozen process keeps its
+sockets open); bytes that break the protocol (a wrong length, NaN, an unknown part) drop it with
+the reason. After ``Finish`` the session keeps serving forwards until every live peer said ``Done``
+or the deadline passes; the caller already has its result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from p2p import (
+    BulkConfig,
+    BulkTransferFailed,
+    Message,
+    Node,
+    P2PError,
+    PeerID,
+    RemoteProtocolError,
+    RpcStream,
+    Stream,
+    StreamEnded,
+    message,
+    receive_bulk,
+    send_bulk,
+    stream_kind,
+)
+from swarm.allreduce import (
+    AllReduce,
+    DeadlineReached,
+    DropPeer,
+    Fail,
+    Finish,
+    PartReceived,
+    PeerLost,
+    PeerMisbehaved,
+    ReducedPartReceived,
+    SendPart,
+    SendReduced,
+    partition,
+)
+from swarm.matchmaking import Group
+from swarm.payload import Layout
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/swarmtrain/allreduce/1"
+KIND_SLICE, KIND_REDUCED = 0, 1
+INLINE_MAX_BYTES = 256 * 1024
+# Below this many elements the machine runs on the event loop: a thread hop costs more.
+THREAD_MIN_NUMEL = 1 << 16
+# Each peer's share is cut into chunks of about this many float32 bytes (at most MAX_CHUNKS), so
+# a reducer reduces and sends chunk k while chunk k + 1 arrives.
+CHUNK_BYTES = 8 << 20
+MAX_CHUNKS = 16
+
+
+def chunks_for(numel: int, group_size: int) -> int:
+    """Chunks per peer: a function of the round's shape only, so every member computes it."""
+    return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / CHUNK_BYTES)))
+
+
+@message(100, max_bytes=1024)
+class Hello(Message):
+    run_id: str
+    group_id: bytes
+    layout: bytes
+
+
+@message(101, max_bytes=INLINE_MAX_BYTES + 64 * 1024)
+class Item(Message):
+    kind: int
+    part_index: int
+    weight: float
+    contributors: tuple[bytes, ...]
+    weights: tuple[float, ...]
+    nbytes: int
+    inline: bytes
+
+
+@message(102, max_bytes=128)
+class Done(Message):
+    result_digest: bytes
+
+
+class AveragingFailed(Exception):
+    """A round ended without a result for this peer; the message says why."""
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    timeout_s: float = 60.0
+    peer_timeout_s: float = 3.0
+    heartbeat_s: float = 0.5
+    bulk: BulkConfig = field(default_factory=BulkConfig)
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What ``Session`` returns: the averaged flat vector and whose contributions it holds."""
+
+    vector: np.ndarray
+    contributors: tuple[tuple[bytes, float], ...]
+    dropped: dict[bytes, str]
+    seconds: float
+    digest: bytes  # SHA-256 of the vector's bytes: equal on every survivor
+
+
+class _Wake:
+    """Inbox marker: something other than a machine event changed (a peer said Done)."""
+
+
+class Session:
+    """One peer's part in one group's all-reduce. ``run`` drives it; ``result`` waits for it."""
+
+    def __init__(
+        self,
+        node: Node,
+        run_id: str,
+        group: Group,
+        local: np.ndarray,
+        weight: float,
+        layout: Layout,
+        config: SessionConfig,
+    ) -> None:
+        self.node = node
+        self.run_id = run_id
+        self.group = group
+        self.layout = layout
+        self.config = config
+        self.me = node.host.peer_id.to_bytes()
+        self.peers = group.peer_ids
+        bandwidths = [max(1, int(m.bandwidth_bps // 1_000_000)) for m in group.members]
+        self._big = len(local) >= THREAD_MIN_NUMEL
+        self._local = local  # what we encode our slices from (their decoding is machine.local)
+        # Encoded bytes of reduced parts, by the held array: a forward must carry exactly the
+        # bytes the reducer sent, and re-encoding a decoded int8 part may not reproduce them.
+        self._encoded: dict[int, tuple[np.ndarray, bytes]] = {}
+        self.chunks = chunks_for(len(local), len(self.peers))
+        self.machine = AllReduce(
+            self.me,
+            self.peers,
+            bandwidths,
+            self._wire_values(local, bandwidths),
+            weight,
+            deadline=math.inf,
+            finalize=None if layout.lossless() else self._finalize,
+            chunks=self.chunks,
+        )
+        self.parts = self.machine.parts
+        self.alive: frozenset[bytes] = frozenset(self.peers)
+        self.dropped: dict[bytes, str] = {}
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._inbox_send, self._inbox = trio.open_memory_channel[Any](math.inf)
+        self._outboxes = {
+            peer: trio.open_memory_channel[Any](math.inf) for peer in self.peers if peer != self.me
+        }
+        self._done_from: set[bytes] = set()
+        self._last_heard: dict[bytes, float] = {}
+        self._reported_lost: set[bytes] = set()
+        self._handler_scopes: set[trio.CancelScope] = set()
+        self._finished = trio.Event()
+        self._result: RoundResult | None = None
+        self._error: str | None = None
+        self._closed = False
+        self._scope = trio.CancelScope()
+        self._started_at = time.perf_counter()
+
+    # -- public ----------------------------------------------------------------------------------
+
+    @property
+    def group_id(self) -> bytes:
+        return self.group.group_id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def lost(self) -> frozenset[bytes]:
+        """Peers this session saw go (a broken stream, no answer to pings)."""
+        return frozenset(self._reported_lost)
+
+    async def result(self) -> RoundResult:
+        """Wait for this peer's outcome; raises ``AveragingFailed``."""
+        await self._finished.wait()
+        if self._result is None:
+            raise AveragingFailed(self._error or "the round ended without a result")
+        return self._result
+
+    def cancel(self) -> None:
+        """Leave the round now (the caller was cancelled); peers see our streams close."""
+        self._scope.cancel()
+
+    async def run(self) -> None:
+        """Drive the round until everyone is done, it fails, or the deadline passes."""
+        deadline = trio.current_time() + self.config.timeout_s
+        try:
+            with self._scope:
+                self._scope.deadline = deadline + self.config.peer_timeout_s
+                async with trio.open_nursery() as nursery:
+                    for peer in self._outboxes:
+                        nursery.start_soon(self._send_loop, peer)
+                    nursery.start_soon(self._watch_liveness)
+                    await self._drive(deadline)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._closed = True
+            for scope in list(self._handler_scopes):
+                scope.cancel()
+            if not self._finished.is_set():
+                self._error = self._error or (
+                    "cancelled" if self._scope.cancel_called else "the round's deadline passed"
+                )
+                self._finished.set()
+
+    async def serve_incoming(self, peer: bytes, rpc: RpcStream) -> None:
+        """Read ``peer``'s items from its stream (after its Hello) until it ends or we close."""
+        with trio.CancelScope() as scope:
+            self._handler_scopes.add(scope)
+            try:
+                if self._closed:
+                    return
+                await self._receive_loop(peer, rpc)
+            except StreamEnded as exc:
+                self._peer_gone(peer, f"its stream ended: {exc}")
+            except RemoteProtocolError as exc:
+                log.warning("dropping %s from round %s: %s", _short(peer), self.group.round, exc)
+                self._inbox_send.send_nowait(PeerMisbehaved(peer, str(exc)))
+            except (P2PError, OSError, BulkTransferFailed, trio.BrokenResourceError) as exc:
+                self._peer_gone(peer, f"stream from it broke: {exc!r}")
+            except Exception as exc:  # libp2p's own stream errors (StreamEOF, reset) vary
+                self._peer_gone(peer, f"stream from it ended: {exc!r}")
+            finally:
+                self._handler_scopes.discard(scope)
+
+    # -- the machine -----------------------------------------------------------------------------
+
+    async def _drive(self, deadline: float) -> None:
+        await self._apply(await self._call(self.machine.start))
+        while not self._closed:
+            with trio.move_on_at(deadline) as wait:
+                event = await self._inbox.receive()
+            if wait.cancelled_caught:
+                await self._apply(await self._call(self.machine.handle, DeadlineReached()))
+                return
+            if not isinstance(event, _Wake):
+                try:
+                    actions = await self._call(self.machine.handle, event)
+                except RemoteProtocolError as exc:
+                    log.warning("ignored an event: %s", exc)
+                    continue
+                await self._apply(actions)
+            if self._error is not None:
+                return
+            if self._result is not None and self.alive - {self.me} <= self._done_from:
+                return  # everyone still alive has its result: nobody can need a forward
+
+    async def _call(self, method: Any, *event: Any) -> list[Any]:
+        if self._big:
+            actions = await trio.to_thread.run_sync(method, *event, time.monotonic())
+        else:
+            actions = method(*event, time.monotonic())
+        self.alive = frozenset(self.machine.alive)
+        return actions
+
+    async def _apply(self, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, SendPart | SendReduced):
+                self._outboxes[action.peer][0].send_nowait(action)
+            elif isinstance(action, DropPeer):
+                self.dropped[action.peer] = action.reason
+                log.info(
+                    "round %s: %s out (%s)", self.group.round, _short(action.peer), action.reason
+                )
+            elif isinstance(action, Finish):
+                if self._big:
+                    digest = await trio.to_thread.run_sync(_digest, action.result)
+                else:
+                    digest = _digest(action.result)
+                self._result = RoundResult(
+                    action.result,
+                    action.contributors,
+                    dict(self.dropped),
+                    time.perf_counter() - self._started_at,
+                    digest,
+                )
+                for peer in self.alive - {self.me}:
+                    self._outboxes[peer][0].send_nowait(Done(digest))
+                self._finished.set()
+            elif isinstance(action, Fail):
+                self._error = action.reason
+                self._finished.set()
+
+    # -- values on the wire ----------------------------------------------------------------------
+
+    def _wire_values(self, local: np.ndarray, bandwidths: list[int]) -> np.ndarray:
+        """Our vector as peers will decode it: every slice we send goes through the codec, and
+        the reducer of a part must use the same values for its own slice as everyone else."""
+        if self.layout.lossless():
+            return local
+        out = np.empty_like(local)
+        for _, start, stop in partition(len(local), self.peers, bandwidths, self.chunks):
+            out[start:stop] = self.layout.round_trip(local[start:stop], start)
+        return out
+
+    def _finalize(self, part_index: int, reduced: np.ndarray) -> np.ndarray:
+        start = self.parts[part_index][1]
+        data = self.layout.encode(reduced, start)
+        values = self.layout.decode(data, start, start + len(reduced))
+        self._encoded[id(values)] = (values, data)
+        return values
+
+    def _payload(self, order: SendPart | SendReduced) -> bytes:
+        if isinstance(order, SendPart):
+            return self.layout.encode(self._local[order.start : order.stop], order.start)
+        cached = self._encoded.get(id(order.data))
+        if cached is not None and cached[0] is order.data:
+            return cached[1]
+        return self.layout.encode(order.data, self.parts[order.part_index][1])
+
+    # -- senders ---------------------------------------------------------------------------------
+
+    async def _send_loop(self, peer: bytes) -> None:
+        outbox = self._outboxes[peer][1]
+        stream: Stream | None = None
+        try:
+            peer_id = PeerID(peer)
+            await self.node.reach(peer_id)
+            stream = await self.node.host.open_stream(peer_id, PROTOCOL)
+            rpc = RpcStream(stream)
+            direct = stream_kind(stream) == "direct"
+            await rpc.send(Hello(self.run_id, self.group_id, self.layout.digest))
+            async for order in outbox:
+                if isinstance(order, Done):
+                    await rpc.send(order)
+                    continue
+                await self._send_item(rpc, stream, direct, order)
+        except (P2PError, OSError, BulkTransferFailed, trio.BrokenResourceError) as exc:
+            self._peer_gone(peer, f"sending to it failed: {exc!r}")
+        except Exception as exc:  # libp2p stream errors are not all P2PError
+            self._peer_gone(peer, f"sending to it failed: {exc!r}")
+        finally:
+            if stream is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1):
+                    try:
+                        await stream.close()
+                    except Exception as exc:
+                        log.debug("closing the stream to %s: %r", _short(peer), exc)
+
+    async def _send_item(
+        self, rpc: RpcStream, stream: Stream, direct: bool, order: SendPart | SendReduced
+    ) -> None:
+        if self._big:
+            payload = await trio.to_thread.run_sync(self._payload, order)
+        else:
+            payload = self._payload(order)
+        inline = len(payload) <= INLINE_MAX_BYTES
+        if isinstance(order, SendPart):
+            item = Item(
+                KIND_SLICE, order.part_index, self.machine.weight, (), (), len(payload), b""
+            )
+        else:
+            item = Item(
+                KIND_REDUCED,
+                order.part_index,
+                0.0,
+                tuple(p for p, _ in order.contributors),
+                tuple(w for _, w in order.contributors),
+                len(payload),
+                b"",
+            )
+        if inline:
+            item = Item(*item.to_wire()[:-1], bytes(payload))
+        await rpc.send(item)
+        if not inline:
+            await send_bulk(
+                stream,
+                payload,
+                direct=direct,
+                listener=self.node.bulk_listener,
+                config=self.config.bulk,
+            )
+        self.bytes_sent += len(payload)
+
+    # -- receivers -------------------------------------------------------------------------------
+
+    async def _receive_loop(self, peer: bytes, rpc: RpcStream) -> None:
+        direct = stream_kind(rpc.stream) == "direct"
+        # Honest peers send each part's slice once, reduced parts a few times when reducers are
+        # lost; anything beyond this bound is a flood.
+        limit = 4 * len(self.parts) + 4
+        for _ in range(limit):
+            msg = await rpc.receive(Item, Done)
+            self._last_heard[peer] = trio.current_time()
+            if isinstance(msg, Done):
+                self._done_from.add(peer)
+                self._inbox_send.send_nowait(_Wake())
+                continue
+            event = await self._receive_item(peer, rpc, direct, msg)
+            self._inbox_send.send_nowait(event)
+        raise RemoteProtocolError(f"more than {limit} items in one round")
+
+    async def _receive_item(
+        self, peer: bytes, rpc: RpcStream, direct: bool, item: Item
+    ) -> PartReceived | ReducedPartReceived:
+        if item.kind not in (KIND_SLICE, KIND_REDUCED):
+            raise RemoteProtocolError(f"unknown item kind {item.kind}")
+        if not 0 <= item.part_index < len(self.parts):
+            raise RemoteProtocolError(f"part index {item.part_index} out of range")
+        _, start, stop = self.parts[item.part_index]
+        expected = self.layout.wire_bytes(start, stop)
+        if item.nbytes != expected:
+            raise RemoteProtocolError(
+                f"part {item.part_index} payload of {item.nbytes} bytes, expected {expected}"
+            )
+        if len(item.contributors) != len(item.weights):
+            raise RemoteProtocolError("contributors and weights differ in length")
+        if item.inline or expected <= INLINE_MAX_BYTES:
+            if len(item.inline) != expected:
+                raise RemoteProtocolError(f"inline payload of {len(item.inline)} bytes")
+            data: bytes | bytearray = item.inline
+        else:
+
+            def check(meta: bytes, total: int) -> None:
+                if total != expected:
+                    raise RemoteProtocolError(f"bulk offer of {total} bytes, expected {expected}")
+
+            bulk_config = BulkConfig(
+                max_bytes=expected,
+                control_timeout_s=self.config.bulk.control_timeout_s,
+                idle_timeout_s=self.config.bulk.idle_timeout_s,
+            )
+            received = await receive_bulk(
+                rpc.stream,
+                direct=direct,
+                listener=self.node.bulk_listener,
+                config=bulk_config,
+                check_meta=check,
+            )
+            data = received.data
+        self.bytes_received += len(data)
+        if self._big:
+            values = await trio.to_thread.run_sync(self.layout.decode, data, start, stop)
+        else:
+            values = self.layout.decode(data, start, stop)
+        if item.kind == KIND_SLICE:
+            return PartReceived(peer, item.part_index, values, item.weight)
+        if not self.layout.lossless():
+            self._encoded[id(values)] = (values, bytes(data))
+        contributors = tuple(zip(item.contributors, item.weights, strict=True))
+        return ReducedPartReceived(peer, item.part_index, values, contributors)
+
+    # -- liveness --------------------------------------------------------------------------------
+
+    def _peer_gone(self, peer: bytes, why: str) -> None:
+        if self._closed or peer in self._reported_lost or peer not in self.alive:
+            return
+        if peer in self._done_from and self._result is not None:
+            return  # it finished and closed its side; nothing more is due from it
+        self._reported_lost.add(peer)
+        log.info("round %s: lost %s: %s", self.group.round, _short(peer), why)
+        self._inbox_send.send_nowait(PeerLost(peer))
+
+    async def _watch_liveness(self) -> None:
+        """Ping every live peer that still owes us something and has been quiet for a while; a
+        frozen one stops answering."""
+        while True:
+            await trio.sleep(self.config.heartbeat_s)
+            quiet_since = trio.current_time() - self.config.heartbeat_s
+            targets = sorted(
+                peer
+                for peer in self.alive - {self.me} - self._done_from - self._reported_lost
+                if self._last_heard.get(peer, -math.inf) < quiet_since
+            )
+            async with trio.open_nursery() as nursery:
+                for peer in targets:
+                    nursery.start_soon(self._ping, peer)
+
+    async def _ping(self, peer: bytes) -> None:
+        result = await self.node.ping(PeerID(peer), rounds=1, deadline_s=self.config.peer_timeout_s)
+        if not result.ok:
+            self._peer_gone(peer, f"no answer to a ping within {self.config.peer_timeout_s} s")
+
+
+def _digest(vector: np.ndarray) -> bytes:
+    return hashlib.sha256(memoryview(np.ascontiguousarray(vector)).cast("B")).digest()
+
+
+def _short(peer: bytes) -> str:
+    return str(PeerID(peer))[-8:]

@@ -1,0 +1,421 @@
+"""Averaging tensors with the other peers of a run: the public API over matchmaking + all-reduce.
+
+``Averager`` (trio) and ``BlockingAverager`` (a trio loop in a thread, for torch code) take a list
+of tensors and a weight and return the weighted mean over the peers of this round's group, with
+the set of peers whose contributions it holds. One call is one round:
+
+1. Matchmaking (``swarm.dht_matchmaking``): declare for round r in the DHT; the group forms as soon
+   as every expected peer declared (the previous round's survivors plus whoever had declared when
+   the round opened), else at the matchmaking deadline. The first round has no history, so it
+   waits for the deadline unless the caller names the expected peers.
+2. All-reduce (``swarm.allreduce_session``): butterfly over the group, bit-identical on every
+   survivor, by the round's deadline.
+
+A failed or cancelled round raises; the next call starts a new round at once. Sessions outlive
+the call that started them until every peer is done (they may still owe a forward).
+
+State parity (issue 3, point 6): ``publish_state_hash(r, digest)`` stores the digest as our
+subkey under ``run/<id>/state/<r>``; ``state_agreement(r)`` reads them back and says whether we
+agree with the majority.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from p2p import (
+    BulkConfig,
+    Node,
+    NodeConfig,
+    PeerID,
+    RemoteProtocolError,
+    RpcStream,
+    Stream,
+    open_node,
+)
+from swarm.allreduce_session import (
+    PROTOCOL,
+    AveragingFailed,
+    Hello,
+    Session,
+    SessionConfig,
+)
+from swarm.compression import Compression
+from swarm.dht_matchmaking import MatchmakingFailed, form_group, read_declarations
+from swarm.matchmaking import Declaration, MatchmakingConfig
+from swarm.payload import Layout
+
+log = logging.getLogger(__name__)
+
+STATE_HASH_TTL_S = 3600.0
+HELLO_TIMEOUT_S = 10.0
+MAX_NUMEL = 1 << 30
+
+
+@dataclass(frozen=True)
+class AveragerConfig:
+    """``compression``: one codec for every tensor, or None to choose per tensor (int8 above
+    64K elements, none below). ``bandwidth_bps`` sizes our share of the reduction."""
+
+    run_id: str
+    max_group_size: int = 64
+    matchmaking_timeout_s: float = 5.0
+    allreduce_timeout_s: float = 60.0
+    peer_timeout_s: float = 3.0
+    heartbeat_s: float = 0.5
+    compression: Compression | None = Compression.NONE
+    bandwidth_bps: float = 1e9
+    bulk: BulkConfig = field(default_factory=BulkConfig)
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise ValueError(f"run_id must be non-empty without '/': {self.run_id!r}")
+        for name in ("matchmaking_timeout_s", "allreduce_timeout_s", "peer_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+@dataclass(frozen=True)
+class AveragingResult:
+    """One round's outcome on this peer. ``tensors`` match the inputs' types, shapes, dtypes."""
+
+    tensors: list[Any]
+    contributors: dict[str, float]
+    round: int
+    group_id: str
+    digest: str
+    matchmaking_s: float
+    allreduce_s: float
+    bytes_sent: int
+    bytes_received: int
+    dropped: dict[str, str]
+
+
+@dataclass(frozen=True)
+class StateAgreement:
+    """Digests peers published for a round: ``agrees`` is ours equal to the majority's."""
+
+    round: int
+    ours: str | None
+    majority: str | None
+    peers: int
+    agreeing: int
+
+    @property
+    def agrees(self) -> bool:
+        return self.ours is not None and self.ours == self.majority
+
+
+def _flatten(tensors: Sequence[Any]) -> tuple[np.ndarray, list[tuple[tuple[int, ...], Any]]]:
+    """Concatenate the tensors as float32; remember each one's shape and type to undo it."""
+    arrays, specs = [], []
+    for tensor in tensors:
+        if hasattr(tensor, "detach"):  # a torch tensor, without importing torch here
+            import torch
+
+            array = tensor.detach().to("cpu", torch.float32).numpy()
+            specs.append((tuple(tensor.shape), tensor.dtype))
+        else:
+            array = np.asarray(tensor, dtype=np.float32)
+            specs.append((array.shape, np.asarray(tensor).dtype))
+        arrays.append(array.reshape(-1))
+    total = sum(a.size for a in arrays)
+    if total > MAX_NUMEL:
+        raise ValueError(f"{total} elements is over the {MAX_NUMEL} limit")
+    vector = np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
+    if not np.isfinite(vector).all():
+        raise ValueError("the tensors hold NaN or inf; refusing to send them")
+    return vector.astype(np.float32, copy=False), specs
+
+
+def _unflatten(vector: np.ndarray, specs: list[tuple[tuple[int, ...], Any]]) -> list[Any]:
+    out, offset = [], 0
+    for shape, dtype in specs:
+        size = int(np.prod(shape, dtype=np.int64))
+        piece = vector[offset : offset + size].reshape(shape)
+        offset += size
+        # The vector is ours alone, so the outputs may be views of it (no copy for float32).
+        if isinstance(dtype, np.dtype):
+            out.append(piece.astype(dtype, copy=False))
+        else:
+            import torch
+
+            out.append(torch.from_numpy(piece).to(dtype))
+    return out
+
+
+class Averager:
+    """Averages with the peers of ``config.run_id``. Serve with ``await nursery.start(a.run)``."""
+
+    def __init__(self, node: Node, config: AveragerConfig) -> None:
+        self.node = node
+        self.config = config
+        self.me = node.host.peer_id.to_bytes()
+        self.next_round = 0
+        self._matchmaking = MatchmakingConfig(
+            max_group_size=config.max_group_size,
+            run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
+        )
+        self._sessions: dict[bytes, Session] = {}
+        self._ended: deque[bytes] = deque(maxlen=256)
+        self._changed = trio.Event()
+        self._survivors: frozenset[bytes] | None = None
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self.node.host.set_handler(PROTOCOL, self._serve)
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def average(
+        self,
+        tensors: Sequence[Any],
+        weight: float = 1.0,
+        *,
+        round_number: int | None = None,
+        expected_peers: Iterable[bytes] | None = None,
+    ) -> AveragingResult:
+        """Average ``tensors`` (torch tensors or numpy arrays) weighted by ``weight``.
+
+        Raises ``AveragingFailed`` (matchmaking or the all-reduce failed: the message says
+        why) and ``ValueError`` for bad local input (NaN/inf, non-positive weight).
+        """
+        if self._nursery is None:
+            raise RuntimeError("Averager.run is not running")
+        if not (isinstance(weight, int | float) and np.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be positive and finite, got {weight!r}")
+        r = self.next_round if round_number is None else round_number
+        self.next_round = r + 1
+        vector, specs = await trio.to_thread.run_sync(_flatten, tensors)
+        layout = Layout.for_sizes(
+            [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs], self.config.compression
+        )
+        started = time.perf_counter()
+        group = await self._form_group(r, weight, expected_peers)
+        matched = time.perf_counter()
+        session = Session(
+            self.node,
+            self.config.run_id,
+            group,
+            vector,
+            weight,
+            layout,
+            SessionConfig(
+                timeout_s=self.config.allreduce_timeout_s,
+                peer_timeout_s=self.config.peer_timeout_s,
+                heartbeat_s=self.config.heartbeat_s,
+                bulk=self.config.bulk,
+            ),
+        )
+        self._sessions[group.group_id] = session
+        self._notify()
+        self._nursery.start_soon(self._run_session, session)
+        try:
+            result = await session.result()
+        except AveragingFailed:
+            self._survivors = None
+            raise
+        except BaseException:
+            session.cancel()
+            raise
+        contributors = {peer for peer, _ in result.contributors}
+        gone = set(result.dropped) | session.lost
+        self._survivors = frozenset(contributors - gone) | {self.me}
+        averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
+        return AveragingResult(
+            tensors=averaged,
+            contributors={str(PeerID(p)): w for p, w in result.contributors},
+            round=r,
+            group_id=group.group_id.hex(),
+            digest=result.digest.hex(),
+            matchmaking_s=matched - started,
+            allreduce_s=result.seconds,
+            bytes_sent=session.bytes_sent,
+            bytes_received=session.bytes_received,
+            dropped={str(PeerID(p)): why for p, why in result.dropped.items()},
+        )
+
+    async def publish_state_hash(self, round_number: int, digest: bytes) -> int:
+        """Store our state digest for ``round_number``; returns how many DHT peers hold it."""
+        return await self.node.dht.store(
+            self._state_key(round_number), digest, time.time() + STATE_HASH_TTL_S
+        )
+
+    async def state_agreement(self, round_number: int) -> StateAgreement:
+        records = await self.node.dht.get_records(self._state_key(round_number), latest=True)
+        digests = {r.owner: r.value.hex() for r in records.values() if len(r.value) <= 64}
+        counts = Counter(digests.values())
+        majority = None
+        if counts:
+            # ties break on the digest itself, so every peer names the same majority
+            majority = max(counts, key=lambda d: (counts[d], d))
+        ours = digests.get(self.me)
+        return StateAgreement(
+            round_number, ours, majority, len(digests), counts[majority] if majority else 0
+        )
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _state_key(self, round_number: int) -> str:
+        return f"run/{self.config.run_id}/state/{round_number}"
+
+    async def _form_group(
+        self, r: int, weight: float, expected_peers: Iterable[bytes] | None
+    ) -> Any:
+        if expected_peers is not None:
+            expected = frozenset(expected_peers) | {self.me}
+        elif self._survivors is not None:
+            opened = await read_declarations(self.node.dht, self.config.run_id, r)
+            expected = self._survivors | {d.peer_id for d in opened}
+        else:
+            expected = frozenset()  # no history: decide at the deadline
+        declaration = Declaration(
+            self.me, r, float(weight), float(self.config.bandwidth_bps), time.time(), len(expected)
+        )
+        try:
+            finish = await form_group(
+                self.node.dht,
+                self.config.run_id,
+                declaration,
+                expected=expected,
+                timeout_s=self.config.matchmaking_timeout_s,
+                config=self._matchmaking,
+            )
+        except MatchmakingFailed as exc:
+            self._survivors = None
+            raise AveragingFailed(f"matchmaking for round {r}: {exc}") from exc
+        return finish.group
+
+    async def _run_session(self, session: Session) -> None:
+        try:
+            await session.run()
+        finally:
+            self._sessions.pop(session.group_id, None)
+            self._ended.append(session.group_id)
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _session_for(self, group_id: bytes) -> Session | None:
+        """Our session for ``group_id``, waiting a while: a peer may form the group before us."""
+        with trio.move_on_after(self.config.matchmaking_timeout_s + 5.0):
+            while group_id not in self._ended:
+                session = self._sessions.get(group_id)
+                if session is not None:
+                    return None if session.closed else session
+                await self._changed.wait()
+        return None
+
+    async def _serve(self, stream: Stream) -> None:
+        rpc = RpcStream(stream)
+        peer = rpc.peer_id.to_bytes()
+        try:
+            with trio.fail_after(HELLO_TIMEOUT_S):
+                hello = await rpc.receive(Hello)
+            session = await self._session_for(hello.group_id)
+            if session is None:
+                raise RemoteProtocolError("no such round here (unknown, or already over)")
+            if hello.run_id != self.config.run_id or peer not in session.peers:
+                raise RemoteProtocolError("not a member of this round's group")
+            if hello.layout != session.layout.digest:
+                raise RemoteProtocolError("tensor layout or codecs differ from ours")
+            await session.serve_incoming(peer, rpc)
+        except (RemoteProtocolError, trio.TooSlowError) as exc:
+            log.info("refused an all-reduce stream from %s: %s", str(rpc.peer_id)[-8:], exc)
+            await stream.reset()
+
+
+class BlockingAverager:
+    """``Averager`` for synchronous (torch) code: a node and its trio loop run in a thread.
+
+    ``with BlockingAverager(node_config, config) as averager: averager.average(tensors, w)``.
+    """
+
+    def __init__(
+        self, node_config: NodeConfig, config: AveragerConfig, *, start_timeout_s: float = 60.0
+    ) -> None:
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._cancel: trio.CancelScope | None = None
+        self.averager: Averager | None = None
+        self.node: Node | None = None
+        self._thread = threading.Thread(
+            target=self._main, args=(node_config, config), name="swarm-averager", daemon=True
+        )
+        self._thread.start()
+        if not self._ready.wait(start_timeout_s):
+            raise TimeoutError(f"the node did not start within {start_timeout_s} s")
+        if self._error is not None:
+            raise self._error
+
+    def _main(self, node_config: NodeConfig, config: AveragerConfig) -> None:
+        async def main() -> None:
+            try:
+                async with open_node(node_config) as node, trio.open_nursery() as nursery:
+                    self.node = node
+                    self.averager = Averager(node, config)
+                    await nursery.start(self.averager.run)
+                    self._token = trio.lowlevel.current_trio_token()
+                    self._cancel = nursery.cancel_scope
+                    self._ready.set()
+            except BaseException as exc:
+                self._error = exc
+                raise
+
+        try:
+            trio.run(main)
+        except BaseException as exc:
+            self._error = self._error or exc
+        finally:
+            self._ready.set()
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._token is None or self._error is not None:
+            raise RuntimeError(f"the averager is not running: {self._error!r}")
+
+        async def call() -> Any:
+            return await fn(*args, **kwargs)
+
+        return trio.from_thread.run(call, trio_token=self._token)
+
+    def average(self, tensors: Sequence[Any], weight: float = 1.0, **kwargs: Any) -> Any:
+        """Blocking ``Averager.average``; same arguments, same result and errors."""
+        assert self.averager is not None
+        return self._call(self.averager.average, tensors, weight, **kwargs)
+
+    def publish_state_hash(self, round_number: int, digest: bytes) -> int:
+        assert self.averager is not None
+        return self._call(self.averager.publish_state_hash, round_number, digest)
+
+    def state_agreement(self, round_number: int) -> StateAgreement:
+        assert self.averager is not None
+        return self._call(self.averager.state_agreement, round_number)
+
+    def close(self) -> None:
+        if self._token is not None and self._cancel is not None and self._thread.is_alive():
+            cancel = self._cancel
+            with contextlib.suppress(trio.RunFinishedError):
+                trio.from_thread.run_sync(cancel.cancel, trio_token=self._token)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> BlockingAverager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""Trio driver of ``swarm.matchmaking.Matchmaker`` over the signed DHT.
+
+A declaration is stored as the peer's own signed subkey under ``round_key(run, r)``; a record
+whose declaration names another peer than its signer is ignored (nobody can declare for someone
+else). The driver polls the key until the machine forms the group or its deadline passes, then
+answers the machine's one re-read. Reads ask every replica (``latest=True``): a single replica may
+hold a partial set while a store is still spreading.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+
+import msgpack
+import trio
+
+from p2p import Dht, P2PError, RemoteProtocolError
+from swarm.matchmaking import (
+    DeadlineReached,
+    Declaration,
+    DeclarationsReread,
+    DeclarationsSeen,
+    Fail,
+    Finish,
+    LocalRequest,
+    Matchmaker,
+    MatchmakingConfig,
+    Publish,
+    ReadDeclarations,
+    round_key,
+)
+
+log = logging.getLogger(__name__)
+
+DECLARATION_TTL_S = 600.0
+MAX_DECLARATION_BYTES = 512
+POLL_FIRST_S = 0.05
+POLL_MAX_S = 0.25
+
+
+class MatchmakingFailed(Exception):
+    """No group formed for this peer in this round; the message says why."""
+
+
+def encode_declaration(declaration: Declaration) -> bytes:
+    return msgpack.packb(declaration.to_wire(), use_bin_type=True)
+
+
+def decode_declarations(records: dict[bytes, object]) -> tuple[Declaration, ...]:
+    """Declarations from a read of the round key; malformed or misattributed ones are skipped."""
+    found = []
+    for record in records.values():
+        value, owner = getattr(record, "value", b""), getattr(record, "owner", b"")
+        if len(value) > MAX_DECLARATION_BYTES:
+            continue
+        try:
+            declaration = Declaration.from_wire(msgpack.unpackb(value, raw=False))
+        except (RemoteProtocolError, ValueError, msgpack.UnpackException) as exc:
+            log.debug("skipped a malformed declaration: %r", exc)
+            continue
+        if declaration.peer_id == owner:
+            found.append(declaration)
+    return tuple(found)
+
+
+async def read_declarations(dht: Dht, run_id: str, round_number: int) -> tuple[Declaration, ...]:
+    key = round_key(run_id, round_number).decode()
+    try:
+        return decode_declarations(await dht.get_records(key, latest=True))
+    except P2PError as exc:
+        log.debug("reading %s failed: %s", key, exc)
+        return ()
+
+
+async def form_group(
+    dht: Dht,
+    run_id: str,
+    declaration: Declaration,
+    *,
+    expected: Iterable[bytes],
+    timeout_s: float,
+    config: MatchmakingConfig,
+) -> Finish:
+    """Declare for ``declaration.round`` and return the group this peer belongs to.
+
+    Returns as soon as every expected peer declared, else decides on a re-read after
+    ``timeout_s``. Raises ``MatchmakingFailed``.
+    """
+    machine = Matchmaker(
+        declaration.peer_id,
+        declaration.round,
+        expected_peers=expected,
+        deadline=declaration.declared_at + timeout_s,
+        config=config,
+    )
+    key = round_key(run_id, declaration.round).decode()
+    queue = deque(machine.handle(LocalRequest(declaration), time.time()))
+    poll = POLL_FIRST_S
+    while True:
+        while queue:
+            action = queue.popleft()
+            if isinstance(action, Finish):
+                return action
+            if isinstance(action, Fail):
+                raise MatchmakingFailed(action.reason)
+            if isinstance(action, Publish):
+                value = encode_declaration(action.declaration)
+                if not await dht.store(key, value, time.time() + DECLARATION_TTL_S):
+                    raise MatchmakingFailed("no DHT peer stored our declaration")
+            elif isinstance(action, ReadDeclarations):
+                reread: tuple[Declaration, ...] = ()
+                with trio.move_on_after(config.confirm_timeout_s):
+                    reread = await read_declarations(dht, run_id, action.round)
+                queue.extend(machine.handle(DeclarationsReread(reread), time.time()))
+        now = time.time()
+        if now >= machine.deadline:
+            queue.extend(machine.handle(DeadlineReached(), now))
+            continue
+        seen = await read_declarations(dht, run_id, declaration.round)
+        queue.extend(machine.handle(DeclarationsSeen(seen), time.time()))
+        if not queue:
+            await trio.sleep(min(poll, max(0.0, machine.deadline - time.time())))
+            poll = min(POLL_MAX_S, poll * 1.5)

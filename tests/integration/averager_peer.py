@@ -1,0 +1,199 @@
+"""One averaging peer in its own process, driven by JSON lines on stdin (the all-reduce tests).
+
+Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prints
+``READY <peer id hex>``; then each JSON command line gets one JSON line back:
+
+    {"cmd": "average", "round": R, "numel": N, "seed": S, "weight": W,
+     "expected": [hex, ...] | null, "cancel_after": seconds | null}
+        -> {"ok": true, "digest": hex, "contributors": {hex: w}, "dropped": {hex: why},
+            "allreduce_s": .., "matchmaking_s": .., "bytes_sent": ..}  or {"ok": false, "error": ..}
+    {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
+    {"cmd": "agreement", "round": R}                    -> {"agrees": .., "peers": .., ...}
+
+The vector of a peer is ``vector(seed, numel)``, so the test can compute the exact mean.
+
+``--fault`` injects a failure at a precise moment of the real protocol (this process then dies
+or stalls for real; nothing is simulated on the other peers):
+    exit-while-sending   exit after our first slice went out
+    exit-while-reducing  exit when our reduced part is ready, before it is sent
+    slow-sending:S       sleep S seconds before sending each slice
+    slow-reducing:S      stall the round driver S seconds before sending our reduced part
+    garbage:KIND         send a bad slice (KIND: nan, short, index) instead of the first real one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2p import HostConfig, NodeConfig, open_node
+from swarm import Averager, AveragerConfig, AveragingFailed, Compression
+from swarm import allreduce_session as session_module
+from swarm.allreduce import SendPart, SendReduced
+
+
+def vector(seed: int, numel: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(numel, dtype=np.float32)
+
+
+def install_fault(spec: str | None) -> None:
+    if not spec:
+        return
+    kind, _, arg = spec.partition(":")
+    Session = session_module.Session
+    send_item, apply = Session._send_item, Session._apply
+
+    if kind == "exit-while-sending":
+
+        async def exit_after_first(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
+            await send_item(self, rpc, stream, direct, order)
+            if isinstance(order, SendPart):
+                os._exit(3)
+
+        Session._send_item = exit_after_first
+    elif kind == "slow-sending":
+
+        async def slow(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
+            if isinstance(order, SendPart):
+                await trio.sleep(float(arg))
+            await send_item(self, rpc, stream, direct, order)
+
+        Session._send_item = slow
+    elif kind in ("exit-while-reducing", "slow-reducing"):
+
+        async def at_reduced(self, actions):  # type: ignore[no-untyped-def]
+            if any(isinstance(a, SendReduced) for a in actions):
+                if kind == "exit-while-reducing":
+                    os._exit(3)
+                await trio.sleep(float(arg))
+            await apply(self, actions)
+
+        Session._apply = at_reduced
+    elif kind == "garbage":
+
+        async def bad(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
+            if not isinstance(order, SendPart) or getattr(self, "_garbage_sent", False):
+                return await send_item(self, rpc, stream, direct, order)
+            self._garbage_sent = True
+            start, stop = order.start, order.stop
+            values = self._local[start:stop].copy()
+            index = order.part_index
+            if arg == "nan":
+                values[:1] = np.nan
+            elif arg == "short":
+                values = values[:-1]
+            elif arg == "index":
+                index = len(self.parts) + 5
+            payload = values.astype(np.float32).tobytes()
+            item = session_module.Item(
+                session_module.KIND_SLICE, index, self.machine.weight, (), (), len(payload), payload
+            )
+            await rpc.send(item)
+
+        Session._send_item = bad
+    else:
+        raise SystemExit(f"unknown fault {spec!r}")
+
+
+async def command(averager: Averager, line: str) -> dict[str, Any]:
+    request = json.loads(line)
+    cmd = request["cmd"]
+    if cmd == "average":
+        local = vector(request["seed"], request["numel"])
+        expected = request.get("expected")
+        try:
+            with trio.move_on_after(request.get("cancel_after") or float("inf")) as scope:
+                result = await averager.average(
+                    [local],
+                    request.get("weight", 1.0),
+                    round_number=request["round"],
+                    expected_peers=None
+                    if expected is None
+                    else [bytes.fromhex(p) for p in expected],
+                )
+        except AveragingFailed as exc:
+            return {"ok": False, "error": str(exc)}
+        if scope.cancelled_caught:
+            return {"ok": False, "error": "cancelled"}
+        return {
+            "ok": True,
+            "digest": result.digest,
+            "contributors": {_hex(p): w for p, w in result.contributors.items()},
+            "dropped": {_hex(p): why for p, why in result.dropped.items()},
+            "allreduce_s": result.allreduce_s,
+            "matchmaking_s": result.matchmaking_s,
+            "bytes_sent": result.bytes_sent,
+        }
+    if cmd == "publish_hash":
+        return {
+            "stored": await averager.publish_state_hash(
+                request["round"], bytes.fromhex(request["digest"])
+            )
+        }
+    if cmd == "agreement":
+        agreement = await averager.state_agreement(request["round"])
+        return {
+            "agrees": agreement.agrees,
+            "peers": agreement.peers,
+            "agreeing": agreement.agreeing,
+            "majority": agreement.majority,
+        }
+    return {"error": f"unknown command {cmd!r}"}
+
+
+def _hex(peer_id_text: str) -> str:
+    from p2p import PeerID
+
+    return PeerID.from_base58(peer_id_text).to_bytes().hex()
+
+
+async def main(args: argparse.Namespace) -> None:
+    compression = None if args.compression == "auto" else Compression[args.compression.upper()]
+    config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(args.join,))
+    async with open_node(config) as node, trio.open_nursery() as nursery:
+        averager = Averager(
+            node,
+            AveragerConfig(
+                run_id=args.run_id,
+                compression=compression,
+                matchmaking_timeout_s=args.matchmaking_timeout,
+                allreduce_timeout_s=args.allreduce_timeout,
+                peer_timeout_s=args.peer_timeout,
+                max_group_size=args.max_group_size,
+            ),
+        )
+        await nursery.start(averager.run)
+        print("READY", node.host.peer_id.to_bytes().hex(), flush=True)
+        stdin = trio.wrap_file(sys.stdin)
+        async for line in stdin:
+            if line.strip():
+                print(json.dumps(await command(averager, line)), flush=True)
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--join", required=True)
+    parser.add_argument("--run-id", default="test")
+    parser.add_argument("--compression", default="none")
+    parser.add_argument("--matchmaking-timeout", type=float, default=3.0)
+    parser.add_argument("--allreduce-timeout", type=float, default=30.0)
+    parser.add_argument("--peer-timeout", type=float, default=2.0)
+    parser.add_argument("--max-group-size", type=int, default=64)
+    parser.add_argument("--fault")
+    parser.add_argument("-v", action="store_true")
+    arguments = parser.parse_args()
+    logging.basicConfig(level=logging.INFO if arguments.v else logging.WARNING, stream=sys.stderr)
+    install_fault(arguments.fault)
+    try:
+        trio.run(main, arguments)
+    except KeyboardInterrupt:
+        sys.exit(130)
