@@ -355,7 +355,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                     "--rank", str(k), "--numel", str(args.numel),
                     "--compression", args.compression,
                     "--allreduce-timeout", str(allreduce_timeout),
-                    "--bandwidth-bps", str(rate_bps)]  # fmt: skip
+                    "--bandwidth-bps", str(rate_bps),
+                    "--peer-timeout", str(args.peer_timeout)]  # fmt: skip
             if args.trace:
                 argv.append("--trace")
             if args.verbose:
@@ -484,6 +485,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds (after a warm-up)")
     parser.add_argument("--queue-kb", type=float, default=0, help="tbf queue per direction")
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16", "int8"])
+    parser.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=3.0,
+        help="AveragerConfig.peer_timeout_s (its default, 3 s; a peer silent to pings that long "
+        "is dropped)",
+    )
     parser.add_argument("--trace", action="store_true", help="time every item in the workers")
     parser.add_argument(
         "--tcp-baseline",
@@ -515,6 +523,8 @@ def main() -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, terminate)
+    # Ctrl+C even where SIGINT came in ignored (a background job of a script)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     keep = args.log_dir is not None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="allreduce_netlab-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -317,6 +317,7 @@ async def peer_main(args: argparse.Namespace) -> None:
                 compression=Compression[args.compression.upper()],
                 matchmaking_timeout_s=args.matchmaking_timeout,
                 allreduce_timeout_s=args.allreduce_timeout,
+                peer_timeout_s=args.peer_timeout,
                 bandwidth_bps=args.bandwidth_bps,
             ),
         )
@@ -388,6 +389,7 @@ def main() -> int:
     peer.add_argument("--compression", default="none")
     peer.add_argument("--matchmaking-timeout", type=float, default=30.0)
     peer.add_argument("--allreduce-timeout", type=float, default=120.0)
+    peer.add_argument("--peer-timeout", type=float, default=3.0)
     peer.add_argument("--bandwidth-bps", type=float, default=1e9)
     peer.add_argument("--trace", action="store_true")
     peer.add_argument("-v", action="store_true", help="INFO logging on stderr")
