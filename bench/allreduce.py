@@ -1,0 +1,513 @@
+"""All-reduce benchmark: separate peer processes on loopback, measured as hivemind's bench is.
+
+    python -m bench.allreduce --peers N --numel M --rounds R [--warmup 1]
+        [--compression none|fp16|bf16|int8|auto] [--vs-hivemind PYTHON]
+
+Starts a ``swarmtrain relay`` (bootstrap and DHT) and N ``bench.allreduce_worker`` processes.
+Worker k averages ``np.random.default_rng(1000 + k).standard_normal(M, float32)`` (made before
+any round) with weight 1; every round names all N peers as expected, so matchmaking ends as soon
+as all declared. Per round the workers report wall-clock times (one machine) of the call, of the
+group forming and of the return:
+
+    allreduce phase = max(return) - max(group formed)   (hivemind: max(end) - min(trigger),
+                                                          its trigger follows a barrier after
+                                                          the group formed)
+    matchmaking     = max over peers of the time from the call to the group forming
+
+``--warmup`` rounds are excluded. Printed: each round, the median phase time, algorithm bandwidth
+(M * 4 bytes / median), bytes each peer sent per round against the bandwidth-optimal
+2(N-1)/N x the encoded vector, whether all peers' results are bit-identical (equal digests) and
+the max abs error against the float64 mean (at sampled elements every round, and over every
+element of rank 0's last result). ``--vs-hivemind PYTHON`` runs
+../shared/bench/hivemind/bench_allreduce.py with that interpreter (a venv holding hivemind 1.1.12)
+afterwards in the same sitting, with the same N, M and rounds. The last stdout line is one JSON
+object: median_s, algbw_MBps, wire_bytes, bit_identical (and hivemind_median_s, ratio = our
+bandwidth over hivemind's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.allreduce_worker import make_vector, sample_indices
+
+REPO = Path(__file__).resolve().parents[1]
+# The anchor scripts live in ../shared beside the checkout (as CI and the brief lay it out).
+HIVEMIND_DIR = Path(
+    os.environ.get("HIVEMIND_BENCH_DIR", REPO.parent / "shared" / "bench" / "hivemind")
+)
+START_TIMEOUT_S = 120.0
+SAMPLE = 4096
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+class Proc:
+    """A child in its own process group; stdout lines go to a queue, stderr is kept for errors."""
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self._stderr: list[str] = []
+        threading.Thread(target=self._pump_out, daemon=True).start()
+        threading.Thread(target=self._pump_err, daemon=True).start()
+
+    def _pump_out(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _pump_err(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr.append(line)
+            del self._stderr[:-200]
+
+    def stderr_tail(self, lines: int = 30) -> str:
+        return "".join(self._stderr[-lines:])
+
+    def line(self, timeout_s: float) -> str:
+        try:
+            line = self.lines.get(timeout=max(0.0, timeout_s))
+        except queue.Empty:
+            raise TimeoutError(f"{self.name}: nothing on stdout within {timeout_s:.0f} s") from None
+        if line is None:
+            self.lines.put(None)  # stay at end of file for later readers
+            code = self.proc.poll()
+            raise RuntimeError(f"{self.name} closed stdout (exit {code})")
+        return line
+
+    def send(self, record: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(record) + "\n")
+        self.proc.stdin.flush()
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Close stdin (a worker exits), then SIGINT (the relay), then SIGKILL the whole group."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        first = [None] if self.name.startswith("worker") else []
+        for sig in (*first, signal.SIGINT, signal.SIGKILL):
+            if sig is not None:
+                self.signal_group(sig)
+            try:
+                self.proc.wait(timeout=timeout_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self.signal_group(signal.SIGKILL)  # anything it left behind in its group
+
+
+def start_relay(tmp: Path) -> tuple[Proc, str]:
+    relay = Proc(
+        "relay",
+        [
+            sys.executable,
+            "-m",
+            "swarmtrain.cli",
+            "relay",
+            "--identity",
+            str(tmp / "relay.key"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ],
+    )
+    try:
+        return relay, relay.line(START_TIMEOUT_S).strip()
+    except BaseException:
+        print(relay.stderr_tail(), file=sys.stderr)
+        relay.stop()
+        raise
+
+
+class Worker(Proc):
+    def __init__(self, rank: int, join: str, numel: int, extra: list[str]) -> None:
+        argv = [sys.executable, "-m", "bench.allreduce_worker", "--join", join]
+        argv += ["--rank", str(rank), "--numel", str(numel), *extra]
+        super().__init__(f"worker {rank}", argv)
+        self.rank = rank
+        self.peer_hex = ""
+        self.config = ""
+        self.events: list[dict[str, Any]] = []
+
+    def wait_ready(self, deadline: float) -> None:
+        while True:
+            line = self.line(deadline - time.monotonic())
+            if line.startswith("READY "):
+                self.peer_hex = line.split()[1]
+                return
+            if line.startswith("{"):
+                record = json.loads(line)
+                if record.get("event") == "config":
+                    self.config = record["averager"]
+
+    def next_event(self, deadline: float) -> dict[str, Any]:
+        while True:
+            line = self.line(deadline - time.monotonic())
+            if line.startswith("{"):
+                record = json.loads(line)
+                self.events.append(record)
+                return record
+
+
+def start_workers(n: int, join: str, numel: int, extra: list[str]) -> list[Worker]:
+    workers: list[Worker] = []
+    try:
+        for rank in range(n):
+            workers.append(Worker(rank, join, numel, extra))
+        deadline = time.monotonic() + START_TIMEOUT_S + 10 * n
+        for worker in workers:
+            worker.wait_ready(deadline)
+    except BaseException:
+        report_failure(workers)
+        stop_all(workers)
+        raise
+    return workers
+
+
+def collect_results(
+    workers: list[Worker],
+    round_number: int,
+    timeout_s: float,
+    on_event: Callable[[Worker, dict[str, Any]], None] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Wait (bounded) for each worker's result of the round; ``on_event`` sees every event."""
+    deadline = time.monotonic() + timeout_s
+    pending = {w.rank: w for w in workers}
+    results: dict[int, dict[str, Any]] = {}
+    while pending:
+        progressed = False
+        for rank, worker in list(pending.items()):
+            try:
+                record = worker.next_event(min(deadline, time.monotonic() + 0.05))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"round {round_number}: no result from workers {sorted(pending)} "
+                        f"within {timeout_s:.0f} s"
+                    ) from None
+                continue
+            progressed = True
+            if on_event is not None:
+                on_event(worker, record)
+            if record.get("event") == "result" and record.get("round") == round_number:
+                results[rank] = record
+                del pending[rank]
+        if not progressed and time.monotonic() >= deadline:
+            raise TimeoutError(f"round {round_number}: workers {sorted(pending)} timed out")
+    return results
+
+
+def report_failure(workers: list[Proc]) -> None:
+    for worker in workers:
+        tail = worker.stderr_tail()
+        if tail.strip():
+            print(f"--- {worker.name} stderr tail ---\n{tail}", file=sys.stderr)
+
+
+def stop_all(procs: list[Any]) -> None:
+    for proc in procs:
+        proc.stop()
+
+
+def wire_minimum(peers: int, numel: int, compression: str) -> int:
+    """2(N-1)/N x the encoded vector: what each peer must send in a bandwidth-optimal round."""
+    from swarm import Compression
+    from swarm.payload import Layout
+
+    codec = None if compression == "auto" else Compression[compression.upper()]
+    encoded = Layout.for_sizes([numel], codec).wire_bytes(0, numel)
+    return 2 * (peers - 1) * encoded // peers
+
+
+def float64_mean(ranks: list[int], numel: int) -> np.ndarray:
+    total = np.zeros(numel, dtype=np.float64)
+    for rank in ranks:
+        total += make_vector(rank, numel)
+    return total / len(ranks)
+
+
+# ---------------------------------------------------------------------------- the bench
+
+
+def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    extra = ["--compression", args.compression, "--matchmaking-timeout", str(args.match_timeout)]
+    extra += ["--peer-timeout", str(args.peer_timeout)] if args.peer_timeout else []
+    relay, join = start_relay(tmp)
+    workers: list[Worker] = []
+    rounds: list[dict[int, dict[str, Any]]] = []
+    dump = tmp / "rank0.npy"
+    try:
+        t0 = time.monotonic()
+        workers = start_workers(args.peers, join, args.numel, extra)
+        print(f"relay + {args.peers} workers ready after {time.monotonic() - t0:.1f} s")
+        print(f"averager config: {workers[0].config}")
+        expected = [w.peer_hex for w in workers]
+        total = args.warmup + args.rounds
+        for r in range(total):
+            for worker in workers:
+                worker.send(
+                    {
+                        "cmd": "average",
+                        "round": r,
+                        "expected": expected,
+                        "sample": SAMPLE,
+                        "dump": str(dump) if worker.rank == 0 and r == total - 1 else None,
+                    }
+                )
+            results = collect_results(workers, r, args.round_timeout)
+            rounds.append(results)
+            _print_round(r, r < args.warmup, results, args)
+    except BaseException:
+        report_failure([relay, *workers])
+        raise
+    finally:
+        stop_all([*workers, relay])
+    failed_ranks = {rank for res in rounds for rank, m in res.items() if not m["ok"]}
+    report_failure([w for w in workers if w.rank in failed_ranks])
+
+    # Checks after every worker is gone, so they do not compete for the cores.
+    measured = rounds[args.warmup :]
+    failed = [(r, rank) for r, res in enumerate(rounds) for rank, m in res.items() if not m["ok"]]
+    phases = [_phase(res) for res in measured if all(m["ok"] for m in res.values())]
+    matches = [_match(res) for res in measured if all(m["ok"] for m in res.values())]
+    sessions = [
+        max(m["allreduce_s"] for m in res.values())
+        for res in measured
+        if all(m["ok"] for m in res.values())
+    ]
+    # The reference is the float64 mean over the contributors each result reports (all N
+    # unless the round lost peers); sampled elements every round, every element of rank 0's last.
+    ranks = {w.peer_hex: w.rank for w in workers}
+    idx = sample_indices(args.numel, SAMPLE)
+    samples = np.zeros((args.peers, len(idx)), dtype=np.float64)
+    for rank in range(args.peers):
+        samples[rank] = make_vector(rank, args.numel)[idx]
+    sample_err = 0.0
+    partial = []
+    for r, res in enumerate(rounds):
+        for rank, m in res.items():
+            if not m["ok"]:
+                continue
+            group = sorted(ranks[p] for p in m["contributors"])
+            if len(group) < args.peers:
+                partial.append((r, rank, len(group)))
+            ref = samples[group].mean(axis=0)
+            error = np.abs(np.asarray(m["sample"], dtype=np.float64) - ref).max()
+            sample_err = max(sample_err, float(error))
+    full_err = None
+    last = rounds[-1].get(0) if rounds else None
+    if dump.exists() and last is not None and last["ok"]:
+        group = sorted(ranks[p] for p in last["contributors"])
+        full_err = float(
+            np.abs(np.load(dump).astype(np.float64) - float64_mean(group, args.numel)).max()
+        )
+    bit_identical = all(
+        all(m["ok"] for m in res.values()) and len({m["digest"] for m in res.values()}) == 1
+        for res in rounds
+    )
+    agree_ok = all(len({m["digest"] for m in res.values() if m["ok"]}) <= 1 for res in rounds)
+    wire = [m["bytes_sent"] for res in measured for m in res.values() if m["ok"]]
+    nbytes = args.numel * 4
+    minimum = wire_minimum(args.peers, args.numel, args.compression)
+    median = statistics.median(phases) if phases else float("nan")
+    wire_bytes = int(statistics.median(wire)) if wire else 0
+    print()
+    print(
+        f"=== swarm all-reduce ({git_sha()}): N={args.peers} peers, {args.numel} float32 "
+        f"({nbytes / 1e6:.1f} MB), compression {args.compression}, loopback, "
+        f"{os.cpu_count()} cores ==="
+    )
+    if failed:
+        print(f"FAILED (round, rank): {failed}")
+        print(f"peers that returned agree bit for bit within each round: {agree_ok}")
+    if partial:
+        print(f"results over fewer than N contributors (round, rank, contributors): {partial}")
+    if phases:
+        print(
+            f"allreduce median {median:.3f} s (min {min(phases):.3f}, max {max(phases):.3f}, "
+            f"n={len(phases)})  algbw {nbytes / median / 1e6:.1f} MB/s  busbw "
+            f"{2 * (args.peers - 1) / args.peers * nbytes / median / 1e6:.1f} MB/s  "
+            f"matchmaking median {statistics.median(matches):.3f} s  session allreduce_s "
+            f"median {statistics.median(sessions):.3f} s"
+        )
+    print(
+        f"wire: {wire_bytes} bytes sent per peer per round (min {min(wire, default=0)}, "
+        f"max {max(wire, default=0)}); bandwidth-optimal 2(N-1)/N x encoded = {minimum} "
+        f"-> {wire_bytes / minimum if minimum else float('nan'):.4f}x"
+    )
+    print(
+        f"bit-identical on all peers in every round: {bit_identical}; max|err| vs the float64 "
+        f"mean over each result's contributors: "
+        f"{sample_err:.3g} at {len(idx)} sampled elements (all rounds, all peers), "
+        f"{full_err if full_err is None else f'{full_err:.3g}'} over all elements "
+        f"(rank 0, last round)"
+    )
+    return {
+        "median_s": median,
+        "algbw_MBps": nbytes / median / 1e6 if phases else 0.0,
+        "wire_bytes": wire_bytes,
+        "wire_min_bytes": minimum,
+        "bit_identical": bit_identical,
+        "matchmaking_median_s": statistics.median(matches) if matches else None,
+        "max_abs_err": full_err if full_err is not None else sample_err,
+        "rounds_ok": len(phases),
+        "phases_s": [round(p, 4) for p in phases],
+    }
+
+
+def _phase(results: dict[int, dict[str, Any]]) -> float:
+    return max(m["t_return"] for m in results.values()) - max(
+        m["t_matched"] for m in results.values()
+    )
+
+
+def _match(results: dict[int, dict[str, Any]]) -> float:
+    return max(m["t_matched"] - m["t_call"] for m in results.values())
+
+
+def _print_round(
+    r: int, warmup: bool, results: dict[int, dict[str, Any]], args: argparse.Namespace
+) -> None:
+    tag = "warmup" if warmup else "measured"
+    bad = {rank: m["error"] for rank, m in sorted(results.items()) if not m["ok"]}
+    if bad:
+        print(f"round {r} ({tag}): FAILED on {len(bad)} peers: {bad}", flush=True)
+        return
+    phase = _phase(results)
+    groups = {len(m["contributors"]) for m in results.values()}
+    sent = [m["bytes_sent"] for m in results.values()]
+    print(
+        f"round {r} ({tag}): match {_match(results):6.3f} s  allreduce {phase:7.3f} s  "
+        f"algbw {args.numel * 4 / phase / 1e6:8.1f} MB/s  session "
+        f"{max(m['allreduce_s'] for m in results.values()):.3f} s  group sizes {groups}  "
+        f"distinct results {len({m['digest'] for m in results.values()})}  sent/peer "
+        f"{min(sent)}..{max(sent)} B  cpu (all peers) "
+        f"{sum(m['cpu_s'] for m in results.values()):.2f} s",
+        flush=True,
+    )
+
+
+def _run_hivemind(python: str, args: argparse.Namespace) -> dict[str, Any]:
+    script = HIVEMIND_DIR / "bench_allreduce.py"
+    cmd = [python, str(script), "--peers", str(args.peers), "--numel", str(args.numel)]
+    cmd += ["--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    try:
+        done = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=args.hivemind_timeout,
+            cwd=script.parent,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        print(out[-3000:])
+        raise RuntimeError(f"hivemind bench ran past {args.hivemind_timeout} s") from None
+    out = done.stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    start = next((i for i, line in enumerate(lines) if line.startswith("===")), 0)
+    print("\n".join(lines[start:]))
+    match = re.search(r"RESULT N=\d+ numel=\d+ bytes=\d+: allreduce median ([\d.]+) s", out)
+    if match is None:
+        print(done.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError(f"hivemind bench printed no RESULT line (exit {done.returncode})")
+    median = float(match.group(1))
+    identical = re.search(r"bitwise identical on all peers: (\w+)", out)
+    return {
+        "hivemind_median_s": median,
+        "hivemind_algbw_MBps": args.numel * 4 / median / 1e6,
+        "hivemind_bit_identical": identical.group(1) == "True" if identical else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--numel", type=int, default=25_000_000)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds")
+    parser.add_argument("--warmup", type=int, default=1, help="rounds before, not measured")
+    parser.add_argument(
+        "--compression", choices=["none", "fp16", "bf16", "int8", "auto"], default="none"
+    )
+    parser.add_argument("--match-timeout", type=float, default=30.0, help="matchmaking_timeout_s")
+    parser.add_argument(
+        "--peer-timeout", type=float, default=None, help="peer_timeout_s [swarm's default]"
+    )
+    parser.add_argument("--round-timeout", type=float, default=180.0, help="our bound per round")
+    parser.add_argument("--vs-hivemind", metavar="PYTHON", default=None)
+    parser.add_argument("--hivemind-timeout", type=float, default=1200.0)
+    args = parser.parse_args()
+    if args.peers < 2 or args.rounds < 1 or args.numel < 1:
+        parser.error("need --peers >= 2, --rounds >= 1, --numel >= 1")
+    result: dict[str, Any] = {
+        "bench": "allreduce",
+        "config": {
+            "peers": args.peers,
+            "numel": args.numel,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "compression": args.compression,
+            "peer_timeout_s": args.peer_timeout,
+        },
+        "git_sha": git_sha(),
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-allreduce-") as tmp:
+        result.update(_run_ours(args, Path(tmp)))
+    if args.vs_hivemind:
+        result.update(_run_hivemind(args.vs_hivemind, args))
+        ours, theirs = result["algbw_MBps"], result["hivemind_algbw_MBps"]
+        result["ratio"] = ours / theirs if theirs else None
+        print(
+            f"\nours {ours:.1f} MB/s vs hivemind {theirs:.1f} MB/s -> ratio {result['ratio']:.2f}x"
+        )
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
