@@ -26,7 +26,9 @@ import hashlib
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -181,6 +183,13 @@ class Session:
         }
         self._done_from: set[bytes] = set()
         self._last_heard: dict[bytes, float] = {}
+        # Transfers in flight per peer: their own progress deadline watches those peers, and a
+        # ping that has to queue behind them under load would only misjudge a busy peer as gone.
+        self._in_flight: dict[bytes, int] = {}
+        self._bulk = replace(
+            config.bulk,
+            idle_timeout_s=min(config.bulk.idle_timeout_s, max(5.0, 2 * config.peer_timeout_s)),
+        )
         self._reported_lost: set[bytes] = set()
         self._handler_scopes: set[trio.CancelScope] = set()
         self._finished = trio.Event()
@@ -298,6 +307,12 @@ class Session:
                     "round %s: %s out (%s)", self.group.round, _short(action.peer), action.reason
                 )
             elif isinstance(action, Finish):
+                if len(self.peers) > 1 and [p for p, _ in action.contributors] == [self.me]:
+                    # Our own vector back is no average: every other peer was lost or refused
+                    # us (we were frozen, or cut off), so this round has nothing to give.
+                    self._error = "every other peer of the round was lost"
+                    self._finished.set()
+                    continue
                 if self._big:
                     digest = await trio.to_thread.run_sync(_digest, action.result)
                 else:
@@ -398,13 +413,15 @@ class Session:
             item = Item(*item.to_wire()[:-1], bytes(payload))
         await rpc.send(item)
         if not inline:
-            await send_bulk(
-                stream,
-                payload,
-                direct=direct,
-                listener=self.node.bulk_listener,
-                config=self.config.bulk,
-            )
+            with self._transfer(order.peer):
+                await send_bulk(
+                    stream,
+                    payload,
+                    direct=direct,
+                    listener=self.node.bulk_listener,
+                    config=self._bulk,
+                )
+        self._last_heard[order.peer] = trio.current_time()
         self.bytes_sent += len(payload)
 
     # -- receivers -------------------------------------------------------------------------------
@@ -450,18 +467,15 @@ class Session:
                 if total != expected:
                     raise RemoteProtocolError(f"bulk offer of {total} bytes, expected {expected}")
 
-            bulk_config = BulkConfig(
-                max_bytes=expected,
-                control_timeout_s=self.config.bulk.control_timeout_s,
-                idle_timeout_s=self.config.bulk.idle_timeout_s,
-            )
-            received = await receive_bulk(
-                rpc.stream,
-                direct=direct,
-                listener=self.node.bulk_listener,
-                config=bulk_config,
-                check_meta=check,
-            )
+            with self._transfer(peer):
+                received = await receive_bulk(
+                    rpc.stream,
+                    direct=direct,
+                    listener=self.node.bulk_listener,
+                    config=replace(self._bulk, max_bytes=expected),
+                    check_meta=check,
+                )
+            self._last_heard[peer] = trio.current_time()
             data = received.data
         self.bytes_received += len(data)
         if self._big:
@@ -486,6 +500,14 @@ class Session:
         log.info("round %s: lost %s: %s", self.group.round, _short(peer), why)
         self._inbox_send.send_nowait(PeerLost(peer))
 
+    @contextmanager
+    def _transfer(self, peer: bytes) -> Iterator[None]:
+        self._in_flight[peer] = self._in_flight.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            self._in_flight[peer] -= 1
+
     async def _watch_liveness(self) -> None:
         """Ping every live peer that still owes us something and has been quiet for a while; a
         frozen one stops answering."""
@@ -496,6 +518,7 @@ class Session:
                 peer
                 for peer in self.alive - {self.me} - self._done_from - self._reported_lost
                 if self._last_heard.get(peer, -math.inf) < quiet_since
+                and not self._in_flight.get(peer)
             )
             async with trio.open_nursery() as nursery:
                 for peer in targets:

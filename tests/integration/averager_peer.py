@@ -34,7 +34,7 @@ import numpy as np
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, NodeConfig, open_node
+from p2p import HostConfig, NodeConfig, open_node, send_bulk
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression
 from swarm import allreduce_session as session_module
 from swarm.allreduce import SendPart, SendReduced
@@ -93,10 +93,13 @@ def install_fault(spec: str | None) -> None:
             elif arg == "index":
                 index = len(self.parts) + 5
             payload = values.astype(np.float32).tobytes()
+            inline = payload if len(payload) <= session_module.INLINE_MAX_BYTES else b""
             item = session_module.Item(
-                session_module.KIND_SLICE, index, self.machine.weight, (), (), len(payload), payload
+                session_module.KIND_SLICE, index, self.machine.weight, (), (), len(payload), inline
             )
             await rpc.send(item)
+            if not inline:
+                await send_bulk(stream, payload, direct=direct, listener=self.node.bulk_listener)
 
         Session._send_item = bad
     else:

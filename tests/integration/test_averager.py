@@ -1,0 +1,261 @@
+"""The all-reduce with real peer processes on 127.0.0.1: results, faults, bad input, state hashes.
+
+Every peer is an ``averager_peer.py`` process (a real node, DHT and Averager); faults happen for
+real: a process exits at a precise step of the protocol (``--fault``), is SIGKILLed or SIGSTOPped,
+or cancels its call. Survivors must return by the deadline with bit-identical bytes equal to the
+exact weighted mean over the contributors they report (``swarm.reduce_part`` computes it the same
+way, in float64 in sorted peer-id order), and the next round must start at once without the
+failed peer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from peerproc import PeerProcess, start_relay
+
+from swarm import reduce_part
+
+SCRIPT = Path(__file__).with_name("averager_peer.py")
+NUMEL = 300_000
+REPLY_TIMEOUT_S = 45.0
+
+
+def vector(seed: int, numel: int = NUMEL) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(numel, dtype=np.float32)
+
+
+def exact_digest(contributors: dict[str, float], seeds: dict[str, int]) -> str:
+    mean = reduce_part({bytes.fromhex(p): (vector(seeds[p]), w) for p, w in contributors.items()})
+    return hashlib.sha256(mean.tobytes()).hexdigest()
+
+
+class Peer:
+    def __init__(self, join: str, seed: int, fault: str | None, options: list[str]) -> None:
+        argv = [sys.executable, str(SCRIPT), "--join", join, *options]
+        if fault:
+            argv += ["--fault", fault]
+        self.process = PeerProcess(argv)
+        self.seed = seed
+        self.replies = 0
+        self.id = ""
+
+    def ready(self) -> None:
+        self.id = self.process.wait_line(lambda line: line.startswith("READY"), timeout_s=60)
+        self.id = self.id.split()[1]
+
+    def send(self, **request: object) -> None:
+        stdin = self.process.proc.stdin
+        assert stdin is not None
+        stdin.write((json.dumps(request) + "\n").encode())
+        stdin.flush()
+
+    def reply(self, timeout_s: float = REPLY_TIMEOUT_S) -> dict:
+        self.replies += 1
+        return json.loads(self.process.wait_line(index=self.replies, timeout_s=timeout_s))
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.process.proc.send_signal(sig)
+
+
+class Swarm:
+    def __init__(self, join: str) -> None:
+        self.join = join
+        self.peers: list[Peer] = []
+
+    def start(self, n: int, faults: dict[int, str] | None = None, *options: str) -> list[Peer]:
+        faults = faults or {}
+        self.peers = [Peer(self.join, 100 + i, faults.get(i), list(options)) for i in range(n)]
+        for peer in self.peers:
+            peer.ready()
+        return self.peers
+
+    @property
+    def seeds(self) -> dict[str, int]:
+        return {peer.id: peer.seed for peer in self.peers}
+
+    def average(
+        self, peers: list[Peer], round_number: int, expected: list[Peer] | None = None, **extra
+    ) -> None:
+        ids = [p.id for p in (expected if expected is not None else peers)]
+        for peer in peers:
+            peer.send(
+                cmd="average",
+                round=round_number,
+                numel=NUMEL,
+                seed=peer.seed,
+                weight=1.0 + peer.seed % 3,
+                expected=ids,
+                **extra.get(peer.id, {}),
+            )
+
+    def check(self, replies: list[dict], contributors: list[Peer]) -> dict:
+        """All ``replies`` succeeded with the same bytes, exactly the mean over ``contributors``."""
+        assert all(r["ok"] for r in replies), replies
+        assert len({r["digest"] for r in replies}) == 1, replies
+        first = replies[0]
+        assert set(first["contributors"]) == {p.id for p in contributors}, first
+        for r in replies:
+            assert r["contributors"] == first["contributors"]
+        assert first["digest"] == exact_digest(first["contributors"], self.seeds)
+        return first
+
+    def stop(self) -> None:
+        # A peer ends at the end of its stdin; SIGINT would wait for its blocked stdin reader.
+        for peer in self.peers:
+            if peer.process.proc.poll() is None:
+                peer.process.proc.send_signal(signal.SIGCONT)
+            if peer.process.proc.stdin is not None:
+                peer.process.proc.stdin.close()
+        deadline = time.monotonic() + 10
+        for peer in self.peers:
+            try:
+                peer.process.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                peer.process.stop()
+
+
+@pytest.fixture(scope="module")
+def relay(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    process, addr = start_relay(tmp_path_factory.mktemp("relay") / "relay.key")
+    try:
+        yield addr
+    finally:
+        process.stop()
+
+
+@pytest.fixture
+def swarm(relay: str) -> Iterator[Swarm]:
+    group = Swarm(relay)
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+def test_rounds_are_bit_identical_exact_and_start_at_once(swarm: Swarm) -> None:
+    peers = swarm.start(4, None, "--run-id", "plain")
+    for round_number in range(2):
+        swarm.average(peers, round_number)
+        replies = [p.reply() for p in peers]
+        swarm.check(replies, peers)
+        # Everyone expected was there: no peer waited for the 3 s matchmaking deadline.
+        assert max(r["matchmaking_s"] for r in replies) < 2.5, replies
+        assert all(r["bytes_sent"] > 0 for r in replies)
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "auto"])
+def test_compressed_rounds_agree_bit_for_bit_and_are_close(swarm: Swarm, codec: str) -> None:
+    peers = swarm.start(3, None, "--run-id", f"codec-{codec}", "--compression", codec)
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in peers]
+    assert all(r["ok"] for r in replies), replies
+    assert len({r["digest"] for r in replies}) == 1
+    # Fewer bytes than float32 for the same round; the error bound is the codec's (unit tests).
+    full = 4 * NUMEL * 2 * (len(peers) - 1) / len(peers)
+    assert max(r["bytes_sent"] for r in replies) < 0.6 * full + 4096, replies
+
+
+@pytest.mark.parametrize(
+    ("fault", "in_result"),
+    [
+        ("exit-while-sending", False),
+        ("exit-while-reducing", None),  # in the result iff its slices reached every reducer
+        ("slow-sending:1.5", True),
+        ("slow-reducing:1.5", True),
+    ],
+)
+def test_a_faulty_peer_leaves_survivors_agreeing_on_the_exact_mean(
+    swarm: Swarm, fault: str, in_result: bool | None
+) -> None:
+    peers = swarm.start(4, {3: fault}, "--run-id", f"fault-{fault.split(':')[0]}")
+    victim, survivors = peers[3], peers[:3]
+    started = time.monotonic()
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in survivors]
+    took = time.monotonic() - started
+    if in_result is None:
+        in_result = victim.id in replies[0]["contributors"]
+    swarm.check(replies, peers if in_result else survivors)
+    assert took < 20, took
+    if in_result:
+        assert victim.reply()["ok"]
+        return
+    # The next round starts at once with the survivors only (no matchmaking wait).
+    started = time.monotonic()
+    swarm.average(survivors, 1, expected=survivors)
+    swarm.check([p.reply() for p in survivors], survivors)
+    assert time.monotonic() - started < 10
+
+
+def test_a_peer_killed_before_the_round_is_left_out(swarm: Swarm) -> None:
+    peers = swarm.start(4, None, "--run-id", "killed-before")
+    swarm.average(peers, 0)
+    swarm.check([p.reply() for p in peers], peers)
+    peers[1].process.proc.kill()
+    survivors = [peers[0], peers[2], peers[3]]
+    swarm.average(survivors, 1, expected=peers)  # they still expect it: the deadline decides
+    swarm.check([p.reply() for p in survivors], survivors)
+
+
+def test_a_frozen_peer_is_dropped_refused_later_and_welcome_next_round(swarm: Swarm) -> None:
+    peers = swarm.start(4, {3: "slow-sending:2"}, "--run-id", "frozen", "--peer-timeout", "1.5")
+    victim, survivors = peers[3], peers[:3]
+    swarm.average(peers, 0)
+    time.sleep(1.0)  # the victim is in the round, its first slice still held back
+    victim.signal(signal.SIGSTOP)
+    started = time.monotonic()
+    swarm.check([p.reply() for p in survivors], survivors)
+    assert time.monotonic() - started < 15
+    victim.signal(signal.SIGCONT)
+    late = victim.reply()
+    assert not late["ok"], late  # its old round is over: refused, not merged
+    swarm.average(peers, 1)
+    swarm.check([p.reply() for p in peers], peers)
+
+
+def test_a_peer_that_cancels_is_left_out(swarm: Swarm) -> None:
+    peers = swarm.start(4, {3: "slow-sending:1"}, "--run-id", "cancel")
+    victim, survivors = peers[3], peers[:3]
+    swarm.average(peers, 0, **{victim.id: {"cancel_after": 0.5}})
+    swarm.check([p.reply() for p in survivors], survivors)
+    assert victim.reply() == {"ok": False, "error": "cancelled"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [("nan", "NaN"), ("short", "bytes"), ("index", "out of range")],
+)
+def test_bad_input_drops_the_sender_with_a_reason(swarm: Swarm, kind: str, reason: str) -> None:
+    peers = swarm.start(3, {2: f"garbage:{kind}"}, "--run-id", f"garbage-{kind}")
+    liar, honest = peers[2], peers[:2]
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in honest]
+    swarm.check(replies, honest)
+    reasons = [r["dropped"].get(liar.id, "") for r in replies]
+    assert any(reason in why for why in reasons), reasons
+    assert not liar.reply()["ok"]
+
+
+def test_state_hashes_show_who_agrees(swarm: Swarm) -> None:
+    peers = swarm.start(3, None, "--run-id", "parity")
+    swarm.average(peers, 0)
+    digest = swarm.check([p.reply() for p in peers], peers)["digest"]
+    for peer in peers[:2]:
+        peer.send(cmd="publish_hash", round=0, digest=digest)
+    peers[2].send(cmd="publish_hash", round=0, digest="00" * 32)
+    assert all(p.reply()["stored"] > 0 for p in peers)
+    for peer in peers:
+        peer.send(cmd="agreement", round=0)
+    answers = [p.reply() for p in peers]
+    assert [a["agrees"] for a in answers] == [True, True, False], answers
+    assert all(a["peers"] == 3 and a["agreeing"] == 2 and a["majority"] == digest for a in answers)
