@@ -4,7 +4,7 @@ Wire, per ordered pair of group members (sender -> receiver), one libp2p stream 
 
     Hello(run_id, group_id, layout digest)
     ( Item(kind, part, weight, contributors, nbytes, inline)  [payload over the bulk plane] )*
-    Done(result digest)          -- the sender finished; it may still forward parts after this
+    Done()                       -- the sender finished; it may still forward parts after this
 
 An item's payload rides inline when small, else ``p2p.send_bulk`` on the same stream (a TCP data
 connection when the libp2p connection is direct, the stream itself when relayed). One stream per
@@ -22,7 +22,6 @@ or the deadline passes; the caller already has its result.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -75,8 +74,11 @@ INLINE_MAX_BYTES = 256 * 1024
 # Below this many elements the machine runs on the event loop: a thread hop costs more.
 THREAD_MIN_NUMEL = 1 << 16
 # Each peer's share is cut into chunks of about this many float32 bytes (at most MAX_CHUNKS), so
-# a reducer reduces and sends chunk k while chunk k + 1 arrives.
-CHUNK_BYTES = 8 << 20
+# a reducer reduces and sends chunk k while chunk k + 1 arrives. Large, because every chunk is one
+# bulk transfer: a fresh TCP connection (slow start) and ~0.4 s of offer/accept/outcome round
+# trips on a 50 ms link (bench.allreduce_netlab --trace); 4 and 8 MiB chunks bought nothing on
+# loopback.
+CHUNK_BYTES = 32 << 20
 MAX_CHUNKS = 16
 
 
@@ -105,7 +107,7 @@ class Item(Message):
 
 @message(102, max_bytes=128)
 class Done(Message):
-    result_digest: bytes
+    """The sender holds its result (no digest: hashing 100 MB costs a third of a second)."""
 
 
 class AveragingFailed(Exception):
@@ -128,7 +130,6 @@ class RoundResult:
     contributors: tuple[tuple[bytes, float], ...]
     dropped: dict[bytes, str]
     seconds: float
-    digest: bytes  # SHA-256 of the vector's bytes: equal on every survivor
 
 
 class _Wake:
@@ -313,19 +314,14 @@ class Session:
                     self._error = "every other peer of the round was lost"
                     self._finished.set()
                     continue
-                if self._big:
-                    digest = await trio.to_thread.run_sync(_digest, action.result)
-                else:
-                    digest = _digest(action.result)
                 self._result = RoundResult(
                     action.result,
                     action.contributors,
                     dict(self.dropped),
                     time.perf_counter() - self._started_at,
-                    digest,
                 )
                 for peer in self.alive - {self.me}:
-                    self._outboxes[peer][0].send_nowait(Done(digest))
+                    self._outboxes[peer][0].send_nowait(Done())
                 self._finished.set()
             elif isinstance(action, Fail):
                 self._error = action.reason
@@ -528,10 +524,6 @@ class Session:
         result = await self.node.ping(PeerID(peer), rounds=1, deadline_s=self.config.peer_timeout_s)
         if not result.ok:
             self._peer_gone(peer, f"no answer to a ping within {self.config.peer_timeout_s} s")
-
-
-def _digest(vector: np.ndarray) -> bytes:
-    return hashlib.sha256(memoryview(np.ascontiguousarray(vector)).cast("B")).digest()
 
 
 def _short(peer: bytes) -> str:
