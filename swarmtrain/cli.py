@@ -4,6 +4,9 @@
     swarmtrain relay    [--identity PATH] [--listen MULTIADDR ...] [--announce MULTIADDR ...]
     swarmtrain doctor   [--identity PATH] [--listen MULTIADDR ...] [--join MULTIADDR ...]
                         [--ping PEER_ID ...] [--linger SECONDS] [--json]
+    swarmtrain node     --join MULTIADDR [--state-dir DIR] [--rounds R] [--inner-steps H]
+                        [--run-id ID] [--json PATH] [--listen MULTIADDR ...]
+    swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
 (exit status 130). A failure prints one line that names its cause and exits with status 1.
@@ -22,6 +25,7 @@ import trio
 
 from p2p import IdentityError, P2PError, default_identity_path, load_or_create_identity, peer_id_of
 from swarmtrain.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
+from swarmtrain.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.relay import RelayOptions, run_relay
 
 log = logging.getLogger("swarmtrain")
@@ -101,7 +105,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="send this much over the bulk data plane to each pinged peer (0: skip)",
     )
     p_doc.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p_node = sub.add_parser("node", help="join a run as a volunteer: train and contribute")
+    _add_common(p_node, listen_default="/ip4/0.0.0.0/tcp/0")
+    p_node.add_argument(
+        "--join",
+        action="append",
+        required=True,
+        metavar="MULTIADDR",
+        help="a bootstrap/relay peer's address (…/p2p/ID), repeatable",
+    )
+    p_node.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help=f"checkpoints and identity.key; a restart with the same one resumes "
+        f"[{_default_state_dir()}]",
+    )
+    _add_training(p_node)
+    p_node.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads [torch's default]"
+    )
+    p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
+
+    p_local = sub.add_parser(
+        "local", help="a whole swarm on this machine: a relay and N volunteer processes"
+    )
+    p_local.add_argument("--peers", type=int, default=3, help="volunteer processes [3]")
+    _add_training(p_local)
+    p_local.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the nodes' state directories and logs here [a temporary directory]",
+    )
+    p_local.add_argument(
+        "--timeout", type=float, default=None, help="give up after this many seconds"
+    )
+    p_local.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
+    p_local.add_argument("-v", "--verbose", action="store_true", help="show the nodes' logs")
     return parser
+
+
+def _default_state_dir() -> Path:
+    # Next to the default identity (XDG data directory), without importing swarmtrain.node.
+    return default_identity_path().parent / "node"
+
+
+def _add_training(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=5, help="outer rounds of the run [5]")
+    parser.add_argument(
+        "--inner-steps", type=int, default=20, help="inner steps per round (DiLoCo's H) [20]"
+    )
+    parser.add_argument("--run-id", default=None, help="run name; peers of a run share it")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -117,8 +173,79 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("multiaddr").setLevel(logging.WARNING)
 
 
+def _main_node(args: argparse.Namespace) -> int:
+    # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
+    from swarmtrain.node import NodeOptions, run_node
+
+    _setup_logging(args.verbose)
+    try:
+        options = NodeOptions(
+            join=tuple(args.join),
+            state_dir=args.state_dir or _default_state_dir(),
+            identity=args.identity,
+            listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"]),
+            run_id=args.run_id or "default",
+            rounds=args.rounds,
+            inner_steps=args.inner_steps,
+            threads=args.threads,
+            json_path=args.json,
+        )
+        summary = run_node(options, lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        log.info("stopped; the last round's checkpoint is in %s", args.state_dir)
+        return 130
+    except (P2PError, ValueError, OSError, RuntimeError, ExceptionGroup) as exc:
+        print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    print(
+        f"done: {summary.rounds_contributed} rounds contributed, last round "
+        f"{summary.last_round}, loss {summary.loss_first:.3f} -> {summary.loss_last:.3f}, "
+        f"held-out {summary.eval_loss:.3f}, state {summary.state_hash[:12]}",
+        flush=True,
+    )
+    return 0
+
+
+def _main_local(args: argparse.Namespace) -> int:
+    _setup_logging(args.verbose)
+    try:
+        options = LocalOptions(
+            peers=args.peers,
+            rounds=args.rounds,
+            inner_steps=args.inner_steps,
+            run_id=args.run_id,
+            workdir=args.workdir,
+            timeout_s=args.timeout,
+            json_path=args.json,
+            verbose=args.verbose,
+        )
+        summary = run_local(options, lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        log.info("stopped")
+        return 130
+    except (LocalFailed, ValueError, OSError) as exc:
+        print(f"swarmtrain local: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    print(summary.format(), flush=True)
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    """The cause in one line; an exception group (a failed trio nursery) names its first leaf."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # node keeps its identity in its state directory (several nodes on one machine must differ);
+    # local starts processes that each have their own.
+    if args.command == "node":
+        return _main_node(args)
+    if args.command == "local":
+        return _main_local(args)
     identity_path = args.identity or default_identity_path()
     try:
         key_pair = load_or_create_identity(identity_path)
