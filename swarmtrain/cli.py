@@ -178,10 +178,11 @@ def _main_node(args: argparse.Namespace) -> int:
     from swarmtrain.node import NodeOptions, run_node
 
     _setup_logging(args.verbose)
+    state_dir = args.state_dir or _default_state_dir()
     try:
         options = NodeOptions(
             join=tuple(args.join),
-            state_dir=args.state_dir or _default_state_dir(),
+            state_dir=state_dir,
             identity=args.identity,
             listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"]),
             run_id=args.run_id or "default",
@@ -192,7 +193,8 @@ def _main_node(args: argparse.Namespace) -> int:
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
-        log.info("stopped; the last round's checkpoint is in %s", args.state_dir)
+        # DiLoCo checkpoints at every round boundary; only the inner phase in progress is lost.
+        log.info("stopped; checkpoints of finished rounds are in %s", state_dir)
         return 130
     except (P2PError, ValueError, OSError, RuntimeError, ExceptionGroup) as exc:
         print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)

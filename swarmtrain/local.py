@@ -233,7 +233,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             except subprocess.TimeoutExpired:
                 raise LocalFailed(
                     f"{child.name} still running after {options.deadline_s():.0f} s "
-                    f"(--timeout); last log line: {child.last_log_line()}"
+                    f"(--timeout); last log line: {child.last_log_line() or 'none'}"
                 ) from None
         for child in nodes:
             if child.proc.returncode != 0:
