@@ -67,13 +67,16 @@ MAX_NUMEL = 1 << 30
 @dataclass(frozen=True)
 class AveragerConfig:
     """``compression``: one codec for every tensor, or None to choose per tensor (int8 above
-    64K elements, none below). ``bandwidth_bps`` sizes our share of the reduction."""
+    64K elements, none below). ``bandwidth_bps`` sizes our share of the reduction.
+    ``peer_timeout_s``: a peer that leaves a ping unanswered this long (with nothing in flight
+    between us) is lost. 10 s, because 8 peers sharing 2 saturated cores answered pings in over
+    2 s and lost whole rounds to false alarms at 2-3 s; a frozen peer costs that much time."""
 
     run_id: str
     max_group_size: int = 64
     matchmaking_timeout_s: float = 5.0
     allreduce_timeout_s: float = 60.0
-    peer_timeout_s: float = 3.0
+    peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     compression: Compression | None = Compression.NONE
     bandwidth_bps: float = 1e9
@@ -214,6 +217,11 @@ class Averager:
         started = time.perf_counter()
         group = await self._form_group(r, weight, expected_peers)
         matched = time.perf_counter()
+        if len(group.members) < 2:
+            # Our own vector back is no average; a peer cut off from the swarm must not take an
+            # outer step alone and drift from everyone else's state.
+            self._survivors = None
+            raise AveragingFailed(f"round {r}: no other peer declared in time")
         session = Session(
             self.node,
             self.config.run_id,

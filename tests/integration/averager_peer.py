@@ -189,7 +189,7 @@ if __name__ == "__main__":
     parser.add_argument("--compression", default="none")
     parser.add_argument("--matchmaking-timeout", type=float, default=3.0)
     parser.add_argument("--allreduce-timeout", type=float, default=30.0)
-    parser.add_argument("--peer-timeout", type=float, default=2.0)
+    parser.add_argument("--peer-timeout", type=float, default=5.0)
     parser.add_argument("--max-group-size", type=int, default=64)
     parser.add_argument("--fault")
     parser.add_argument("-v", action="store_true")
