@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from bench.allreduce_worker import make_vector, sample_indices
+from bench.common import git_sha
 
 REPO = Path(__file__).resolve().parents[1]
 # The anchor scripts live in ../shared beside the checkout (as CI and the brief lay it out).
@@ -55,15 +56,6 @@ HIVEMIND_DIR = Path(
 )
 START_TIMEOUT_S = 120.0
 SAMPLE = 4096
-
-
-def git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 # ---------------------------------------------------------------------------- processes

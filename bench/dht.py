@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench.common import git_sha
+
 REPO = Path(__file__).resolve().parents[1]
 # The anchor script lives in ../shared beside the checkout (as CI and the brief lay it out).
 HIVEMIND_BENCH = Path(
@@ -271,15 +273,6 @@ def _run_hivemind(python: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _git_sha() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", type=int, default=8)
@@ -311,7 +304,7 @@ def main() -> None:
             "seed": args.seed,
             "value_bytes": VALUE_BYTES,
         },
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
     }
     result.update(_run_ours(args))
     if args.vs_hivemind:

@@ -39,6 +39,7 @@ DECLARATION_TTL_S = 600.0
 MAX_DECLARATION_BYTES = 512
 POLL_FIRST_S = 0.05
 POLL_MAX_S = 0.25
+REPUBLISH_S = 1.0
 
 
 class MatchmakingFailed(Exception):
@@ -99,6 +100,7 @@ async def form_group(
     key = round_key(run_id, declaration.round).decode()
     queue = deque(machine.handle(LocalRequest(declaration), time.time()))
     poll = POLL_FIRST_S
+    published_at = -float("inf")
     while True:
         while queue:
             action = queue.popleft()
@@ -107,9 +109,9 @@ async def form_group(
             if isinstance(action, Fail):
                 raise MatchmakingFailed(action.reason)
             if isinstance(action, Publish):
-                value = encode_declaration(action.declaration)
-                if not await dht.store(key, value, time.time() + DECLARATION_TTL_S):
+                if not await _publish(dht, key, action.declaration):
                     raise MatchmakingFailed("no DHT peer stored our declaration")
+                published_at = time.monotonic()
             elif isinstance(action, ReadDeclarations):
                 reread: tuple[Declaration, ...] = ()
                 with trio.move_on_after(config.confirm_timeout_s):
@@ -119,8 +121,17 @@ async def form_group(
         if now >= machine.deadline:
             queue.extend(machine.handle(DeadlineReached(), now))
             continue
+        if time.monotonic() - published_at > REPUBLISH_S:
+            # The replicas that took our first store may have died since (peers leave, and
+            # routing tables keep dead ones a while): store again at the closest live ones.
+            await _publish(dht, key, declaration)
+            published_at = time.monotonic()
         seen = await read_declarations(dht, run_id, declaration.round)
         queue.extend(machine.handle(DeclarationsSeen(seen), time.time()))
         if not queue:
             await trio.sleep(min(poll, max(0.0, machine.deadline - time.time())))
             poll = min(POLL_MAX_S, poll * 1.5)
+
+
+async def _publish(dht: Dht, key: str, declaration: Declaration) -> int:
+    return await dht.store(key, encode_declaration(declaration), time.time() + DECLARATION_TTL_S)

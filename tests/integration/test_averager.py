@@ -41,7 +41,7 @@ def exact_digest(contributors: dict[str, float], seeds: dict[str, int]) -> str:
 
 class Peer:
     def __init__(self, join: str, seed: int, fault: str | None, options: list[str]) -> None:
-        argv = [sys.executable, str(SCRIPT), "--join", join, *options]
+        argv = [sys.executable, str(SCRIPT), "--join", join, "-v", *options]
         if fault:
             argv += ["--fault", fault]
         self.process = PeerProcess(argv)
@@ -100,6 +100,8 @@ class Swarm:
 
     def check(self, replies: list[dict], contributors: list[Peer]) -> dict:
         """All ``replies`` succeeded with the same bytes, exactly the mean over ``contributors``."""
+        if not all(r["ok"] for r in replies):
+            print(self.logs())  # pytest shows captured output of a failed test in full
         assert all(r["ok"] for r in replies), replies
         assert len({r["digest"] for r in replies}) == 1, replies
         first = replies[0]
@@ -108,6 +110,15 @@ class Swarm:
             assert r["contributors"] == first["contributors"]
         assert first["digest"] == exact_digest(first["contributors"], self.seeds)
         return first
+
+    def logs(self) -> str:
+        """The peers' round logs (what they dropped and why), for a failure message."""
+        return "\n".join(
+            f"[{i}] {line}"
+            for i, peer in enumerate(self.peers)
+            for line in peer.process.stderr.splitlines()
+            if "swarm" in line
+        )
 
     def stop(self) -> None:
         # A peer ends at the end of its stdin; SIGINT would wait for its blocked stdin reader.
