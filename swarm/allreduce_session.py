@@ -14,10 +14,11 @@ reduced part arrives before the forwarder's own slice).
 The machine is fed from one task (``Session.run``) and runs in a worker thread when the vector is
 large, so reducing never stalls heartbeats. Receivers and senders are separate tasks per peer;
 they report what happened as events into one inbox. A peer is lost when its stream breaks before
-its ``Done`` or when it stops answering pings for ``peer_timeout_s`` (a frozen process keeps its
-sockets open); bytes that break the protocol (a wrong length, NaN, an unknown part) drop it with
-the reason. After ``Finish`` the session keeps serving forwards until every live peer said ``Done``
-or the deadline passes; the caller already has its result.
+its ``Done``, when a transfer with it makes no progress for twice ``peer_timeout_s``, or when it
+leaves a ping unanswered for ``peer_timeout_s`` while nothing is in flight with it (a frozen
+process keeps its sockets open); bytes that break the protocol (a wrong length, NaN, an unknown
+part) drop it with the reason. After ``Finish`` the session keeps serving forwards until every
+live peer said ``Done`` or the deadline passes; the caller already has its result.
 """
 
 from __future__ import annotations
@@ -245,8 +246,9 @@ class Session:
             for scope in list(self._handler_scopes):
                 scope.cancel()
             if not self._finished.is_set():
+                timed_out = trio.current_time() >= self._scope.deadline
                 self._error = self._error or (
-                    "cancelled" if self._scope.cancel_called else "the round's deadline passed"
+                    "the round's deadline passed" if timed_out else "cancelled"
                 )
                 self._finished.set()
 
