@@ -21,6 +21,7 @@ from swarm.allreduce import (
     Finish,
     PartReceived,
     PeerLost,
+    PeerMisbehaved,
     ReducedPartReceived,
     SendPart,
     SendReduced,
@@ -284,6 +285,21 @@ def test_peer_gone_before_the_round_is_excluded():
     finish = assert_agreement(net, must_include=net.survivors(), must_exclude=[dead])
     assert len(finish.result) == 101
     assert all(action.peer == dead for _, action in net.drops)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_misbehaving_peer_seen_by_one_peer_is_excluded_by_all(seed):
+    """The driver caught garbage from C at A only: A drops C, and the exclusion spreads."""
+    net = build((4, 101, random.Random(seed)))
+    liar, witness = net.ids[3], net.ids[seed % 3]
+    net.start()
+    net.apply(witness, net.machines[witness].handle(PeerMisbehaved(liar, "NaN values"), 0.5))
+    net.dead.add(liar)  # it is still running, but whatever it does is ignored from now on
+    for queue in (q for (a, b), q in net.links.items() if b == liar):
+        queue.clear()
+    net.run()
+    assert_agreement(net, must_include=net.survivors(), must_exclude=[liar])
+    assert (witness, DropPeer(liar, "NaN values")) in net.drops
 
 
 def test_reducer_lost_while_reducing_is_replaced_and_excluded():

@@ -54,6 +54,7 @@ SANS_IO = [
     "p2p/reachability.py",
     "p2p/bulk_frames.py",
     "swarm/compression.py",
+    "swarm/payload.py",
     "swarm/matchmaking.py",
     "swarm/allreduce.py",
 ]
