@@ -14,11 +14,11 @@ reduced part arrives before the forwarder's own slice).
 The machine is fed from one task (``Session.run``) and runs in a worker thread when the vector is
 large, so reducing never stalls heartbeats. Receivers and senders are separate tasks per peer;
 they report what happened as events into one inbox. A peer is lost when its stream breaks before
-its ``Done``, when a transfer with it makes no progress for twice ``peer_timeout_s``, or when it
-leaves a ping unanswered for ``peer_timeout_s`` while nothing is in flight with it (a frozen
-process keeps its sockets open); bytes that break the protocol (a wrong length, NaN, an unknown
-part) drop it with the reason. After ``Finish`` the session keeps serving forwards until every
-live peer said ``Done`` or the deadline passes; the caller already has its result.
+its ``Done``, when a transfer with it makes no progress for ``peer_timeout_s`` (at least 5 s), or
+when it leaves a ping unanswered for ``peer_timeout_s`` while nothing is in flight with it (a
+frozen process keeps its sockets open); bytes that break the protocol (a wrong length, NaN, an
+unknown part) drop it with the reason. After ``Finish`` the session keeps serving forwards until
+every live peer said ``Done`` or the deadline passes; the caller already has its result.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class Session:
         self._in_flight: dict[bytes, int] = {}
         self._bulk = replace(
             config.bulk,
-            idle_timeout_s=min(config.bulk.idle_timeout_s, max(5.0, 2 * config.peer_timeout_s)),
+            idle_timeout_s=min(config.bulk.idle_timeout_s, max(5.0, config.peer_timeout_s)),
         )
         self._reported_lost: set[bytes] = set()
         self._handler_scopes: set[trio.CancelScope] = set()
