@@ -54,7 +54,7 @@ from swarm.allreduce_session import (
 )
 from swarm.compression import Compression
 from swarm.dht_matchmaking import MatchmakingFailed, form_group, read_declarations
-from swarm.matchmaking import Declaration, MatchmakingConfig
+from swarm.matchmaking import Declaration, Group, MatchmakingConfig
 from swarm.payload import Layout
 
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class Averager:
 
     async def _form_group(
         self, r: int, weight: float, expected_peers: Iterable[bytes] | None
-    ) -> Any:
+    ) -> Group:
         if expected_peers is not None:
             expected = frozenset(expected_peers) | {self.me}
         elif self._survivors is not None:

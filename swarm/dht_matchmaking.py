@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import msgpack
 import trio
 
-from p2p import Dht, P2PError, RemoteProtocolError
+from p2p import Dht, P2PError, RemoteProtocolError, SignedRecord
 from swarm.matchmaking import (
     DeadlineReached,
     Declaration,
@@ -50,19 +50,18 @@ def encode_declaration(declaration: Declaration) -> bytes:
     return msgpack.packb(declaration.to_wire(), use_bin_type=True)
 
 
-def decode_declarations(records: dict[bytes, object]) -> tuple[Declaration, ...]:
+def decode_declarations(records: dict[bytes, SignedRecord]) -> tuple[Declaration, ...]:
     """Declarations from a read of the round key; malformed or misattributed ones are skipped."""
     found = []
     for record in records.values():
-        value, owner = getattr(record, "value", b""), getattr(record, "owner", b"")
-        if len(value) > MAX_DECLARATION_BYTES:
+        if len(record.value) > MAX_DECLARATION_BYTES:
             continue
         try:
-            declaration = Declaration.from_wire(msgpack.unpackb(value, raw=False))
+            declaration = Declaration.from_wire(msgpack.unpackb(record.value, raw=False))
         except (RemoteProtocolError, ValueError, msgpack.UnpackException) as exc:
             log.debug("skipped a malformed declaration: %r", exc)
             continue
-        if declaration.peer_id == owner:
+        if declaration.peer_id == record.owner:
             found.append(declaration)
     return tuple(found)
 

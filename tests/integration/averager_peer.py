@@ -34,7 +34,7 @@ import numpy as np
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, NodeConfig, open_node, send_bulk
+from p2p import HostConfig, NodeConfig, PeerID, open_node, send_bulk
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression
 from swarm import allreduce_session as session_module
 from swarm.allreduce import SendPart, SendReduced
@@ -153,8 +153,6 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
 
 
 def _hex(peer_id_text: str) -> str:
-    from p2p import PeerID
-
     return PeerID.from_base58(peer_id_text).to_bytes().hex()
 
 
