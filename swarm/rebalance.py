@@ -1,0 +1,137 @@
+"""Adaptive rebalancing of pipeline stages: which server moves where, decided without a leader.
+
+Theory of operation
+-------------------
+A pipeline trains as fast as its slowest stage. Each stage's capacity is the sum of the effective
+throughputs its servers announce (``ServerAnnouncement.effective_throughput``: relayed servers
+count ``relay_factor`` as much, Petals #428). Every ``rebalance`` epoch each server reads the same
+announcements and evaluates ``plan_move``, a pure function of (announcements, epoch, config):
+
+1. The *bottleneck* is the stage of lowest capacity (ties: lowest index). A stage with no server
+   has capacity 0 and is always the bottleneck.
+2. A *donor* is any other stage that keeps at least ``min_servers_per_stage`` servers after giving
+   one away.
+3. Moving server x from donor s to bottleneck b changes two capacities: s loses x's effective
+   throughput, b gains x's *estimated* throughput there. Stages differ in cost, so the estimate
+   scales x's throughput by the ratio of the stages' median throughputs (a server twice as fast as
+   its peers at s is taken to be twice as fast as b's servers); with nobody at b to compare, by 1.
+4. Candidates are tried in the order of ``sha256(epoch, peer id)`` within each donor; the chosen
+   move is the one that raises the minimum stage capacity most, ties broken by that order. It is
+   made only if it raises the minimum by more than ``min_gain`` (relative): no move otherwise.
+
+At most one server moves per epoch, and every server computes the same one from the same records:
+servers never stampede into the bottleneck together. Views can differ (a DHT read misses a fresh
+record); then two servers may each believe they are the mover, which costs one extra move that the
+next epoch sees and can undo only if undoing raises the minimum: every executed move strictly
+raises the minimum capacity as seen at that epoch, so with steady measurements moves cannot cycle.
+The hash order changes every epoch, so the same server is not always the one that moves.
+
+This module is sans-IO: no trio, libp2p, sockets, clocks or randomness.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from swarm.pipeline_records import DEFAULT_RELAY_FACTOR, ServerAnnouncement
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    num_stages: int
+    relay_factor: float = DEFAULT_RELAY_FACTOR
+    min_gain: float = 0.1
+    min_servers_per_stage: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_stages < 1:
+            raise ValueError("num_stages must be >= 1")
+        if not 0 < self.relay_factor <= 1:
+            raise ValueError("relay_factor must be in (0, 1]")
+        if self.min_gain < 0:
+            raise ValueError("min_gain must be >= 0")
+        if self.min_servers_per_stage < 1:
+            raise ValueError("min_servers_per_stage must be >= 1")
+
+
+@dataclass(frozen=True)
+class Move:
+    """``peer_id`` should leave ``from_stage`` and serve ``to_stage``; the minimum stage capacity
+    goes from ``min_before`` to ``min_after`` (estimated)."""
+
+    peer_id: bytes
+    from_stage: int
+    to_stage: int
+    min_before: float
+    min_after: float
+
+
+def stage_capacities(servers: Sequence[ServerAnnouncement], config: RebalanceConfig) -> list[float]:
+    """Sum of effective throughput per stage (0 for a stage with no server)."""
+    totals = [0.0] * config.num_stages
+    for a in _unique(servers, config):
+        totals[a.stage] += a.effective_throughput(config.relay_factor)
+    return totals
+
+
+def rank(epoch: int, peer_id: bytes) -> bytes:
+    """The order in which servers are considered to move in ``epoch``."""
+    return hashlib.sha256(b"swarmtrain/rebalance/1\x00%d\x00" % epoch + peer_id).digest()
+
+
+def plan_move(
+    servers: Sequence[ServerAnnouncement], epoch: int, config: RebalanceConfig
+) -> Move | None:
+    """The one move of ``epoch``, or None when no move raises the minimum enough."""
+    unique = _unique(servers, config)
+    by_stage: list[list[ServerAnnouncement]] = [[] for _ in range(config.num_stages)]
+    for a in unique:
+        by_stage[a.stage].append(a)
+    totals = stage_capacities(unique, config)
+    bottleneck = min(range(config.num_stages), key=lambda s: (totals[s], s))
+    min_before = totals[bottleneck]
+    best: tuple[float, bytes, Move] | None = None
+    for donor, members in enumerate(by_stage):
+        if donor == bottleneck or len(members) - 1 < config.min_servers_per_stage:
+            continue
+        scale = _median_ratio(by_stage[bottleneck], members)
+        for x in members:
+            after = list(totals)
+            after[donor] -= x.effective_throughput(config.relay_factor)
+            after[bottleneck] += x.throughput * scale * (config.relay_factor if x.relayed else 1)
+            min_after = min(after)
+            key = (-min_after, rank(epoch, x.peer_id))
+            if best is None or key < best[:2]:
+                move = Move(x.peer_id, donor, bottleneck, min_before, min_after)
+                best = (key[0], key[1], move)
+    if best is None:
+        return None
+    move = best[2]
+    if move.min_after <= min_before * (1 + config.min_gain) or move.min_after <= 0:
+        return None
+    return move
+
+
+def _median_ratio(
+    target: Sequence[ServerAnnouncement], source: Sequence[ServerAnnouncement]
+) -> float:
+    if not target:
+        return 1.0
+    source_median = statistics.median(a.throughput for a in source)
+    if source_median <= 0:
+        return 1.0
+    return statistics.median(a.throughput for a in target) / source_median
+
+
+def _unique(
+    servers: Sequence[ServerAnnouncement], config: RebalanceConfig
+) -> list[ServerAnnouncement]:
+    """One announcement per peer (the first by peer id order wins), stages in range."""
+    seen: dict[bytes, ServerAnnouncement] = {}
+    for a in sorted(servers, key=lambda a: (a.peer_id, a.stage)):
+        if a.stage < config.num_stages:
+            seen.setdefault(a.peer_id, a)
+    return list(seen.values())

@@ -1,0 +1,135 @@
+"""The rebalancing rule: one mover per epoch, chosen identically by everyone, only when the move
+raises the slowest stage's capacity; relayed servers count for less; no stage is emptied."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm.pipeline_records import ServerAnnouncement
+from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_capacities
+
+HASH = b"\x00" * 32
+
+
+def server(i: int, stage: int, throughput: float, relayed: bool = False) -> ServerAnnouncement:
+    return ServerAnnouncement(b"peer-%03d" % i, stage, throughput, 0, relayed, -1, HASH)
+
+
+swarms = st.lists(
+    st.tuples(st.integers(0, 3), st.floats(0.0, 1000.0), st.booleans()), min_size=1, max_size=16
+).map(lambda rows: [server(i, s, t, r) for i, (s, t, r) in enumerate(rows)])
+
+
+def test_moves_a_server_from_the_fast_stage_to_the_slowed_one() -> None:
+    config = RebalanceConfig(num_stages=2)
+    servers = [server(i, 0, 100.0) for i in range(4)] + [server(4, 1, 10.0), server(5, 1, 10.0)]
+    move = plan_move(servers, epoch=7, config=config)
+    assert move is not None and (move.from_stage, move.to_stage) == (0, 1)
+    # the mover's speed at stage 1 is estimated from stage 1's servers (10 vs 100): +10
+    assert move.min_before == 20.0 and move.min_after == 30.0
+
+
+def test_balanced_swarm_stays_put_and_last_server_never_leaves() -> None:
+    config = RebalanceConfig(num_stages=3)
+    balanced = [server(i, i % 3, 50.0) for i in range(6)]
+    assert plan_move(balanced, 1, config) is None
+    lonely = [server(0, 0, 1000.0), server(1, 1, 1.0), server(2, 2, 1000.0)]
+    assert plan_move(lonely, 1, config) is None
+
+
+def test_empty_stage_gets_a_server() -> None:
+    config = RebalanceConfig(num_stages=3)
+    move = plan_move([server(0, 0, 5.0), server(1, 0, 5.0), server(2, 1, 5.0)], 3, config)
+    assert move is not None and move.to_stage == 2 and move.from_stage == 0
+
+
+def test_relayed_servers_count_for_less() -> None:
+    config = RebalanceConfig(num_stages=2, relay_factor=0.25)
+    # raw throughput is equal, but stage 1's servers are relayed: stage 1 is the bottleneck
+    servers = [server(0, 0, 100.0), server(1, 0, 100.0)] + [
+        server(2 + i, 1, 100.0, relayed=True) for i in range(3)
+    ]
+    assert stage_capacities(servers, config) == [200.0, 75.0]
+    move = plan_move(servers, 0, config)
+    assert move is not None and move.to_stage == 1
+    # relayed candidates to move gain less where they go
+    direct = RebalanceConfig(num_stages=2, relay_factor=1.0)
+    assert plan_move(servers, 0, direct) is None
+
+
+@given(swarms, st.integers(0, 10**6), st.randoms(use_true_random=False))
+@settings(max_examples=300)
+def test_rule_is_a_pure_function_of_the_record_set(servers, epoch, rnd) -> None:
+    config = RebalanceConfig(num_stages=4)
+    shuffled = list(servers)
+    rnd.shuffle(shuffled)
+    assert plan_move(servers, epoch, config) == plan_move(shuffled, epoch, config)
+
+
+@given(swarms, st.integers(0, 10**6))
+@settings(max_examples=300)
+def test_a_move_raises_the_minimum_and_keeps_every_stage_served(servers, epoch) -> None:
+    config = RebalanceConfig(num_stages=4, min_gain=0.1)
+    move = plan_move(servers, epoch, config)
+    if move is None:
+        return
+    assert isinstance(move, Move)
+    before = stage_capacities(servers, config)
+    assert move.min_before == min(before)
+    assert move.min_after > move.min_before * 1.1
+    mover = next(s for s in servers if s.peer_id == move.peer_id)
+    assert mover.stage == move.from_stage != move.to_stage
+    assert before[move.to_stage] == min(before)
+    left = [s for s in servers if s.stage == move.from_stage and s.peer_id != move.peer_id]
+    assert left, "the donor stage kept a server"
+
+
+@given(swarms)
+@settings(max_examples=200)
+def test_moves_never_cycle_under_steady_measurements(servers) -> None:
+    """Apply the rule epoch after epoch (the mover keeps its estimated throughput): the minimum
+    capacity strictly rises at every move, so the process stops."""
+    config = RebalanceConfig(num_stages=4)
+    current = list(servers)
+    minimum = min(stage_capacities(current, config))
+    for epoch in range(64):
+        move = plan_move(current, epoch, config)
+        if move is None:
+            return
+        assert move.min_after > minimum
+        minimum = move.min_after
+        current = [
+            ServerAnnouncement(
+                s.peer_id,
+                move.to_stage,
+                _estimated(current, s, move.to_stage),
+                0,
+                s.relayed,
+                -1,
+                HASH,
+            )
+            if s.peer_id == move.peer_id
+            else s
+            for s in current
+        ]
+        assert min(stage_capacities(current, config)) == pytest.approx(minimum, rel=1e-9)
+    raise AssertionError("still moving after 64 epochs")
+
+
+def _estimated(servers, mover, to_stage) -> float:
+    import statistics
+
+    here = [s.throughput for s in servers if s.stage == mover.stage]
+    there = [s.throughput for s in servers if s.stage == to_stage]
+    if not there or statistics.median(here) <= 0:
+        return mover.throughput
+    return mover.throughput * statistics.median(there) / statistics.median(here)
+
+
+def test_only_one_server_moves_per_epoch_and_the_mover_rotates() -> None:
+    config = RebalanceConfig(num_stages=2)
+    servers = [server(i, 0, 100.0) for i in range(6)] + [server(6, 1, 10.0)]
+    movers = {plan_move(servers, epoch, config).peer_id for epoch in range(40)}  # type: ignore[union-attr]
+    assert len(movers) > 1, "equal candidates take turns by the epoch hash"
