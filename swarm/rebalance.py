@@ -14,7 +14,8 @@ announcements and evaluates ``plan_move``, a pure function of (announcements, ep
 3. Moving server x from donor s to bottleneck b changes two capacities: s loses x's effective
    throughput, b gains x's *estimated* throughput there. Stages differ in cost, so the estimate
    scales x's throughput by the ratio of the stages' median throughputs (a server twice as fast as
-   its peers at s is taken to be twice as fast as b's servers); with nobody at b to compare, by 1.
+   its peers at s is taken to be twice as fast as b's servers; ``stage_ratio``); with nobody at b
+   to compare, by 1.
 4. Candidates are tried in the order of ``sha256(epoch, peer id)`` within each donor; the chosen
    move is the one that raises the minimum stage capacity most, ties broken by that order. It is
    made only if it raises the minimum by more than ``min_gain`` (relative): no move otherwise.
@@ -37,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from swarm.pipeline_records import DEFAULT_RELAY_FACTOR, ServerAnnouncement
+
+MAX_STAGE_RATIO = 64.0
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ def plan_move(
     for donor, members in enumerate(by_stage):
         if donor == bottleneck or len(members) - 1 < config.min_servers_per_stage:
             continue
-        scale = _median_ratio(by_stage[bottleneck], members)
+        scale = stage_ratio(by_stage[bottleneck], members)
         for x in members:
             after = list(totals)
             after[donor] -= x.effective_throughput(config.relay_factor)
@@ -115,15 +118,19 @@ def plan_move(
     return move
 
 
-def _median_ratio(
+def stage_ratio(
     target: Sequence[ServerAnnouncement], source: Sequence[ServerAnnouncement]
 ) -> float:
-    if not target:
+    """How much faster a server of ``source`` is estimated to run at ``target``: the ratio of the
+    stages' median throughputs, 1 when either is unknown, clamped to ``MAX_STAGE_RATIO`` either
+    way (a median near zero, a stalled stage, would otherwise promise a huge gain)."""
+    if not target or not source:
         return 1.0
     source_median = statistics.median(a.throughput for a in source)
+    target_median = statistics.median(a.throughput for a in target)
     if source_median <= 0:
         return 1.0
-    return statistics.median(a.throughput for a in target) / source_median
+    return min(MAX_STAGE_RATIO, max(1 / MAX_STAGE_RATIO, target_median / source_median))
 
 
 def _unique(

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.pipeline_records import ServerAnnouncement
-from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_capacities
+from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_capacities, stage_ratio
 
 HASH = b"\x00" * 32
 
@@ -119,13 +119,9 @@ def test_moves_never_cycle_under_steady_measurements(servers) -> None:
 
 
 def _estimated(servers, mover, to_stage) -> float:
-    import statistics
-
-    here = [s.throughput for s in servers if s.stage == mover.stage]
-    there = [s.throughput for s in servers if s.stage == to_stage]
-    if not there or statistics.median(here) <= 0:
-        return mover.throughput
-    return mover.throughput * statistics.median(there) / statistics.median(here)
+    here = [s for s in servers if s.stage == mover.stage]
+    there = [s for s in servers if s.stage == to_stage]
+    return mover.throughput * stage_ratio(there, here)
 
 
 def test_only_one_server_moves_per_epoch_and_the_mover_rotates() -> None:
