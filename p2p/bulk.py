@@ -77,7 +77,7 @@ class BulkReceived:
     """What ``receive_bulk`` returns: the sender's ``meta``, the payload, and how it came."""
 
     meta: bytes
-    data: bytearray
+    data: bytearray | memoryview
     mode: DataMode
 
 
@@ -229,7 +229,7 @@ async def receive_bulk(
     listener: BulkListener | None = None,
     config: BulkConfig = DEFAULT_CONFIG,
     check_meta: Callable[[bytes, int], None] | None = None,
-    into: bytearray | None = None,
+    into: bytearray | memoryview | None = None,
     peer_ids: tuple[bytes, bytes] | None = None,
     remote_ip: str | None = None,
 ) -> BulkReceived:
@@ -238,7 +238,7 @@ async def receive_bulk(
 
     ``listener``: ours, where the sender should dial (preferred over dialing the sender's).
     ``check_meta(meta, total_bytes)`` runs before the payload is allocated; it raises
-    ``RemoteProtocolError`` to refuse. ``into``: a buffer to receive into (it must be exactly
+    ``RemoteProtocolError`` to refuse. ``into``: a writable byte buffer to receive into (exactly
     ``total_bytes`` long, else the offer is refused) instead of a fresh one. Returns
     ``BulkReceived`` with every byte authenticated.
     Raises ``RemoteProtocolError`` (malformed, tampered, truncated or oversized input; the sender

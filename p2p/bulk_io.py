@@ -168,7 +168,10 @@ async def _send_stripe(
 
 
 async def _receive_stripe(
-    sock: trio.socket.SocketType, receiver: BulkReceiver, dest: bytearray, idle_timeout_s: float
+    sock: trio.socket.SocketType,
+    receiver: BulkReceiver,
+    dest: bytearray | memoryview,
+    idle_timeout_s: float,
 ) -> None:
     header = bytearray(FRAME_HEADER_BYTES)
     body = memoryview(bytearray(receiver.layout.frame_buffer_bytes))
@@ -227,7 +230,9 @@ async def _send_on_stream(stream: ByteStream, source: memoryview, config: BulkCo
                 await stream.write(bytes(source[offset : offset + chunk]))
 
 
-async def _receive_on_stream(stream: ByteStream, dest: bytearray, config: BulkConfig) -> None:
+async def _receive_on_stream(
+    stream: ByteStream, dest: bytearray | memoryview, config: BulkConfig
+) -> None:
     view = memoryview(dest)
     got = 0
     with _stream_errors("receiving on the libp2p stream"):

@@ -258,6 +258,13 @@ def _finite_float32(data: object, length: int) -> str | None:
     return None
 
 
+def _is_view_at(piece: np.ndarray, vector: np.ndarray, start: int) -> bool:
+    """``piece`` is ``vector[start:start + len(piece)]`` itself (same memory, not a copy)."""
+    # Same address and stride within one live process means the same bytes.
+    address = vector.ctypes.data + start * vector.itemsize
+    return piece.ctypes.data == address and piece.strides == vector.strides
+
+
 def _good_weight(weight: object) -> bool:
     return isinstance(weight, int | float) and math.isfinite(weight) and weight > 0
 
@@ -268,6 +275,10 @@ class AllReduce:
     ``finalize(part_index, reduced)``, if given, maps each part this peer reduces to the values
     it holds and sends (the driver's encode-then-decode for a lossy codec); it must be a pure
     function of its arguments and return a float32 array of the same length.
+
+    ``out``, if given, receives the result (``Finish.result`` is ``out``). The driver may hand in
+    reduced parts that already are views of their place in ``out`` (received there), which are
+    then not copied; it must not write to a place whose view the machine holds.
 
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
@@ -285,6 +296,7 @@ class AllReduce:
         deadline: float,
         finalize: Callable[[int, np.ndarray], np.ndarray] | None = None,
         chunks: int = 1,
+        out: np.ndarray | None = None,
     ) -> None:
         self.peers: tuple[bytes, ...] = tuple(sorted(set(peers)))
         if me not in self.peers or len(self.peers) != len(peers):
@@ -315,6 +327,11 @@ class AllReduce:
         # A lossy wire codec: the reducer must hold what everyone else decodes, not its own
         # float32 mean, or its result would differ from theirs in the dropped bits.
         self._finalize = finalize
+        if out is not None and (
+            not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != local.shape
+        ):
+            raise LocalProtocolError("out must be a float32 array shaped like local")
+        self._out = out
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -477,14 +494,22 @@ class AllReduce:
             pass  # a finished peer still serves parts reassigned to it, and finishes once
         elif all(self._settled(p) for p in range(len(self.parts))) and mine_settled:
             self.state = AllReduceState.DONE
-            pieces = [entry[0] for entry in self.held if entry is not None]
-            result = np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
-            actions.append(Finish(result, self._contributors(self.members)))
+            actions.append(Finish(self._assemble(), self._contributors(self.members)))
         elif mine_settled:
             self.state = AllReduceState.GATHERING
         else:
             self.state = AllReduceState.SCATTERING
         return actions
+
+    def _assemble(self) -> np.ndarray:
+        """The result vector: ``out`` (else a new one) with every held part in its place. A
+        part the driver already received into its place in ``out`` is not copied again."""
+        result = self._out if self._out is not None else np.empty_like(self.local)
+        for (_, start, stop), entry in zip(self.parts, self.held, strict=True):
+            assert entry is not None  # every part is settled before DONE
+            if not _is_view_at(entry[0], result, start):
+                result[start:stop] = entry[0]
+        return result
 
     def _settled(self, p: int) -> bool:
         held = self.held[p]

@@ -82,6 +82,8 @@ THREAD_MIN_NUMEL = 1 << 16
 CHUNK_BYTES = 32 << 20
 MAX_CHUNKS = 16
 CONNECT_WAIT_S = 1.0
+# Raw float32 payloads are little-endian: received bytes are the values where that is native.
+_RAW_IS_NATIVE = np.dtype("<f4") == np.dtype(np.float32)
 
 
 def chunks_for(numel: int, group_size: int) -> int:
@@ -165,6 +167,13 @@ class Session:
         # bytes the reducer sent, and re-encoding a decoded int8 part may not reproduce them.
         self._encoded: dict[int, tuple[np.ndarray, bytes]] = {}
         self.chunks = chunks_for(len(local), len(self.peers))
+        # The result vector. Reduced parts that travel raw are received straight into their
+        # place in it (the first copy of each part only: a later one may replace a part the
+        # machine holds, and one arriving while we reduce the part ourselves must not race our
+        # write), so the result is assembled without copying 2(N-1)/N of the vector again.
+        self._out = np.empty(len(local), np.float32)
+        self._landed: set[int] = set()
+        self._landing: set[int] = set()
         self.machine = AllReduce(
             self.me,
             self.peers,
@@ -174,6 +183,7 @@ class Session:
             deadline=math.inf,
             finalize=None if layout.lossless() else self._finalize,
             chunks=self.chunks,
+            out=self._out,
         )
         self.parts = self.machine.parts
         self.alive: frozenset[bytes] = frozenset(self.peers)
@@ -344,7 +354,7 @@ class Session:
                     self._finished.set()
                     continue
                 self._result = RoundResult(
-                    action.result,
+                    self._settle_landings(action.result),
                     action.contributors,
                     dict(self.dropped),
                     time.perf_counter() - self._started_at,
@@ -355,6 +365,20 @@ class Session:
             elif isinstance(action, Fail):
                 self._error = action.reason
                 self._finished.set()
+
+    def _settle_landings(self, result: np.ndarray) -> np.ndarray:
+        """``result`` unless a part is still being received into its place in it (a copy the
+        machine did not need: it reduced or already held that part); then a copy with the held
+        parts there, since that receive goes on writing into ``result``."""
+        if not self._landing:
+            return result
+        settled = result.copy()
+        for p in self._landing:
+            held = self.machine.held[p]
+            assert held is not None  # Finish means every part is held
+            _, start, stop = self.parts[p]
+            settled[start:stop] = held[0]
+        return settled
 
     # -- values on the wire ----------------------------------------------------------------------
 
@@ -482,28 +506,45 @@ class Session:
             )
         if len(item.contributors) != len(item.weights):
             raise RemoteProtocolError("contributors and weights differ in length")
+        raw: np.ndarray | None = None  # the values themselves, received in place
         if item.inline or expected <= INLINE_MAX_BYTES:
             if len(item.inline) != expected:
                 raise RemoteProtocolError(f"inline payload of {len(item.inline)} bytes")
-            data: bytes | bytearray = item.inline
+            data: bytes | bytearray | memoryview = item.inline
         else:
 
             def check(meta: bytes, total: int) -> None:
                 if total != expected:
                     raise RemoteProtocolError(f"bulk offer of {total} bytes, expected {expected}")
 
-            with self._transfer(peer):
-                received = await receive_bulk(
-                    rpc.stream,
-                    direct=direct,
-                    listener=self.node.bulk_listener,
-                    config=replace(self._bulk, max_bytes=expected),
-                    check_meta=check,
-                )
+            landing = False
+            if _RAW_IS_NATIVE and self.layout.lossless_between(start, stop):
+                landing = item.kind == KIND_REDUCED and item.part_index not in self._landed
+                if landing:
+                    self._landed.add(item.part_index)
+                    self._landing.add(item.part_index)
+                    raw = self._out[start:stop]
+                else:  # numpy's allocation: no zero fill, huge pages
+                    raw = np.empty(stop - start, np.float32)
+            try:
+                with self._transfer(peer):
+                    received = await receive_bulk(
+                        rpc.stream,
+                        direct=direct,
+                        listener=self.node.bulk_listener,
+                        config=replace(self._bulk, max_bytes=expected),
+                        check_meta=check,
+                        into=None if raw is None else memoryview(raw).cast("B"),
+                    )
+            finally:
+                if landing:
+                    self._landing.discard(item.part_index)
             self._last_heard[peer] = trio.current_time()
             data = received.data
         self.bytes_received += len(data)
-        if self._big:
+        if raw is not None:
+            values = raw  # the machine checks every part it is handed for NaN and inf
+        elif self._big:
             values = await trio.to_thread.run_sync(self.layout.decode, data, start, stop)
         else:
             values = self.layout.decode(data, start, stop)

@@ -113,6 +113,10 @@ class Layout:
     def lossless(self) -> bool:
         return all(c is Compression.NONE for c in self.codecs)
 
+    def lossless_between(self, start: int, stop: int) -> bool:
+        """``[start, stop)`` travels as raw little-endian float32 (its bytes are its values)."""
+        return all(c is Compression.NONE for _, _, c in self.segments(start, stop))
+
     def round_trip(self, values: np.ndarray, start: int) -> np.ndarray:
         """What a peer decodes from ``encode(values, start)``: the values the wire can carry."""
         if self.lossless():
