@@ -1,0 +1,307 @@
+"""Pure-numpy reference of every RepOps operator, in the same order as ``verify.repops_ops``.
+
+Why a second implementation: equal bits from torch (MKL, any thread count, CPU or CUDA) and from
+numpy (OpenBLAS, its own loops) are the evidence that the results depend on the order we fixed
+and on nothing a library chose. Written independently of the torch kernels (same algorithm, same
+constants, numpy calls only), so a mistake in one shows up as a mismatch. The training step wires
+these kernels with the shared, backend-free program of ``verify.repops_graph``.
+
+Every float32 operation here is one numpy ufunc on float32 arrays with ``np.float32`` constants
+(numpy never fuses two ufuncs into an FMA); reductions are exact in float64 (see repops_ops).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from verify.repops_graph import (
+    AdamWConfig,
+    Executor,
+    ModelShape,
+    OpFn,
+    decode_attrs,
+    pow_int,
+    training_step,
+)
+from verify.trace import LEAF_PREFIX, tensor_hash
+
+F32 = np.float32
+MAX_CHUNK = 2048
+EXP_LO, EXP_HI = F32(-87.0), F32(88.0)
+LOG2E = F32(1.44269504088896341)
+EXP_C1, EXP_C2 = F32(0.693359375), F32(-2.12194440e-4)
+EXP_POLY = [F32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                             1.6666665459e-1, 5.0000001201e-1)]  # fmt: skip
+ERFC_POLY = [F32(c) for c in (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
+                              -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223)]  # fmt: skip
+ONE, HALF, TWO = F32(1.0), F32(0.5), F32(2.0)
+
+
+def _bits_for(k: int) -> int:
+    return 53 - max(0, (min(k, MAX_CHUNK) - 1).bit_length())
+
+
+def pow2_f64(e: np.ndarray) -> np.ndarray:
+    return ((np.asarray(e).astype(np.int64) + 1023) << 52).view(np.float64)
+
+
+def pow2_f32(k: np.ndarray) -> np.ndarray:
+    return ((np.asarray(k).astype(np.int32) + 127) << 23).view(np.float32)
+
+
+def _grid(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    _, e = np.frexp(np.max(np.abs(x), axis=axis, keepdims=True))
+    return np.round(x.astype(np.float64) * pow2_f64(bits - e)), e
+
+
+def matmul(a: np.ndarray, b: np.ndarray, a_bits: int | None = None) -> np.ndarray:
+    """Exact-product matmul on power-of-two grids; see ``verify.repops_ops.matmul``."""
+    k = a.shape[-1]
+    avail = _bits_for(k)
+    bits_a, bits_b = (avail // 2, avail // 2) if a_bits is None else (a_bits, avail - a_bits)
+    qa, ea = _grid(a, -1, bits_a)
+    qb, eb = _grid(b, -2, bits_b)
+    out = np.matmul(qa[..., :MAX_CHUNK], qb[..., :MAX_CHUNK, :])
+    for start in range(MAX_CHUNK, k, MAX_CHUNK):
+        out = out + np.matmul(
+            qa[..., start : start + MAX_CHUNK], qb[..., start : start + MAX_CHUNK, :]
+        )
+    return (out * pow2_f64(ea - bits_a) * pow2_f64(eb - bits_b)).astype(F32)
+
+
+def sum_exact(x: np.ndarray, axis: int) -> np.ndarray:
+    bits = 52 - max(0, (x.shape[axis] - 1).bit_length())
+    q, e = _grid(x, axis, bits)
+    return np.squeeze((np.sum(q, axis=axis, keepdims=True) * pow2_f64(e - bits)).astype(F32), axis)
+
+
+def exp(x: np.ndarray) -> np.ndarray:
+    xc = np.clip(x, EXP_LO, EXP_HI)
+    k = np.round(xc * LOG2E)
+    r = (xc - k * EXP_C1) - k * EXP_C2
+    z = r * r
+    p = np.full_like(x, EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        p = p * r + c
+    p = ((p * z + r) + ONE) * pow2_f32(k)
+    return np.where(x < EXP_LO, F32(0.0), p).astype(F32)
+
+
+def erfc_nonneg(z: np.ndarray) -> np.ndarray:
+    t = ONE / (z * HALF + ONE)
+    p = np.full_like(z, ERFC_POLY[0])
+    for c in ERFC_POLY[1:]:
+        p = p * t + c
+    return exp(p - z * z) * t
+
+
+def log_pos(s: np.ndarray) -> np.ndarray:
+    mant, e = np.frexp(s)
+    small = mant < F32(0.7071067811865476)
+    mant = np.where(small, mant * TWO, mant).astype(np.float64)
+    e = np.where(small, e - 1, e).astype(np.float64)
+    u = (mant - 1.0) / (mant + 1.0)
+    u2 = u * u
+    coefficients = [1.0 / (2 * k + 1) for k in range(8, -1, -1)]
+    p = np.full_like(u, coefficients[0])
+    for c in coefficients[1:]:
+        p = p * u2 + c
+    p = p * u * 2.0
+    return (e * 0.6931471805599453 + p).astype(F32)
+
+
+def softmax_rows(x: np.ndarray) -> np.ndarray:
+    e = exp(x - np.max(x, axis=-1, keepdims=True))
+    return e / sum_exact(e, -1)[..., None]
+
+
+def _heads(qkv: np.ndarray, heads: int, batch: int) -> tuple[np.ndarray, ...]:
+    n, width3 = qkv.shape
+    view = qkv.reshape(batch, n // batch, 3, heads, width3 // (3 * heads))
+    return tuple(np.swapaxes(view[:, :, j], 1, 2) for j in range(3))
+
+
+def _dout_heads(dout: np.ndarray, like: np.ndarray) -> np.ndarray:
+    b, h, t, hd = like.shape
+    return np.swapaxes(dout.reshape(b, t, h, hd), 1, 2)
+
+
+def _attention_probs(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    q, k, _ = _heads(i[0], a["heads"], a["batch"])
+    length, hd = q.shape[-2], q.shape[-1]
+    scores = matmul(q, np.swapaxes(k, -1, -2)) * F32(1.0 / math.sqrt(hd))
+    causal = np.triu(np.ones((length, length), dtype=bool), 1)
+    return softmax_rows(np.where(causal, F32(-np.inf), scores))
+
+
+def _attention_values(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    probs, qkv = i
+    _, _, v = _heads(qkv, a["heads"], probs.shape[0])
+    out = matmul(probs, v)
+    return np.swapaxes(out, 1, 2).reshape(qkv.shape[0], qkv.shape[1] // 3)
+
+
+def _attention_scores_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    probs, qkv, dout = i
+    q, _, v = _heads(qkv, a["heads"], probs.shape[0])
+    dp = matmul(_dout_heads(dout, q), np.swapaxes(v, -1, -2))
+    row = sum_exact(dp * probs, -1)[..., None]
+    return ((dp - row) * probs) * F32(1.0 / math.sqrt(q.shape[-1]))
+
+
+def _attention_qkv_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    probs, qkv, dout, dscores = i
+    q, k, _ = _heads(qkv, a["heads"], probs.shape[0])
+    dq = matmul(dscores, k)
+    dk = matmul(np.swapaxes(dscores, -1, -2), q)
+    dv = matmul(np.swapaxes(probs, -1, -2), _dout_heads(dout, q))
+    return np.stack((dq, dk, dv)).transpose(1, 3, 0, 2, 4).reshape(qkv.shape)
+
+
+def _layernorm_stats(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    (x,) = i
+    d = F32(x.shape[-1])
+    mean = sum_exact(x, -1) / d
+    xc = x - mean[:, None]
+    var = sum_exact(xc * xc, -1) / d
+    rstd = ONE / np.sqrt(var + F32(a["eps"]))
+    return np.stack((mean, rstd), axis=-1)
+
+
+def _xhat(x: np.ndarray, stats: np.ndarray) -> np.ndarray:
+    return (x - stats[:, 0:1]) * stats[:, 1:2]
+
+
+def _layernorm_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    x, stats, g, dy = i
+    xhat = _xhat(x, stats)
+    dxhat = dy * g
+    d = F32(x.shape[-1])
+    mean_d = (sum_exact(dxhat, -1) / d)[:, None]
+    mean_dx = (sum_exact(dxhat * xhat, -1) / d)[:, None]
+    return ((dxhat - mean_d) - xhat * mean_dx) * stats[:, 1:2]
+
+
+def _cross_entropy(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    logits, targets = i
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+    top = np.max(flat, axis=-1, keepdims=True)
+    lse = log_pos(sum_exact(exp(flat - top), -1)) + top[:, 0]
+    losses = lse - np.take_along_axis(flat, tgt, axis=1)[:, 0]
+    return np.asarray(sum_exact(losses, 0) / F32(flat.shape[0]), dtype=F32)
+
+
+def _cross_entropy_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    logits, targets = i
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    probs = softmax_rows(flat)
+    rows = np.arange(flat.shape[0])
+    probs[rows, tgt] = probs[rows, tgt] - ONE
+    return (probs / F32(flat.shape[0])).reshape(logits.shape)
+
+
+def _gelu_cdf(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    (x,) = i
+    half = erfc_nonneg(np.abs(x) * F32(0.7071067811865476)) * HALF
+    return np.where(x >= 0, ONE - half, half)
+
+
+def _gelu_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    x, cdf, dy = i
+    pdf = exp((x * x) * F32(-0.5)) * F32(0.3989422804014327)
+    return ((pdf * x) + cdf) * dy
+
+
+def _embed(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    tokens, table, position = i
+    batch, length = tokens.shape
+    out = table[tokens.reshape(-1)].reshape(batch, length, -1) + position[:length]
+    return out.reshape(batch * length, -1)
+
+
+def _embedding_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    tokens, dx = i
+    flat = tokens.reshape(-1)
+    onehot = np.zeros((a["vocab"], flat.shape[0]), dtype=F32)
+    onehot[flat, np.arange(flat.shape[0])] = ONE
+    return matmul(onehot, dx, a_bits=1)
+
+
+def _position_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    (dx,) = i
+    batch = a["batch"]
+    summed = sum_exact(dx.reshape(batch, dx.shape[0] // batch, dx.shape[1]), 0)
+    out = np.zeros((a["context"], dx.shape[1]), dtype=F32)
+    out[: summed.shape[0]] = summed
+    return out
+
+
+def _adamw_param(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
+    p, m, v, step = i
+    t = int(step)
+    if t < 1:
+        raise ValueError("AdamW step counter must be at least 1 after increment")
+    lr = a["lr"]
+    step_size = lr / (1.0 - pow_int(a["beta1"], t))
+    bc2_sqrt = math.sqrt(1.0 - pow_int(a["beta2"], t))
+    denom = np.sqrt(v) / F32(bc2_sqrt) + F32(a["eps"])
+    return p * F32(1.0 - lr * a["weight_decay"]) - (m / denom) * F32(step_size)
+
+
+OPS: dict[str, OpFn] = {
+    "add": lambda i, a: i[0] + i[1],
+    "sub": lambda i, a: i[0] - i[1],
+    "mul": lambda i, a: i[0] * i[1],
+    "matmul": lambda i, a: matmul(i[0], i[1]),
+    "matmul_nt": lambda i, a: matmul(i[0], np.swapaxes(i[1], -1, -2)),
+    "matmul_tn": lambda i, a: matmul(np.swapaxes(i[0], -1, -2), i[1]),
+    "linear": lambda i, a: matmul(i[0], np.swapaxes(i[1], -1, -2)) + i[2],
+    "sum_rows": lambda i, a: sum_exact(i[0], 0),
+    "embed": _embed,
+    "layernorm_stats": _layernorm_stats,
+    "layernorm": lambda i, a: (_xhat(i[0], i[1]) * i[2]) + i[3],
+    "layernorm_backward": _layernorm_backward,
+    "layernorm_grad_weight": lambda i, a: sum_exact(_xhat(i[0], i[1]) * i[2], 0),
+    "attention_probs": _attention_probs,
+    "attention_values": _attention_values,
+    "attention_scores_backward": _attention_scores_backward,
+    "attention_qkv_backward": _attention_qkv_backward,
+    "gelu_cdf": _gelu_cdf,
+    "gelu_backward": _gelu_backward,
+    "cross_entropy": _cross_entropy,
+    "cross_entropy_backward": _cross_entropy_backward,
+    "embedding_backward": _embedding_backward,
+    "position_backward": _position_backward,
+    "adamw_m": lambda i, a: i[0] * F32(a["beta1"]) + i[1] * F32(1.0 - a["beta1"]),
+    "adamw_v": lambda i, a: i[0] * F32(a["beta2"]) + (i[1] * i[1]) * F32(1.0 - a["beta2"]),
+    "adamw_param": _adamw_param,
+    "increment": lambda i, a: np.asarray(i[0] + 1, dtype=np.int64),
+    "nesterov_momentum": lambda i, a: i[0] * F32(a["momentum"]) + i[1],
+    "nesterov_params": lambda i, a: i[0] - (i[1] + i[2] * F32(a["momentum"])) * F32(a["lr"]),
+}
+
+
+def run_op(name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray:
+    """Recompute one recorded operator with the numpy kernels (a ``verify.trace.Recompute``)."""
+    if name.startswith(LEAF_PREFIX) or name not in OPS:
+        raise ValueError(f"no RepOps operator named {name!r}")
+    return np.asarray(OPS[name]([np.asarray(x) for x in inputs], decode_attrs(attrs)))
+
+
+def training_step_reference(
+    state: Mapping[str, np.ndarray],
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    shape: ModelShape,
+    optimizer: AdamWConfig,
+    *,
+    record: bool = False,
+) -> tuple[dict[str, np.ndarray], np.ndarray, Executor[np.ndarray]]:
+    """One training step with the numpy kernels: (new state, loss, the executor with its trace)."""
+    ex: Executor[np.ndarray] = Executor(OPS, hash_fn=tensor_hash if record else None)
+    refs, loss = training_step(ex, shape, optimizer, state, inputs, targets)
+    return {k: ex.values[r] for k, r in refs.items()}, ex.values[loss], ex

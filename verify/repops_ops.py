@@ -1,0 +1,399 @@
+"""RepOps kernels in torch: every operator of the default model's training step, reproducible.
+
+How each result is made independent of thread count, BLAS library and device:
+
+* **Reductions are exact.** A matmul or a sum first rounds each row (or column) of its operands to
+  a grid of ``2**(e - bits)``, where ``2**e`` bounds the row's largest magnitude (a power of two, so
+  scaling is exact). The scaled values are integers; their products and any partial sums stay below
+  ``2**53``, so float64 holds every partial sum exactly, and any summation order, blocking, FMA use
+  or thread split gives the same bits. The result is rounded to float32 once. This lets native
+  float64 GEMM and ``sum`` do the work (the Ozaki-scheme idea; see DESIGN.md "verify").
+* **Elementwise arithmetic is IEEE.** ``+ - * /`` and ``sqrt`` are correctly rounded in float32
+  everywhere; each is a separate kernel, so no compiler can fuse two of them into an FMA.
+* **Transcendental functions are ours.** ``exp``, ``erfc`` and ``log`` are polynomials evaluated
+  with the operations above (a library ``exp`` differs across libm, SLEEF, CUDA, and even between
+  torch's vector body and scalar tail), so they are reproducible, accurate to a few float32 ulp.
+
+``verify.reference`` implements the same kernels in numpy; tests compare the two bit for bit.
+Kernels never modify their inputs (trace outputs are shared, read-only values).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from verify.repops_graph import OpFn, pow_int
+
+F32, F64 = torch.float32, torch.float64
+MAX_CHUNK = 2048  # longest inner dimension one exact float64 GEMM handles
+EXP_LO, EXP_HI = -87.0, 88.0  # 2**k stays a normal float32 for k = round(x / ln 2) in range
+LOG2E = 1.44269504088896341
+EXP_C1, EXP_C2 = 0.693359375, -2.12194440e-4  # ln 2 split; C1 has 9 bits so k * C1 is exact
+# Cephes expf minimax coefficients on [-ln2/2, ln2/2], highest degree first.
+EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+            5.0000001201e-1)  # fmt: skip
+# Numerical Recipes erfcc: erfc(z) ~ t * exp(-z*z + poly(t)), t = 1 / (1 + z / 2), relative error
+# below 1.2e-7 for every z >= 0; highest degree first.
+ERFC_POLY = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
+             0.09678418, 0.37409196, 1.00002368, -1.26551223)  # fmt: skip
+INV_SQRT2 = 0.7071067811865476
+INV_SQRT_2PI = 0.3989422804014327
+SQRT_HALF = 0.7071067811865476
+LN2 = 0.6931471805599453
+# log(f) = 2 atanh(u), u = (f - 1) / (f + 1): coefficients 1/(2k+1), highest degree first.
+LOG_SERIES = tuple(1.0 / (2 * k + 1) for k in range(8, -1, -1))
+
+
+def ceil_log2(n: int) -> int:
+    return max(0, (n - 1).bit_length())
+
+
+def matmul_bits(k: int) -> int:
+    """Significant bits per operand so that ``k`` products of two of them sum below 2**53."""
+    return (53 - ceil_log2(min(k, MAX_CHUNK))) // 2
+
+
+def _c(value: float, like: torch.Tensor) -> torch.Tensor:
+    # A 0-d tensor of the operand's dtype pins the constant's rounding before the operation,
+    # whatever torch does with Python scalars on a given device.
+    return torch.tensor(value, dtype=like.dtype, device=like.device)
+
+
+def pow2_f64(e: torch.Tensor) -> torch.Tensor:
+    """Exact 2**e as float64 from integer ``e`` in [-1022, 1023], built from the exponent bits."""
+    return torch.bitwise_left_shift(e.to(torch.int64) + 1023, 52).view(F64)
+
+
+def pow2_f32(k: torch.Tensor) -> torch.Tensor:
+    """Exact 2**k as float32 from integer ``k`` in [-126, 127]."""
+    return torch.bitwise_left_shift(k.to(torch.int32) + 127, 23).view(F32)
+
+
+def sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 sqrt of non-negative ``x``.
+
+    Why not ``torch.sqrt``: torch's vectorized CPU sqrt (float32 and float64, AVX-512 build) is
+    not correctly rounded (measured: 0.6% of float32 results off by one ulp) while its scalar tail
+    is, so even the thread count changes the bits. We take its float64 result as a guess, round to
+    float32, and fix the last bit exactly: the midpoint between two neighbouring float32 values
+    has 25 significant bits, so its square is exact in float64 and compares exactly with ``x``.
+    """
+    y = torch.sqrt(x.to(F64)).to(F32)
+    below = torch.nextafter(y, _c(-math.inf, y))
+    above = torch.nextafter(y, _c(math.inf, y))
+    x64 = x.to(F64)
+    low_mid = torch.add(y.to(F64), below.to(F64)).mul_(0.5)
+    high_mid = torch.add(y.to(F64), above.to(F64)).mul_(0.5)
+    y = torch.where(low_mid.mul_(low_mid) > x64, below, y)
+    return torch.where(high_mid.mul_(high_mid) < x64, above, y)
+
+
+def _grid(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(integers in float64, exponent e) with x ~ ints * 2**(e - bits) along ``dim``."""
+    e = torch.frexp(x.abs().amax(dim=dim, keepdim=True)).exponent
+    return x.to(F64).mul_(pow2_f64(bits - e)).round_(), e
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch.Tensor:
+    """``a @ b`` for float32 ``(..., M, K) @ (..., K, N)``, bit-reproducible.
+
+    Rows of ``a`` and columns of ``b`` are rounded to ``matmul_bits(K)`` significant bits relative
+    to their own largest power of two. ``a_bits`` gives ``a`` fewer bits (and ``b`` the rest),
+    for operands known to be small integers such as a one-hot matrix. K above ``MAX_CHUNK`` is
+    split into chunks whose exact products are added in chunk order.
+    """
+    k = a.shape[-1]
+    if a_bits is None:
+        bits_a = bits_b = matmul_bits(k)
+    else:
+        bits_a, bits_b = a_bits, 53 - ceil_log2(min(k, MAX_CHUNK)) - a_bits
+    qa, ea = _grid(a, -1, bits_a)
+    qb, eb = _grid(b, -2, bits_b)
+    out = None
+    for start in range(0, k, MAX_CHUNK):
+        stop = start + MAX_CHUNK
+        part = torch.matmul(qa[..., start:stop], qb[..., start:stop, :])
+        out = part if out is None else out.add_(part)
+    assert out is not None
+    return out.mul_(pow2_f64(ea - bits_a)).mul_(pow2_f64(eb - bits_b)).to(F32)
+
+
+def sum_exact(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum of float32 ``x`` over ``dim`` (removed), on a grid of 2**(e - 52 + ceil_log2(K)):
+    every partial sum is an exact float64 integer, so the order does not matter."""
+    bits = 52 - ceil_log2(x.shape[dim])
+    q, e = _grid(x, dim, bits)
+    return q.sum(dim=dim, keepdim=True).mul_(pow2_f64(e - bits)).to(F32).squeeze(dim)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """float32 exp (Cephes expf scheme): 0 below EXP_LO, inputs above EXP_HI clamped."""
+    xc = x.clamp(EXP_LO, EXP_HI)
+    k = torch.mul(xc, _c(LOG2E, x)).round_()
+    r = xc.sub_(torch.mul(k, _c(EXP_C1, x))).sub_(torch.mul(k, _c(EXP_C2, x)))
+    z = torch.mul(r, r)
+    p = torch.full_like(x, EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        p.mul_(r).add_(_c(c, x))
+    p.mul_(z).add_(r).add_(_c(1.0, x))
+    p.mul_(pow2_f32(k))
+    return p.masked_fill_(x < EXP_LO, 0.0)
+
+
+def erfc_nonneg(z: torch.Tensor) -> torch.Tensor:
+    """float32 erfc(z) for z >= 0 (Numerical Recipes' erfcc with our exp)."""
+    t = torch.div(_c(1.0, z), torch.mul(z, _c(0.5, z)).add_(_c(1.0, z)))
+    p = torch.full_like(z, ERFC_POLY[0])
+    for c in ERFC_POLY[1:]:
+        p.mul_(t).add_(_c(c, z))
+    return exp(p.sub_(torch.mul(z, z))).mul_(t)
+
+
+def log_pos(s: torch.Tensor) -> torch.Tensor:
+    """float32 natural log of positive normal float32 ``s``, computed in float64 and rounded once."""
+    mant, e = torch.frexp(s)
+    small = mant < _c(SQRT_HALF, s)
+    mant = torch.where(small, torch.mul(mant, _c(2.0, s)), mant).to(F64)
+    e = torch.where(small, e - 1, e).to(F64)
+    u = torch.div(torch.sub(mant, _c(1.0, mant)), torch.add(mant, _c(1.0, mant)))
+    u2 = torch.mul(u, u)
+    p = torch.full_like(u, LOG_SERIES[0])
+    for c in LOG_SERIES[1:]:
+        p.mul_(u2).add_(_c(c, u))
+    p.mul_(u).mul_(_c(2.0, u))
+    return torch.mul(e, _c(LN2, u)).add_(p).to(F32)
+
+
+def softmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim; -inf entries give exactly 0."""
+    e = exp(torch.sub(x, x.amax(dim=-1, keepdim=True)))
+    return e.div_(sum_exact(e, -1).unsqueeze(-1))
+
+
+# ---- model operators: fn(inputs, attrs) -> one tensor ----------------------------------------
+
+
+def _heads(qkv: torch.Tensor, heads: int, batch: int) -> tuple[torch.Tensor, ...]:
+    """(q, k, v), each (B, H, T, hd), viewed out of qkv (B*T, 3d) laid out as (B, T, 3, H, hd)."""
+    n, width3 = qkv.shape
+    view = qkv.view(batch, n // batch, 3, heads, width3 // (3 * heads))
+    return tuple(view[:, :, j].transpose(1, 2) for j in range(3))
+
+
+def _attention_probs(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    (qkv,) = inputs
+    q, k, _ = _heads(qkv, attrs["heads"], attrs["batch"])
+    length, hd = q.shape[-2], q.shape[-1]
+    scores = matmul(q, k.transpose(-1, -2)).mul_(_c(1.0 / math.sqrt(hd), qkv))
+    causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).triu_(1)
+    return softmax_rows(scores.masked_fill_(causal, -math.inf))
+
+
+def _split(probs: torch.Tensor, qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    return _heads(qkv, heads, probs.shape[0])
+
+
+def _attention_values(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    probs, qkv = inputs
+    _, _, v = _split(probs, qkv, attrs["heads"])
+    out = matmul(probs, v)  # (B, H, T, hd)
+    return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1] // 3)
+
+
+def _attention_scores_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    probs, qkv, dout = inputs
+    q, _, v = _split(probs, qkv, attrs["heads"])
+    do = dout.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    dp = matmul(do, v.transpose(-1, -2))
+    row = sum_exact(torch.mul(dp, probs), -1).unsqueeze(-1)
+    return dp.sub_(row).mul_(probs).mul_(_c(1.0 / math.sqrt(q.shape[-1]), probs))
+
+
+def _attention_qkv_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    probs, qkv, dout, dscores = inputs
+    q, k, _ = _split(probs, qkv, attrs["heads"])
+    do = dout.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
+    dq = matmul(dscores, k)
+    dk = matmul(dscores.transpose(-1, -2), q)
+    dv = matmul(probs.transpose(-1, -2), do)
+    # (3, B, H, T, hd) -> (B, T, 3, H, hd) -> (B*T, 3d): the layout qkv was split from.
+    return torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(qkv.shape)
+
+
+def _layernorm_stats(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    (x,) = inputs
+    d = _c(float(x.shape[-1]), x)
+    mean = sum_exact(x, -1).div_(d)
+    xc = torch.sub(x, mean.unsqueeze(-1))
+    var = sum_exact(xc.mul_(xc), -1).div_(d)
+    rstd = torch.div(_c(1.0, x), sqrt(var.add_(_c(attrs["eps"], x))))
+    return torch.stack((mean, rstd), dim=-1)
+
+
+def _xhat(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    return torch.sub(x, stats[:, 0:1]).mul_(stats[:, 1:2])
+
+
+def _layernorm(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    x, stats, g, b = inputs
+    return _xhat(x, stats).mul_(g).add_(b)
+
+
+def _layernorm_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    x, stats, g, dy = inputs
+    xhat = _xhat(x, stats)
+    dxhat = torch.mul(dy, g)
+    d = _c(float(x.shape[-1]), x)
+    a = sum_exact(dxhat, -1).div_(d).unsqueeze(-1)
+    c = sum_exact(torch.mul(dxhat, xhat), -1).div_(d).unsqueeze(-1)
+    return dxhat.sub_(a).sub_(xhat.mul_(c)).mul_(stats[:, 1:2])
+
+
+def _layernorm_grad_weight(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    x, stats, dy = inputs
+    return sum_exact(_xhat(x, stats).mul_(dy), 0)
+
+
+def _cross_entropy(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    logits, targets = inputs
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+    top = flat.amax(dim=-1, keepdim=True)
+    total = sum_exact(exp(torch.sub(flat, top)), -1)
+    lse = log_pos(total).add_(top.squeeze(-1))
+    losses = lse.sub_(flat.gather(1, tgt).squeeze(1))
+    return sum_exact(losses, 0).div_(_c(float(flat.shape[0]), flat))
+
+
+def _cross_entropy_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    logits, targets = inputs
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+    probs = softmax_rows(flat)
+    probs.scatter_(1, tgt, probs.gather(1, tgt).sub_(_c(1.0, flat)))
+    return probs.div_(_c(float(flat.shape[0]), flat)).reshape(logits.shape)
+
+
+def _gelu_cdf(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """Phi(x) = erfc(-x / sqrt 2) / 2, from erfc of |x| so neither tail cancels."""
+    (x,) = inputs
+    half = erfc_nonneg(torch.abs(x).mul_(_c(INV_SQRT2, x))).mul_(_c(0.5, x))
+    return torch.where(x >= 0, torch.sub(_c(1.0, x), half), half)
+
+
+def _gelu_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """dy * (Phi(x) + x * phi(x)) with phi(x) = exp(-x^2 / 2) / sqrt(2 pi)."""
+    x, cdf, dy = inputs
+    pdf = exp(torch.mul(x, x).mul_(_c(-0.5, x))).mul_(_c(INV_SQRT_2PI, x))
+    return pdf.mul_(x).add_(cdf).mul_(dy)
+
+
+def _embed(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    tokens, table, position = inputs
+    batch, length = tokens.shape
+    out = table[tokens.reshape(-1)].view(batch, length, -1).add_(position[:length])
+    return out.reshape(batch * length, -1)
+
+
+def _embedding_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """One-hot(tokens)^T @ dx through the exact matmul: each row's sum of its tokens' grads."""
+    tokens, dx = inputs
+    flat = tokens.reshape(1, -1)
+    onehot = torch.zeros(attrs["vocab"], flat.shape[1], dtype=F32, device=dx.device)
+    onehot.scatter_(0, flat, 1.0)
+    return matmul(onehot, dx, a_bits=1)
+
+
+def _position_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    (dx,) = inputs
+    batch = attrs["batch"]
+    summed = sum_exact(dx.view(batch, dx.shape[0] // batch, dx.shape[1]), 0)
+    out = torch.zeros(attrs["context"], dx.shape[1], dtype=F32, device=dx.device)
+    out[: summed.shape[0]] = summed
+    return out
+
+
+def _adamw_m(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    m, g = inputs
+    b1 = attrs["beta1"]
+    return torch.mul(m, _c(b1, m)).add_(torch.mul(g, _c(1.0 - b1, m)))
+
+
+def _adamw_v(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    v, g = inputs
+    b2 = attrs["beta2"]
+    return torch.mul(v, _c(b2, v)).add_(torch.mul(g, g).mul_(_c(1.0 - b2, v)))
+
+
+def adamw_scalars(attrs: dict[str, Any], step: int) -> tuple[float, float, float, float]:
+    """(decay, step_size, sqrt(bias_correction2), eps) as Python floats, the same everywhere."""
+    if step < 1:
+        raise ValueError("AdamW step counter must be at least 1 after increment")
+    bc1 = 1.0 - pow_int(attrs["beta1"], step)
+    bc2 = 1.0 - pow_int(attrs["beta2"], step)
+    lr = attrs["lr"]
+    return 1.0 - lr * attrs["weight_decay"], lr / bc1, math.sqrt(bc2), attrs["eps"]
+
+
+def _adamw_param(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """p * (1 - lr wd) - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps), torch.optim.AdamW's step."""
+    p, m, v, step = inputs
+    decay, step_size, bc2_sqrt, eps = adamw_scalars(attrs, int(step.item()))
+    denom = sqrt(v).div_(_c(bc2_sqrt, v)).add_(_c(eps, v))
+    return torch.mul(p, _c(decay, p)).sub_(torch.div(m, denom).mul_(_c(step_size, p)))
+
+
+def _increment(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    (step,) = inputs
+    return torch.add(step, 1)
+
+
+def _nesterov_momentum(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """m' = mu * m + g (diloco.outer.nesterov_update, one float32 op per line)."""
+    m, g = inputs
+    return torch.add(torch.mul(m, _c(attrs["momentum"], m)), g)
+
+
+def _nesterov_params(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """p' = p - lr * (g + mu * m')."""
+    p, g, m_new = inputs
+    direction = torch.add(g, torch.mul(m_new, _c(attrs["momentum"], m_new)))
+    return torch.sub(p, torch.mul(direction, _c(attrs["lr"], p)))
+
+
+def _binary(fn: Any) -> OpFn:
+    return lambda inputs, attrs: fn(inputs[0], inputs[1])
+
+
+OPS: dict[str, OpFn] = {
+    "add": _binary(torch.add),
+    "sub": _binary(torch.sub),
+    "mul": _binary(torch.mul),
+    "matmul": _binary(matmul),
+    "matmul_nt": lambda i, a: matmul(i[0], i[1].transpose(-1, -2)),
+    "matmul_tn": lambda i, a: matmul(i[0].transpose(-1, -2), i[1]),
+    "linear": lambda i, a: matmul(i[0], i[1].transpose(-1, -2)).add_(i[2]),
+    "sum_rows": lambda i, a: sum_exact(i[0], 0),
+    "embed": _embed,
+    "layernorm_stats": _layernorm_stats,
+    "layernorm": _layernorm,
+    "layernorm_backward": _layernorm_backward,
+    "layernorm_grad_weight": _layernorm_grad_weight,
+    "attention_probs": _attention_probs,
+    "attention_values": _attention_values,
+    "attention_scores_backward": _attention_scores_backward,
+    "attention_qkv_backward": _attention_qkv_backward,
+    "gelu_cdf": _gelu_cdf,
+    "gelu_backward": _gelu_backward,
+    "cross_entropy": _cross_entropy,
+    "cross_entropy_backward": _cross_entropy_backward,
+    "embedding_backward": _embedding_backward,
+    "position_backward": _position_backward,
+    "adamw_m": _adamw_m,
+    "adamw_v": _adamw_v,
+    "adamw_param": _adamw_param,
+    "increment": _increment,
+    "nesterov_momentum": _nesterov_momentum,
+    "nesterov_params": _nesterov_params,
+}
