@@ -1,0 +1,646 @@
+"""``swarmtrain local --pipeline-stages S``: SWARM parallelism on this machine.
+
+Cuts the default model (``diloco.ByteTransformer``) into S stages (embedding + first blocks /
+middle blocks / last blocks + head), then runs, as separate processes on 127.0.0.1: a relay
+(bootstrap and DHT), N stage servers (server i starts on stage i mod S) and 2 trainers that hold
+the data and drive microbatches through the servers with stochastic wiring and failover. Servers
+of a stage average their parameters every few seconds and move to the bottleneck stage when the
+rebalancing rule says so. At the end it sums up, and ``--json`` writes
+``{stages, servers_per_stage, loss_first, loss_last, stage_hashes_agree, rebalances, failovers}``.
+
+Roles run through this module too: ``python -m swarmtrain.pipeline_local _server ...`` and
+``_trainer ...`` print one JSON object per stdout line (``ready``, ``serving``, ``averaged``,
+``moved``, ``round``, ``final``); the parent reads them. Every child has a lifetime limit
+(``--lifetime-s``), runs in its own session, gets SIGINT when done and SIGKILL after a grace
+period, so nothing outlives the command.
+
+API: ``add_arguments(parser)`` adds the ``--pipeline-*`` options (the ``local`` parser already
+has ``--peers``, ``--rounds``, ``--json`` and ``-v``); ``run(args) -> int`` runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack, suppress
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+SWARMTRAIN = (sys.executable, "-m", "swarmtrain.cli")
+ROLE = (sys.executable, "-m", "swarmtrain.pipeline_local")
+START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+TRAINERS = 2
+
+
+# -- the model, cut into stages -----------------------------------------------------------------
+
+
+def model_config(num_stages: int, d_model: int = 64, context: int = 64) -> Any:
+    from diloco import ByteTransformerConfig
+
+    return ByteTransformerConfig(
+        d_model=d_model, n_layers=max(num_stages, 2), n_heads=4, context=context
+    )
+
+
+def cut_stages(model: Any, num_stages: int) -> list[Any]:
+    """``ByteTransformer`` as ``num_stages`` modules whose composition is the model's forward:
+    embeddings + first blocks / middle blocks / last blocks + final norm + head."""
+    import torch
+    from torch import nn
+
+    blocks = list(model.blocks)
+    if not 1 <= num_stages <= len(blocks):
+        raise ValueError(f"{num_stages} stages for {len(blocks)} blocks")
+    bounds = [round(i * len(blocks) / num_stages) for i in range(num_stages + 1)]
+
+    class Embed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.position = model.embed, model.position
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            positions = torch.arange(idx.shape[1], device=idx.device)
+            return self.embed(idx) + self.position(positions)
+
+    class Stage(nn.Module):
+        def __init__(self, first: bool, last: bool, part: list[nn.Module]) -> None:
+            super().__init__()
+            self.embedding = Embed() if first else None
+            self.blocks = nn.ModuleList(part)
+            self.ln_final = model.ln_final if last else None
+            self.head = model.head if last else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.embedding is not None:
+                x = self.embedding(x)
+            for block in self.blocks:
+                x = block(x)
+            if self.head is not None:
+                x = self.head(self.ln_final(x))
+            return x
+
+    return [
+        Stage(k == 0, k == num_stages - 1, blocks[bounds[k] : bounds[k + 1]])
+        for k in range(num_stages)
+    ]
+
+
+class _Slowed:
+    """Wraps a stage so that each call sleeps ``factor - 1`` times its compute time: a slower
+    machine, as the stage server measures it (the sleep happens in its worker thread)."""
+
+    def __new__(cls, module: Any, factor: float) -> Any:
+        import torch
+        from torch import nn
+
+        class Slowed(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.inner = module
+
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                started = time.perf_counter()
+                y = self.inner(x)
+                time.sleep((factor - 1) * (time.perf_counter() - started))
+                return y
+
+        return Slowed()
+
+
+def stage_builder(
+    num_stages: int,
+    *,
+    seed: int,
+    batch_size: int,
+    context: int,
+    lr: float,
+    slow_stage: int | None = None,
+    slow_factor: float = 1.0,
+) -> Callable[[int], Any]:
+    """``build_stage(k)`` for ``StageServer``: every call builds the same seeded parameters."""
+
+    def build(k: int) -> Any:
+        import torch
+
+        from diloco import ByteTransformer
+        from swarm.stage_server import StageModule
+
+        model = ByteTransformer(model_config(num_stages, context=context), seed=seed)
+        module = cut_stages(model, num_stages)[k]
+        if k == 0:
+            example = torch.zeros(batch_size, context, dtype=torch.int64)
+        else:
+            example = torch.zeros(batch_size, context, model.config.d_model)
+        if slow_stage == k and slow_factor > 1:
+            module = _Slowed(module, slow_factor)
+        return StageModule(module, example, lambda params: torch.optim.Adam(params, lr=lr))
+
+    return build
+
+
+# -- roles (child processes) ---------------------------------------------------------------------
+
+
+def _emit(event: dict[str, Any]) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _node_config(join: str, identity: Path) -> Any:
+    from p2p import HostConfig, NodeConfig, load_or_create_identity
+
+    key_pair = load_or_create_identity(identity)
+    return NodeConfig(
+        HostConfig(key_pair, listen_addrs=("/ip4/127.0.0.1/tcp/0",)), bootstrap=(join,)
+    )
+
+
+def serve_role(opts: argparse.Namespace) -> int:
+    import torch
+    import trio
+
+    from p2p import open_node
+    from swarm.stage_server import StageServer, StageServerConfig
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    build = stage_builder(
+        opts.stages,
+        seed=opts.seed,
+        batch_size=opts.batch_size,
+        context=opts.context,
+        lr=opts.lr,
+        slow_stage=opts.slow_stage,
+        slow_factor=opts.slow_factor,
+    )
+    config = StageServerConfig(
+        run_id=opts.run_id,
+        num_stages=opts.stages,
+        average_every_s=opts.average_every_s or None,
+        rebalance_every_s=opts.rebalance_every_s or None,
+        rebalance_after_s=opts.rebalance_after_s,
+        relayed=False,
+    )
+    holder: list[StageServer] = []
+
+    async def main() -> None:
+        with trio.move_on_after(opts.lifetime_s):
+            async with open_node(_node_config(opts.join, opts.identity)) as node:
+                server = StageServer(node, config, build, opts.stage, on_event=_emit)
+                holder.append(server)
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(server.run)
+                    _emit({"event": "ready", "peer": node.host.peer_id.to_bytes().hex()})
+
+    with suppress(KeyboardInterrupt):  # SIGINT from the parent: the normal way to stop
+        trio.run(main)
+    if holder:
+        stats = holder[0].statistics
+        _emit(
+            {
+                "event": "final",
+                "stage": holder[0].stage,
+                "forwards": stats.forwards,
+                "backwards": stats.backwards,
+                "moves": stats.moves,
+                "averaged_rounds": stats.averaged_rounds,
+                "failed_rounds": stats.failed_rounds,
+            }
+        )
+    return 0
+
+
+def train_role(opts: argparse.Namespace) -> int:
+    import torch
+    import trio
+    from torch.nn import functional as F
+
+    from diloco import inner_batches, load_stdlib_corpus
+    from p2p import open_node
+    from swarm.pipeline_trainer import MicrobatchFailed, PipelineTrainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    corpus = load_stdlib_corpus(max_bytes=1 << 20)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    summary: dict[str, Any] = {"losses": [], "failovers": 0, "failed": 0}
+
+    async def one(trainer: PipelineTrainer, batch: tuple[Any, Any], losses: list[float]) -> None:
+        for attempt in range(4):
+            try:
+                result = await trainer.train_microbatch(*batch)
+            except MicrobatchFailed as exc:
+                summary["failed"] += 1
+                _emit({"event": "microbatch_failed", "attempt": attempt, "reason": str(exc)})
+                await trainer.refresh()
+                await trio.sleep(0.5 * (attempt + 1))
+                continue
+            losses.append(result.loss)
+            return
+
+    async def main() -> None:
+        with trio.fail_after(opts.lifetime_s):
+            async with open_node(_node_config(opts.join, opts.identity)) as node:
+                trainer = PipelineTrainer(
+                    node,
+                    TrainerConfig(
+                        run_id=opts.run_id,
+                        num_stages=opts.stages,
+                        seed=opts.seed,
+                        hop_timeout_s=opts.hop_timeout_s,
+                    ),
+                    loss_fn,
+                )
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(trainer.run)
+                    with trio.fail_after(START_TIMEOUT_S):
+                        await trainer.wait_for_servers()
+                    _emit({"event": "ready", "servers_per_stage": trainer.servers_per_stage()})
+                    me = node.host.peer_id.to_bytes()
+                    for round_number in range(opts.rounds):
+                        started = time.monotonic()
+                        batches = inner_batches(
+                            corpus,
+                            run_seed=opts.seed,
+                            round=round_number,
+                            peer_id=me,
+                            steps=opts.microbatches,
+                            batch_size=opts.batch_size,
+                            context=opts.context,
+                        )
+                        losses: list[float] = []
+                        limit = trio.Semaphore(opts.in_flight)
+
+                        async def limited(
+                            batch: tuple[Any, Any], losses: list[float], limit: trio.Semaphore
+                        ) -> None:
+                            async with limit:
+                                await one(trainer, batch, losses)
+
+                        async with trio.open_nursery() as round_nursery:
+                            for batch in batches:
+                                round_nursery.start_soon(limited, batch, losses, limit)
+                        summary["losses"].append(sum(losses) / len(losses) if losses else None)
+                        summary["failovers"] = trainer.statistics.failovers
+                        _emit(
+                            {
+                                "event": "round",
+                                "round": round_number,
+                                "loss": summary["losses"][-1],
+                                "microbatches": len(losses),
+                                "seconds": round(time.monotonic() - started, 2),
+                                "samples_per_s": round(
+                                    len(losses) * opts.batch_size / (time.monotonic() - started), 2
+                                ),
+                                "failovers": trainer.statistics.failovers,
+                                "servers_per_stage": trainer.servers_per_stage(),
+                            }
+                        )
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    _emit({"event": "final", **summary})
+    return 0
+
+
+def _role_parser(role: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"pipeline_local {role}")
+    p.add_argument("--join", required=True)
+    p.add_argument("--identity", type=Path, required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--lifetime-s", type=float, default=600.0)
+    if role == "_server":
+        p.add_argument("--stage", type=int, required=True)
+        p.add_argument("--lr", type=float, default=3e-3)
+        p.add_argument("--average-every-s", type=float, default=5.0)
+        p.add_argument("--rebalance-every-s", type=float, default=3.0)
+        p.add_argument("--rebalance-after-s", type=float, default=8.0)
+        p.add_argument("--slow-stage", type=int, default=None)
+        p.add_argument("--slow-factor", type=float, default=1.0)
+    else:
+        p.add_argument("--rounds", type=int, default=3)
+        p.add_argument("--microbatches", type=int, default=8)
+        p.add_argument("--in-flight", type=int, default=2)
+        p.add_argument("--hop-timeout-s", type=float, default=15.0)
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def role_main(argv: Sequence[str]) -> int:
+    role, rest = argv[0], argv[1:]
+    opts = _role_parser(role).parse_args(rest)
+    logging.basicConfig(
+        level=logging.INFO if opts.verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    return serve_role(opts) if role == "_server" else train_role(opts)
+
+
+# -- the orchestrator ----------------------------------------------------------------------------
+
+
+class Child:
+    """A child process; a thread parses its stdout JSON lines, stderr goes to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, on_event: Callable) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("wb")
+        self.events: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._pump, args=(on_event,), daemon=True)
+        self._reader.start()
+
+    def _pump(self, on_event: Callable[[Child, dict[str, Any]], None]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = {"event": "text", "text": line}
+            if not isinstance(event, dict):
+                event = {"event": "text", "text": line}
+            with self._changed:
+                self.events.append(event)
+                self._changed.notify_all()
+            on_event(self, event)
+        with self._changed:
+            self._changed.notify_all()
+
+    def wait_event(self, kind: str, timeout_s: float) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            return next((e for e in self.events if e.get("event") == kind), None)
+
+        with self._changed:
+            self._changed.wait_for(
+                lambda: found() is not None or self.proc.poll() is not None, timeout=timeout_s
+            )
+            event = found()
+        if event is None:
+            raise PipelineFailed(
+                f"{self.name}: no {kind!r} within {timeout_s:.0f} s; log: {self.last_log_line()}"
+            )
+        return event
+
+    def last_log_line(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else "none"
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reader.join(timeout=5)
+        self._log.close()
+
+
+class PipelineFailed(Exception):
+    """The pipeline run did not finish: a process failed or the run timed out."""
+
+
+def summarize(
+    num_stages: int, servers: Sequence[Child], trainers: Sequence[Child]
+) -> dict[str, Any]:
+    """The ``--json`` summary from the children's events."""
+    finals = [next((e for e in s.events if e.get("event") == "final"), None) for s in servers]
+    per_stage = [0] * num_stages
+    for server, final in zip(servers, finals, strict=True):
+        stage = final.get("stage") if final else _last_stage(server)
+        if isinstance(stage, int) and 0 <= stage < num_stages:
+            per_stage[stage] += 1
+    digests: dict[tuple[int, int], set[str]] = defaultdict(set)
+    members: dict[tuple[int, int], int] = defaultdict(int)
+    for server in servers:
+        for e in server.events:
+            if e.get("event") == "averaged":
+                digests[(e["stage"], e["round"])].add(e["digest"])
+                members[(e["stage"], e["round"])] += 1
+    shared = [key for key in digests if members[key] >= 2]
+    trainer_finals = [
+        next((e for e in t.events if e.get("event") == "final"), {}) for t in trainers
+    ]
+    firsts = [f["losses"][0] for f in trainer_finals if f.get("losses")]
+    lasts = [f["losses"][-1] for f in trainer_finals if f.get("losses")]
+    return {
+        "stages": num_stages,
+        "servers_per_stage": per_stage,
+        "loss_first": _mean(firsts),
+        "loss_last": _mean(lasts),
+        "stage_hashes_agree": bool(shared) and all(len(digests[k]) == 1 for k in digests),
+        "averaging_rounds": len(shared),
+        "rebalances": sum(1 for s in servers for e in s.events if e.get("event") == "moved"),
+        "failovers": sum(int(f.get("failovers", 0)) for f in trainer_finals),
+    }
+
+
+def _last_stage(server: Child) -> int | None:
+    stage = None
+    for e in server.events:
+        if e.get("event") == "serving":
+            stage = e.get("stage")
+        elif e.get("event") == "moved":
+            stage = e.get("to_stage")
+    return stage
+
+
+def _mean(values: Sequence[Any]) -> float | None:
+    numbers = [float(v) for v in values if isinstance(v, int | float) and math.isfinite(v)]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def start_relay(workdir: Path, children: list[Child]) -> str:
+    lines: queue.Queue[str] = queue.Queue()
+    relay = Child(
+        "relay",
+        [
+            *SWARMTRAIN,
+            "relay",
+            "--identity",
+            str(workdir / "relay.key"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ],
+        workdir / "relay.log",
+        lambda child, event: lines.put(event.get("text", "")),
+    )
+    children.append(relay)
+    try:
+        return lines.get(timeout=START_TIMEOUT_S)
+    except queue.Empty:
+        raise PipelineFailed(f"the relay printed no address: {relay.last_log_line()}") from None
+
+
+def role_argv(
+    role: str, join: str, identity: Path, run_id: str, stages: int, extra: Sequence[str] = ()
+) -> list[str]:
+    return [
+        *ROLE, role, "--join", join, "--identity", str(identity), "--run-id", run_id,
+        "--stages", str(stages), *extra,
+    ]  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--pipeline-*`` options of ``swarmtrain local``."""
+    parser.add_argument(
+        "--pipeline-stages", type=int, default=None, metavar="S",
+        help="cut the model into S stages served by --peers stage servers, plus 2 trainers",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-microbatches", type=int, default=8, metavar="M",
+        help="microbatches per trainer per round [8]",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-slow-stage", type=int, default=None, metavar="K",
+        help="make stage K slower on every server (to watch rebalancing)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-slow-factor", type=float, default=4.0, metavar="F",
+        help="how much slower --pipeline-slow-stage runs [4]",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pipeline-timeout", type=float, default=None, metavar="SECONDS",
+        help="give up after this long [scaled with rounds]",
+    )  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the local pipeline swarm; 0 when it trained, 1 on failure (message on stderr)."""
+    try:
+        summary = run_pipeline(args, lambda line: print(line, flush=True))
+    except PipelineFailed as exc:
+        print(f"swarmtrain local --pipeline-stages: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; every process stopped", file=sys.stderr)
+        return 130
+    print(
+        f"{summary['stages']} stages, servers per stage {summary['servers_per_stage']}: "
+        f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, stage hashes "
+        f"{'agree' if summary['stage_hashes_agree'] else 'DIFFER'} over "
+        f"{summary['averaging_rounds']} averaging rounds, {summary['rebalances']} rebalances, "
+        f"{summary['failovers']} failovers"
+    )
+    return 0
+
+
+def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[str, Any]:
+    stages = int(args.pipeline_stages or 2)
+    peers = int(getattr(args, "peers", None) or 2 * stages)
+    rounds = int(getattr(args, "rounds", None) or 3)
+    microbatches = int(getattr(args, "pipeline_microbatches", 8))
+    if stages < 1 or peers < stages:
+        raise PipelineFailed(f"--peers {peers} cannot serve {stages} stages (one server each)")
+    timeout_s = args.pipeline_timeout or 90.0 + rounds * microbatches * 3.0 * max(1, peers / 4)
+    run_id = f"pipe-{os.urandom(4).hex()}"
+    slow = []
+    if args.pipeline_slow_stage is not None:
+        slow = ["--slow-stage", str(args.pipeline_slow_stage)]
+        slow += ["--slow-factor", str(args.pipeline_slow_factor)]
+    verbose = ["-v"] if getattr(args, "verbose", False) else []
+    lock = threading.Lock()
+
+    def on_event(child: Child, event: dict[str, Any]) -> None:
+        if event.get("event") in ("round", "moved", "averaged", "ready", "microbatch_failed"):
+            with lock:
+                emit(f"[{child.name}] {json.dumps(event)}")
+
+    children: list[Child] = []
+    started = time.monotonic()
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-pipe-")))
+        stack.callback(lambda: [c.stop() for c in reversed(children)])
+        join = start_relay(workdir, children)
+        lifetime = ["--lifetime-s", str(timeout_s + 30)]
+        servers = []
+        for i in range(peers):
+            argv = role_argv(
+                "_server", join, workdir / f"server{i}.key", run_id, stages,
+                ["--stage", str(i % stages), *slow, *lifetime, *verbose],
+            )  # fmt: skip
+            servers.append(Child(f"server{i}", argv, workdir / f"server{i}.log", on_event))
+        children.extend(servers)
+        for s in servers:
+            s.wait_event("ready", START_TIMEOUT_S)
+        trainers = []
+        for i in range(TRAINERS):
+            argv = role_argv(
+                "_trainer", join, workdir / f"trainer{i}.key", run_id, stages,
+                ["--rounds", str(rounds), "--microbatches", str(microbatches), "--seed", str(i),
+                 *lifetime, *verbose],
+            )  # fmt: skip
+            trainers.append(Child(f"trainer{i}", argv, workdir / f"trainer{i}.log", on_event))
+        children.extend(trainers)
+        deadline = started + timeout_s
+        for t in trainers:
+            try:
+                t.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise PipelineFailed(
+                    f"{t.name} still running after {timeout_s:.0f} s: {t.last_log_line()}"
+                ) from None
+            if t.proc.returncode != 0:
+                raise PipelineFailed(f"{t.name} exited {t.proc.returncode}: {t.last_log_line()}")
+        for s in servers:
+            s.stop()
+        summary = summarize(stages, servers, trainers)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    json_path = getattr(args, "json", None)
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(summary) + "\n")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("_server", "_trainer"):
+        return role_main(argv)
+    parser = argparse.ArgumentParser(prog="python -m swarmtrain.pipeline_local")
+    parser.add_argument("--peers", type=int, default=None, help="stage servers [2 per stage]")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per trainer [3]")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
