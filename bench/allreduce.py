@@ -230,7 +230,30 @@ def collect_results(
                 del pending[rank]
         if not progressed and time.monotonic() >= deadline:
             raise TimeoutError(f"round {round_number}: workers {sorted(pending)} timed out")
+    _collect_digests(workers, results, round_number, deadline)
     return results
+
+
+def _collect_digests(
+    workers: list[Worker], results: dict[int, dict[str, Any]], round_number: int, deadline: float
+) -> None:
+    """Ask each worker that returned a result for its SHA-256, now that nobody is averaging."""
+    asked = {w.rank: w for w in workers if results.get(w.rank, {}).get("ok")}
+    for worker in asked.values():
+        worker.send({"cmd": "digest", "round": round_number})
+    while asked:
+        for rank, worker in list(asked.items()):
+            try:
+                record = worker.next_event(min(deadline, time.monotonic() + 0.05))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"round {round_number}: no digest from {sorted(asked)}"
+                    ) from None
+                continue
+            if record.get("event") == "digest" and record.get("round") == round_number:
+                results[rank]["digest"] = record["digest"]
+                del asked[rank]
 
 
 def report_failure(workers: list[Proc]) -> None:
