@@ -239,17 +239,17 @@ def decode_record(data: bytes) -> OpRecord:
     try:
         (name_len,) = struct.unpack_from("<H", data, 0)
         if name_len > MAX_NAME_BYTES:
-            raise ValueError("record name too long")
+            raise ValueError("malformed record: record name too long")
         pos = 2 + name_len
         name = data[2:pos].decode()
         (count,) = struct.unpack_from("<I", data, pos)
         if count > MAX_RECORD_INPUTS:
-            raise ValueError("too many inputs")
+            raise ValueError("malformed record: too many inputs")
         inputs = struct.unpack_from(f"<{count}I", data, pos + 4)
         pos += 4 + 4 * count
         (attrs_len,) = struct.unpack_from("<I", data, pos)
         if attrs_len > MAX_ATTRS_BYTES:
-            raise ValueError("attrs too long")
+            raise ValueError("malformed record: attrs too long")
         attrs = data[pos + 4 : pos + 4 + attrs_len]
         output = data[pos + 4 + attrs_len :]
     except (struct.error, UnicodeDecodeError) as exc:
