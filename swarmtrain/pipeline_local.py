@@ -420,7 +420,12 @@ class Child:
             return ""
         return lines[-1] if lines else "none"
 
+    def interrupt(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGINT (the role's normal way out), SIGKILL after ``grace_s``."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -430,6 +435,14 @@ class Child:
                 self.proc.wait()
         self._reader.join(timeout=5)
         self._log.close()
+
+
+def stop_all(children: Sequence[Child], grace_s: float = STOP_GRACE_S) -> None:
+    """Interrupt every child at once, then wait for each (their shutdowns overlap)."""
+    for child in children:
+        child.interrupt()
+    for child in children:
+        child.stop(grace_s)
 
 
 class PipelineFailed(Exception):
@@ -586,7 +599,7 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
     started = time.monotonic()
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-pipe-")))
-        stack.callback(lambda: [c.stop() for c in reversed(children)])
+        stack.callback(lambda: stop_all(list(reversed(children))))
         join = start_relay(workdir, children)
         lifetime = ["--lifetime-s", str(timeout_s + 30)]
         servers = []
@@ -597,8 +610,8 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
             )  # fmt: skip
             servers.append(Child(f"server{i}", argv, workdir / f"server{i}.log", on_event))
         children.extend(servers)
-        for s in servers:
-            s.wait_event("ready", START_TIMEOUT_S)
+        # Trainers start with the servers (they wait, bounded, until every stage is served):
+        # importing torch and joining overlap.
         trainers = []
         for i in range(TRAINERS):
             argv = role_argv(
@@ -608,6 +621,8 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
             )  # fmt: skip
             trainers.append(Child(f"trainer{i}", argv, workdir / f"trainer{i}.log", on_event))
         children.extend(trainers)
+        for s in servers:
+            s.wait_event("ready", START_TIMEOUT_S)
         deadline = started + timeout_s
         for t in trainers:
             try:
@@ -618,8 +633,7 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
                 ) from None
             if t.proc.returncode != 0:
                 raise PipelineFailed(f"{t.name} exited {t.proc.returncode}: {t.last_log_line()}")
-        for s in servers:
-            s.stop()
+        stop_all(servers)
         summary = summarize(stages, servers, trainers)
     summary["seconds"] = round(time.monotonic() - started, 1)
     json_path = getattr(args, "json", None)

@@ -1,0 +1,170 @@
+"""SWARM pipelines with real processes on 127.0.0.1: a relay, stage servers and 2 trainers.
+
+Every process is what ``swarmtrain local --pipeline-stages`` runs (``pipeline_peer.py`` adds
+faults that happen for real). Checks: loss falls and the servers of each stage hold bit-identical
+parameters after every averaging round; a server SIGKILLed inside a forward costs the microbatch a
+retry on another server and training goes on; a deliberately slowed stage gets a server moved to
+it within bounded time and the pipeline gets faster.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.pipeline_local import Child, role_argv, start_relay, stop_all, summarize
+
+SCRIPT = str(Path(__file__).with_name("pipeline_peer.py"))
+START_S = 60.0
+pytestmark = pytest.mark.timeout(150)
+
+
+@dataclass
+class Swarm:
+    servers: list[Child]
+    trainers: list[Child]
+    stages: int
+
+
+@contextmanager
+def pipeline(
+    tmp_path: Path,
+    stages: int,
+    server_stages: Sequence[int],
+    *,
+    server_options: Sequence[str] = (),
+    per_server: dict[int, list[str]] | None = None,
+    trainer_options: Sequence[str] = (),
+) -> Iterator[Swarm]:
+    run_id = f"test-{os.urandom(3).hex()}"
+    children: list[Child] = []
+    with ExitStack() as stack:
+        stack.callback(lambda: stop_all(list(reversed(children)), 5))
+        join = start_relay(tmp_path, children)
+
+        def argv(role: str, name: str, extra: Sequence[str]) -> list[str]:
+            base = role_argv(role, join, tmp_path / f"{name}.key", run_id, stages, extra)
+            return [sys.executable, SCRIPT, *base[3:]]  # the same role, through the fault hook
+
+        servers = [
+            Child(
+                f"server{i}",
+                argv(
+                    "_server",
+                    f"server{i}",
+                    ["--stage", str(stage), *server_options, *(per_server or {}).get(i, [])],
+                ),
+                tmp_path / f"server{i}.log",
+                lambda child, event: None,
+            )
+            for i, stage in enumerate(server_stages)
+        ]
+        children.extend(servers)
+        trainers = [
+            Child(
+                f"trainer{i}",
+                argv("_trainer", f"trainer{i}", ["--seed", str(i), *trainer_options]),
+                tmp_path / f"trainer{i}.log",
+                lambda child, event: None,
+            )
+            for i in range(2)
+        ]
+        children.extend(trainers)
+        for s in servers:
+            s.wait_event("ready", START_S)
+        yield Swarm(servers, trainers, stages)
+
+
+def finish(trainers: Sequence[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for t in trainers:
+        t.proc.wait(max(0.1, deadline - time.monotonic()))
+        assert t.proc.returncode == 0, (t.name, t.last_log_line(), t.events[-3:])
+
+
+def events(child: Child, kind: str) -> list[dict]:
+    return [e for e in child.events if e.get("event") == kind]
+
+
+def test_loss_falls_and_stage_hashes_agree_after_every_averaging(tmp_path: Path) -> None:
+    with pipeline(
+        tmp_path,
+        3,
+        [0, 1, 2, 0, 1, 2],
+        server_options=["--average-every-s", "3", "--rebalance-every-s", "0", "--lr", "6e-3"],
+        trainer_options=["--rounds", "4", "--microbatches", "5"],
+    ) as swarm:
+        finish(swarm.trainers, 90)
+        # Servers average on clock epochs whether or not trainers are busy: wait for one more
+        # round everywhere, so every stage has averaged at least once after training.
+        counts = [len(events(s, "averaged")) for s in swarm.servers]
+        for server, count in zip(swarm.servers, counts, strict=True):
+            deadline = time.monotonic() + 20
+            while len(events(server, "averaged")) <= count and time.monotonic() < deadline:
+                time.sleep(0.1)
+        stop_all(swarm.servers, 5)
+        summary = summarize(3, swarm.servers, swarm.trainers)
+    assert summary["servers_per_stage"] == [2, 2, 2]
+    assert summary["loss_last"] < summary["loss_first"] - 0.3, summary
+    assert summary["stage_hashes_agree"], [events(s, "averaged") for s in swarm.servers]
+    by_stage = {e["stage"] for s in swarm.servers for e in events(s, "averaged")}
+    assert by_stage == {0, 1, 2}
+    # every averaged round of a stage had both of its servers in the group
+    assert all(e["group"] == 2 for s in swarm.servers for e in events(s, "averaged"))
+    assert summary["failovers"] == 0 and summary["rebalances"] == 0
+
+
+def test_server_killed_mid_microbatch_costs_a_retry_not_the_run(tmp_path: Path) -> None:
+    with pipeline(
+        tmp_path,
+        2,
+        [0, 1, 0, 1, 0],
+        server_options=["--average-every-s", "0", "--rebalance-every-s", "0"],
+        per_server={1: ["--fault", "kill-after-forwards:3"]},
+        trainer_options=["--rounds", "4", "--microbatches", "6", "--hop-timeout-s", "10"],
+    ) as swarm:
+        finish(swarm.trainers, 90)
+        victim = swarm.servers[1]
+        assert victim.proc.wait(5) == -9, "the faulty server died by SIGKILL"
+        assert events(victim, "dying")
+        summary = summarize(2, swarm.servers, swarm.trainers)
+    finals = [events(t, "final")[0] for t in swarm.trainers]
+    rounds = [events(t, "round") for t in swarm.trainers]
+    # no microbatch was lost: every round of every trainer completed all of them
+    assert all(r["microbatches"] == 6 for trainer in rounds for r in trainer)
+    assert all(f["failed"] == 0 for f in finals), finals
+    assert summary["failovers"] >= 1, summary
+    assert summary["loss_last"] < summary["loss_first"], summary
+
+
+def test_slowed_stage_gets_a_server_and_the_pipeline_speeds_up(tmp_path: Path) -> None:
+    with pipeline(
+        tmp_path,
+        2,
+        [0, 0, 0, 1],
+        server_options=[
+            *("--average-every-s", "0", "--rebalance-every-s", "2"),
+            *("--rebalance-after-s", "2", "--slow-stage", "1", "--slow-factor", "30"),
+        ],
+        trainer_options=["--rounds", "14", "--microbatches", "4"],
+    ) as swarm:
+        ready = time.monotonic()
+        finish(swarm.trainers, 100)
+        moves = [e for s in swarm.servers for e in events(s, "moved")]
+        moved_at = [s for s in swarm.servers if events(s, "moved")]
+        stop_all(swarm.servers, 5)
+        summary = summarize(2, swarm.servers, swarm.trainers)
+    assert moves and all((m["from_stage"], m["to_stage"]) == (0, 1) for m in moves), moves
+    assert summary["servers_per_stage"][1] >= 2, summary
+    assert moved_at and time.monotonic() - ready < 100
+    # throughput: the trainers' samples/s in their last rounds beat their first rounds
+    for t in swarm.trainers:
+        rates = [r["samples_per_s"] for r in events(t, "round")]
+        assert sum(rates[-3:]) / 3 > 1.3 * sum(rates[:3]) / 3, rates
