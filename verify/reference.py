@@ -31,13 +31,16 @@ from verify.trace import LEAF_PREFIX, tensor_hash
 
 F32 = np.float32
 MAX_CHUNK = 2048
-EXP_LO, EXP_HI = F32(-87.0), F32(88.0)
+EXP_LO, EXP_HI = F32(-86.0), F32(88.0)
 LOG2E = F32(1.44269504088896341)
 EXP_C1, EXP_C2 = F32(0.693359375), F32(-2.12194440e-4)
 EXP_POLY = [F32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                              1.6666665459e-1, 5.0000001201e-1)]  # fmt: skip
-ERFC_POLY = [F32(c) for c in (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807,
-                              -0.18628806, 0.09678418, 0.37409196, 1.00002368, -1.26551223)]  # fmt: skip
+ERF_NUM = [F32(c) for c in (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+                            -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+                            -1.60960333262415e-02)]  # fmt: skip
+ERF_DEN = [F32(c) for c in (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+                            -7.37332916720468e-03, -1.42647390514189e-02)]  # fmt: skip
 ONE, HALF, TWO = F32(1.0), F32(0.5), F32(2.0)
 
 
@@ -49,12 +52,9 @@ def pow2_f64(e: np.ndarray) -> np.ndarray:
     return ((np.asarray(e).astype(np.int64) + 1023) << 52).view(np.float64)
 
 
-def pow2_f32(k: np.ndarray) -> np.ndarray:
-    return ((np.asarray(k).astype(np.int32) + 127) << 23).view(np.float32)
-
-
 def _grid(x: np.ndarray, axis: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     _, e = np.frexp(np.max(np.abs(x), axis=axis, keepdims=True))
+    e = np.maximum(e, -100)
     return np.round(x.astype(np.float64) * pow2_f64(bits - e)), e
 
 
@@ -62,7 +62,8 @@ def matmul(a: np.ndarray, b: np.ndarray, a_bits: int | None = None) -> np.ndarra
     """Exact-product matmul on power-of-two grids; see ``verify.repops_ops.matmul``."""
     k = a.shape[-1]
     avail = _bits_for(k)
-    bits_a, bits_b = (avail // 2, avail // 2) if a_bits is None else (a_bits, avail - a_bits)
+    half = min(22, avail // 2)
+    bits_a, bits_b = (half, half) if a_bits is None else (a_bits, avail - a_bits)
     qa, ea = _grid(a, -1, bits_a)
     qb, eb = _grid(b, -2, bits_b)
     out = np.matmul(qa[..., :MAX_CHUNK], qb[..., :MAX_CHUNK, :])
@@ -74,7 +75,7 @@ def matmul(a: np.ndarray, b: np.ndarray, a_bits: int | None = None) -> np.ndarra
 
 
 def sum_exact(x: np.ndarray, axis: int) -> np.ndarray:
-    bits = 52 - max(0, (x.shape[axis] - 1).bit_length())
+    bits = min(51, 52 - max(0, (x.shape[axis] - 1).bit_length()))
     q, e = _grid(x, axis, bits)
     return np.squeeze((np.sum(q, axis=axis, keepdims=True) * pow2_f64(e - bits)).astype(F32), axis)
 
@@ -87,16 +88,21 @@ def exp(x: np.ndarray) -> np.ndarray:
     p = np.full_like(x, EXP_POLY[0])
     for c in EXP_POLY[1:]:
         p = p * r + c
-    p = ((p * z + r) + ONE) * pow2_f32(k)
+    p = (p * z + r) + ONE
+    p = (p.view(np.int32) + (k * F32(2**23)).astype(np.int32)).view(F32)
     return np.where(x < EXP_LO, F32(0.0), p).astype(F32)
 
 
-def erfc_nonneg(z: np.ndarray) -> np.ndarray:
-    t = ONE / (z * HALF + ONE)
-    p = np.full_like(z, ERFC_POLY[0])
-    for c in ERFC_POLY[1:]:
-        p = p * t + c
-    return exp(p - z * z) * t
+def erf(x: np.ndarray) -> np.ndarray:
+    z = np.clip(x, F32(-4.0), F32(4.0))
+    z2 = z * z
+    p = np.full_like(z, ERF_NUM[0]) * z2 + ERF_NUM[1]
+    for c in ERF_NUM[2:]:
+        p = p * z2 + c
+    q = np.full_like(z, ERF_DEN[0]) * z2 + ERF_DEN[1]
+    for c in ERF_DEN[2:]:
+        q = q * z2 + c
+    return (p * z) / q
 
 
 def log_pos(s: np.ndarray) -> np.ndarray:
@@ -205,9 +211,7 @@ def _cross_entropy_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarra
 
 
 def _gelu_cdf(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
-    (x,) = i
-    half = erfc_nonneg(np.abs(x) * F32(0.7071067811865476)) * HALF
-    return np.where(x >= 0, ONE - half, half)
+    return erf(i[0] * F32(0.7071067811865476)) * HALF + HALF
 
 
 def _gelu_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:

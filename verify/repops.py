@@ -38,6 +38,8 @@ from verify.repops_ops import OPS
 from verify.trace import LEAF_PREFIX, StepResult, tensor_hash
 
 __all__ = [
+    "DEFAULT_ADAMW",
+    "DEFAULT_SHAPE",
     "OPS",
     "AdamWConfig",
     "ModelShape",
@@ -54,9 +56,11 @@ __all__ = [
 ]
 
 _DATA_TAG = b"swarmtrain/repops/data/1"
+DEFAULT_SHAPE = ModelShape()  # diloco.model.ByteTransformerConfig's defaults
+DEFAULT_ADAMW = AdamWConfig()
 
 
-def init_params(shape: ModelShape = ModelShape(), seed: int = 0) -> dict[str, np.ndarray]:
+def init_params(shape: ModelShape = DEFAULT_SHAPE, seed: int = 0) -> dict[str, np.ndarray]:
     """The parameters ``diloco.model.ByteTransformer(config, seed=seed)`` starts from.
 
     Same draws in the same order from a private ``torch.Generator`` (zero biases, unit norm
@@ -76,7 +80,7 @@ def init_params(shape: ModelShape = ModelShape(), seed: int = 0) -> dict[str, np
     return out
 
 
-def initial_state(params: Mapping[str, np.ndarray], shape: ModelShape = ModelShape()) -> dict:
+def initial_state(params: Mapping[str, np.ndarray], shape: ModelShape = DEFAULT_SHAPE) -> dict:
     """A training state from parameters: zero AdamW moments, step counter 0.
 
     Raises ValueError when a parameter is missing, extra, of the wrong shape or not float32."""
@@ -144,8 +148,8 @@ def train_step(
     state: Mapping[str, torch.Tensor],
     inputs: torch.Tensor,
     targets: torch.Tensor,
-    shape: ModelShape = ModelShape(),
-    optimizer: AdamWConfig = AdamWConfig(),
+    shape: ModelShape = DEFAULT_SHAPE,
+    optimizer: AdamWConfig = DEFAULT_ADAMW,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """One RepOps AdamW step on torch tensors (any device), untraced: (new state, loss)."""
     _check_state(state, shape)
@@ -167,8 +171,8 @@ class RepOpsStep:
         corpus: bytes | np.ndarray,
         seed: int,
         *,
-        shape: ModelShape = ModelShape(),
-        optimizer: AdamWConfig = AdamWConfig(),
+        shape: ModelShape = DEFAULT_SHAPE,
+        optimizer: AdamWConfig = DEFAULT_ADAMW,
         batch_size: int = 8,
         device: str = "cpu",
     ) -> None:

@@ -10,7 +10,7 @@ How each result is made independent of thread count, BLAS library and device:
   float64 GEMM and ``sum`` do the work (the Ozaki-scheme idea; see DESIGN.md "verify").
 * **Elementwise arithmetic is IEEE.** ``+ - * /`` and ``sqrt`` are correctly rounded in float32
   everywhere; each is a separate kernel, so no compiler can fuse two of them into an FMA.
-* **Transcendental functions are ours.** ``exp``, ``erfc`` and ``log`` are polynomials evaluated
+* **Transcendental functions are ours.** ``exp``, ``erf`` and ``log`` are polynomials evaluated
   with the operations above (a library ``exp`` differs across libm, SLEEF, CUDA, and even between
   torch's vector body and scalar tail), so they are reproducible, accurate to a few float32 ulp.
 
@@ -29,16 +29,19 @@ from verify.repops_graph import OpFn, pow_int
 
 F32, F64 = torch.float32, torch.float64
 MAX_CHUNK = 2048  # longest inner dimension one exact float64 GEMM handles
-EXP_LO, EXP_HI = -87.0, 88.0  # 2**k stays a normal float32 for k = round(x / ln 2) in range
+E_MIN = -100  # grid exponents are raised to this (keeps the float32 rounding constant normal)
+EXP_LO, EXP_HI = -86.0, 88.0  # keep k = round(x / ln 2) in [-124, 127]
 LOG2E = 1.44269504088896341
 EXP_C1, EXP_C2 = 0.693359375, -2.12194440e-4  # ln 2 split; C1 has 9 bits so k * C1 is exact
 # Cephes expf minimax coefficients on [-ln2/2, ln2/2], highest degree first.
 EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
             5.0000001201e-1)  # fmt: skip
-# Numerical Recipes erfcc: erfc(z) ~ t * exp(-z*z + poly(t)), t = 1 / (1 + z / 2), relative error
-# below 1.2e-7 for every z >= 0; highest degree first.
-ERFC_POLY = (0.17087277, -0.82215223, 1.48851587, -1.13520398, 0.27886807, -0.18628806,
-             0.09678418, 0.37409196, 1.00002368, -1.26551223)  # fmt: skip
+# Eigen's fast float erf: erf(x) ~ x P(x^2) / Q(x^2) on [-4, 4], highest degree first.
+ERF_NUM = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+           -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+           -1.60960333262415e-02)  # fmt: skip
+ERF_DEN = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+           -7.37332916720468e-03, -1.42647390514189e-02)  # fmt: skip
 INV_SQRT2 = 0.7071067811865476
 INV_SQRT_2PI = 0.3989422804014327
 SQRT_HALF = 0.7071067811865476
@@ -53,7 +56,7 @@ def ceil_log2(n: int) -> int:
 
 def matmul_bits(k: int) -> int:
     """Significant bits per operand so that ``k`` products of two of them sum below 2**53."""
-    return (53 - ceil_log2(min(k, MAX_CHUNK))) // 2
+    return min(22, (53 - ceil_log2(min(k, MAX_CHUNK))) // 2)
 
 
 def _c(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -65,11 +68,6 @@ def _c(value: float, like: torch.Tensor) -> torch.Tensor:
 def pow2_f64(e: torch.Tensor) -> torch.Tensor:
     """Exact 2**e as float64 from integer ``e`` in [-1022, 1023], built from the exponent bits."""
     return torch.bitwise_left_shift(e.to(torch.int64) + 1023, 52).view(F64)
-
-
-def pow2_f32(k: torch.Tensor) -> torch.Tensor:
-    """Exact 2**k as float32 from integer ``k`` in [-126, 127]."""
-    return torch.bitwise_left_shift(k.to(torch.int32) + 127, 23).view(F32)
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -91,10 +89,21 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.where(high_mid.mul_(high_mid) < x64, above, y)
 
 
-def _grid(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integers in float64, exponent e) with x ~ ints * 2**(e - bits) along ``dim``."""
-    e = torch.frexp(x.abs().amax(dim=dim, keepdim=True)).exponent
-    return x.to(F64).mul_(pow2_f64(bits - e)).round_(), e
+def _grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+    """float64 ``x`` rounded (half to even) to multiples of 2**(e - bits) along ``dim``.
+
+    2**e bounds the largest magnitude (e at least E_MIN, so rows of tiny values share one coarse
+    grid). Adding and subtracting C = 1.5 * 2**(e - bits + p) rounds in two exact passes: x + C
+    lies in a binade whose ulp is the grid step (p = 23 in float32 when bits <= 22, else p = 52
+    in float64)."""
+    if not 0 < bits <= 51:
+        raise ValueError("grid bits must be in [1, 51]")
+    e = torch.frexp(x.abs().amax(dim=dim, keepdim=True)).exponent.clamp_(min=E_MIN)
+    if bits <= 22:
+        magic = pow2_f64(e + (23 - bits)).mul_(1.5).to(F32)
+        return torch.add(x, magic).sub_(magic).to(F64)
+    magic = pow2_f64(e + (52 - bits)).mul_(1.5)
+    return x.to(F64).add_(magic).sub_(magic)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch.Tensor:
@@ -102,75 +111,121 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
 
     Rows of ``a`` and columns of ``b`` are rounded to ``matmul_bits(K)`` significant bits relative
     to their own largest power of two. ``a_bits`` gives ``a`` fewer bits (and ``b`` the rest),
-    for operands known to be small integers such as a one-hot matrix. K above ``MAX_CHUNK`` is
-    split into chunks whose exact products are added in chunk order.
+    for operands known to be small integers such as a one-hot matrix. Every product is then an
+    integer multiple of its (row, column) unit and every partial sum stays below 2**53 units, so
+    float64 GEMM computes each chunk exactly in any order. K above ``MAX_CHUNK`` is split into
+    chunks whose results are added in chunk order. One rounding to float32 at the end.
     """
     k = a.shape[-1]
     if a_bits is None:
         bits_a = bits_b = matmul_bits(k)
     else:
         bits_a, bits_b = a_bits, 53 - ceil_log2(min(k, MAX_CHUNK)) - a_bits
-    qa, ea = _grid(a, -1, bits_a)
-    qb, eb = _grid(b, -2, bits_b)
+    qa = _grid(a, -1, bits_a)
+    qb = _grid(b, -2, bits_b)
     out = None
     for start in range(0, k, MAX_CHUNK):
         stop = start + MAX_CHUNK
         part = torch.matmul(qa[..., start:stop], qb[..., start:stop, :])
         out = part if out is None else out.add_(part)
     assert out is not None
-    return out.mul_(pow2_f64(ea - bits_a)).mul_(pow2_f64(eb - bits_b)).to(F32)
+    return out.to(F32)
+
+
+def sum_bits(k: int) -> int:
+    """Grid bits for an exact sum of ``k`` terms: k * 2**bits <= 2**52 (at most 51)."""
+    return min(51, 52 - ceil_log2(k))
 
 
 def sum_exact(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum of float32 ``x`` over ``dim`` (removed), on a grid of 2**(e - 52 + ceil_log2(K)):
-    every partial sum is an exact float64 integer, so the order does not matter."""
-    bits = 52 - ceil_log2(x.shape[dim])
-    q, e = _grid(x, dim, bits)
-    return q.sum(dim=dim, keepdim=True).mul_(pow2_f64(e - bits)).to(F32).squeeze(dim)
+    """Sum of float32 ``x`` over ``dim`` (removed), each term first rounded to the grid of
+    ``sum_bits(K)`` bits below the largest magnitude: every partial sum is exact in float64, so
+    the order does not matter; one rounding to float32."""
+    return _grid(x, dim, sum_bits(x.shape[dim])).sum(dim=dim).to(F32)
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
-    """float32 exp (Cephes expf scheme): 0 below EXP_LO, inputs above EXP_HI clamped."""
+    """float32 exp (Cephes expf scheme): exactly 0 below EXP_LO, inputs above EXP_HI clamped.
+
+    2**k is applied by adding k to the exponent field: p is in [0.7, 1.42] and k in [-124, 127],
+    so the result stays a normal float32 and the addition is an exact multiply."""
     xc = x.clamp(EXP_LO, EXP_HI)
-    k = torch.mul(xc, _c(LOG2E, x)).round_()
-    r = xc.sub_(torch.mul(k, _c(EXP_C1, x))).sub_(torch.mul(k, _c(EXP_C2, x)))
+    k = torch.mul(xc, LOG2E).round_()
+    r = xc.sub_(torch.mul(k, EXP_C1)).sub_(torch.mul(k, EXP_C2))
     z = torch.mul(r, r)
-    p = torch.full_like(x, EXP_POLY[0])
-    for c in EXP_POLY[1:]:
-        p.mul_(r).add_(_c(c, x))
-    p.mul_(z).add_(r).add_(_c(1.0, x))
-    p.mul_(pow2_f32(k))
+    p = torch.mul(r, EXP_POLY[0]).add_(EXP_POLY[1])
+    for c in EXP_POLY[2:]:
+        p.mul_(r).add_(c)
+    p.mul_(z).add_(r).add_(1.0)
+    p.view(torch.int32).add_(k.mul_(8388608.0).to(torch.int32))
     return p.masked_fill_(x < EXP_LO, 0.0)
 
 
-def erfc_nonneg(z: torch.Tensor) -> torch.Tensor:
-    """float32 erfc(z) for z >= 0 (Numerical Recipes' erfcc with our exp)."""
-    t = torch.div(_c(1.0, z), torch.mul(z, _c(0.5, z)).add_(_c(1.0, z)))
-    p = torch.full_like(z, ERFC_POLY[0])
-    for c in ERFC_POLY[1:]:
-        p.mul_(t).add_(_c(c, z))
-    return exp(p.sub_(torch.mul(z, z))).mul_(t)
+def erf(x: torch.Tensor) -> torch.Tensor:
+    """float32 erf as a rational function of x on [-4, 4] (Eigen's fast erf; |error| < 5e-7),
+    +-1 outside (as in float32). No exp: about 25 elementwise passes."""
+    z = x.clamp(-4.0, 4.0)
+    z2 = torch.mul(z, z)
+    p = torch.mul(z2, ERF_NUM[0]).add_(ERF_NUM[1])
+    for c in ERF_NUM[2:]:
+        p.mul_(z2).add_(c)
+    q = torch.mul(z2, ERF_DEN[0]).add_(ERF_DEN[1])
+    for c in ERF_DEN[2:]:
+        q.mul_(z2).add_(c)
+    return p.mul_(z).div_(q)
 
 
 def log_pos(s: torch.Tensor) -> torch.Tensor:
-    """float32 natural log of positive normal float32 ``s``, computed in float64 and rounded once."""
+    """float32 natural log of positive normal float32 ``s``, in float64, rounded once."""
     mant, e = torch.frexp(s)
-    small = mant < _c(SQRT_HALF, s)
-    mant = torch.where(small, torch.mul(mant, _c(2.0, s)), mant).to(F64)
+    small = mant < SQRT_HALF
+    mant = torch.where(small, torch.mul(mant, 2.0), mant).to(F64)
     e = torch.where(small, e - 1, e).to(F64)
-    u = torch.div(torch.sub(mant, _c(1.0, mant)), torch.add(mant, _c(1.0, mant)))
+    u = torch.div(torch.sub(mant, 1.0), torch.add(mant, 1.0))
     u2 = torch.mul(u, u)
-    p = torch.full_like(u, LOG_SERIES[0])
-    for c in LOG_SERIES[1:]:
-        p.mul_(u2).add_(_c(c, u))
-    p.mul_(u).mul_(_c(2.0, u))
-    return torch.mul(e, _c(LN2, u)).add_(p).to(F32)
+    p = torch.mul(u2, LOG_SERIES[0]).add_(LOG_SERIES[1])
+    for c in LOG_SERIES[2:]:
+        p.mul_(u2).add_(c)
+    p.mul_(u).mul_(2.0)
+    return torch.mul(e, LN2).add_(p).to(F32)
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim; -inf entries give exactly 0."""
     e = exp(torch.sub(x, x.amax(dim=-1, keepdim=True)))
     return e.div_(sum_exact(e, -1).unsqueeze(-1))
+
+
+BLOCK = 131072  # elements per block of an elementwise chain: its temporaries stay in L2
+
+
+def rowwise(fn: Any, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+    """``fn(x, *rest)`` over blocks of rows of the 2-D ``x`` (and of equally shaped ``rest``).
+
+    Every kernel applied this way works row by row, so blocking changes no bit; it keeps a long
+    chain of elementwise passes in cache instead of streaming each pass through memory."""
+    rows = max(1, BLOCK // max(1, x.shape[-1]))
+    if x.shape[0] <= rows:
+        return fn(x, *rest)
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], rows):
+        part = slice(start, start + rows)
+        out[part] = fn(x[part], *(t[part] for t in rest))
+    return out
+
+
+def flat_blocks(fn: Any, *tensors: torch.Tensor) -> torch.Tensor:
+    """Elementwise ``fn`` over equally shaped tensors, BLOCK elements at a time (no bit changes:
+    each element's result depends on that element alone)."""
+    flat = [t.reshape(-1) for t in tensors]
+    n = flat[0].numel()
+    if n <= BLOCK:
+        return fn(*tensors)
+    out = torch.empty_like(flat[0])
+    for start in range(0, n, BLOCK):
+        part = slice(start, start + BLOCK)
+        out[part] = fn(*(t[part] for t in flat))
+    return out.view(tensors[0].shape)
 
 
 # ---- model operators: fn(inputs, attrs) -> one tensor ----------------------------------------
@@ -183,44 +238,59 @@ def _heads(qkv: torch.Tensor, heads: int, batch: int) -> tuple[torch.Tensor, ...
     return tuple(view[:, :, j].transpose(1, 2) for j in range(3))
 
 
+def _scale(hd: int) -> float:
+    return 1.0 / math.sqrt(hd)  # correctly rounded float64 ops, then one rounding to float32
+
+
 def _attention_probs(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """softmax(causal(q k^T / sqrt(hd))) as (B, H, T, T)."""
     (qkv,) = inputs
     q, k, _ = _heads(qkv, attrs["heads"], attrs["batch"])
     length, hd = q.shape[-2], q.shape[-1]
-    scores = matmul(q, k.transpose(-1, -2)).mul_(_c(1.0 / math.sqrt(hd), qkv))
     causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).triu_(1)
-    return softmax_rows(scores.masked_fill_(causal, -math.inf))
-
-
-def _split(probs: torch.Tensor, qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
-    return _heads(qkv, heads, probs.shape[0])
+    scores = matmul(q, k.transpose(-1, -2)).mul_(_scale(hd)).masked_fill_(causal, -math.inf)
+    return rowwise(softmax_rows, scores.view(-1, length)).view(scores.shape)
 
 
 def _attention_values(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """probs @ v, heads merged back: (B*T, d)."""
     probs, qkv = inputs
-    _, _, v = _split(probs, qkv, attrs["heads"])
-    out = matmul(probs, v)  # (B, H, T, hd)
-    return out.transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1] // 3)
+    _, _, v = _heads(qkv, attrs["heads"], probs.shape[0])
+    return matmul(probs, v).transpose(1, 2).reshape(qkv.shape[0], qkv.shape[1] // 3)
+
+
+def _dout_heads(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    batch, heads, length, hd = like.shape
+    return dout.view(batch, length, heads, hd).transpose(1, 2)
+
+
+def _scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:
+    row = sum_exact(torch.mul(dp, probs), -1).unsqueeze(-1)
+    return torch.sub(dp, row).mul_(probs).mul_(scale)
 
 
 def _attention_scores_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """Gradient of the pre-softmax scores (scale included): P * (dP - rowsum(dP * P)) / sqrt(hd)."""
     probs, qkv, dout = inputs
-    q, _, v = _split(probs, qkv, attrs["heads"])
-    do = dout.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
-    dp = matmul(do, v.transpose(-1, -2))
-    row = sum_exact(torch.mul(dp, probs), -1).unsqueeze(-1)
-    return dp.sub_(row).mul_(probs).mul_(_c(1.0 / math.sqrt(q.shape[-1]), probs))
+    q, _, v = _heads(qkv, attrs["heads"], probs.shape[0])
+    dp = matmul(_dout_heads(dout, q), v.transpose(-1, -2))
+    length, scale = probs.shape[-1], _scale(q.shape[-1])
+    grad = rowwise(
+        lambda d, p: _scores_grad_rows(d, p, scale), dp.view(-1, length), probs.view(-1, length)
+    )
+    return grad.view(probs.shape)
 
 
 def _attention_qkv_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """(dq, dk, dv) = (dS k, dS^T q, P^T dO), laid out as qkv: (B*T, 3d)."""
     probs, qkv, dout, dscores = inputs
-    q, k, _ = _split(probs, qkv, attrs["heads"])
-    do = dout.view(q.shape[0], q.shape[2], q.shape[1], q.shape[3]).transpose(1, 2)
-    dq = matmul(dscores, k)
-    dk = matmul(dscores.transpose(-1, -2), q)
-    dv = matmul(probs.transpose(-1, -2), do)
-    # (3, B, H, T, hd) -> (B, T, 3, H, hd) -> (B*T, 3d): the layout qkv was split from.
-    return torch.stack((dq, dk, dv)).permute(1, 3, 0, 2, 4).reshape(qkv.shape)
+    q, k, _ = _heads(qkv, attrs["heads"], probs.shape[0])
+    batch, heads, length, hd = q.shape
+    out = torch.empty(batch, length, 3, heads, hd, dtype=F32, device=qkv.device)
+    out[:, :, 0] = matmul(dscores, k).transpose(1, 2)
+    out[:, :, 1] = matmul(dscores.transpose(-1, -2), q).transpose(1, 2)
+    out[:, :, 2] = matmul(probs.transpose(-1, -2), _dout_heads(dout, q)).transpose(1, 2)
+    return out.view(qkv.shape)
 
 
 def _layernorm_stats(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
@@ -257,36 +327,45 @@ def _layernorm_grad_weight(inputs: list[torch.Tensor], attrs: dict[str, Any]) ->
     return sum_exact(_xhat(x, stats).mul_(dy), 0)
 
 
-def _cross_entropy(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
-    logits, targets = inputs
-    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+def _row_losses(flat: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
     top = flat.amax(dim=-1, keepdim=True)
     total = sum_exact(exp(torch.sub(flat, top)), -1)
-    lse = log_pos(total).add_(top.squeeze(-1))
-    losses = lse.sub_(flat.gather(1, tgt).squeeze(1))
-    return sum_exact(losses, 0).div_(_c(float(flat.shape[0]), flat))
+    return log_pos(total).add_(top.squeeze(-1)).sub_(picked).unsqueeze(-1)
+
+
+def _cross_entropy(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """Mean over rows of logsumexp(logits) - logits[target]: a 0-d float32."""
+    logits, targets = inputs
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
+    picked = flat.gather(1, tgt)
+    losses = torch.cat(
+        [_row_losses(flat[i : i + 128], picked[i : i + 128, 0]) for i in range(0, len(flat), 128)]
+    )
+    return sum_exact(losses[:, 0], 0).div_(_c(float(flat.shape[0]), flat))
 
 
 def _cross_entropy_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
+    """(softmax(logits) - onehot(target)) / rows."""
     logits, targets = inputs
     flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
-    probs = softmax_rows(flat)
-    probs.scatter_(1, tgt, probs.gather(1, tgt).sub_(_c(1.0, flat)))
+    probs = rowwise(softmax_rows, flat)
+    probs.scatter_(1, tgt, probs.gather(1, tgt).sub_(1.0))
     return probs.div_(_c(float(flat.shape[0]), flat)).reshape(logits.shape)
 
 
 def _gelu_cdf(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
-    """Phi(x) = erfc(-x / sqrt 2) / 2, from erfc of |x| so neither tail cancels."""
-    (x,) = inputs
-    half = erfc_nonneg(torch.abs(x).mul_(_c(INV_SQRT2, x))).mul_(_c(0.5, x))
-    return torch.where(x >= 0, torch.sub(_c(1.0, x), half), half)
+    """Phi(x) = (1 + erf(x / sqrt 2)) / 2, the exact GELU's gate (torch's default GELU)."""
+    return flat_blocks(lambda x: erf(torch.mul(x, INV_SQRT2)).mul_(0.5).add_(0.5), inputs[0])
+
+
+def _gelu_grad_rows(x: torch.Tensor, cdf: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    pdf = exp(torch.mul(x, x).mul_(-0.5)).mul_(INV_SQRT_2PI)
+    return pdf.mul_(x).add_(cdf).mul_(dy)
 
 
 def _gelu_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     """dy * (Phi(x) + x * phi(x)) with phi(x) = exp(-x^2 / 2) / sqrt(2 pi)."""
-    x, cdf, dy = inputs
-    pdf = exp(torch.mul(x, x).mul_(_c(-0.5, x))).mul_(_c(INV_SQRT_2PI, x))
-    return pdf.mul_(x).add_(cdf).mul_(dy)
+    return flat_blocks(_gelu_grad_rows, *inputs)
 
 
 def _embed(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
