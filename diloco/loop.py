@@ -198,13 +198,16 @@ class DiLoCo:
     def load_state(self, data: bytes) -> None:
         """Adopt a global state downloaded from peers (a joiner, or a peer whose hash disagreed
         with the majority): verify it, copy it into the model, start a fresh inner phase. Local
-        progress and a round in flight are dropped. Raises ValueError on malformed bytes or a
-        different parameter layout."""
+        progress and a round in flight are dropped. The adopted state is checkpointed at once
+        (when ``state_dir`` is set), so a restart resumes from it rather than from the stale
+        state it replaced. Raises ValueError on malformed bytes or a different parameter
+        layout."""
         state = GlobalState.from_bytes(data)
         if self._pending is not None:
             self._pending.future.cancel()
             self._pending = None
         self._restore(state)
+        self._save_checkpoint()
 
     def statistics(self) -> DiLoCoStatistics:
         return DiLoCoStatistics(

@@ -4,8 +4,11 @@
     swarmtrain relay    [--identity PATH] [--listen MULTIADDR ...] [--announce MULTIADDR ...]
     swarmtrain doctor   [--identity PATH] [--listen MULTIADDR ...] [--join MULTIADDR ...]
                         [--ping PEER_ID ...] [--linger SECONDS] [--json]
-    swarmtrain node     --join MULTIADDR [--state-dir DIR] [--rounds R] [--inner-steps H]
-                        [--run-id ID] [--json PATH] [--listen MULTIADDR ...]
+    swarmtrain init     [PATH]
+    swarmtrain coordinator [--config run.toml] [--rounds R] [--identity PATH] [--listen MA ...]
+                        [--announce MA ...]
+    swarmtrain node     --join MULTIADDR [--state-dir DIR] [--json PATH] [--listen MULTIADDR ...]
+    swarmtrain status   --join MULTIADDR [--json]
     swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
@@ -22,11 +25,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
+from libp2p.crypto.keys import KeyPair
 
 from p2p import IdentityError, P2PError, default_identity_path, load_or_create_identity, peer_id_of
 from swarmtrain.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.relay import RelayOptions, run_relay
+from swarmtrain.runspec import ConfigError, RunConfig, SpecRefused, default_toml, load_config
 
 log = logging.getLogger("swarmtrain")
 
@@ -122,14 +127,44 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"checkpoints and identity.key; a restart with the same one resumes "
         f"[{_default_state_dir()}]",
     )
-    _add_training(p_node)
     p_node.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads [torch's default]"
     )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
 
+    p_init = sub.add_parser("init", help="write a commented default run config")
+    p_init.add_argument("path", type=Path, nargs="?", default=Path("run.toml"), help="[run.toml]")
+    p_init.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+    p_coord = sub.add_parser(
+        "coordinator",
+        help="create a run (signed run spec) and serve as its bootstrap, DHT server and relay",
+    )
+    _add_common(p_coord, listen_default="/ip4/0.0.0.0/tcp/4001")
+    p_coord.add_argument(
+        "--config", type=Path, default=None, help="run config [the embedded default run]"
+    )
+    p_coord.add_argument("--rounds", type=int, default=None, help="override run.rounds")
+    p_coord.add_argument(
+        "--announce",
+        action="append",
+        default=[],
+        metavar="MULTIADDR",
+        help="address to advertise instead of the listen addresses (public IP, port forward)",
+    )
+
+    p_status = sub.add_parser("status", help="a run's peers, round, loss and throughput")
+    p_status.add_argument(
+        "--join", action="append", required=True, metavar="MULTIADDR", help="the coordinator"
+    )
+    p_status.add_argument(
+        "--listen", action="append", default=None, metavar="MULTIADDR", help="[/ip4/0.0.0.0/tcp/0]"
+    )
+    p_status.add_argument("--json", action="store_true", help="print one JSON object")
+    p_status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
     p_local = sub.add_parser(
-        "local", help="a whole swarm on this machine: a relay and N volunteer processes"
+        "local", help="a whole swarm on this machine: a coordinator and N volunteer processes"
     )
     p_local.add_argument("--peers", type=int, default=3, help="volunteer processes [3]")
     _add_training(p_local)
@@ -185,9 +220,6 @@ def _main_node(args: argparse.Namespace) -> int:
             state_dir=state_dir,
             identity=args.identity,
             listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"]),
-            run_id=args.run_id or "default",
-            rounds=args.rounds,
-            inner_steps=args.inner_steps,
             threads=args.threads,
             json_path=args.json,
         )
@@ -196,15 +228,83 @@ def _main_node(args: argparse.Namespace) -> int:
         # DiLoCo checkpoints at every round boundary; only the inner phase in progress is lost.
         log.info("stopped; checkpoints of finished rounds are in %s", state_dir)
         return 130
+    except SpecRefused as exc:
+        print(f"swarmtrain node: run spec refused: {exc}", file=sys.stderr)
+        return 1
     except (P2PError, ValueError, OSError, RuntimeError, ExceptionGroup) as exc:
         print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)
         return 1
+    loss_first = "n/a" if summary.loss_first is None else f"{summary.loss_first:.3f}"
+    loss_last = "n/a" if summary.loss_last is None else f"{summary.loss_last:.3f}"
     print(
         f"done: {summary.rounds_contributed} rounds contributed, last round "
-        f"{summary.last_round}, loss {summary.loss_first:.3f} -> {summary.loss_last:.3f}, "
+        f"{summary.last_round}, loss {loss_first} -> {loss_last}, "
         f"held-out {summary.eval_loss:.3f}, state {summary.state_hash[:12]}",
         flush=True,
     )
+    return 0
+
+
+def _main_init(args: argparse.Namespace) -> int:
+    path: Path = args.path
+    if path.exists() and not args.force:
+        print(f"swarmtrain init: {path} exists (--force overwrites it)", file=sys.stderr)
+        return 1
+    try:
+        path.write_text(default_toml())
+    except OSError as exc:
+        print(f"swarmtrain init: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}; start the run with: swarmtrain coordinator --config {path}")
+    return 0
+
+
+def _coordinator_config(args: argparse.Namespace) -> RunConfig:
+    config = load_config(args.config) if args.config is not None else RunConfig()
+    if args.rounds is not None:
+        config = config.replace(rounds=args.rounds)  # re-validated: --rounds 0 names run.rounds
+    return config
+
+
+def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
+    from swarmtrain.coordinator import CoordinatorOptions, run_coordinator
+
+    try:
+        config = _coordinator_config(args)
+    except (ConfigError, OSError) as exc:
+        print(f"swarmtrain coordinator: {exc}", file=sys.stderr)
+        return 1
+    options = CoordinatorOptions(
+        config,
+        RelayOptions(
+            listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4001"]),
+            announce=tuple(args.announce),
+            upnp=args.upnp,
+        ),
+    )
+    trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
+    return 0
+
+
+def _main_status(args: argparse.Namespace) -> int:
+    from swarmtrain.status import run_status
+
+    _setup_logging(args.verbose)
+    # Quiet by default: the report is the output.
+    logging.getLogger("p2p").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        report = trio.run(
+            run_status, tuple(args.join), tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"])
+        )
+    except KeyboardInterrupt:
+        return 130
+    except SpecRefused as exc:
+        print(f"swarmtrain status: run spec refused: {exc}", file=sys.stderr)
+        return 1
+    except (P2PError, OSError, ExceptionGroup) as exc:
+        print(f"swarmtrain status: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    print(json.dumps(report.to_json()) if args.json else report.format(), flush=True)
     return 0
 
 
@@ -248,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _main_node(args)
     if args.command == "local":
         return _main_local(args)
+    if args.command == "init":
+        return _main_init(args)
+    if args.command == "status":
+        return _main_status(args)
     identity_path = args.identity or default_identity_path()
     try:
         key_pair = load_or_create_identity(identity_path)
@@ -259,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     _setup_logging(args.verbose)
     try:
+        if args.command == "coordinator":
+            return _main_coordinator(args, key_pair)
         if args.command == "relay":
             options = RelayOptions(
                 listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4001"]),

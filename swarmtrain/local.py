@@ -1,7 +1,9 @@
 """``swarmtrain local``: a whole swarm on this machine, the README's first command.
 
-Starts a ``swarmtrain relay`` (bootstrap and DHT server) and N ``swarmtrain node`` processes on
-127.0.0.1, each with its own state directory, shows their progress lines prefixed by node index,
+Writes a run config (``run.toml`` in the work directory), starts a ``swarmtrain coordinator`` on
+it (signed run spec, bootstrap, DHT server, relay) and N ``swarmtrain node`` processes on
+127.0.0.1 that join with the exact command the coordinator prints, each with its own state
+directory, shows their progress lines prefixed by node index,
 waits for all of them (bounded), and sums up their ``--json`` summaries. Real processes rather
 than threads: each node is exactly what a volunteer runs, with its own trio loop and torch, so
 this command exercises the same code paths as a real swarm, only over loopback.
@@ -29,11 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from swarmtrain.runspec import RunConfig, default_toml
+
 log = logging.getLogger(__name__)
 
 RELAY_START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 15.0
 SWARMTRAIN = (sys.executable, "-m", "swarmtrain.cli")
+JOIN_COMMAND = "swarmtrain node --join "
 
 
 class LocalFailed(Exception):
@@ -144,29 +149,41 @@ class _Child:
         self._log.close()
 
 
-def _start_relay(workdir: Path, children: list[_Child]) -> str:
+def _start_coordinator(
+    workdir: Path, config: RunConfig, children: list[_Child], emit: Callable[[str], None]
+) -> str:
+    """Start the coordinator on ``config`` and return the join address it prints."""
+    config_path = workdir / "run.toml"
+    config_path.write_text(default_toml(config))
     lines: queue.Queue[str] = queue.Queue()
-    relay = _Child(
-        "relay",
+    coordinator = _Child(
+        "coordinator",
         [
             *SWARMTRAIN,
-            "relay",
+            "coordinator",
+            "--config",
+            str(config_path),
             "--identity",
-            str(workdir / "relay.key"),
+            str(workdir / "coordinator.key"),
             "--listen",
             "/ip4/127.0.0.1/tcp/0",
         ],
-        workdir / "relay.log",
+        workdir / "coordinator.log",
         lines.put,
     )
-    children.append(relay)
-    try:
-        return lines.get(timeout=RELAY_START_TIMEOUT_S)
-    except queue.Empty:
-        raise LocalFailed(
-            f"the relay printed no join address within {RELAY_START_TIMEOUT_S:.0f} s: "
-            f"{relay.last_log_line() or 'no log'}"
-        ) from None
+    children.append(coordinator)
+    deadline = time.monotonic() + RELAY_START_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise LocalFailed(
+                f"the coordinator printed no join command within {RELAY_START_TIMEOUT_S:.0f} s: "
+                f"{coordinator.last_log_line() or 'no log'}"
+            ) from None
+        emit(f"[c] {line}")
+        if line.startswith(JOIN_COMMAND):
+            return line[len(JOIN_COMMAND) :].split()[0]
 
 
 def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummary:
@@ -194,8 +211,9 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             workdir.mkdir(parents=True, exist_ok=True)
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: [child.stop() for child in reversed(children)])
-        join = _start_relay(workdir, children)
-        emit(f"relay at {join}; run {run_id}, {options.peers} peers, {options.rounds} rounds")
+        config = RunConfig(run_id=run_id, rounds=options.rounds, inner_steps=options.inner_steps)
+        join = _start_coordinator(workdir, config, children, emit)
+        emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[_Child] = []
         for index in range(options.peers):
             node_dir = workdir / f"node{index}"
@@ -208,12 +226,6 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
                 "/ip4/127.0.0.1/tcp/0",
                 "--state-dir",
                 str(node_dir),
-                "--run-id",
-                run_id,
-                "--rounds",
-                str(options.rounds),
-                "--inner-steps",
-                str(options.inner_steps),
                 "--threads",
                 str(threads),
                 "--json",

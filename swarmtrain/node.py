@@ -1,18 +1,24 @@
 """``swarmtrain node``: the volunteer. Join a run, train with DiLoCo, contribute through the swarm.
 
 One process is one peer: a p2p node with the swarm averager in a background thread
-(``BlockingAverager``), and the torch training loop in the main thread. Each round the peer runs H
-inner AdamW steps on its own deterministic data shard (``inner_batches`` seeded by run, round and
-peer id), then DiLoCo averages the pseudo-gradient with the round's peers and applies the same
-outer Nesterov step everywhere. After the round the peer publishes its state hash and reads back
-the others', so the progress line can say whether the shared state is bit-identical.
+(``swarmtrain.runtime.PeerRuntime``), and the torch training loop in the main thread. Each round
+the peer runs H inner AdamW steps on its own deterministic data shard (``inner_batches`` seeded
+by run, round and peer id), then DiLoCo averages the pseudo-gradient with the round's peers and
+applies the same outer Nesterov step everywhere. After the round the peer publishes its state
+hash and reads back the others', so the progress line can say whether the shared state is
+bit-identical.
 
 Round numbers come from DiLoCo's checkpointed counter, so peers that started together meet under
 the same matchmaking key each round. Checkpoints (DiLoCo's ``state_dir``) are written at every
 round boundary: Ctrl+C loses at most the inner phase in progress, and a restart with the same
-state directory resumes at the last boundary. Not yet here: downloading the state from peers
-(a node restarted behind the others stays on its own round numbers) and re-syncing when its hash
-disagrees with the majority.
+state directory resumes at the last boundary.
+
+Before training, the node fetches the run spec from the coordinator named in ``--join`` and
+checks the coordinator's signature (``swarmtrain.coordinator.fetch_spec``): the model, the seed,
+H and the number of rounds all come from the spec. Around its rounds, ``swarmtrain.elastic``
+catches up with a swarm that is ahead (download of the agreed state from several peers), serves
+our state to joiners, re-syncs when our hash disagrees with the majority, and publishes the
+progress records ``swarmtrain status`` reads.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 import swarm
 from diloco import (
     ByteTransformer,
+    ByteTransformerConfig,
     Corpus,
     DiLoCo,
     eval_batches,
@@ -38,6 +45,12 @@ from diloco import (
     load_stdlib_corpus,
 )
 from p2p import HostConfig, NodeConfig, load_or_create_identity, peer_id_of
+from swarmtrain.coordinator import coordinator_of, fetch_spec
+from swarmtrain.elastic import Elastic
+from swarmtrain.progress import Progress
+from swarmtrain.runspec import RunConfig, RunSpec
+from swarmtrain.runtime import PeerRuntime
+from swarmtrain.state_sync import StateServer
 from swarmtrain.swarm_average import SwarmAverage
 
 log = logging.getLogger(__name__)
@@ -52,29 +65,20 @@ class NodeOptions:
     state_dir: Path
     identity: Path | None = None  # default: state_dir / "identity.key"
     listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
-    run_id: str = "default"
-    rounds: int = 5
-    inner_steps: int = 20
-    batch_size: int = 8
-    context: int = 64
-    inner_lr: float = 3e-3
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
     threads: int | None = None
-    matchmaking_timeout_s: float = 4.0
-    allreduce_timeout_s: float = 30.0
     json_path: Path | None = None
+    # How long a node behind the swarm waits for the next round boundary before it syncs anyway.
+    join_wait_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for name in ("rounds", "inner_steps", "batch_size", "context"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not self.join:
+            raise ValueError("--join is required: the coordinator's address (…/p2p/ID)")
 
 
 @dataclass
 class NodeSummary:
     peer_id: str
-    first_round: int  # the round this process started at (> 0 after a resume)
+    first_round: int  # the round this process started at (> 0 after a resume or a sync)
     rounds_contributed: int = 0
     rounds_failed: int = 0
     last_round: int = -1
@@ -85,6 +89,7 @@ class NodeSummary:
     bytes_sent: int = 0
     bytes_received: int = 0
     agree: bool | None = None  # the last round's state hash equals the majority's
+    syncs: int = 0  # states downloaded from peers (joining, catching up, re-syncing)
     round_seconds: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
@@ -101,6 +106,7 @@ class NodeSummary:
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "agree": self.agree,
+            "syncs": self.syncs,
             "round_seconds": [round(s, 3) for s in self.round_seconds],
         }
 
@@ -111,16 +117,26 @@ def run_seed_of(run_id: str) -> int:
     return int.from_bytes(hashlib.sha256(b"swarmtrain/run-seed/" + run_id.encode()).digest()[:8])
 
 
-def averager_config(options: NodeOptions) -> swarm.AveragerConfig:
+def averager_config(config: RunConfig) -> swarm.AveragerConfig:
     # compression=None lets the swarm pick per tensor (int8 above 64K elements, exact below). Its
     # quantization is deterministic, so the state stays bit-identical either way; for the default
     # 0.9M-parameter model nearly every tensor is below the threshold, so this is close to exact.
     return swarm.AveragerConfig(
-        run_id=options.run_id,
-        matchmaking_timeout_s=options.matchmaking_timeout_s,
-        allreduce_timeout_s=options.allreduce_timeout_s,
+        run_id=config.run_id,
+        matchmaking_timeout_s=config.matchmaking_timeout_s,
+        allreduce_timeout_s=config.allreduce_timeout_s,
         compression=None,
     )
+
+
+def build_model(config: RunConfig) -> ByteTransformer:
+    shape = ByteTransformerConfig(
+        d_model=config.d_model,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        context=config.model_context,
+    )
+    return ByteTransformer(shape, seed=run_seed_of(config.run_id))
 
 
 def _mib(n: int) -> str:
@@ -128,77 +144,110 @@ def _mib(n: int) -> str:
 
 
 def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
-    """Train until DiLoCo's round reaches ``options.rounds``; ``emit`` gets one progress line per
-    round. Returns the summary (also written to ``options.json_path``). KeyboardInterrupt
-    propagates after the averager is closed (the last round boundary's checkpoint is on disk).
-    Raises P2PError when the node cannot join, ValueError for a checkpoint of another config."""
+    """Fetch the run spec, catch up with the swarm, train until DiLoCo's round reaches the
+    spec's ``rounds``; ``emit`` gets one progress line per round. Returns the summary (also
+    written to ``options.json_path``). KeyboardInterrupt propagates after the node is closed (the
+    last round boundary's checkpoint is on disk). Raises SpecRefused (the spec is unsigned or
+    tampered with), P2PError when the node cannot join or reach the coordinator, ValueError for
+    a checkpoint of another config, RuntimeError when the agreed state cannot be downloaded."""
     if options.threads:
         torch.set_num_threads(options.threads)
     options.state_dir.mkdir(parents=True, exist_ok=True)
     key_pair = load_or_create_identity(options.identity or options.state_dir / "identity.key")
-    seed = run_seed_of(options.run_id)
-    corpus = load_stdlib_corpus()
-    model = ByteTransformer(seed=seed)
-    inner = torch.optim.AdamW(model.parameters(), lr=options.inner_lr)
+    coordinator = coordinator_of(options.join[0])
     node_config = NodeConfig(
         HostConfig(key_pair, listen_addrs=options.listen), bootstrap=options.join
     )
-    averager = swarm.BlockingAverager(node_config, averager_config(options))
+    runtime = PeerRuntime(node_config)
     try:
-        assert averager.node is not None
-        peer = averager.node.host.peer_id
-        average = SwarmAverage(averager)
-        diloco = DiLoCo(
-            model,
-            inner,
-            average,
-            inner_steps=options.inner_steps,
-            outer_lr=options.outer_lr,
-            outer_momentum=options.outer_momentum,
-            state_dir=options.state_dir,
-            run_id=options.run_id,
+        node = runtime.node
+        assert node is not None
+        spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
+        config = spec.config
+        emit(
+            f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} "
+            f"verified; {config.rounds} rounds, H={config.inner_steps}"
         )
-        summary = NodeSummary(str(peer_id_of(key_pair)), first_round=diloco.round)
-        how = "resumed from checkpoint at" if diloco.round else "starting at"
-        emit(f"node {summary.peer_id} {how} round {diloco.round} of {options.rounds}")
-        try:
-            while diloco.round < options.rounds:
-                _train_round(options, diloco, average, corpus, peer.to_bytes(), seed, summary, emit)
-        finally:
-            diloco.close()
-        summary.state_hash = diloco.state_hash()
-        summary.bytes_sent, summary.bytes_received = average.bytes_sent, average.bytes_received
-        # Held-out loss of the global parameters (the model holds them after an applied round).
-        summary.eval_loss = evaluate(
-            model, eval_batches(corpus, batches=4, context=options.context)
-        )
+        averager = swarm.Averager(node, averager_config(config))
+        runtime.start(averager.run)
+        server = StateServer(node, config.run_id)
+        runtime.call_sync(server.install)
+        summary = _train(options, config, runtime, averager, server, emit)
     finally:
-        averager.close()
+        runtime.close()
+    summary.peer_id = str(peer_id_of(key_pair))
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(summary.to_json()) + "\n")
     return summary
 
 
-def _train_round(
+def _train(
     options: NodeOptions,
+    config: RunConfig,
+    runtime: PeerRuntime,
+    averager: swarm.Averager,
+    server: StateServer,
+    emit: Callable[[str], None],
+) -> NodeSummary:
+    corpus = load_stdlib_corpus()
+    model = build_model(config)
+    inner = torch.optim.AdamW(model.parameters(), lr=config.inner_lr)
+    elastic_box: list[Elastic] = []
+    average = SwarmAverage(runtime, averager, expected=lambda r: elastic_box[0].expected_peers(r))
+    diloco = DiLoCo(
+        model,
+        inner,
+        average,
+        inner_steps=config.inner_steps,
+        outer_lr=config.outer_lr,
+        outer_momentum=config.outer_momentum,
+        state_dir=options.state_dir,
+        run_id=config.run_id,
+    )
+    elastic = Elastic(runtime, server, config.run_id, diloco, emit)
+    elastic_box.append(elastic)
+    peer = runtime.peer_id
+    how = "resumed from checkpoint at" if diloco.round else "starting at"
+    emit(f"node {peer} {how} round {diloco.round} of {config.rounds}")
+    try:
+        if diloco.round:
+            elastic.serve_current()  # our checkpoint may be what a peer behind us needs
+        elastic.catch_up(options.join_wait_s, config.rounds)
+        summary = NodeSummary(str(peer), first_round=diloco.round)
+        while diloco.round < config.rounds:
+            _train_round(config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit)
+    finally:
+        diloco.close()
+    summary.syncs = elastic.syncs
+    summary.state_hash = diloco.state_hash()
+    summary.bytes_sent, summary.bytes_received = average.bytes_sent, average.bytes_received
+    # Held-out loss of the global parameters (the model holds them after an applied round).
+    summary.eval_loss = evaluate(
+        model, eval_batches(corpus, batches=4, context=config.sequence_length)
+    )
+    return summary
+
+
+def _train_round(
+    config: RunConfig,
     diloco: DiLoCo,
     average: SwarmAverage,
+    elastic: Elastic,
     corpus: Corpus,
     peer_bytes: bytes,
-    seed: int,
     summary: NodeSummary,
     emit: Callable[[str], None],
 ) -> None:
     r = diloco.round
     batches = inner_batches(
         corpus,
-        run_seed=seed,
+        run_seed=run_seed_of(config.run_id),
         round=r,
         peer_id=peer_bytes,
-        steps=options.inner_steps,
-        batch_size=options.batch_size,
-        context=options.context,
+        steps=config.inner_steps,
+        batch_size=config.batch_size,
+        context=config.sequence_length,
     )
     started = time.perf_counter()
     losses: list[float] = []
@@ -222,16 +271,39 @@ def _train_round(
     summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
     summary.loss_last = mean_loss
     state_hash = diloco.state_hash()
-    if not ok:
+    if ok:
+        summary.rounds_contributed += 1
+        elastic.fresh = False
+        elastic.serve_current()  # before the record that tells joiners to ask us for it
+    else:
         summary.rounds_failed += 1
+    assert report is not None or not ok
+    elastic.publish(
+        Progress(
+            peer_id=str(summary.peer_id),
+            round=r,
+            ok=ok,
+            state_hash=bytes.fromhex(state_hash),
+            loss=mean_loss,
+            tokens_per_s=tokens / inner_s,
+            peers=report.peers if report is not None and ok else 0,
+            bytes_sent=average.bytes_sent,
+            bytes_received=average.bytes_received,
+            rounds_contributed=summary.rounds_contributed,
+            published_at=time.time(),
+        )
+    )
+    if not ok:
         why = report.error if report is not None else "no averaging"
         emit(
             f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s FAILED ({why}); "
             f"state {state_hash[:12]} {round_s:.1f} s"
         )
+        # The others may have succeeded: then their state is ahead of our skipped one.
+        if elastic.after_round(r, ok=False) is not None:
+            summary.agree = True
         return
     assert report is not None
-    summary.rounds_contributed += 1
     average.publish_state(r, state_hash)
     agreement = average.agreement(r, report.peers, AGREEMENT_TIMEOUT_S)
     summary.agree = agreement.agrees if agreement is not None else None
@@ -246,3 +318,7 @@ def _train_round(
         f"allreduce {report.allreduce_s:.2f} s state {state_hash[:12]} agree {agree} "
         f"{round_s:.1f} s"
     )
+    drifted = agreement is not None and not agreement.agrees and agreement.majority is not None
+    # Our state drifted from the majority's: adopt theirs before contributing again.
+    if drifted and elastic.after_round(r, ok=True) is not None:
+        summary.agree = True

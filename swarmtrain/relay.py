@@ -14,7 +14,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.peerinfo import PeerInfo
 
-from p2p import HostConfig, NodeConfig, Reachability, join_addr, open_node
+from p2p import HostConfig, Node, NodeConfig, Reachability, join_addr, open_node
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,17 @@ class RelayOptions:
 
 
 async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
-    config = NodeConfig(
+    config = relay_node_config(key_pair, options)
+    async with open_node(config) as node:
+        print(join_addr(node), flush=True)
+        for addr in node.host.addrs()[1:]:
+            log.info("also reachable at %s", addr)
+        await keep_serving(node, options.status_interval_s)
+
+
+def relay_node_config(key_pair: KeyPair, options: RelayOptions) -> NodeConfig:
+    """A relay-role node (bootstrap, DHT server, circuit relay hop, dial-back)."""
+    return NodeConfig(
         HostConfig(
             key_pair,
             listen_addrs=options.listen,
@@ -37,23 +47,24 @@ async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
         ),
         role="relay",
     )
-    async with open_node(config) as node:
-        print(join_addr(node), flush=True)
-        for addr in node.host.addrs()[1:]:
-            log.info("also reachable at %s", addr)
-        while True:
-            await trio.sleep(options.status_interval_s)
-            if node.reachability.status is Reachability.UNKNOWN and node.host.connected_peers():
-                # Nobody can vouch for a relay before peers join; then they can dial it back.
-                helpers = [PeerInfo(p, []) for p in node.host.connected_peers()[:3]]
-                verdict = await node.nat.check_reachability([h.peer_id for h in helpers])
-                node.reachability = verdict
-                if verdict.status is Reachability.PRIVATE:
-                    log.warning("peers cannot dial this relay back: %s", verdict.reason)
-            stats = node.dht.statistics()
-            log.info(
-                "%d peers connected, %d in the routing table, %d keys held",
-                len(node.host.connected_peers()),
-                stats.routing_table_size,
-                stats.keys_held,
-            )
+
+
+async def keep_serving(node: Node, status_interval_s: float) -> None:
+    """A relay's life after start: re-check reachability once peers can vouch for it, and log
+    what it serves. Runs until cancelled."""
+    while True:
+        await trio.sleep(status_interval_s)
+        if node.reachability.status is Reachability.UNKNOWN and node.host.connected_peers():
+            # Nobody can vouch for a relay before peers join; then they can dial it back.
+            helpers = [PeerInfo(p, []) for p in node.host.connected_peers()[:3]]
+            verdict = await node.nat.check_reachability([h.peer_id for h in helpers])
+            node.reachability = verdict
+            if verdict.status is Reachability.PRIVATE:
+                log.warning("peers cannot dial this relay back: %s", verdict.reason)
+        stats = node.dht.statistics()
+        log.info(
+            "%d peers connected, %d in the routing table, %d keys held",
+            len(node.host.connected_peers()),
+            stats.routing_table_size,
+            stats.keys_held,
+        )

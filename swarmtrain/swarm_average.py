@@ -1,4 +1,4 @@
-"""``SwarmAverage``: diloco's ``Average`` protocol on top of the swarm's ``BlockingAverager``.
+"""``SwarmAverage``: diloco's ``Average`` protocol on top of the swarm's ``Averager``.
 
 DiLoCo calls ``average(round, tensors, weight)`` once per outer round and treats any raise as a
 failed round (no outer update, local progress kept). So this adapter only translates: DiLoCo's
@@ -10,18 +10,24 @@ contributors pass through, and a swarm ``AveragingFailed`` is re-raised as diloc
 The state hash only exists after DiLoCo applied the outer step, i.e. after ``__call__`` returned,
 so publishing it is a separate call the training loop makes (``publish_state``); ``agreement``
 reads back what the round's peers published.
+
+The averager runs in the node's trio loop (``swarmtrain.runtime.PeerRuntime``); DiLoCo calls from
+the torch thread. ``expected`` (optional) names the peers matchmaking should wait for in a round,
+which is how an announced joiner gets into its first round (``swarmtrain.elastic``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 import swarm
 from diloco import AverageOutcome, AveragingFailed
+from swarmtrain.runtime import PeerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +51,15 @@ class RoundReport:
 class SwarmAverage:
     """Callable as diloco's ``Average``; keeps a ``RoundReport`` of the last call in ``last``."""
 
-    def __init__(self, averager: swarm.BlockingAverager) -> None:
+    def __init__(
+        self,
+        runtime: PeerRuntime,
+        averager: swarm.Averager,
+        expected: Callable[[int], Iterable[bytes] | None] | None = None,
+    ) -> None:
+        self._runtime = runtime
         self._averager = averager
+        self._expected = expected
         self.last: RoundReport | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -56,8 +69,16 @@ class SwarmAverage:
         round fails; ``ValueError`` (NaN/inf input, bad weight) and ``RuntimeError`` (the node
         stopped) pass through, and DiLoCo counts them as a failed round as well."""
         self.last = RoundReport(round, ok=False, error="in progress")
+        expected = self._expected(round) if self._expected is not None else None
+        averager = self._averager
+
+        async def average() -> swarm.AveragingResult:
+            return await averager.average(
+                tensors, weight, round_number=round, expected_peers=expected
+            )
+
         try:
-            result = self._averager.average(tensors, weight, round_number=round)
+            result = self._runtime.call(average)
         except swarm.AveragingFailed as exc:
             self.last = RoundReport(round, ok=False, error=str(exc))
             raise AveragingFailed(str(exc)) from exc
@@ -81,7 +102,9 @@ class SwarmAverage:
         """Publish our state digest after round ``round``; a DHT failure is logged, not raised,
         because a missing digest only makes the agreement check inconclusive."""
         try:
-            self._averager.publish_state_hash(round, bytes.fromhex(state_hash_hex))
+            self._runtime.call(
+                self._averager.publish_state_hash, round, bytes.fromhex(state_hash_hex)
+            )
         except Exception as exc:
             log.warning("round %d: could not publish the state hash: %s", round, exc)
 
@@ -94,7 +117,7 @@ class SwarmAverage:
         seen: swarm.StateAgreement | None = None
         while True:
             try:
-                seen = self._averager.state_agreement(round)
+                seen = self._runtime.call(self._averager.state_agreement, round)
             except Exception as exc:
                 log.warning("round %d: could not read the state hashes: %s", round, exc)
             if (seen is not None and seen.peers >= peers) or time.monotonic() >= deadline:

@@ -110,3 +110,37 @@ def test_relay_and_two_doctors_find_and_ping_each_other(tmp_path: Path) -> None:
         if lingering is not None:
             assert lingering.stop() in (0, 130)
         assert relay.stop() in (0, 130), relay.stderr[-2000:]
+
+
+def test_init_writes_a_config_and_the_coordinator_names_a_bad_key(tmp_path: Path) -> None:
+    config = tmp_path / "run.toml"
+    made = _run("init", str(config))
+    assert made.returncode == 0 and f"swarmtrain coordinator --config {config}" in made.stdout
+    text = config.read_text()
+    assert "[training]" in text and "inner_steps = 20" in text and "# DiLoCo's H" in text
+    again = _run("init", str(config))
+    assert again.returncode == 1 and "exists" in again.stderr
+
+    key = str(tmp_path / "k")
+    config.write_text(text.replace("inner_steps = 20", "inner_step = 20"))
+    typo = _run("coordinator", "--identity", key, "--config", str(config))
+    assert typo.returncode == 1
+    assert "unknown key training.inner_step" in typo.stderr and str(config) in typo.stderr
+    config.write_text(text.replace("rounds = 5", "rounds = -2"))
+    bad = _run("coordinator", "--identity", key, "--config", str(config))
+    assert bad.returncode == 1 and "run.rounds must be a positive integer, got -2" in bad.stderr
+    flag = _run("coordinator", "--identity", key, "--rounds", "0")
+    assert flag.returncode == 1 and "run.rounds must be a positive integer, got 0" in flag.stderr
+
+
+def test_node_refuses_a_join_peer_that_serves_no_run_spec(tmp_path: Path) -> None:
+    relay, join = start_relay(tmp_path / "relay.key")
+    try:
+        result = _run(
+            "node", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0",
+            "--state-dir", str(tmp_path / "n"),
+        )  # fmt: skip
+        assert result.returncode == 1
+        assert "no run spec from" in result.stderr and "coordinator's address" in result.stderr
+    finally:
+        relay.stop()

@@ -1,0 +1,138 @@
+"""``swarmtrain coordinator``: create a run, sign its spec, and serve as the run's public helper.
+
+The coordinator is a relay-role node (bootstrap, DHT server, circuit relay hop, dial-back
+reachability service, exactly what ``swarmtrain relay`` runs) that also answers
+``/swarmtrain/runspec/1`` with the run spec and its signature. It does not train. Its peer id is
+in the join address it prints, so a volunteer who runs the printed command knows whose signature
+to demand; ``fetch_spec`` is that check, on the volunteer's side.
+
+Output on stdout, nothing else there: the run line, then the exact command volunteers run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+from libp2p.crypto.keys import KeyPair
+
+from p2p import (
+    Host,
+    Message,
+    Node,
+    P2PError,
+    PeerID,
+    call_unary,
+    join_addr,
+    message,
+    open_node,
+    serve_unary,
+)
+from swarmtrain.relay import RelayOptions, keep_serving, relay_node_config
+from swarmtrain.runspec import (
+    MAX_SIGNATURE_BYTES,
+    MAX_SPEC_BYTES,
+    RunConfig,
+    RunSpec,
+    sign_spec,
+    verify_spec,
+)
+
+log = logging.getLogger(__name__)
+
+SPEC_PROTOCOL = "/swarmtrain/runspec/1"
+SPEC_TIMEOUT_S = 10.0
+
+
+@message(403, max_bytes=64)
+class RunSpecRequest(Message):
+    version: int
+
+
+@message(404, max_bytes=MAX_SPEC_BYTES + MAX_SIGNATURE_BYTES + 64)
+class RunSpecReply(Message):
+    spec: bytes
+    signature: bytes
+
+
+def serve_spec(host: Host, spec: bytes, signature: bytes) -> None:
+    """Answer every ``RunSpecRequest`` with these bytes (handler failures are the RPC layer's:
+    logged, never fatal)."""
+
+    async def handle(peer: PeerID, request: RunSpecRequest) -> RunSpecReply:
+        return RunSpecReply(spec, signature)
+
+    serve_unary(host, SPEC_PROTOCOL, RunSpecRequest, handle)
+
+
+def coordinator_of(join: str) -> PeerID:
+    """The peer id at the end of a join address: the identity the run spec must be signed by."""
+    try:
+        return PeerID.from_base58(multiaddr.Multiaddr(join).value_for_protocol("p2p"))
+    except Exception as exc:
+        raise P2PError(f"bad --join address {join!r}: it must end in /p2p/<peer id>") from exc
+
+
+async def fetch_spec(node: Node, coordinator: PeerID) -> RunSpec:
+    """The run spec from ``coordinator``, verified against its peer id.
+
+    Raises SpecRefused (unsigned, tampered with, issued by someone else, malformed) or P2PError
+    (the coordinator cannot be reached or serves no spec, e.g. a plain relay)."""
+    try:
+        await node.reach(coordinator)
+        reply = await call_unary(
+            node.host,
+            coordinator,
+            SPEC_PROTOCOL,
+            RunSpecRequest(1),
+            RunSpecReply,
+            deadline_s=SPEC_TIMEOUT_S,
+        )
+    except P2PError as exc:
+        raise P2PError(
+            f"no run spec from {coordinator} (is --join a coordinator's address?): {exc}"
+        ) from exc
+    return verify_spec(reply.spec, reply.signature, coordinator)
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    config: RunConfig
+    relay: RelayOptions
+
+
+def new_run_id() -> str:
+    return f"run-{os.urandom(4).hex()}"
+
+
+async def run_coordinator(
+    key_pair: KeyPair, options: CoordinatorOptions, emit: Callable[[str], None]
+) -> None:
+    """Run until cancelled (Ctrl+C). ``emit`` gets the run line, then the join command."""
+    config = options.config
+    if not config.run_id:
+        config = config.replace(run_id=new_run_id())
+    async with open_node(relay_node_config(key_pair, options.relay)) as node:
+        spec = RunSpec(config, str(node.host.peer_id), time.time())
+        data, signature = sign_spec(spec, key_pair)
+        serve_spec(node.host, data, signature)
+        join = join_addr(node)
+        emit(
+            f"run {config.run_id}: {config.rounds} rounds, H={config.inner_steps}, "
+            f"spec signed by {node.host.peer_id}"
+        )
+        emit(f"swarmtrain node --join {join}")
+        for addr in node.host.addrs()[1:]:
+            log.info("also reachable at %s", addr)
+        await keep_serving(node, options.relay.status_interval_s)
+
+
+def coordinator_main(
+    key_pair: KeyPair, options: CoordinatorOptions, emit: Callable[[str], None]
+) -> None:
+    trio.run(run_coordinator, key_pair, options, emit)

@@ -1,0 +1,97 @@
+"""``swarmtrain status --join MULTIADDR``: a run's peers, round, loss and throughput.
+
+Joins the DHT with a throwaway identity (a status query should not touch the user's key or
+appear as a volunteer), fetches and verifies the run spec from the coordinator, and reads the
+progress records the nodes publish after every round (``swarmtrain.progress``). Nothing here is
+trusted beyond what the records' signatures say: each line is what that peer claims.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from p2p import HostConfig, NodeConfig, PeerID, open_node, subkey_values
+from swarmtrain.coordinator import coordinator_of, fetch_spec
+from swarmtrain.progress import Progress, agreed_state, decode_all, progress_key
+from swarmtrain.runspec import RunSpec
+
+# A peer whose latest record is older than this is shown as silent (it may have left).
+SILENT_AFTER_S = 120.0
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    spec: RunSpec
+    records: list[Progress]
+    now: float
+
+    def active(self) -> list[Progress]:
+        return [p for p in self.records if self.now - p.published_at < SILENT_AFTER_S]
+
+    def latest_round(self) -> int | None:
+        return max((p.round for p in self.records), default=None)
+
+    def to_json(self) -> dict[str, object]:
+        latest = self.latest_round()
+        at_latest = [p for p in self.records if p.round == latest]
+        agreed = agreed_state(self.records)
+        return {
+            "run_id": self.spec.config.run_id,
+            "coordinator": self.spec.coordinator,
+            "rounds": self.spec.config.rounds,
+            "round": latest,
+            "peers": len(self.active()),
+            "loss": _mean([p.loss for p in at_latest]),
+            "tokens_per_s": round(sum(p.tokens_per_s for p in at_latest), 1),
+            "state_hash": agreed.state_hash.hex() if agreed else None,
+            "state_holders": len(agreed.holders) if agreed else 0,
+            "nodes": [p.to_json() for p in self.records],
+        }
+
+    def format(self) -> str:
+        summary = self.to_json()
+        config = self.spec.config
+        lines = [
+            f"run {config.run_id} (coordinator {self.spec.coordinator}): "
+            f"round {summary['round'] if summary['round'] is not None else '-'} of "
+            f"{config.rounds}, {summary['peers']} active peers, "
+            f"loss {_text(summary['loss'])}, {summary['tokens_per_s']} tok/s in all",
+        ]
+        if not self.records:
+            lines.append("no node has finished a round yet")
+            return "\n".join(lines)
+        lines.append(
+            f"{'peer':<14}{'round':>6}{'ok':>5}{'loss':>8}{'tok/s':>9}{'peers':>7}"
+            f"{'sent MiB':>10}  state         last seen"
+        )
+        for p in self.records:
+            lines.append(
+                f"{p.peer_id[-12:]:<14}{p.round:>6}{'yes' if p.ok else 'no':>5}{p.loss:>8.3f}"
+                f"{p.tokens_per_s:>9.0f}{p.peers:>7}{p.bytes_sent / 2**20:>10.2f}  "
+                f"{p.state_hash.hex()[:12]}  {self.now - p.published_at:.0f} s ago"
+            )
+        return "\n".join(lines)
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def _text(value: object) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else "n/a"
+
+
+async def run_status(join: tuple[str, ...], listen: tuple[str, ...]) -> StatusReport:
+    """Raises SpecRefused or P2PError (cannot join, coordinator unreachable)."""
+    coordinator: PeerID = coordinator_of(join[0])
+    config = NodeConfig(HostConfig(create_new_key_pair(), listen_addrs=listen), bootstrap=join)
+    async with open_node(config) as node:
+        spec = await fetch_spec(node, coordinator)
+        records = await node.dht.get_records(progress_key(spec.config.run_id), latest=True)
+    now = time.time()
+    values = subkey_values(records, now=now)
+    by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}
+    return StatusReport(spec, decode_all(by_owner), now)

@@ -1,0 +1,78 @@
+"""Helpers for tests that run a coordinator and volunteers as real processes on loopback."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from peerproc import SWARMTRAIN, PeerProcess
+
+ROUND_LINE = re.compile(r"^round (\d+) ")
+JOIN_COMMAND = "swarmtrain node --join "
+
+
+def start_coordinator(tmp_path: Path, rounds: int, inner_steps: int) -> tuple[PeerProcess, str]:
+    """``swarmtrain init`` + ``swarmtrain coordinator`` on loopback; returns it and its join
+    address, taken from the exact command it prints."""
+    config = tmp_path / "run.toml"
+    made = subprocess.run(
+        [*SWARMTRAIN, "init", str(config)], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert made.returncode == 0, made.stderr
+    text = config.read_text()
+    text = re.sub(r"(?m)^rounds = \d+$", f"rounds = {rounds}", text)
+    text = re.sub(r"(?m)^inner_steps = \d+$", f"inner_steps = {inner_steps}", text)
+    config.write_text(text)
+    coordinator = PeerProcess(
+        [
+            *SWARMTRAIN,
+            "coordinator",
+            "--config",
+            str(config),
+            "--identity",
+            str(tmp_path / "coordinator.key"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ]
+    )
+    try:
+        line = coordinator.wait_line(lambda s: s.startswith(JOIN_COMMAND), timeout_s=30)
+    except BaseException:
+        coordinator.stop()
+        raise
+    assert f"{rounds} rounds, H={inner_steps}" in coordinator.lines[0], coordinator.lines
+    return coordinator, line[len(JOIN_COMMAND) :].strip()
+
+
+def node(join: str, state_dir: Path) -> PeerProcess:
+    return PeerProcess(
+        [
+            *SWARMTRAIN,
+            "node",
+            "--join",
+            join,
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--state-dir",
+            str(state_dir),
+            "--threads",
+            "1",
+            "--json",
+            str(state_dir / "summary.json"),
+        ]
+    )
+
+
+def round_lines(peer: PeerProcess) -> dict[int, str]:
+    return {int(m.group(1)): line for line in peer.lines if (m := ROUND_LINE.match(line))}
+
+
+def wait_exit(peer: PeerProcess, timeout_s: float) -> int:
+    try:
+        return peer.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"still running after {timeout_s} s; stdout={peer.lines[-6:]}; "
+            f"stderr tail={peer.stderr[-3000:]}"
+        ) from None

@@ -1,0 +1,101 @@
+"""Elastic membership with real processes: a coordinator, volunteers that come and go.
+
+One running swarm carries several checks, so the whole file stays around a minute on 2 cores:
+a node that joins mid-run downloads the agreed state from the others and its hash equals theirs
+from its first round; ``swarmtrain status`` shows the run; a node SIGKILLed mid-round does not
+stop the run. Waits are keyed on printed lines and bounded; nothing sleeps to synchronize.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from peerproc import ROOT, SWARMTRAIN, PeerProcess
+from runproc import ROUND_LINE, node, round_lines, start_coordinator, wait_exit
+
+
+def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_the_run(
+    tmp_path: Path,
+) -> None:
+    rounds = 10
+    coordinator, join = start_coordinator(tmp_path, rounds=rounds, inner_steps=10)
+    nodes = [node(join, tmp_path / f"n{i}") for i in range(3)]
+    joiner: PeerProcess | None = None
+    try:
+        # Started once the swarm trains; its torch start-up takes seconds, so it joins mid-run.
+        nodes[0].wait_line(lambda s: s.startswith("round 0 "), timeout_s=90)
+        joiner = node(join, tmp_path / "joiner")
+        synced = joiner.wait_line(lambda s: s.startswith("synced to round "), timeout_s=60)
+        first = int(synced.split()[3])
+        assert 1 <= first <= rounds - 3 and "from 3 peers" in synced, synced
+
+        # Its very first round: all four peers averaged and its hash is the majority's.
+        line = joiner.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=60)
+        assert "peers 4" in line and "agree yes (4/4)" in line, (line, joiner.stderr[-3000:])
+
+        status = subprocess.run(
+            [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert status.returncode == 0, status.stderr[-2000:]
+        report = json.loads(status.stdout.strip().splitlines()[-1])
+        assert report["rounds"] == rounds and report["peers"] == 4, report
+        assert report["round"] >= first and report["loss"] > 0 and report["tokens_per_s"] > 0
+        assert report["state_holders"] >= 3, report
+
+        # SIGKILL an original node in the next inner phase: the other three finish the run.
+        victim = nodes[2]
+        victim.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=30)
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait(5)
+        survivors = [nodes[0], nodes[1], joiner]
+        for peer in survivors:
+            assert wait_exit(peer, 80) == 0, peer.stderr[-3000:]
+        summaries = [
+            json.loads((tmp_path / name / "summary.json").read_text())
+            for name in ("n0", "n1", "joiner")
+        ]
+        assert len({s["state_hash"] for s in summaries}) == 1, summaries
+        assert all(s["last_round"] == rounds - 1 for s in summaries), summaries
+        assert summaries[2]["first_round"] == first and summaries[2]["syncs"] == 1
+        # The joiner contributed from its first round on, each round agreeing with the others.
+        joined = round_lines(joiner)
+        assert sorted(joined) == list(range(first, rounds)), joiner.lines
+        assert all("agree yes" in line for line in joined.values()), joined
+        last = round_lines(nodes[0])[rounds - 1]
+        assert "peers 3" in last and "agree yes (3/3)" in last, last
+    finally:
+        for peer in [*nodes, joiner]:
+            if peer is not None:
+                peer.stop()
+        coordinator.stop()
+
+
+def test_tampered_or_unsigned_run_spec_is_refused(tmp_path: Path) -> None:
+    for mode, words in (("tampered", "tampered with"), ("unsigned", "unsigned")):
+        forger = PeerProcess(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "integration" / "spec_forger.py"),
+                "--identity",
+                str(tmp_path / f"{mode}.key"),
+                "--mode",
+                mode,
+            ]
+        )
+        try:
+            join = forger.wait_line(timeout_s=30)
+            victim = node(join, tmp_path / mode)
+            assert wait_exit(victim, 60) == 1
+            assert "run spec refused" in victim.stderr and words in victim.stderr, victim.stderr
+            assert "Traceback" not in victim.stderr
+            assert not any(ROUND_LINE.match(line) for line in victim.lines)  # nothing trained
+        finally:
+            forger.stop()
