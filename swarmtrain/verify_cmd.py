@@ -182,10 +182,17 @@ def run(args: argparse.Namespace) -> int:
             w.start()
         if not args.json:
             print(f"running {args.steps} steps on providers A and B ...", flush=True)
-        for w in waiters:
-            w.join(READY_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        # Fail fast: a provider that exits before its READY line ends the run at once.
+        while any(w.is_alive() for w in waiters) and time.monotonic() < deadline:
+            if any(
+                not w.is_alive() and c.ready is None for w, c in zip(waiters, children, strict=True)
+            ):
+                break
+            waiters[0].join(0.1)
         for child in children:
             if child.ready is None:
+                _stop(child)
                 tail = child.stderr.decode(errors="replace")[-2000:]
                 print(f"swarmtrain verify: provider {child.name} failed:\n{tail}", file=sys.stderr)
                 return 2
