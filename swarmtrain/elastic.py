@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -48,6 +49,7 @@ from swarmtrain.progress import (
 )
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.state_sync import (
+    Fetch,
     StateServer,
     StateSyncFailed,
     download_state,
@@ -79,8 +81,10 @@ class Elastic:
         run_id: str,
         diloco: DiLoCo,
         emit: Callable[[str], None],
+        fetcher: Callable[[Any, str, bytes], Fetch] = node_fetcher,
     ) -> None:
         self.runtime = runtime
+        self._fetcher = fetcher  # how to fetch ranges from a source (injected by tests)
         self.server = server
         self.run_id = run_id
         self.diloco = diloco
@@ -137,9 +141,10 @@ class Elastic:
 
     def catch_up(self, wait_s: float, rounds: int) -> SyncReport | None:
         """At start: if the swarm's agreed state is ahead of (or differs from) ours, wait up to
-        ``wait_s`` for the next round boundary (not past the run's last round, ``rounds``), then adopt that round's agreed state. Returns
-        what was synced, or None when we already hold the agreed state, the run is new, or no
-        holder could send it (then we train on our own state and re-sync after a round)."""
+        ``wait_s`` for the next round boundary (not when the run's last round, ``rounds``, is
+        already agreed), then adopt that round's agreed state. Returns what was synced, or None
+        when we already hold the agreed state, the run is new, or no holder could send it (then
+        we train on our own state and re-sync after a round)."""
         records = self.records()
         agreed = agreed_state(records)
         if agreed is None or not self._behind(agreed):
@@ -212,9 +217,7 @@ class Elastic:
         sources = [PeerID.from_base58(p) for p in agreed.holders if p != self.me]
         if not sources:
             raise StateSyncFailed("no other peer holds the agreed state")
-        assert self.runtime.node is not None
-        node = self.runtime.node
-        fetch = node_fetcher(node, self.run_id, agreed.state_hash)
+        fetch = self._fetcher(self.runtime.node, self.run_id, agreed.state_hash)
         started = time.monotonic()
 
         async def download() -> bytearray:

@@ -179,6 +179,7 @@ def node_fetcher(node: Node, run_id: str, state_hash: bytes) -> Fetch:
             await node.reach(source)
             stream = await node.host.open_stream(source, PROTOCOL)
             rpc = RpcStream(stream)
+            done = False
             try:
                 await rpc.send(StateRangeRequest(run_id, state_hash, piece.offset, piece.length))
                 reply = await rpc.receive(StateRangeAccepted, StateRangeRefused)
@@ -194,13 +195,16 @@ def node_fetcher(node: Node, run_id: str, state_hash: bytes) -> Fetch:
                     raise RemoteProtocolError(
                         f"sent {len(received.data)} bytes for a {piece.length}-byte range"
                     )
+                done = True
                 return received.data
             finally:
+                # A finished transfer closes politely (the server is closing its side too); a
+                # failed one is reset so the server stops sending at once.
                 with trio.move_on_after(1):
                     try:
-                        await stream.reset()
+                        await (stream.close() if done else stream.reset())
                     except Exception as exc:
-                        log.debug("reset failed: %r", exc)
+                        log.debug("closing the state stream failed: %r", exc)
 
     return fetch
 

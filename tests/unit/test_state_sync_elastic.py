@@ -1,0 +1,153 @@
+"""Elastic's decisions with a fake runtime (an in-memory DHT, fetches served from memory):
+majority re-sync after a failed or drifted round, catching up at start, the expected set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
+from p2p import PeerID
+from swarmtrain.elastic import Elastic
+from swarmtrain.progress import Progress, join_key, progress_key
+from swarmtrain.state_sync import StateServer
+from swarmtrain.state_sync_plan import Piece
+
+RUN = "r"
+SHAPE = ByteTransformerConfig(d_model=8, n_layers=1, n_heads=2, context=8)
+
+
+def _peer() -> PeerID:
+    return PeerID.from_pubkey(create_new_key_pair().public_key)
+
+
+class FakeRuntime:
+    """The slice of PeerRuntime that Elastic uses, over a dict standing in for the DHT."""
+
+    def __init__(self, me: PeerID, dht: dict[str, dict[str, bytes]]) -> None:
+        self.peer_id = me
+        self.node = None
+        self.dht = dht
+
+    def read(self, key: str) -> dict[str, bytes]:
+        return dict(self.dht.get(key, {}))
+
+    def store(self, key: str, value: bytes, ttl_s: float, *, version: int = 0) -> int:
+        self.dht.setdefault(key, {})[str(self.peer_id)] = value
+        return 1
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return trio.run(fn, *args)
+
+    def call_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)
+
+
+def _diloco() -> DiLoCo:
+    model = ByteTransformer(SHAPE, seed=1)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return DiLoCo(model, inner, lambda *a: None, inner_steps=2, run_id=RUN)  # type: ignore[arg-type,return-value]
+
+
+def _record(peer: PeerID, round_number: int, ok: bool, state_hash: bytes) -> bytes:
+    return Progress(str(peer), round_number, ok, state_hash, 3.0, 100.0, 3, 0, 0, 1, 1.0).to_bytes()
+
+
+def _world(round_number: int) -> tuple[bytes, bytes]:
+    """The majority's state after ``round_number``: bytes and hash."""
+    base = _diloco().global_state
+    state = GlobalState(round_number + 1, base.params + 0.25, base.momentum + 1.0, base.layout)
+    data = state.to_bytes()
+    return data, data[-32:]
+
+
+def _memory_fetcher(
+    data: bytes, asked: list[Hashable]
+) -> Callable[[Any, str, bytes], Callable[[Hashable, Piece], Any]]:
+    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
+        async def fetch(source: Hashable, piece: Piece) -> bytes:
+            asked.append(source)
+            return data[piece.offset : piece.end]
+
+        return fetch
+
+    return fetcher
+
+
+def _elastic(me: PeerID, dht: dict[str, dict[str, bytes]], data: bytes, asked: list) -> Elastic:
+    lines: list[str] = []
+    runtime = FakeRuntime(me, dht)
+    elastic = Elastic(
+        runtime,  # type: ignore[arg-type]
+        StateServer(None, RUN),  # type: ignore[arg-type]
+        RUN,
+        _diloco(),
+        lines.append,
+        fetcher=_memory_fetcher(data, asked),
+    )
+    elastic.lines = lines  # type: ignore[attr-defined]
+    return elastic
+
+
+def test_a_peer_whose_round_failed_adopts_the_majority_state_and_announces_itself() -> None:
+    me, b, c, d = _peer(), _peer(), _peer(), _peer()
+    data, majority = _world(2)
+    other = bytes(32)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 2, True, majority),
+            str(c): _record(c, 2, True, majority),
+            str(d): _record(d, 2, True, other),  # a drifted minority is not a source
+            str(me): _record(me, 2, False, other),
+        }
+    }
+    asked: list[Hashable] = []
+    elastic = _elastic(me, dht, data, asked)
+    report = elastic.after_round(2, ok=False)
+    assert report is not None and report.round == 3 and report.sources == 2
+    assert elastic.diloco.state_hash() == majority.hex() and elastic.diloco.round == 3
+    assert asked and set(asked) <= {b, c}  # only holders of the majority state, never d
+    assert dht[join_key(RUN, 3)] == {str(me): b"\x01"}  # announced for the next round
+    assert elastic.fresh and elastic.server._states == {majority: data}  # and serves it
+    # Everyone derives the same expected set for round 3: holders of round 2 plus joiners.
+    expected = elastic.expected_peers(3)
+    assert expected == {p.to_bytes() for p in (me, b, c)}
+
+
+def test_a_peer_in_agreement_downloads_nothing_and_keeps_the_averagers_rule() -> None:
+    me, b = _peer(), _peer()
+    asked: list[Hashable] = []
+    elastic = _elastic(me, {}, b"", asked)
+    ours = bytes.fromhex(elastic.diloco.state_hash())
+    elastic.runtime.dht[progress_key(RUN)] = {  # type: ignore[attr-defined]
+        str(b): _record(b, 0, True, ours),
+        str(me): _record(me, 0, True, ours),
+    }
+    # Our GlobalState.round is 0 here, so the majority's "round 0" state must equal ours by hash.
+    assert elastic.after_round(0, ok=True) is None and not asked
+    assert elastic.expected_peers(1) is None  # no joiner announced, not fresh
+
+
+def test_a_node_behind_a_failing_swarm_syncs_at_once_instead_of_waiting() -> None:
+    me, b, c = _peer(), _peer(), _peer()
+    data, majority = _world(4)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 4, True, majority),
+            str(c): _record(c, 6, False, bytes(32)),  # the swarm's newest round failed
+        }
+    }
+    asked: list[Hashable] = []
+    elastic = _elastic(me, dht, data, asked)
+    report = elastic.catch_up(wait_s=600.0, rounds=100)  # would block 600 s if it waited
+    assert report is not None and report.round == 5 and asked == [b]
+    assert "syncing now" in elastic.lines[0]  # type: ignore[attr-defined]
+
+
+def test_a_new_run_needs_no_sync() -> None:
+    elastic = _elastic(_peer(), {}, b"", [])
+    assert elastic.catch_up(wait_s=600.0, rounds=5) is None
