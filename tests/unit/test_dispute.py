@@ -362,3 +362,71 @@ def test_the_machine_is_sans_io() -> None:
         }
         assert not names & forbidden, (rel, names & forbidden)
     assert {OpOpenQuery, OpPrefixQuery} <= set(ANSWER_TYPES)
+
+
+def _mutate(value: object, data: st.DataObject) -> object:
+    """One random corruption of a wire field (bytes, list, int or str)."""
+    if isinstance(value, bytes):
+        if not value:
+            return data.draw(st.binary(min_size=1, max_size=40))
+        kind = data.draw(st.sampled_from(["flip", "truncate", "extend", "random"]))
+        if kind == "flip":
+            i = data.draw(st.integers(0, len(value) - 1))
+            return value[:i] + bytes([value[i] ^ data.draw(st.integers(1, 255))]) + value[i + 1 :]
+        if kind == "truncate":
+            return value[: data.draw(st.integers(0, len(value) - 1))]
+        if kind == "extend":
+            return value + data.draw(st.binary(min_size=1, max_size=8))
+        return data.draw(st.binary(max_size=len(value) + 8))
+    if isinstance(value, list):
+        if not value:
+            return [data.draw(st.binary(min_size=32, max_size=32))]
+        i = data.draw(st.integers(0, len(value) - 1))
+        kind = data.draw(st.sampled_from(["drop", "duplicate", "swap", "mutate"]))
+        if kind == "drop":
+            return value[:i] + value[i + 1 :]
+        if kind == "duplicate":
+            return [*value[: i + 1], value[i], *value[i + 1 :]]
+        if kind == "swap" and len(value) > 1:
+            out = list(value)
+            out[0], out[-1] = out[-1], out[0]
+            return out
+        return [*value[:i], _mutate(value[i], data), *value[i + 1 :]]
+    if isinstance(value, int):
+        return value + data.draw(st.sampled_from([-1, 1, 2**31]))
+    if isinstance(value, str):
+        return value + "x"
+    return value
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.data())
+def test_an_honest_provider_never_loses_whatever_the_other_answers(data: st.DataObject) -> None:
+    """The property the game exists for: a corrupted, replayed or silent counterpart may lose or
+    leave the dispute undecided, but the honest side is never named."""
+    steps = data.draw(st.integers(1, 6), label="steps")
+    step = data.draw(st.integers(0, steps - 1), label="step")
+    op = data.draw(st.sampled_from(non_leaf_ops()), label="op")
+    meddled = data.draw(
+        st.sets(st.sampled_from(sorted(ANSWER_TYPES, key=lambda t: t.__name__))), label="meddled"
+    )
+
+    def corrupt(q: Message, a: Message) -> Message | None:
+        kind = data.draw(st.sampled_from(["field", "field", "silent", "honest"]), label="how")
+        if kind == "silent":
+            return None
+        if kind == "honest":
+            return a
+        name = data.draw(st.sampled_from([f.name for f in dataclasses.fields(a)]), label="field")
+        changed = _mutate(getattr(a, name), data)
+        try:
+            return dataclasses.replace(a, **{name: changed})
+        except (ValueError, TypeError):
+            return a
+
+    cheater = data.draw(st.sampled_from([0, 1]), label="cheater")
+    game = play(steps, tamper=(step, op), cheater=cheater, meddle=dict.fromkeys(meddled, corrupt))
+    assert game.verdict.cheaters in ((), (cheater,)), game.verdict
+    if not meddled:
+        assert_caught(game, cheater, step, op)
+    assert game.recompute.calls <= 1
