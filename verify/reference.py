@@ -71,13 +71,14 @@ def matmul(a: np.ndarray, b: np.ndarray, a_bits: int | None = None) -> np.ndarra
         out = out + np.matmul(
             qa[..., start : start + MAX_CHUNK], qb[..., start : start + MAX_CHUNK, :]
         )
-    return (out * pow2_f64(ea - bits_a) * pow2_f64(eb - bits_b)).astype(F32)
+    return (out * pow2_f64(ea - bits_a) * pow2_f64(eb - bits_b)).astype(F32) + F32(0.0)
 
 
 def sum_exact(x: np.ndarray, axis: int) -> np.ndarray:
     bits = min(51, 52 - max(0, (x.shape[axis] - 1).bit_length()))
     q, e = _grid(x, axis, bits)
-    return np.squeeze((np.sum(q, axis=axis, keepdims=True) * pow2_f64(e - bits)).astype(F32), axis)
+    total = (np.sum(q, axis=axis, keepdims=True) * pow2_f64(e - bits)).astype(F32)
+    return np.squeeze(total, axis) + F32(0.0)
 
 
 def exp(x: np.ndarray) -> np.ndarray:
@@ -121,7 +122,7 @@ def log_pos(s: np.ndarray) -> np.ndarray:
 
 
 def softmax_rows(x: np.ndarray) -> np.ndarray:
-    e = exp(x - np.max(x, axis=-1, keepdims=True))
+    e = exp(x - (np.max(x, axis=-1, keepdims=True) + F32(0.0)))
     return e / sum_exact(e, -1)[..., None]
 
 
@@ -195,7 +196,7 @@ def _layernorm_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
 def _cross_entropy(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
     logits, targets = i
     flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
-    top = np.max(flat, axis=-1, keepdims=True)
+    top = np.max(flat, axis=-1, keepdims=True) + F32(0.0)
     lse = log_pos(sum_exact(exp(flat - top), -1)) + top[:, 0]
     losses = lse - np.take_along_axis(flat, tgt, axis=1)[:, 0]
     return np.asarray(sum_exact(losses, 0) / F32(flat.shape[0]), dtype=F32)
@@ -246,9 +247,7 @@ def _position_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
 
 def _adamw_param(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
     p, m, v, step = i
-    t = int(step)
-    if t < 1:
-        raise ValueError("AdamW step counter must be at least 1 after increment")
+    t = max(int(step), 1)  # as repops_ops.adamw_scalars: defined for a tampered counter too
     lr = a["lr"]
     step_size = lr / (1.0 - pow_int(a["beta1"], t))
     bc2_sqrt = math.sqrt(1.0 - pow_int(a["beta2"], t))
@@ -307,5 +306,5 @@ def training_step_reference(
 ) -> tuple[dict[str, np.ndarray], np.ndarray, Executor[np.ndarray]]:
     """One training step with the numpy kernels: (new state, loss, the executor with its trace)."""
     ex: Executor[np.ndarray] = Executor(OPS, hash_fn=tensor_hash if record else None)
-    refs, loss = training_step(ex, shape, optimizer, state, inputs, targets)
-    return {k: ex.values[r] for k, r in refs.items()}, ex.values[loss], ex
+    refs = training_step(ex, shape, optimizer, state, inputs, targets)
+    return {k: ex.values[r] for k, r in refs.state.items()}, ex.values[refs.loss], ex

@@ -30,6 +30,7 @@ from verify.repops_graph import (
     Executor,
     ModelShape,
     decode_attrs,
+    forward_backward,
     param_shapes,
     state_names,
     training_step,
@@ -45,6 +46,7 @@ __all__ = [
     "ModelShape",
     "RepOpsStep",
     "batch_for",
+    "gradients",
     "init_params",
     "initial_state",
     "nesterov_step",
@@ -154,8 +156,21 @@ def train_step(
     """One RepOps AdamW step on torch tensors (any device), untraced: (new state, loss)."""
     _check_state(state, shape)
     ex: Executor[torch.Tensor] = Executor(OPS)
-    refs, loss = training_step(ex, shape, optimizer, state, inputs, targets)
-    return {k: ex.values[r] for k, r in refs.items()}, ex.values[loss]
+    refs = training_step(ex, shape, optimizer, state, inputs, targets)
+    return {k: ex.values[r] for k, r in refs.state.items()}, ex.values[refs.loss]
+
+
+def gradients(
+    params: Mapping[str, torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    shape: ModelShape = DEFAULT_SHAPE,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """RepOps loss and the gradient of every parameter (no optimizer step): (loss, grads)."""
+    ex: Executor[torch.Tensor] = Executor(OPS)
+    index = {name: ex.leaf(name, params[name]) for name in param_shapes(shape)}
+    loss, grads = forward_backward(ex, shape, index.__getitem__, inputs, targets)
+    return ex.values[loss], {k: ex.values[r] for k, r in grads.items()}
 
 
 class RepOpsStep:
@@ -206,12 +221,10 @@ class RepOpsStep:
             OPS, hash_fn=_hash, tamper=_tamper, tamper_op=tamper_op
         )
         tensors = {k: load(v) for k, v in state.items()}
-        refs, _ = training_step(
-            ex, self.shape, self.optimizer, tensors, load(inputs), load(targets)
-        )
+        refs = training_step(ex, self.shape, self.optimizer, tensors, load(inputs), load(targets))
         ex.check_tampered()
         outputs = [v.detach().cpu().numpy() for v in ex.values]
-        return StepResult({k: outputs[r] for k, r in refs.items()}, ex.records, outputs)
+        return StepResult({k: outputs[r] for k, r in refs.state.items()}, ex.records, outputs)
 
 
 def step_loss(result: StepResult) -> float:

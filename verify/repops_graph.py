@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgpack
 
@@ -212,27 +212,21 @@ def _layernorm_backward(
     return ex.op("layernorm_backward", [x, stats, g, dy])
 
 
-def training_step(
-    ex: Executor[T],
-    shape: ModelShape,
-    optimizer: AdamWConfig,
-    state: Mapping[str, T],
-    inputs: T,
-    targets: T,
-) -> tuple[dict[str, int], int]:
-    """Run one AdamW training step of the model through ``ex``.
+class StepRefs(NamedTuple):
+    """Record indices of what a step produced: the new state, the loss, each parameter's grad."""
 
-    Returns (record index of each new state entry, record index of the loss). ``inputs`` and
-    ``targets`` are int64 ``(B, T)``; every other value lives in ``state``. Leaves are recorded
-    right before their first use, so a trace reads top to bottom like the step.
-    """
-    refs: dict[str, int] = {}
+    state: dict[str, int]
+    loss: int
+    grads: dict[str, int]
 
-    def leaf(key: str) -> int:
-        if key not in refs:
-            refs[key] = ex.leaf(key, state[key])
-        return refs[key]
 
+def forward_backward(
+    ex: Executor[Any], shape: ModelShape, leaf: Callable[[str], int], inputs: Any, targets: Any
+) -> tuple[int, dict[str, int]]:
+    """Loss and the gradient of every parameter, by a hand-written backward pass.
+
+    ``leaf(name)`` returns the record index of a parameter (recording it on first use).
+    Returns (loss record, name -> grad record)."""
     batch = _batch_size(inputs)
     heads = {"heads": shape.n_heads}
     tok = ex.leaf(INPUTS_LABEL, inputs)
@@ -268,36 +262,60 @@ def training_step(
 
     grads: dict[str, int] = {}
     dlogits = ex.op("cross_entropy_backward", [logits, tgt])
-    dh = _linear_backward(ex, dlogits, hf, refs["head.weight"], None, grads, "head")
-    dx = _layernorm_backward(ex, x, stf, refs["ln_final.weight"], dh, grads, "ln_final")
+    dh = _linear_backward(ex, dlogits, hf, leaf("head.weight"), None, grads, "head")
+    dx = _layernorm_backward(ex, x, stf, leaf("ln_final.weight"), dh, grads, "ln_final")
     for i in reversed(range(shape.n_layers)):
         p, s = f"blocks.{i}.", saved[i]
         dgelu = _linear_backward(
-            ex, dx, s["gelu"], refs[p + "fc_out.weight"], p + "fc_out.bias", grads, p + "fc_out"
+            ex, dx, s["gelu"], leaf(p + "fc_out.weight"), p + "fc_out.bias", grads, p + "fc_out"
         )
         df = ex.op("gelu_backward", [s["f"], s["cdf"], dgelu])
         dh2 = _linear_backward(
-            ex, df, s["h2"], refs[p + "fc.weight"], p + "fc.bias", grads, p + "fc"
+            ex, df, s["h2"], leaf(p + "fc.weight"), p + "fc.bias", grads, p + "fc"
         )
         dxm = _layernorm_backward(
-            ex, s["x_mid"], s["st2"], refs[p + "ln_mlp.weight"], dh2, grads, p + "ln_mlp"
+            ex, s["x_mid"], s["st2"], leaf(p + "ln_mlp.weight"), dh2, grads, p + "ln_mlp"
         )
         dx = ex.op("add", [dx, dxm])
         datt = _linear_backward(
-            ex, dx, s["att"], refs[p + "proj.weight"], p + "proj.bias", grads, p + "proj"
+            ex, dx, s["att"], leaf(p + "proj.weight"), p + "proj.bias", grads, p + "proj"
         )
         dscores = ex.op("attention_scores_backward", [s["probs"], s["qkv"], datt], **heads)
         dqkv = ex.op("attention_qkv_backward", [s["probs"], s["qkv"], datt, dscores], **heads)
         dh1 = _linear_backward(
-            ex, dqkv, s["h1"], refs[p + "qkv.weight"], p + "qkv.bias", grads, p + "qkv"
+            ex, dqkv, s["h1"], leaf(p + "qkv.weight"), p + "qkv.bias", grads, p + "qkv"
         )
         dxa = _layernorm_backward(
-            ex, s["x_in"], s["st1"], refs[p + "ln_attn.weight"], dh1, grads, p + "ln_attn"
+            ex, s["x_in"], s["st1"], leaf(p + "ln_attn.weight"), dh1, grads, p + "ln_attn"
         )
         dx = ex.op("add", [dx, dxa])
     grads["embed.weight"] = ex.op("embedding_backward", [tok, dx], vocab=VOCAB_SIZE)
     grads["position.weight"] = ex.op("position_backward", [dx], batch=batch, context=shape.context)
+    return loss, grads
 
+
+def training_step(
+    ex: Executor[T],
+    shape: ModelShape,
+    optimizer: AdamWConfig,
+    state: Mapping[str, T],
+    inputs: T,
+    targets: T,
+) -> StepRefs:
+    """Run one AdamW training step of the model through ``ex``.
+
+    ``inputs`` and ``targets`` are int64 ``(B, T)``; every other value lives in ``state``.
+    Leaves are recorded right before their first use, so a trace reads top to bottom like the
+    step: forward, loss, backward, then per parameter (in state_dict order) m, v, parameter.
+    """
+    refs: dict[str, int] = {}
+
+    def leaf(key: str) -> int:
+        if key not in refs:
+            refs[key] = ex.leaf(key, state[key])
+        return refs[key]
+
+    loss, grads = forward_backward(ex, shape, leaf, inputs, targets)
     new: dict[str, int] = {}
     new[STEP_KEY] = ex.op("increment", [leaf(STEP_KEY)])
     hyper = {
@@ -316,7 +334,7 @@ def training_step(
             "adamw_v", [leaf(f"adam.v.{name}"), g], beta2=optimizer.beta2
         )
         new[name] = ex.op("adamw_param", [leaf(name), m, v, new[STEP_KEY]], **hyper)
-    return new, loss
+    return StepRefs(new, loss, grads)
 
 
 def _batch_size(inputs: Any) -> int:

@@ -85,7 +85,7 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     x64 = x.to(F64)
     low_mid = torch.add(y.to(F64), below.to(F64)).mul_(0.5)
     high_mid = torch.add(y.to(F64), above.to(F64)).mul_(0.5)
-    y = torch.where(low_mid.mul_(low_mid) > x64, below, y)
+    y = torch.where((low_mid.mul_(low_mid) > x64) & (y > 0), below, y)  # sqrt(0) stays 0
     return torch.where(high_mid.mul_(high_mid) < x64, above, y)
 
 
@@ -129,7 +129,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
         part = torch.matmul(qa[..., start:stop], qb[..., start:stop, :])
         out = part if out is None else out.add_(part)
     assert out is not None
-    return out.to(F32)
+    # + 0.0 turns -0 into +0: whether a sum of signed zeros is -0 differs between BLAS libraries.
+    return out.to(F32).add_(0.0)
 
 
 def sum_bits(k: int) -> int:
@@ -141,7 +142,7 @@ def sum_exact(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum of float32 ``x`` over ``dim`` (removed), each term first rounded to the grid of
     ``sum_bits(K)`` bits below the largest magnitude: every partial sum is exact in float64, so
     the order does not matter; one rounding to float32."""
-    return _grid(x, dim, sum_bits(x.shape[dim])).sum(dim=dim).to(F32)
+    return _grid(x, dim, sum_bits(x.shape[dim])).sum(dim=dim).to(F32).add_(0.0)  # no -0
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +193,8 @@ def log_pos(s: torch.Tensor) -> torch.Tensor:
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim; -inf entries give exactly 0."""
-    e = exp(torch.sub(x, x.amax(dim=-1, keepdim=True)))
+    # max(-0, +0) may return either zero; + 0.0 makes it +0 on every library.
+    e = exp(torch.sub(x, x.amax(dim=-1, keepdim=True).add_(0.0)))
     return e.div_(sum_exact(e, -1).unsqueeze(-1))
 
 
@@ -328,7 +330,7 @@ def _layernorm_grad_weight(inputs: list[torch.Tensor], attrs: dict[str, Any]) ->
 
 
 def _row_losses(flat: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
-    top = flat.amax(dim=-1, keepdim=True)
+    top = flat.amax(dim=-1, keepdim=True).add_(0.0)  # +0, never -0
     total = sum_exact(exp(torch.sub(flat, top)), -1)
     return log_pos(total).add_(top.squeeze(-1)).sub_(picked).unsqueeze(-1)
 
@@ -407,8 +409,9 @@ def _adamw_v(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
 
 def adamw_scalars(attrs: dict[str, Any], step: int) -> tuple[float, float, float, float]:
     """(decay, step_size, sqrt(bias_correction2), eps) as Python floats, the same everywhere."""
-    if step < 1:
-        raise ValueError("AdamW step counter must be at least 1 after increment")
+    # The counter is at least 1 after the step's increment; a smaller one (only in a tampered
+    # trace) counts as 1 so that the operator is defined on every input the referee may see.
+    step = max(step, 1)
     bc1 = 1.0 - pow_int(attrs["beta1"], step)
     bc2 = 1.0 - pow_int(attrs["beta2"], step)
     lr = attrs["lr"]
