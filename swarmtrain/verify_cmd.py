@@ -220,7 +220,9 @@ def _referee(args: argparse.Namespace, children: list[_Child]) -> int:
     def data_leaf(index: int, label: str, attrs: bytes) -> bytes | None:
         return tensor_hash(step.batch(index)[labels[label]]) if label in labels else None
 
-    referee = Referee(task, run_op, leaf_oracle=data_leaf, config=RefereeConfig(args.timeout))
+    # RepOpsStep's graph is the same every step (the step counter is a state tensor).
+    config = RefereeConfig(args.timeout, same_program_every_step=True)
+    referee = Referee(task, run_op, leaf_oracle=data_leaf, config=config)
     addrs = [multiaddr.Multiaddr(c.ready["addr"]) for c in children]  # type: ignore[index]
     peers = [PeerID.from_base58(a.value_for_protocol("p2p")) for a in addrs]
 

@@ -139,6 +139,10 @@ Action = Query | Finish
 class RefereeConfig:
     answer_timeout_s: float = 30.0
     max_ops: int = 1 << 24  # a trace longer than this is refused, so bisection stays bounded
+    # The step's operator graph does not depend on the step index (true of RepOpsStep and
+    # ToyTask: the step counter and schedule live in the state, not in attrs). Lets the referee
+    # settle a graph dispute at step s > 0 against the agreed graph of step s - 1.
+    same_program_every_step: bool = False
 
 
 class _Lost(Exception):
@@ -179,6 +183,7 @@ class Referee:
         self._step = -1
         self._leaves: list[StepLeaf] = []
         self._prev_state_hash = task.start_state_hash
+        self._prev_leaf: StepLeaf | None = None
 
     @property
     def deadline(self) -> float:
@@ -316,7 +321,9 @@ class Referee:
         assert self._round is not None
         opened = [self._round.results[p] for p in PARTIES]
         self._leaves = [leaf for leaf, _ in opened]  # type: ignore[misc]
-        self._prev_state_hash = opened[0][1]  # type: ignore[index]
+        self._prev_leaf = opened[0][1]  # type: ignore[index]
+        if self._prev_leaf is not None:
+            self._prev_state_hash = self._prev_leaf.state_hash
         a, b = self._leaves
         claims = [c.final_state_hash for c in self._commitments]
         if a == b and self._step == self.task.steps - 1 and claims[0] != claims[1]:
@@ -365,21 +372,22 @@ class Referee:
             raise _Lost(f"prefix {size} is not consistent with the committed root")
         return a.root
 
-    def _check_step_open(self, party: int, q: Message, a: StepOpenAnswer) -> tuple[StepLeaf, bytes]:
+    def _check_step_open(
+        self, party: int, q: Message, a: StepOpenAnswer
+    ) -> tuple[StepLeaf, StepLeaf | None]:
         step = self._step
         leaf = StepLeaf.decode(a.leaf)
         if leaf.step != step or not 1 <= leaf.n_ops <= self.config.max_ops:
             raise _Lost(f"leaf for step {leaf.step} with {leaf.n_ops} ops")
         if not verify_append(self._agreed_root, self._hi_roots[party], step + 1, leaf.hash, a.path):
             raise _Lost(f"step {step} leaf does not extend the agreed prefix")
-        prev_state = self.task.start_state_hash
+        prev = None
         if step:
             prev = StepLeaf.decode(a.prev_leaf)
             if prev.step != step - 1 or not verify_proof(
                 self._agreed_root, step - 1, step, prev.hash, a.prev_path
             ):
                 raise _Lost(f"step {step - 1} leaf is not in the agreed prefix")
-            prev_state = prev.state_hash
         elif a.prev_leaf or a.prev_path:
             raise _Lost("step 0 has no previous leaf")
         last = decode_record(a.last_record)
@@ -389,7 +397,7 @@ class Referee:
             raise _Lost("last record is not in the trace")
         if last.name != STATE_OP or last.output != leaf.state_hash:
             raise _Lost("the step's state hash is not its trace's state record")
-        return leaf, prev_state
+        return leaf, prev
 
     def _check_op_open(self, party: int, q: Message, a: OpOpenAnswer) -> tuple[OpRecord, list]:
         index = self._lo
@@ -410,7 +418,11 @@ class Referee:
         if is_leaf and record.inputs:
             raise _Lost("a leaf has no inputs")
         if record.name == STATE_OP:
-            state_names(record)
+            # A state record that is not the hash of what it binds is wrong whatever it binds.
+            keys = state_names(record)
+            bound = {k: rec.output for k, rec in zip(keys, inputs, strict=True)}
+            if hash_of_named(bound) != record.output:
+                raise _Lost("the state record's output is not the hash of the state it binds")
         needs_tensors = not is_leaf and record.name != STATE_OP
         if len(a.tensors) != (len(inputs) if needs_tensors else 0):
             raise _Lost("wrong number of input tensors")
@@ -429,7 +441,19 @@ class Referee:
             names = dict(zip(a.state_names, a.state_hashes, strict=True))
             if len(names) != len(a.state_names) or hash_of_named(names) != self._prev_state_hash:
                 raise _Lost("state manifest does not hash to the agreed state")
-        return record, [inputs, tensors, names]
+        return record, [inputs, tensors, names, self._check_prev_record(index, a)]
+
+    def _check_prev_record(self, index: int, a: OpOpenAnswer) -> OpRecord | None:
+        """Record ``index`` of the previous step's trace, which both sides agree on."""
+        prev = self._prev_leaf
+        if prev is None or index >= prev.n_ops:
+            if a.prev_record or a.prev_path:
+                raise _Lost("there is no such record in the previous step")
+            return None
+        record = decode_record(a.prev_record)
+        if not verify_proof(prev.trace_root, index, prev.n_ops, record_leaf(record), a.prev_path):
+            raise _Lost(f"record {index} of the previous step is not in its trace")
+        return record
 
     # The one computation ---------------------------------------------------------------------
 
@@ -437,11 +461,11 @@ class Referee:
         assert self._round is not None
         opened = [self._round.results[p] for p in PARTIES]
         records: list[OpRecord] = [o[0] for o in opened]  # type: ignore[index]
-        inputs, tensors, names = opened[0][1]  # type: ignore[index,misc]
+        inputs, tensors, names, prev = opened[0][1]  # type: ignore[index,misc]
         where = {"op": self._lo}
         a, b = records
-        if (a.name, a.inputs, a.attrs) != (b.name, b.inputs, b.attrs):
-            return self._finish((), "the providers disagree on the operator graph", **where)
+        if _structure(a) != _structure(b):
+            return self._graph_dispute(records, prev, where)
         where["op_name"] = a.name  # type: ignore[assignment]
         expected: bytes | None
         if a.is_leaf:
@@ -462,3 +486,32 @@ class Referee:
                 return self._finish((), f"{a.name} could not be recomputed: {exc}", **where)
         liars = tuple(p for p in PARTIES if records[p].output != expected)
         return self._finish(liars, "output differs from the referee's", **where)
+
+    def _graph_dispute(
+        self, records: list[OpRecord], prev: OpRecord | None, where: dict
+    ) -> list[Action]:
+        """The two records differ in name, inputs or attrs: which graph is the program's?
+
+        Both state records hash what they bind (checked on arrival): equal outputs are two
+        equivalent bindings and nobody lied about the state. Otherwise, when the step's graph is
+        the same every step (``RefereeConfig.same_program_every_step``), the agreed previous
+        step's record at this index is the program: the one provider that departs from it loses.
+        Step 0 has no previous step, so a graph dispute there stays undecided.
+        """
+        a, b = records
+        if a.name == b.name:
+            where["op_name"] = a.name
+        if a.name == b.name == STATE_OP and a.output == b.output:
+            return self._finish((), "equivalent state bindings", **where)
+        if self.config.same_program_every_step and prev is not None:
+            faithful = [p for p in PARTIES if _structure(records[p]) == _structure(prev)]
+            if len(faithful) == 1:
+                liar = 1 - faithful[0]
+                where["op_name"] = records[liar].name
+                return self._finish((liar,), "operator graph differs from the previous step's",
+                                    **where)  # fmt: skip
+        return self._finish((), "the providers disagree on the operator graph", **where)
+
+
+def _structure(record: OpRecord) -> tuple[str, tuple[int, ...], bytes]:
+    return record.name, record.inputs, record.attrs

@@ -90,7 +90,8 @@ class OpOpenAnswer(Message):
     """Record ``index``, its inputs' records (proved in the agreed prefix) and tensors.
 
     ``tensors`` are the inputs' values, empty for leaves and the state record (whose check needs
-    hashes only); ``state_names``/``state_hashes`` are the state before the step, for a leaf.
+    hashes only); ``state_names``/``state_hashes`` are the state before the step, for a leaf;
+    ``prev_record`` settles a disagreement on the graph itself (see ``Referee``).
     """
 
     record: bytes
@@ -100,6 +101,8 @@ class OpOpenAnswer(Message):
     tensors: list[bytes]
     state_names: list[str]
     state_hashes: list[bytes]
+    prev_record: bytes  # record ``index`` of the previous step (b"" at step 0 or past its end)
+    prev_path: list[bytes]
 
 
 QUERY_TYPES: dict[type[Message], str] = {

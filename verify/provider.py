@@ -1,10 +1,11 @@
 """A provider's side of the dispute game: run a task, commit to it, answer the referee.
 
-``Provider.run()`` executes the S steps with a ``TracedStep``, keeps the state before every step
-(what any step is recomputed from) and per step only its leaf and the proof of its state record;
-traces are not kept. A query about the operators of step s recomputes that step from the stored
-state (one step of compute, the same deterministic result) and keeps that one trace until a query
-about another step arrives. Memory: S + 1 states plus one step's outputs.
+``Provider.run()`` executes the S steps with a ``TracedStep`` and keeps the state before every
+step (what any step is recomputed from) and each step's records and their tree (hashes and attrs,
+about 100 bytes a record), never the operators' outputs. Prefix and proof queries are answered
+from those; only an operator opening needs tensors: it recomputes that step from the stored state
+(one step of compute, the same deterministic result) and keeps that one step's outputs until
+another step is opened. Memory: S + 1 states, S record lists, one step's outputs.
 
 ``tamper=(step, op)`` makes this provider a cheater for tests and the demo: it flips one output bit
 of record ``op`` at step ``step`` (the contract's ``tamper_op``), consistently in its run and in
@@ -24,6 +25,7 @@ from p2p import Message
 from verify.commit import (
     STATE_OP,
     Commitment,
+    MerkleTree,
     StepLeaf,
     StepTrace,
     TaskSpec,
@@ -42,7 +44,7 @@ from verify.dispute_wire import (
     StepOpenQuery,
     StepPrefixQuery,
 )
-from verify.trace import TracedStep, canonical_bytes, state_hash, tensor_hash
+from verify.trace import OpRecord, TracedStep, canonical_bytes, state_hash, tensor_hash
 
 
 class Provider:
@@ -61,7 +63,8 @@ class Provider:
         self.tamper = tamper
         self.states: list[dict[str, np.ndarray]] = [dict(start_state)]
         self.leaves: list[StepLeaf] = []
-        self._last: list[tuple[bytes, list[bytes]]] = []  # per step: state record, its path
+        self.records: list[list[OpRecord]] = []  # per step, with its tree: no outputs
+        self.trees: list[MerkleTree] = []
         self._cached: StepTrace | None = None
         self.steps_recomputed = 0
 
@@ -76,12 +79,12 @@ class Provider:
             step = len(self.leaves)
             trace = self._traced(step)
             self.leaves.append(trace.leaf)
-            n = len(trace.records)
-            self._last.append((encode_record(trace.records[-1]), trace.tree.prove(n - 1)))
+            self.records.append(trace.records)
+            self.trees.append(trace.tree)
             self.states.append(
                 {name: np.asarray(value) for name, value in self._state_after(trace).items()}
             )
-            self._cached = trace
+            self._cached = None  # drop the outputs: only openings need them, recomputed
         self.tree = task_tree(self.leaves)
         return self.commitment
 
@@ -133,17 +136,19 @@ class Provider:
             prev_leaf, prev_path = b"", []
             if s:
                 prev_leaf, prev_path = self.leaves[s - 1].encode(), self.tree.prove(s - 1, s)
-            last, last_path = self._last[s]
+            n = len(self.records[s])
             return StepOpenAnswer(
                 self.leaves[s].encode(),
                 self.tree.prove(s, s + 1),
                 prev_leaf,
                 prev_path,
-                last,
-                last_path,
+                encode_record(self.records[s][-1]),
+                self.trees[s].prove(n - 1),
             )
         if isinstance(query, OpPrefixQuery):
-            tree = self.trace(query.step).tree
+            if not 0 <= query.step < self.task.steps:
+                raise ValueError(f"no step {query.step}")
+            tree = self.trees[query.step]
             if not 0 <= query.size <= len(tree):
                 raise ValueError(f"no prefix of {query.size} records")
             return PrefixAnswer(tree.prefix_root(query.size), tree.prove_consistency(query.size))
@@ -166,6 +171,10 @@ class Provider:
             before = self.states[step]
             names = sorted(before)
             hashes = [tensor_hash(before[name]) for name in names]
+        prev_record, prev_path = b"", []
+        if step and index < len(self.records[step - 1]):
+            prev_record = encode_record(self.records[step - 1][index])
+            prev_path = self.trees[step - 1].prove(index)
         return OpOpenAnswer(
             encode_record(record),
             trace.tree.prove(index, index + 1),
@@ -174,4 +183,6 @@ class Provider:
             tensors,
             names,
             hashes,
+            prev_record,
+            prev_path,
         )

@@ -45,7 +45,12 @@ async def referee_against(addrs: list[multiaddr.Multiaddr], timeout_s: float) ->
     from dispute_peer import toy_task
 
     toy, _, task = toy_task(STEPS, 2)
-    referee = Referee(task, run_op, leaf_oracle=toy.data_leaf_hash, config=RefereeConfig(timeout_s))
+    referee = Referee(
+        task,
+        run_op,
+        leaf_oracle=toy.data_leaf_hash,
+        config=RefereeConfig(timeout_s, same_program_every_step=True),
+    )
     async with open_host(HostConfig(create_new_key_pair())) as host:
         peers = []
         for addr in addrs:

@@ -29,10 +29,3 @@ def test_cheater_named_and_honest_hash_independent_of_threads() -> None:
         "cheater", "step", "op", "rounds", "bytes", "referee_seconds", "task_seconds",
         "honest_final_hash",
     }  # fmt: skip
-
-
-def test_a_leaf_cannot_be_tampered_and_says_so() -> None:
-    argv = [sys.executable, "-m", "swarmtrain.verify_cmd", "verify", "--tiny", "--steps", "1"]
-    argv += ["--cheat-step", "0", "--cheat-op", "0"]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "is a leaf record" in done.stderr

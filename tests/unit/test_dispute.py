@@ -84,6 +84,7 @@ def play(
     cheat_step: Callable[..., StepResult] | None = None,
     meddle: dict[type[Message], Meddle] | None = None,
     through_wire: bool = False,
+    same_program: bool = True,
 ) -> Game:
     toy = ToyTask(layers=layers, data_seed=DATA_SEED)
     start = toy.initial_state(seed=1)
@@ -97,7 +98,8 @@ def play(
     for provider in providers:
         provider.run()
     recompute = CountingRecompute()
-    referee = Referee(task, recompute, leaf_oracle=toy.data_leaf_hash, config=RefereeConfig(10))
+    config = RefereeConfig(10, same_program_every_step=same_program)
+    referee = Referee(task, recompute, leaf_oracle=toy.data_leaf_hash, config=config)
     now = 0.0
     actions = referee.start(now)
     while True:
@@ -298,14 +300,43 @@ class WrongStart:
         return self.toy(state, step, tamper_op)
 
 
-def test_a_state_binding_to_the_wrong_record_is_a_graph_dispute() -> None:
+class OtherLearningRate(ToyTask):
+    """A cheater whose step uses another learning rate (other attrs) from ``step`` on."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(data_seed=DATA_SEED)
+        self.from_step = step
+
+    def __call__(
+        self, state: Mapping[str, np.ndarray], step: int, tamper_op: int | None = None
+    ) -> StepResult:
+        self.lr = 0.07 if step >= self.from_step else 0.05
+        return super().__call__(state, step, tamper_op)
+
+
+@pytest.mark.parametrize("same_program", [True, False])
+def test_a_state_binding_to_the_wrong_record_is_a_graph_dispute(same_program: bool) -> None:
     toy = ToyTask(data_seed=DATA_SEED)
-    game = play(4, cheat_step=StaleWeights(toy, 1))
+    game = play(4, cheat_step=StaleWeights(toy, 1), same_program=same_program)
     v = game.verdict
-    # The cheater's state record points w0 at its leaf: the graph itself differs, which one
-    # recomputed operator cannot settle; the game says so instead of naming someone.
-    assert v.cheaters == () and "operator graph" in v.reason and v.step == 1
-    assert game.recompute.calls == 0 and v.rounds <= game.bound()
+    # The cheater's state record points w0 at its leaf: the graph itself differs. Against the
+    # agreed graph of step 0 the cheater is named; without that rule nobody can be.
+    if same_program:
+        assert v.cheaters == (1,) and v.reason == "operator graph differs from the previous step's"
+        assert v.op_name == "commit:state"
+    else:
+        assert v.cheaters == () and "operator graph" in v.reason
+    assert v.step == 1 and game.recompute.calls == 0 and v.rounds <= game.bound()
+
+
+@pytest.mark.parametrize(("from_step", "named"), [(0, False), (1, True), (3, True)])
+def test_other_attrs_are_named_after_step_0_and_undecided_at_it(
+    from_step: int, named: bool
+) -> None:
+    game = play(4, cheat_step=OtherLearningRate(from_step), cheater=0)
+    v = game.verdict
+    assert v.step == from_step and v.op_name == "scale" and game.recompute.calls == 0
+    assert v.cheaters == ((0,) if named else ()), v
 
 
 def test_a_wrong_data_leaf_is_caught_by_the_data_oracle() -> None:
@@ -341,7 +372,7 @@ def test_garbage_answers_decode_or_raise_remote_protocol_error(data: bytes) -> N
 
 
 def test_an_oversized_opening_is_refused_by_its_limit() -> None:
-    big = OpOpenAnswer(b"", [], [], [], [b"\0" * (OpOpenAnswer.MAX_BYTES + 1)], [], [])
+    big = OpOpenAnswer(b"", [], [], [], [b"\0" * (OpOpenAnswer.MAX_BYTES + 1)], [], [], b"", [])
     with pytest.raises(LocalProtocolError):
         encode(big)
 
