@@ -133,6 +133,8 @@ class Elastic:
             return None
         agreed = agreed_state(self.records(), round_number - 1)
         members = set(agreed.holders if agreed else ()) | joiners | {self.me}
+        if len(members) < 2:
+            return None  # nobody to expect: the averager's own rule (wait for the deadline)
         log.info("round %d: %d joiner(s) announced; expecting %d peers", round_number,
                  len(joiners), len(members))  # fmt: skip
         return {PeerID.from_base58(p).to_bytes() for p in members}

@@ -271,9 +271,9 @@ def _train_round(
     summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
     summary.loss_last = mean_loss
     state_hash = diloco.state_hash()
+    elastic.fresh = False  # only the first round after adopting a state needs the expected set
     if ok:
         summary.rounds_contributed += 1
-        elastic.fresh = False
         elastic.serve_current()  # before the record that tells joiners to ask us for it
     else:
         summary.rounds_failed += 1
