@@ -1,12 +1,13 @@
 """A dispute-game provider in its own process, for tests/integration/test_dispute.py.
 
     python tests/integration/dispute_peer.py --steps S [--layers L] [--cheat-step K --cheat-op J]
-        [--silent-on QUERY]
+        [--silent-on QUERY] [--oversize-on QUERY]
 
 Runs the toy task (``verify.toytask``, data seed 5, start weights from seed 1), commits, serves
 the dispute protocols and prints one line ``READY <multiaddr>``. ``--silent-on OpOpenQuery``
-makes it never answer that query type (a provider that goes silent mid-dispute). Logs go to
-stderr. Runs until Ctrl+C.
+makes it never answer that query type (a provider that goes silent mid-dispute);
+``--oversize-on`` answers it with a frame header announcing 2 GiB. Logs go to stderr. Runs
+until Ctrl+C.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import struct
 import sys
 
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, Message, PeerID, open_host, serve_unary
+from p2p import HostConfig, Message, PeerID, RpcStream, Stream, open_host, serve_unary
 from verify.commit import TaskSpec
 from verify.dispute_driver import serve_provider
 from verify.dispute_wire import QUERY_TYPES
@@ -43,6 +45,7 @@ async def main() -> None:
     parser.add_argument("--cheat-step", type=int)
     parser.add_argument("--cheat-op", type=int)
     parser.add_argument("--silent-on", choices=[t.__name__ for t in QUERY_TYPES])
+    parser.add_argument("--oversize-on", choices=[t.__name__ for t in QUERY_TYPES])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -60,6 +63,15 @@ async def main() -> None:
                 raise AssertionError("unreachable")
 
             serve_unary(host, QUERY_TYPES[query_type], query_type, silent)
+        if args.oversize_on:
+            query_type = next(t for t in QUERY_TYPES if t.__name__ == args.oversize_on)
+
+            async def oversize(stream: Stream) -> None:
+                await RpcStream(stream).receive(query_type)
+                await stream.write(struct.pack(">I", 2**31) + b"\0" * 1024)
+                await trio.sleep_forever()  # the referee must not wait for the 2 GiB
+
+            host.set_handler(QUERY_TYPES[query_type], oversize)
         print("READY", host.addrs()[0], flush=True)
         await trio.sleep_forever()
 
