@@ -28,7 +28,8 @@ machine's clock), so matchmaking is excluded. The bandwidth-optimal limit is 2(N
 rate with bytes = 4 x numel (the float32 tensor; with a compressing codec the fraction can pass
 1). ``fraction`` = limit_s / median_s. Every peer's result digest must agree.
 
-``--trace``: each worker times every item it sends/receives and splits bulk sends into phases;
+``--trace``: each worker times every item it sends/receives, its bulk channel's opening and each
+payload's data phase;
 the bench prints a summary of the last measured round (and writes the raw records under
 ``--log-dir``). ``-v``: INFO logging in the workers (their stderr files are in ``--log-dir``,
 else a temporary folder kept on failure). The last stdout line is one JSON object with
@@ -263,10 +264,8 @@ def summarize_trace(replies: list[dict[str, Any]], t_formed: float) -> list[str]
         sends = [r for r in reply.get("trace", []) if r["dir"] == "send" and "t_data1" in r]
         if not sends:
             continue
-        offer = [r["t_accepted"] - r["t0"] for r in sends]
-        dial = [r["t_dialed"] - r["t_accepted"] for r in sends]
+        opens = [r["t_open1"] - r["t_open0"] for r in sends if "t_open1" in r] or [0.0]
         data = [r["t_data1"] - r["t_data0"] for r in sends]
-        outcome = [r["t_end"] - r["t_data1"] for r in sends]
         # per-destination gaps between one send's end and the next one's start
         gaps: list[float] = []
         by_peer: dict[str, list[dict[str, Any]]] = {}
@@ -278,10 +277,8 @@ def summarize_trace(replies: list[dict[str, Any]], t_formed: float) -> list[str]
         first = min(r["t0"] for r in sends) - t_formed
         out.append(
             f"  peer {rank}: {len(sends)} bulk sends, first {first * 1e3:.0f} ms after formed; "
-            f"median offer->accept {statistics.median(offer) * 1e3:.0f} ms, "
-            f"dial {statistics.median(dial) * 1e3:.0f} ms, "
-            f"data {statistics.median(data):.2f} s "
-            f"(sum {sum(data):.1f} s), outcome wait {statistics.median(outcome) * 1e3:.0f} ms; "
+            f"channel opens: median {statistics.median(opens) * 1e3:.0f} ms; "
+            f"data {statistics.median(data):.2f} s median (sum {sum(data):.1f} s); "
             f"gaps between sends to one peer: median "
             f"{statistics.median(gaps) * 1e3 if gaps else 0:.0f} ms, "
             f"sum {sum(gaps):.1f} s"

@@ -211,15 +211,15 @@ _current: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 
 
 def install_trace(records: list[dict[str, Any]]) -> None:
-    """Time each item send/receive and the phases of each bulk send (see the module docstring)."""
+    """Time each item send/receive, the bulk channel's opening and each payload's data phase."""
     import p2p.bulk as bulk_module
     from swarm import allreduce_session as session_module
 
     session = session_module.Session
     send_item, receive_item = session._send_item, session._receive_item
-    dial, run_stripes = bulk_module._dial_or_fall_back, bulk_module._run_stripes
+    open_channel, channel_send = session_module.open_channel, bulk_module.BulkChannel.send
 
-    async def traced_send(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
+    async def traced_send(self, rpc, direct, channel, order):  # type: ignore[no-untyped-def]
         record: dict[str, Any] = {
             "dir": "send",
             "peer": order.peer.hex()[-8:],
@@ -229,13 +229,13 @@ def install_trace(records: list[dict[str, Any]]) -> None:
         }
         token = _current.set(record)
         try:
-            await send_item(self, rpc, stream, direct, order)
+            return await send_item(self, rpc, direct, channel, order)
         finally:
             _current.reset(token)
             record["t_end"] = time.time()
             records.append(record)
 
-    async def traced_receive(self, peer, rpc, direct, item):  # type: ignore[no-untyped-def]
+    async def traced_receive(self, peer, rpc, direct, channel, item):  # type: ignore[no-untyped-def]
         record = {
             "dir": "recv",
             "peer": peer.hex()[-8:],
@@ -245,35 +245,28 @@ def install_trace(records: list[dict[str, Any]]) -> None:
             "t0": time.time(),
         }
         try:
-            return await receive_item(self, peer, rpc, direct, item)
+            return await receive_item(self, peer, rpc, direct, channel, item)
         finally:
             record["t_end"] = time.time()
             records.append(record)
 
-    async def traced_dial(*args, **kwargs):  # type: ignore[no-untyped-def]
-        record = _current.get()
-        if record is not None:
-            record["t_accepted"] = time.time()
-        try:
-            return await dial(*args, **kwargs)
-        finally:
+    def timed(original, start: str, stop: str):  # type: ignore[no-untyped-def]
+        async def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            record = _current.get()
             if record is not None:
-                record["t_dialed"] = time.time()
+                record[start] = time.time()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                if record is not None:
+                    record[stop] = time.time()
 
-    async def traced_stripes(*args, **kwargs):  # type: ignore[no-untyped-def]
-        record = _current.get()
-        if record is not None:
-            record["t_data0"] = time.time()
-        try:
-            return await run_stripes(*args, **kwargs)
-        finally:
-            if record is not None:
-                record["t_data1"] = time.time()
+        return wrapper
 
     session._send_item = traced_send
     session._receive_item = traced_receive
-    bulk_module._dial_or_fall_back = traced_dial
-    bulk_module._run_stripes = traced_stripes
+    session_module.open_channel = timed(open_channel, "t_open0", "t_open1")
+    bulk_module.BulkChannel.send = timed(channel_send, "t_data0", "t_data1")
 
 
 async def tcp_rtt_ms(ip: str, port: int, tries: int = 5) -> float:

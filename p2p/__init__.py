@@ -10,10 +10,13 @@ from p2p.bulk import (
     PROTOCOL as BULK_PROTOCOL,
 )
 from p2p.bulk import (
+    BulkChannel,
     BulkConfig,
     BulkListener,
     BulkReceived,
     BulkTransferFailed,
+    accept_channel,
+    open_channel,
     receive_array,
     receive_bulk,
     receive_tensor,
@@ -65,6 +68,7 @@ from p2p.wire import Message, decode, encode, message
 
 __all__ = [
     "BULK_PROTOCOL",
+    "BulkChannel",
     "BulkConfig",
     "BulkListener",
     "BulkReceived",
@@ -98,6 +102,7 @@ __all__ = [
     "SignedRecord",
     "Stream",
     "StreamEnded",
+    "accept_channel",
     "call_stream",
     "call_unary",
     "connection_kind",
@@ -109,6 +114,7 @@ __all__ = [
     "load_or_create_identity",
     "merge_records",
     "message",
+    "open_channel",
     "open_host",
     "open_node",
     "peer_id_from_public_key",

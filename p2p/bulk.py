@@ -14,12 +14,14 @@ point walks all four data modes in one function, in protocol order, for its side
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import trio
@@ -42,6 +44,7 @@ from p2p.bulk_frames import (
     Offer,
     Outcome,
     Reject,
+    TransferLayout,
     derive_session_key,
     encode_control,
 )
@@ -56,8 +59,10 @@ from p2p.bulk_io import (
     _read_control,
     _receive_on_stream,
     _receive_stripe,
+    _recv_into_exactly,
     _remote_ip,
     _run_stripes,
+    _send_all,
     _send_on_stream,
     _send_stripe,
     _write_control,
@@ -109,6 +114,287 @@ async def send_bulk(
     connection), ``LocalProtocolError`` (bad arguments).
     """
     source = memoryview(data).cast("B")
+    link = await _connect_as_sender(
+        stream, len(source), config.stripes, meta, direct, listener, config, peer_ids, remote_ip
+    )
+    if link.socks is not None:
+        key, layout, socks = link.key, link.layout, link.socks
+
+        async def send_one(stripe: int, sock: trio.socket.SocketType) -> None:
+            await _send_stripe(sock, BulkSender(key, layout, stripe), source, config.idle_timeout_s)
+
+        try:
+            await _run_stripes(socks, send_one)
+        except (OSError, trio.TooSlowError) as exc:
+            # The receiver usually closed on us because it found something wrong: get its reason.
+            verdict: ControlMessage | None = None
+            with trio.move_on_after(1.0):
+                try:
+                    verdict = await _read_control(stream, None)
+                except Exception as read_exc:
+                    log.debug("no verdict from the receiver: %r", read_exc)
+            if isinstance(verdict, Outcome) and not verdict.ok:
+                raise RemoteError("transfer_failed", verdict.reason) from exc
+            raise _io_failure("sending bulk data", exc) from None
+    else:
+        await _send_on_stream(stream, source, config)
+
+    outcome = await _read_control(stream, config.idle_timeout_s)
+    if not isinstance(outcome, Outcome):
+        raise RemoteProtocolError(f"expected Outcome, got {type(outcome).__name__}")
+    if not outcome.ok:
+        raise RemoteError("transfer_failed", outcome.reason)
+    return link.mode
+
+
+async def receive_bulk(
+    stream: ByteStream,
+    *,
+    direct: bool,
+    listener: BulkListener | None = None,
+    config: BulkConfig = DEFAULT_CONFIG,
+    check_meta: Callable[[bytes, int], None] | None = None,
+    into: bytearray | memoryview | None = None,
+    peer_ids: tuple[bytes, bytes] | None = None,
+    remote_ip: str | None = None,
+) -> BulkReceived:
+    """Receive one transfer that the peer at the other end of ``stream`` sends with
+    ``send_bulk``. The caller owns ``stream`` and closes it.
+
+    ``listener``: ours, where the sender should dial (preferred over dialing the sender's).
+    ``check_meta(meta, total_bytes)`` runs before the payload is allocated; it raises
+    ``RemoteProtocolError`` to refuse. ``into``: a writable byte buffer to receive into (exactly
+    ``total_bytes`` long, else the offer is refused) instead of a fresh one. Returns
+    ``BulkReceived`` with every byte authenticated.
+    Raises ``RemoteProtocolError`` (malformed, tampered, truncated or oversized input; the sender
+    is told why), ``BulkTransferFailed`` (timeout, lost connection, failed dial).
+    """
+    offer = await _read_control(stream, config.control_timeout_s)
+    if not isinstance(offer, Offer):
+        raise RemoteProtocolError(f"expected Offer, got {type(offer).__name__}")
+    try:
+        if offer.total_bytes > config.max_bytes:
+            raise RemoteProtocolError(
+                f"offer of {offer.total_bytes} bytes exceeds our limit {config.max_bytes}"
+            )
+        if offer.meta == CHANNEL_META:
+            raise RemoteProtocolError("a channel was offered where one transfer was expected")
+        if listener is not None and listener.is_pending(offer.transfer_id):
+            raise RemoteProtocolError("transfer id already in use")
+        if check_meta is not None:
+            check_meta(offer.meta, offer.total_bytes)
+        if into is not None and len(into) != offer.total_bytes:
+            raise RemoteProtocolError(f"offer of {offer.total_bytes} bytes, expected {len(into)}")
+    except RemoteProtocolError as exc:
+        await _write_control(stream, Reject(str(exc)[:200]), config.control_timeout_s)
+        raise
+
+    dest = into if into is not None else bytearray(offer.total_bytes)
+    try:
+        link = await _connect_as_receiver(
+            stream, offer, direct, listener, config, peer_ids, remote_ip
+        )
+        if link.socks is not None:
+            key, layout = link.key, link.layout
+
+            async def receive_one(stripe: int, sock: trio.socket.SocketType) -> None:
+                await _receive_stripe(
+                    sock, BulkReceiver(key, layout, stripe), dest, config.idle_timeout_s
+                )
+
+            try:
+                await _run_stripes(link.socks, receive_one)
+            except (OSError, trio.TooSlowError) as exc:
+                raise _io_failure("receiving bulk data", exc) from None
+        else:
+            await _receive_on_stream(stream, dest, config)
+    except (RemoteProtocolError, BulkTransferFailed) as exc:
+        with trio.move_on_after(config.control_timeout_s):
+            try:
+                await stream.write(encode_control(Outcome(False, str(exc)[:200])))
+            except Exception as write_exc:
+                log.debug("could not tell the sender why: %r", write_exc)
+        raise
+    await _write_control(stream, Outcome(True), config.control_timeout_s)
+    return BulkReceived(offer.meta, dest, link.mode)
+
+
+# ---------------------------------------------------------------------------------------------
+# Channels: many payloads, one negotiation
+
+
+CHANNEL_META = b"swarmtrain/bulk-channel/1"
+_READY = b"\x01"
+
+
+class BulkChannel:
+    """Payloads sent back to back over one negotiated data connection, in order.
+
+    ``send_bulk`` pays a negotiation (offer, accept, dial: two to three round trips), a fresh
+    TCP connection (slow start) and a confirmation round trip per payload; on a 50 ms link that
+    idles each pair for most of a second per payload. A channel pays them once: afterwards a
+    payload is frames on a warm connection, and the next one follows without waiting. Both ends
+    count payloads, and each payload's frames are sealed under its own key (derived from the
+    channel key and its index), so frames cannot be replayed or moved between payloads; its END
+    frame checks its length. Over a relayed connection the payloads ride the libp2p stream.
+
+    There is no per-payload confirmation: the caller's own protocol says when the receiver has
+    what it needs. ``send``/``receive`` must each be called from one task at a time. Raises as
+    ``send_bulk`` / ``receive_bulk`` do; after any error the channel is unusable (close it).
+    """
+
+    def __init__(self, stream: ByteStream, link: _Link, config: BulkConfig) -> None:
+        self.stream = stream
+        self.mode = link.mode
+        self._key = link.key
+        self._sock = None if link.socks is None else link.socks[0]
+        self._config = config
+        self._sent = 0
+        self._received = 0
+        self._broken = False
+
+    def _item_key(self, index: int) -> bytes:
+        return hmac.new(self._key, b"item" + index.to_bytes(8, "big"), hashlib.sha256).digest()
+
+    def _layout(self, nbytes: int) -> TransferLayout:
+        return TransferLayout(nbytes, self._config.frame_bytes, 1)
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send one payload; returns when its last byte is handed to the connection."""
+        source = memoryview(data).cast("B")
+        self._check()
+        index, self._sent = self._sent, self._sent + 1
+        self._broken = True  # until the payload is out whole
+        if self._sock is None:
+            await _send_on_stream(self.stream, source, self._config)
+        else:
+            sender = BulkSender(self._item_key(index), self._layout(len(source)), 0)
+            try:
+                await _send_stripe(self._sock, sender, source, self._config.idle_timeout_s)
+            except (OSError, trio.TooSlowError) as exc:
+                raise _io_failure("sending on the bulk channel", exc) from None
+        self._broken = False
+
+    async def receive(self, into: bytearray | memoryview) -> None:
+        """Receive the next payload into ``into``, which must be exactly its length (the
+        caller learned it from its own protocol and checked it before allocating)."""
+        dest = memoryview(into).cast("B")
+        self._check()
+        index, self._received = self._received, self._received + 1
+        self._broken = True
+        if self._sock is None:
+            await _receive_on_stream(self.stream, dest, self._config)
+        else:
+            receiver = BulkReceiver(self._item_key(index), self._layout(len(dest)), 0)
+            try:
+                await _receive_stripe(self._sock, receiver, dest, self._config.idle_timeout_s)
+            except (OSError, trio.TooSlowError) as exc:
+                raise _io_failure("receiving on the bulk channel", exc) from None
+        self._broken = False
+
+    def _check(self) -> None:
+        if self._broken:
+            raise LocalProtocolError("the bulk channel failed earlier; close it")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._broken = True
+
+
+async def open_channel(
+    stream: ByteStream,
+    *,
+    direct: bool,
+    listener: BulkListener | None = None,
+    config: BulkConfig = DEFAULT_CONFIG,
+    peer_ids: tuple[bytes, bytes] | None = None,
+    remote_ip: str | None = None,
+) -> BulkChannel:
+    """The sending end of a ``BulkChannel`` to the peer running ``accept_channel`` on ``stream``
+    (arguments as ``send_bulk``'s). Raises ``RemoteError`` if the peer refuses."""
+    link = await _connect_as_sender(
+        stream, 0, 1, CHANNEL_META, direct, listener, config, peer_ids, remote_ip
+    )
+    if link.socks is not None:
+        sock = link.socks[0]
+        assert sock is not None
+        ready = bytearray(len(_READY))
+        try:
+            with trio.fail_after(config.control_timeout_s):
+                got = await _recv_into_exactly(sock, memoryview(ready))
+        except (OSError, trio.TooSlowError) as exc:
+            _close_all(link.socks)
+            raise _io_failure("opening the bulk channel", exc) from None
+        if got != len(_READY) or ready != _READY:
+            _close_all(link.socks)
+            raise RemoteProtocolError("the receiver did not confirm the bulk channel")
+    return BulkChannel(stream, link, config)
+
+
+async def accept_channel(
+    stream: ByteStream,
+    *,
+    direct: bool,
+    listener: BulkListener | None = None,
+    config: BulkConfig = DEFAULT_CONFIG,
+    peer_ids: tuple[bytes, bytes] | None = None,
+    remote_ip: str | None = None,
+) -> BulkChannel:
+    """The receiving end of a channel the peer opens with ``open_channel`` on ``stream``."""
+    offer = await _read_control(stream, config.control_timeout_s)
+    if not isinstance(offer, Offer):
+        raise RemoteProtocolError(f"expected Offer, got {type(offer).__name__}")
+    reason = None
+    if offer.meta != CHANNEL_META or offer.total_bytes or offer.stripe_count != 1:
+        reason = "expected a channel offer (its meta, no bytes, one stripe)"
+    elif listener is not None and listener.is_pending(offer.transfer_id):
+        reason = "transfer id already in use"
+    if reason is not None:
+        await _write_control(stream, Reject(reason), config.control_timeout_s)
+        raise RemoteProtocolError(reason)
+    link = await _connect_as_receiver(stream, offer, direct, listener, config, peer_ids, remote_ip)
+    if link.socks is not None:
+        # We stopped reading the control stream for a Fallback (connecting does that): only now
+        # may the sender write its next message there, so it waits for this byte.
+        sock = link.socks[0]
+        assert sock is not None
+        try:
+            with trio.fail_after(config.control_timeout_s):
+                await _send_all(sock, memoryview(_READY))
+        except (OSError, trio.TooSlowError) as exc:
+            _close_all(link.socks)
+            raise _io_failure("opening the bulk channel", exc) from None
+    return BulkChannel(stream, link, replace(config, frame_bytes=offer.frame_bytes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Negotiation: who connects to whom, shared by transfers and channels
+
+
+@dataclass(slots=True)
+class _Link:
+    """A negotiated data path: its key, mode, and connections (None: the libp2p stream)."""
+
+    key: bytes
+    layout: TransferLayout
+    mode: DataMode
+    socks: list[trio.socket.SocketType | None] | None
+
+
+async def _connect_as_sender(
+    stream: ByteStream,
+    total_bytes: int,
+    stripes: int,
+    meta: bytes,
+    direct: bool,
+    listener: BulkListener | None,
+    config: BulkConfig,
+    peer_ids: tuple[bytes, bytes] | None,
+    remote_ip: str | None,
+) -> _Link:
+    """Offer, read the answer, and connect the way the receiver chose (walks all four modes)."""
     local_id, remote_id = peer_ids or _peer_ids(stream)
     share = os.urandom(32)
     our_port = listener.port if (listener is not None and direct) else 0
@@ -119,15 +405,15 @@ async def send_bulk(
         punch_socks: list[trio.socket.SocketType] = []
         if direct and not our_port and ip is not None:
             try:
-                punch_socks = await _open_punch_ports(ip, config.stripes)
+                punch_socks = await _open_punch_ports(ip, stripes)
             except OSError as exc:
                 log.warning("cannot open bulk punch ports (%r): not offering a punch", exc)
             registration.callback(_close_all, list(punch_socks))
         offer = Offer(
             os.urandom(16),
-            len(source),
+            total_bytes,
             config.frame_bytes,
-            config.stripes,
+            stripes,
             share,
             direct,
             our_port,
@@ -161,8 +447,6 @@ async def send_bulk(
             socks = await _dial_or_fall_back(
                 stream, remote_ip, reply.listen_port, key, offer.transfer_id, layout, config
             )
-            if socks is None:
-                mode = DataMode.STREAM
         elif mode is DataMode.DIAL_SENDER:
             if pending is None:
                 raise RemoteProtocolError("receiver chose DIAL_SENDER but we offered no listener")
@@ -172,7 +456,6 @@ async def send_bulk(
                 log.warning(
                     "receiver could not dial us (%s); using the libp2p stream", arrived.reason
                 )
-                mode = DataMode.STREAM
             else:
                 socks = list(arrived)
                 pending.socks = [None] * layout.stripe_count  # now ours to close
@@ -190,79 +473,20 @@ async def send_bulk(
                 layout,
                 config,
             )
-            if socks is None:
-                mode = DataMode.STREAM
-
-    if socks is not None:
-
-        async def send_one(stripe: int, sock: trio.socket.SocketType) -> None:
-            await _send_stripe(sock, BulkSender(key, layout, stripe), source, config.idle_timeout_s)
-
-        try:
-            await _run_stripes(socks, send_one)
-        except (OSError, trio.TooSlowError) as exc:
-            # The receiver usually closed on us because it found something wrong: get its reason.
-            verdict: ControlMessage | None = None
-            with trio.move_on_after(1.0):
-                try:
-                    verdict = await _read_control(stream, None)
-                except Exception as read_exc:
-                    log.debug("no verdict from the receiver: %r", read_exc)
-            if isinstance(verdict, Outcome) and not verdict.ok:
-                raise RemoteError("transfer_failed", verdict.reason) from exc
-            raise _io_failure("sending bulk data", exc) from None
-    else:
-        await _send_on_stream(stream, source, config)
-
-    outcome = await _read_control(stream, config.idle_timeout_s)
-    if not isinstance(outcome, Outcome):
-        raise RemoteProtocolError(f"expected Outcome, got {type(outcome).__name__}")
-    if not outcome.ok:
-        raise RemoteError("transfer_failed", outcome.reason)
-    return mode
+    return _Link(key, layout, mode if socks is not None else DataMode.STREAM, socks)
 
 
-async def receive_bulk(
+async def _connect_as_receiver(
     stream: ByteStream,
-    *,
+    offer: Offer,
     direct: bool,
-    listener: BulkListener | None = None,
-    config: BulkConfig = DEFAULT_CONFIG,
-    check_meta: Callable[[bytes, int], None] | None = None,
-    into: bytearray | memoryview | None = None,
-    peer_ids: tuple[bytes, bytes] | None = None,
-    remote_ip: str | None = None,
-) -> BulkReceived:
-    """Receive one transfer that the peer at the other end of ``stream`` sends with
-    ``send_bulk``. The caller owns ``stream`` and closes it.
-
-    ``listener``: ours, where the sender should dial (preferred over dialing the sender's).
-    ``check_meta(meta, total_bytes)`` runs before the payload is allocated; it raises
-    ``RemoteProtocolError`` to refuse. ``into``: a writable byte buffer to receive into (exactly
-    ``total_bytes`` long, else the offer is refused) instead of a fresh one. Returns
-    ``BulkReceived`` with every byte authenticated.
-    Raises ``RemoteProtocolError`` (malformed, tampered, truncated or oversized input; the sender
-    is told why), ``BulkTransferFailed`` (timeout, lost connection, failed dial).
-    """
+    listener: BulkListener | None,
+    config: BulkConfig,
+    peer_ids: tuple[bytes, bytes] | None,
+    remote_ip: str | None,
+) -> _Link:
+    """Choose the data mode for ``offer``, answer, and connect (walks all four modes)."""
     local_id, remote_id = peer_ids or _peer_ids(stream)
-    offer = await _read_control(stream, config.control_timeout_s)
-    if not isinstance(offer, Offer):
-        raise RemoteProtocolError(f"expected Offer, got {type(offer).__name__}")
-    try:
-        if offer.total_bytes > config.max_bytes:
-            raise RemoteProtocolError(
-                f"offer of {offer.total_bytes} bytes exceeds our limit {config.max_bytes}"
-            )
-        if check_meta is not None:
-            check_meta(offer.meta, offer.total_bytes)
-        if listener is not None and listener.is_pending(offer.transfer_id):
-            raise RemoteProtocolError("transfer id already in use")
-        if into is not None and len(into) != offer.total_bytes:
-            raise RemoteProtocolError(f"offer of {offer.total_bytes} bytes, expected {len(into)}")
-    except RemoteProtocolError as exc:
-        await _write_control(stream, Reject(str(exc)[:200]), config.control_timeout_s)
-        raise
-
     share = os.urandom(32)
     key = derive_session_key(
         sender_share=offer.share,
@@ -272,7 +496,6 @@ async def receive_bulk(
         transfer_id=offer.transfer_id,
     )
     layout = offer.layout
-    dest = into if into is not None else bytearray(offer.total_bytes)
     ip = remote_ip or _remote_ip(stream)
     punch_socks: list[trio.socket.SocketType] = []
     if not (direct and offer.direct):
@@ -297,76 +520,49 @@ async def receive_bulk(
         tuple(sock.getsockname()[1] for sock in punch_socks),
     )
 
-    try:
-        socks: list[trio.socket.SocketType | None] | None = None
-        if mode is DataMode.DIAL_RECEIVER:
-            assert listener is not None
-            # Register before answering, so a fast sender's connection finds its transfer.
-            with listener.expect(offer.transfer_id, layout.stripe_count, key) as pending:
-                await _write_control(stream, accept, config.control_timeout_s)
-                arrived = await _await_connections(pending, stream, config)
-                if isinstance(arrived, Fallback):
-                    log.warning(
-                        "sender could not dial us (%s); using the libp2p stream", arrived.reason
-                    )
-                    mode = DataMode.STREAM
-                else:
-                    socks = list(arrived)
-                    pending.socks = [None] * layout.stripe_count
-        elif mode is DataMode.PUNCH:
-            assert ip is not None
-            try:
-                await _write_control(stream, accept, config.control_timeout_s)
-                punched = await _punch_as_receiver(
-                    stream,
-                    ip,
-                    punch_socks,
-                    offer.punch_ports,
-                    key,
-                    offer.transfer_id,
-                    layout,
-                    config,
-                )
-            finally:
-                _close_all(list(punch_socks))
-            if isinstance(punched, Fallback):
-                log.warning(
-                    "punch with the sender failed (%s); using the libp2p stream", punched.reason
-                )
-                mode = DataMode.STREAM
-            else:
-                socks = list(punched)
-        else:
+    socks: list[trio.socket.SocketType | None] | None = None
+    if mode is DataMode.DIAL_RECEIVER:
+        assert listener is not None
+        # Register before answering, so a fast sender's connection finds its transfer.
+        with listener.expect(offer.transfer_id, layout.stripe_count, key) as pending:
             await _write_control(stream, accept, config.control_timeout_s)
-            if mode is DataMode.DIAL_SENDER:
-                socks = await _dial_or_fall_back(
-                    stream, remote_ip, offer.listen_port, key, offer.transfer_id, layout, config
+            arrived = await _await_connections(pending, stream, config)
+            if isinstance(arrived, Fallback):
+                log.warning(
+                    "sender could not dial us (%s); using the libp2p stream", arrived.reason
                 )
-                if socks is None:
-                    mode = DataMode.STREAM
-
-        if socks is not None:
-
-            async def receive_one(stripe: int, sock: trio.socket.SocketType) -> None:
-                await _receive_stripe(
-                    sock, BulkReceiver(key, layout, stripe), dest, config.idle_timeout_s
-                )
-
-            try:
-                await _run_stripes(socks, receive_one)
-            except (OSError, trio.TooSlowError) as exc:
-                raise _io_failure("receiving bulk data", exc) from None
+            else:
+                socks = list(arrived)
+                pending.socks = [None] * layout.stripe_count
+    elif mode is DataMode.PUNCH:
+        assert ip is not None
+        try:
+            await _write_control(stream, accept, config.control_timeout_s)
+            punched = await _punch_as_receiver(
+                stream,
+                ip,
+                punch_socks,
+                offer.punch_ports,
+                key,
+                offer.transfer_id,
+                layout,
+                config,
+            )
+        finally:
+            _close_all(list(punch_socks))
+        if isinstance(punched, Fallback):
+            log.warning(
+                "punch with the sender failed (%s); using the libp2p stream", punched.reason
+            )
         else:
-            await _receive_on_stream(stream, dest, config)
-    except (RemoteProtocolError, BulkTransferFailed) as exc:
-        with trio.move_on_after(config.control_timeout_s):
-            try:
-                await stream.write(encode_control(Outcome(False, str(exc)[:200])))
-            except Exception as write_exc:
-                log.debug("could not tell the sender why: %r", write_exc)
-        raise
-    await _write_control(stream, Outcome(True), config.control_timeout_s)
-    return BulkReceived(offer.meta, dest, mode)
+            socks = list(punched)
+    else:
+        await _write_control(stream, accept, config.control_timeout_s)
+        if mode is DataMode.DIAL_SENDER:
+            socks = await _dial_or_fall_back(
+                stream, remote_ip, offer.listen_port, key, offer.transfer_id, layout, config
+            )
+    return _Link(key, layout, mode if socks is not None else DataMode.STREAM, socks)
 
 
 # ---------------------------------------------------------------------------------------------

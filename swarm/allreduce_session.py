@@ -6,8 +6,10 @@ Wire, per ordered pair of group members (sender -> receiver), one libp2p stream 
     ( Item(kind, part, weight, contributors, nbytes, inline)  [payload over the bulk plane] )*
     Done()                       -- the sender finished; it may still forward parts after this
 
-An item's payload rides inline when small, else ``p2p.send_bulk`` on the same stream (a TCP data
-connection when the libp2p connection is direct, the stream itself when relayed). One stream per
+An item's payload rides inline when small, else on the pair's ``p2p.BulkChannel``, negotiated on
+the stream at the first big payload (a TCP data connection when the libp2p connection is direct,
+the stream itself when relayed) and reused for every later one: no handshake, dial or slow start
+per payload, and the next payload follows without waiting for a confirmation. One stream per
 pair keeps each pair's messages in order, which the machine's forwarding rule relies on (a forwarded
 reduced part arrives before the forwarder's own slice).
 
@@ -35,6 +37,7 @@ import numpy as np
 import trio
 
 from p2p import (
+    BulkChannel,
     BulkConfig,
     BulkTransferFailed,
     Message,
@@ -45,9 +48,9 @@ from p2p import (
     RpcStream,
     Stream,
     StreamEnded,
+    accept_channel,
     message,
-    receive_bulk,
-    send_bulk,
+    open_channel,
     stream_kind,
 )
 from swarm.allreduce import (
@@ -412,6 +415,7 @@ class Session:
     async def _send_loop(self, peer: bytes) -> None:
         outbox = self._outboxes[peer][1]
         stream: Stream | None = None
+        channel: BulkChannel | None = None
         try:
             peer_id = PeerID(peer)
             await self.node.reach(peer_id)
@@ -423,12 +427,14 @@ class Session:
                 if isinstance(order, Done):
                     await rpc.send(order)
                     continue
-                await self._send_item(rpc, stream, direct, order)
+                channel = await self._send_item(rpc, direct, channel, order)
         except (P2PError, OSError, BulkTransferFailed, trio.BrokenResourceError) as exc:
             self._peer_gone(peer, f"sending to it failed: {exc!r}")
         except Exception as exc:  # libp2p stream errors are not all P2PError
             self._peer_gone(peer, f"sending to it failed: {exc!r}")
         finally:
+            if channel is not None:
+                channel.close()
             if stream is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     try:
@@ -437,8 +443,13 @@ class Session:
                         log.debug("closing the stream to %s: %r", _short(peer), exc)
 
     async def _send_item(
-        self, rpc: RpcStream, stream: Stream, direct: bool, order: SendPart | SendReduced
-    ) -> None:
+        self,
+        rpc: RpcStream,
+        direct: bool,
+        channel: BulkChannel | None,
+        order: SendPart | SendReduced,
+    ) -> BulkChannel | None:
+        """Send one item; big payloads go over the pair's bulk channel, opened at the first."""
         if self._big:
             payload = await trio.to_thread.run_sync(self._payload, order)
         else:
@@ -463,15 +474,17 @@ class Session:
         await rpc.send(item)
         if not inline:
             with self._transfer(order.peer):
-                await send_bulk(
-                    stream,
-                    payload,
-                    direct=direct,
-                    listener=self.node.bulk_listener,
-                    config=self._bulk,
-                )
+                if channel is None:
+                    channel = await open_channel(
+                        rpc.stream,
+                        direct=direct,
+                        listener=self.node.bulk_listener,
+                        config=self._bulk,
+                    )
+                await channel.send(payload)
         self._last_heard[order.peer] = trio.current_time()
         self.bytes_sent += len(payload)
+        return channel
 
     # -- receivers -------------------------------------------------------------------------------
 
@@ -480,19 +493,24 @@ class Session:
         # Honest peers send each part's slice once, reduced parts a few times when reducers are
         # lost; anything beyond this bound is a flood.
         limit = 4 * len(self.parts) + 4
-        for _ in range(limit):
-            msg = await rpc.receive(Item, Done)
-            self._last_heard[peer] = trio.current_time()
-            if isinstance(msg, Done):
-                self._done_from.add(peer)
-                self._inbox_send.send_nowait(_Wake())
-                continue
-            event = await self._receive_item(peer, rpc, direct, msg)
-            self._inbox_send.send_nowait(event)
+        channel: list[BulkChannel] = []  # the pair's bulk channel, accepted at the first payload
+        try:
+            for _ in range(limit):
+                msg = await rpc.receive(Item, Done)
+                self._last_heard[peer] = trio.current_time()
+                if isinstance(msg, Done):
+                    self._done_from.add(peer)
+                    self._inbox_send.send_nowait(_Wake())
+                    continue
+                event = await self._receive_item(peer, rpc, direct, channel, msg)
+                self._inbox_send.send_nowait(event)
+        finally:
+            for opened in channel:
+                opened.close()
         raise RemoteProtocolError(f"more than {limit} items in one round")
 
     async def _receive_item(
-        self, peer: bytes, rpc: RpcStream, direct: bool, item: Item
+        self, peer: bytes, rpc: RpcStream, direct: bool, channel: list[BulkChannel], item: Item
     ) -> PartReceived | ReducedPartReceived:
         if item.kind not in (KIND_SLICE, KIND_REDUCED):
             raise RemoteProtocolError(f"unknown item kind {item.kind}")
@@ -512,11 +530,6 @@ class Session:
                 raise RemoteProtocolError(f"inline payload of {len(item.inline)} bytes")
             data: bytes | bytearray | memoryview = item.inline
         else:
-
-            def check(meta: bytes, total: int) -> None:
-                if total != expected:
-                    raise RemoteProtocolError(f"bulk offer of {total} bytes, expected {expected}")
-
             landing = False
             if _RAW_IS_NATIVE and self.layout.lossless_between(start, stop):
                 landing = item.kind == KIND_REDUCED and item.part_index not in self._landed
@@ -526,21 +539,23 @@ class Session:
                     raw = self._out[start:stop]
                 else:  # numpy's allocation: no zero fill, huge pages
                     raw = np.empty(stop - start, np.float32)
+            data = bytearray(expected) if raw is None else memoryview(raw).cast("B")
             try:
                 with self._transfer(peer):
-                    received = await receive_bulk(
-                        rpc.stream,
-                        direct=direct,
-                        listener=self.node.bulk_listener,
-                        config=replace(self._bulk, max_bytes=expected),
-                        check_meta=check,
-                        into=None if raw is None else memoryview(raw).cast("B"),
-                    )
+                    if not channel:
+                        channel.append(
+                            await accept_channel(
+                                rpc.stream,
+                                direct=direct,
+                                listener=self.node.bulk_listener,
+                                config=self._bulk,
+                            )
+                        )
+                    await channel[0].receive(data)
             finally:
                 if landing:
                     self._landing.discard(item.part_index)
             self._last_heard[peer] = trio.current_time()
-            data = received.data
         self.bytes_received += len(data)
         if raw is not None:
             values = raw  # the machine checks every part it is handed for NaN and inf

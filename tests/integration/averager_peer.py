@@ -34,7 +34,7 @@ import numpy as np
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, NodeConfig, PeerID, open_node, send_bulk
+from p2p import HostConfig, NodeConfig, PeerID, open_channel, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression
 from swarm import allreduce_session as session_module
 from swarm.allreduce import SendPart, SendReduced
@@ -53,18 +53,19 @@ def install_fault(spec: str | None) -> None:
 
     if kind == "exit-while-sending":
 
-        async def exit_after_first(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
-            await send_item(self, rpc, stream, direct, order)
+        async def exit_after_first(self, rpc, direct, channel, order):  # type: ignore[no-untyped-def]
+            channel = await send_item(self, rpc, direct, channel, order)
             if isinstance(order, SendPart):
                 os._exit(3)
+            return channel
 
         Session._send_item = exit_after_first
     elif kind == "slow-sending":
 
-        async def slow(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
+        async def slow(self, rpc, direct, channel, order):  # type: ignore[no-untyped-def]
             if isinstance(order, SendPart):
                 await trio.sleep(float(arg))
-            await send_item(self, rpc, stream, direct, order)
+            return await send_item(self, rpc, direct, channel, order)
 
         Session._send_item = slow
     elif kind in ("exit-while-reducing", "slow-reducing"):
@@ -79,9 +80,9 @@ def install_fault(spec: str | None) -> None:
         Session._apply = at_reduced
     elif kind == "garbage":
 
-        async def bad(self, rpc, stream, direct, order):  # type: ignore[no-untyped-def]
+        async def bad(self, rpc, direct, channel, order):  # type: ignore[no-untyped-def]
             if not isinstance(order, SendPart) or getattr(self, "_garbage_sent", False):
-                return await send_item(self, rpc, stream, direct, order)
+                return await send_item(self, rpc, direct, channel, order)
             self._garbage_sent = True
             start, stop = order.start, order.stop
             values = self._local[start:stop].copy()
@@ -99,7 +100,12 @@ def install_fault(spec: str | None) -> None:
             )
             await rpc.send(item)
             if not inline:
-                await send_bulk(stream, payload, direct=direct, listener=self.node.bulk_listener)
+                if channel is None:
+                    channel = await open_channel(
+                        rpc.stream, direct=direct, listener=self.node.bulk_listener
+                    )
+                await channel.send(payload)
+            return channel
 
         Session._send_item = bad
     else:

@@ -21,6 +21,8 @@ from p2p.bulk import (
     BulkConfig,
     BulkListener,
     BulkTransferFailed,
+    accept_channel,
+    open_channel,
     receive_array,
     receive_bulk,
     send_array,
@@ -42,8 +44,9 @@ from p2p.bulk_frames import (
     encode_control,
     seal_hello,
 )
-from p2p.errors import RemoteError, RemoteProtocolError
+from p2p.errors import LocalProtocolError, RemoteError, RemoteProtocolError
 from p2p.host import Host, HostConfig, open_host
+from p2p.wire import read_exactly
 
 MiB = 1 << 20
 TEST_DEADLINE_S = 90
@@ -410,3 +413,110 @@ async def test_relayed_connection_never_punches() -> None:
             )
     assert sent.unwrap() is DataMode.STREAM
     assert received.unwrap().mode is DataMode.STREAM
+
+
+# ---- channels: several payloads over one negotiation --------------------------------------
+
+
+CHANNEL_SIZES = (3 * MiB + 5, 17, 1 * MiB, 300_001)
+
+
+@pytest.mark.parametrize(
+    ("mode", "direct", "receiver_listens", "sender_listens"),
+    [
+        (DataMode.DIAL_RECEIVER, True, True, True),
+        (DataMode.DIAL_SENDER, True, False, True),
+        (DataMode.PUNCH, True, False, False),
+        (DataMode.STREAM, False, True, True),
+    ],
+)
+async def test_channel_carries_payloads_in_order_between_stream_messages(
+    mode: DataMode, direct: bool, receiver_listens: bool, sender_listens: bool
+) -> None:
+    """Each payload is announced by a length on the control stream right before it, as the
+    all-reduce does, so a control read racing the connection setup would corrupt the next."""
+    payloads = [os.urandom(n) for n in CHANNEL_SIZES]
+
+    async def send(stream: Any) -> DataMode:
+        listener = peers.sender_listener if sender_listens else None
+        channel = await open_channel(stream, direct=direct, listener=listener)
+        try:
+            for payload in payloads:
+                await stream.write(len(payload).to_bytes(4, "big"))
+                await channel.send(payload)
+        finally:
+            channel.close()
+        return channel.mode
+
+    async def receive(stream: Any) -> tuple[DataMode, list[bytes]]:
+        listener = peers.receiver_listener if receiver_listens else None
+        channel = await accept_channel(stream, direct=direct, listener=listener)
+        got = []
+        try:
+            for _ in payloads:
+                size = int.from_bytes(await read_exactly(stream, 4), "big")
+                buffer = bytearray(size)
+                await channel.receive(buffer)
+                got.append(bytes(buffer))
+        finally:
+            channel.close()
+        return channel.mode, got
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(peers, receive, send)
+    assert sent.unwrap() is mode
+    got_mode, got = received.unwrap()
+    assert got_mode is mode and got == payloads
+
+
+async def test_channel_and_single_transfer_refuse_each_others_offers() -> None:
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers,
+                lambda s: receive_bulk(s, direct=True, listener=peers.receiver_listener),
+                lambda s: open_channel(s, direct=True),
+            )
+            with pytest.raises(RemoteError, match="channel"):
+                sent.unwrap()
+            with pytest.raises(RemoteProtocolError):
+                received.unwrap()
+            received, sent = await exchange(
+                peers,
+                lambda s: accept_channel(s, direct=True, listener=peers.receiver_listener),
+                lambda s: send_bulk(s, b"x" * MiB, direct=True),
+            )
+            with pytest.raises(RemoteError, match="channel offer"):
+                sent.unwrap()
+            with pytest.raises(RemoteProtocolError):
+                received.unwrap()
+
+
+async def test_channel_payload_of_the_wrong_length_is_refused() -> None:
+    """The receiver's length (from its own protocol) disagrees with the sender's: the END frame
+    or the frame layout gives it away, and the channel refuses further use."""
+
+    async def send(stream: Any) -> None:
+        channel = await open_channel(stream, direct=True)
+        try:
+            await channel.send(os.urandom(2 * MiB))
+            await trio.sleep(1)  # keep the connection open while the receiver reads
+        finally:
+            channel.close()
+
+    async def receive(stream: Any) -> None:
+        channel = await accept_channel(stream, direct=True, listener=peers.receiver_listener)
+        try:
+            with pytest.raises(RemoteProtocolError):
+                await channel.receive(bytearray(MiB))
+            with pytest.raises(LocalProtocolError):
+                await channel.receive(bytearray(MiB))
+        finally:
+            channel.close()
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(peers, receive, send)
+    received.unwrap()
+    sent.unwrap()
