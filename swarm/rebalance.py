@@ -9,23 +9,27 @@ announcements and evaluates ``plan_move``, a pure function of (announcements, ep
 
 1. The *bottleneck* is the stage of lowest capacity (ties: lowest index). A stage with no server
    has capacity 0 and is always the bottleneck.
-2. A *donor* is any other stage that keeps at least ``min_servers_per_stage`` servers after giving
-   one away.
-3. Moving server x from donor s to bottleneck b changes two capacities: s loses x's effective
-   throughput, b gains x's *estimated* throughput there. Stages differ in cost, so the estimate
-   scales x's throughput by the ratio of the stages' median throughputs (a server twice as fast as
-   its peers at s is taken to be twice as fast as b's servers; ``stage_ratio``); with nobody at b
-   to compare, by 1.
-4. Candidates are tried in the order of ``sha256(epoch, peer id)`` within each donor; the chosen
-   move is the one that raises the minimum stage capacity most, ties broken by that order. It is
-   made only if it raises the minimum by more than ``min_gain`` (relative): no move otherwise.
+2. The *donor* is the stage of highest capacity among the others that keep at least
+   ``min_servers_per_stage`` servers after giving one away (the most over-provisioned).
+3. The *mover* is the donor's server that ranks first by ``sha256(epoch, peer id)``: the choice
+   depends on who is in the donor stage, not on the exact throughput figures, so two servers
+   whose reads differ only in a fresher measurement still name the same mover. The hash changes
+   every epoch, so the same server is not always the one that moves.
+4. Moving it changes two capacities: the donor loses its effective throughput, the bottleneck
+   gains its *estimated* throughput there. Stages differ in cost, so the estimate scales its
+   throughput by the ratio of the stages' median throughputs (a server twice as fast as its peers
+   at the donor is taken to be twice as fast as the bottleneck's servers; ``stage_ratio``); with
+   nobody at the bottleneck to compare, by 1. The move is made only if it raises the minimum
+   stage capacity by more than ``min_gain`` (relative); otherwise nobody moves this epoch (the
+   next epoch's hash may name a mover whose move pays).
 
 At most one server moves per epoch, and every server computes the same one from the same records:
 servers never stampede into the bottleneck together. Views can differ (a DHT read misses a fresh
-record); then two servers may each believe they are the mover, which costs one extra move that the
-next epoch sees and can undo only if undoing raises the minimum: every executed move strictly
-raises the minimum capacity as seen at that epoch, so with steady measurements moves cannot cycle.
-The hash order changes every epoch, so the same server is not always the one that moves.
+record, a stage count differs); then two servers may each believe they are the mover. Drivers make
+that rare: they use the records as stored for everyone (themselves included), sit out a few epochs
+after any planned move so the mover's new record spreads, and re-read before leaving. Every
+executed move strictly raises the minimum capacity as seen at that epoch, so with steady
+measurements moves cannot cycle.
 
 This module is sans-IO: no trio, libp2p, sockets, clocks or randomness.
 """
@@ -96,26 +100,24 @@ def plan_move(
     totals = stage_capacities(unique, config)
     bottleneck = min(range(config.num_stages), key=lambda s: (totals[s], s))
     min_before = totals[bottleneck]
-    best: tuple[float, bytes, Move] | None = None
-    for donor, members in enumerate(by_stage):
-        if donor == bottleneck or len(members) - 1 < config.min_servers_per_stage:
-            continue
-        scale = stage_ratio(by_stage[bottleneck], members)
-        for x in members:
-            after = list(totals)
-            after[donor] -= x.effective_throughput(config.relay_factor)
-            after[bottleneck] += x.throughput * scale * (config.relay_factor if x.relayed else 1)
-            min_after = min(after)
-            key = (-min_after, rank(epoch, x.peer_id))
-            if best is None or key < best[:2]:
-                move = Move(x.peer_id, donor, bottleneck, min_before, min_after)
-                best = (key[0], key[1], move)
-    if best is None:
+    donors = [
+        s
+        for s, members in enumerate(by_stage)
+        if s != bottleneck and len(members) - 1 >= config.min_servers_per_stage
+    ]
+    if not donors:
         return None
-    move = best[2]
-    if move.min_after <= min_before * (1 + config.min_gain) or move.min_after <= 0:
+    donor = max(donors, key=lambda s: (totals[s], -s))
+    members = by_stage[donor]
+    mover = min(members, key=lambda a: rank(epoch, a.peer_id))
+    after = list(totals)
+    after[donor] -= mover.effective_throughput(config.relay_factor)
+    gain = mover.throughput * stage_ratio(by_stage[bottleneck], members)
+    after[bottleneck] += gain * (config.relay_factor if mover.relayed else 1.0)
+    min_after = min(after)
+    if min_after <= min_before * (1 + config.min_gain) or min_after <= 0:
         return None
-    return move
+    return Move(mover.peer_id, donor, bottleneck, min_before, min_after)
 
 
 def stage_ratio(

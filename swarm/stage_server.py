@@ -97,6 +97,7 @@ class StageServerConfig:
     matchmaking_timeout_s: float = 2.0
     rebalance_every_s: float | None = 3.0  # None: never move
     rebalance_after_s: float = 8.0  # let every server announce before anyone judges
+    rebalance_quiet_epochs: int = 2  # epochs nobody moves after a move was planned
     min_gain: float = 0.1
     relay_factor: float = 0.5
     relayed: bool | None = None  # None: relayed when we are private and hold relay slots
@@ -243,7 +244,7 @@ class StageServer:
         return await self.node.dht.store(key, value, time.time() + self.config.announce_ttl_s)
 
     async def read_servers(self) -> list[ServerAnnouncement]:
-        """Every server's announcement (ours as it is now, whatever the DHT holds of it)."""
+        """Every server's announcement as the DHT holds it (ours added if it holds none)."""
         try:
             records = await self.node.dht.get_records(servers_key(self.config.run_id), latest=True)
         except P2PError as exc:
@@ -252,7 +253,11 @@ class StageServer:
         found = decode_announcements(
             [(r.owner, r.value) for r in records.values()], num_stages=self.config.num_stages
         )
-        return [a for a in found if a.peer_id != self.me] + [self.announcement()]
+        # Our record as the others read it, not our fresher figures: every server must feed
+        # the rebalancing rule the same inputs. Ours only if the DHT has none of us yet.
+        if not any(a.peer_id == self.me for a in found):
+            found.append(self.announcement())
+        return found
 
     async def _announce_forever(self) -> None:
         while True:
@@ -514,15 +519,29 @@ class StageServer:
             relay_factor=self.config.relay_factor,
             min_gain=self.config.min_gain,
         )
+        quiet_until = -1
         while True:
             # Half a period off the epoch boundary: away from the averaging instants, which
             # fall on whole multiples of their own period.
             now = time.time()
             epoch = int(now // period_s) + 1
             await trio.sleep(max(0.0, (epoch + 0.5) * period_s - now))
+            if epoch <= quiet_until:
+                continue
             servers = await self.read_servers()
             move = plan_move(servers, epoch, rule)
-            if move is not None and move.peer_id == self.me and move.from_stage == self.stage:
+            if move is None:
+                continue
+            # Whoever moves, everyone who saw the move sits out the next epochs: the mover
+            # needs time to download, build and announce, and until its new record is read a
+            # stale view still counts it at its old stage and would pick a second mover there
+            # (enough of those empty a stage; measured here on a loaded 2-core box).
+            quiet_until = epoch + self.config.rebalance_quiet_epochs
+            if move.peer_id != self.me or move.from_stage != self.stage:
+                continue
+            # A second, fresh read must name us again before we leave.
+            again = plan_move(await self.read_servers(), epoch, rule)
+            if again is not None and again.peer_id == self.me:
                 await self.move_to(move.to_stage, servers, epoch=epoch)
 
     async def move_to(

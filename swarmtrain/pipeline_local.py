@@ -102,10 +102,11 @@ def cut_stages(model: Any, num_stages: int) -> list[Any]:
 
 
 class _Slowed:
-    """Wraps a stage so that each call sleeps ``factor - 1`` times its compute time: a slower
-    machine, as the stage server measures it (the sleep happens in its worker thread)."""
+    """Wraps a stage so that each call also sleeps ``delay_s``: a slower machine, as the stage
+    server measures it (the sleep happens in its worker thread). A fixed delay rather than a
+    multiple of the compute time, so the slowdown does not depend on the machine's load."""
 
-    def __new__(cls, module: Any, factor: float) -> Any:
+    def __new__(cls, module: Any, delay_s: float) -> Any:
         import torch
         from torch import nn
 
@@ -115,10 +116,8 @@ class _Slowed:
                 self.inner = module
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                started = time.perf_counter()
-                y = self.inner(x)
-                time.sleep((factor - 1) * (time.perf_counter() - started))
-                return y
+                time.sleep(delay_s)
+                return self.inner(x)
 
         return Slowed()
 
@@ -131,7 +130,7 @@ def stage_builder(
     context: int,
     lr: float,
     slow_stage: int | None = None,
-    slow_factor: float = 1.0,
+    slow_s: float = 0.0,
 ) -> Callable[[int], Any]:
     """``build_stage(k)`` for ``StageServer``: every call builds the same seeded parameters."""
 
@@ -147,8 +146,8 @@ def stage_builder(
             example = torch.zeros(batch_size, context, dtype=torch.int64)
         else:
             example = torch.zeros(batch_size, context, model.config.d_model)
-        if slow_stage == k and slow_factor > 1:
-            module = _Slowed(module, slow_factor)
+        if slow_stage == k and slow_s > 0:
+            module = _Slowed(module, slow_s)
         return StageModule(module, example, lambda params: torch.optim.Adam(params, lr=lr))
 
     return build
@@ -158,7 +157,7 @@ def stage_builder(
 
 
 def _emit(event: dict[str, Any]) -> None:
-    print(json.dumps(event), flush=True)
+    print(json.dumps({**event, "at": round(time.time(), 3)}), flush=True)
 
 
 def _node_config(join: str, identity: Path) -> Any:
@@ -186,7 +185,7 @@ def serve_role(opts: argparse.Namespace) -> int:
         context=opts.context,
         lr=opts.lr,
         slow_stage=opts.slow_stage,
-        slow_factor=opts.slow_factor,
+        slow_s=opts.slow_ms / 1000,
     )
     config = StageServerConfig(
         run_id=opts.run_id,
@@ -337,7 +336,7 @@ def _role_parser(role: str) -> argparse.ArgumentParser:
         p.add_argument("--rebalance-every-s", type=float, default=3.0)
         p.add_argument("--rebalance-after-s", type=float, default=8.0)
         p.add_argument("--slow-stage", type=int, default=None)
-        p.add_argument("--slow-factor", type=float, default=1.0)
+        p.add_argument("--slow-ms", type=float, default=0.0, help="delay per stage call")
     else:
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--microbatches", type=int, default=8)
@@ -545,8 +544,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="make stage K slower on every server (to watch rebalancing)",
     )  # fmt: skip
     parser.add_argument(
-        "--pipeline-slow-factor", type=float, default=4.0, metavar="F",
-        help="how much slower --pipeline-slow-stage runs [4]",
+        "--pipeline-slow-ms", type=float, default=100.0, metavar="MS",
+        help="delay per call of --pipeline-slow-stage, on every server that serves it [100]",
     )  # fmt: skip
     parser.add_argument(
         "--pipeline-timeout", type=float, default=None, metavar="SECONDS",
@@ -586,7 +585,7 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
     slow = []
     if args.pipeline_slow_stage is not None:
         slow = ["--slow-stage", str(args.pipeline_slow_stage)]
-        slow += ["--slow-factor", str(args.pipeline_slow_factor)]
+        slow += ["--slow-ms", str(args.pipeline_slow_ms)]
     verbose = ["-v"] if getattr(args, "verbose", False) else []
     lock = threading.Lock()
 
