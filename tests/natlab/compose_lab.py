@@ -300,6 +300,7 @@ class Image:
     workdir: str
     # /usr/local/bin/NAME -> the repository file the Dockerfile copies there
     binaries: dict[str, Path] = field(default_factory=dict)
+    copied: tuple[str, ...] = ()  # every COPY source, relative to the build context
 
 
 def _instructions(text: str) -> Iterator[tuple[str, str]]:
@@ -323,9 +324,10 @@ def load_dockerfile(path: Path) -> Image:
     env: dict[str, str] = {}
     workdir = "/"
     binaries: dict[str, Path] = {}
+    copied: list[str] = []
     for word, rest in _instructions(path.read_text()):
         if word == "FROM":  # a new stage starts from scratch
-            entrypoint, cmd, env, workdir, binaries = [], [], {}, "/", {}
+            entrypoint, cmd, env, workdir, binaries, copied = [], [], {}, "/", {}, []
         elif word in ("ENTRYPOINT", "CMD"):
             value = json.loads(rest) if rest.startswith("[") else ["/bin/sh", "-c", rest]
             if word == "ENTRYPOINT":
@@ -342,11 +344,12 @@ def load_dockerfile(path: Path) -> Image:
             workdir = str(Path(workdir) / rest)
         elif word == "COPY" and not rest.startswith("--"):
             *sources, target = shlex.split(rest)
+            copied += sources
             if len(sources) == 1 and target.startswith("/usr/local/bin/"):
                 binaries[target] = (path.parent / sources[0]).resolve()
     if not entrypoint and not cmd:
         raise ComposeError(f"{path}: no ENTRYPOINT or CMD")
-    return Image(entrypoint, cmd, env, workdir, binaries)
+    return Image(entrypoint, cmd, env, workdir, binaries, tuple(copied))
 
 
 # -- the lab --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ ships the real binary), which catches what PyYAML cannot (unknown keys, wrong ty
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import ipaddress
 import json
@@ -160,6 +161,37 @@ def test_compose_topology_trains(tmp_path: Path) -> None:
     # Every volunteer's connections left its LAN through its router's masquerade.
     for name, seen in counters.items():
         assert seen.get("nated", 0) > 0, (name, seen)
+
+
+def test_dockerfile_builds_what_the_compose_file_runs() -> None:
+    """What can be checked of the image without building it: it copies every package the
+    project installs (a package added to pyproject.toml but not here breaks `pip install .` in
+    the image), nothing it copies is missing or excluded by .dockerignore, and every program the
+    compose file starts by name is either copied into /usr/local/bin or installed by pip."""
+    image = load_dockerfile(DOCKERFILE)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = set(pyproject["tool"]["setuptools"]["packages"])
+    copied = {Path(source).parts[0] for source in image.copied}
+    assert packages <= copied, f"the Dockerfile does not COPY {sorted(packages - copied)}"
+    assert pyproject["project"]["readme"] in copied
+    ignored = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    for source in image.copied:
+        assert (ROOT / source).exists(), source
+        assert not any(fnmatch.fnmatch(source, pattern) for pattern in ignored), source
+    for target, source in image.binaries.items():
+        assert os.access(source, os.X_OK), f"{source} (copied to {target}) is not executable"
+    installed = set(pyproject["project"]["scripts"]) | {"python", "sh"}
+    provided = {Path(target).name for target in image.binaries} | installed
+    assert image.entrypoint[0] in provided, image.entrypoint
+    for service in load_compose(COMPOSE_FILE).services.values():
+        argv = service.command or []
+        words = shlex.split(argv[2]) if argv[:2] == ["sh", "-c"] else argv
+        program = words[1] if words[0] == "exec" else words[0]
+        assert program in provided, (service.name, argv)
 
 
 def _compose_binary() -> Path | None:
