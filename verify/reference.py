@@ -292,7 +292,11 @@ def run_op(name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray:
     """Recompute one recorded operator with the numpy kernels (a ``verify.trace.Recompute``)."""
     if name.startswith(LEAF_PREFIX) or name not in OPS:
         raise ValueError(f"no RepOps operator named {name!r}")
-    return np.asarray(OPS[name]([np.asarray(x) for x in inputs], decode_attrs(attrs)))
+    decoded = decode_attrs(attrs)
+    try:
+        return np.asarray(OPS[name]([np.asarray(x) for x in inputs], decoded))
+    except (TypeError, IndexError, KeyError, ValueError, OverflowError) as error:
+        raise ValueError(f"operator {name} cannot run on these inputs: {error}") from error
 
 
 def training_step_reference(

@@ -238,11 +238,16 @@ def step_loss(result: StepResult) -> float:
 def run_op(name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray:
     """Recompute one recorded operator from its inputs, bit for bit (``verify.trace.Recompute``).
 
-    Raises ValueError for a leaf or unknown name, or malformed attrs."""
+    Raises ValueError for a leaf or unknown name, malformed attrs, or inputs the operator cannot
+    take (wrong count, dtype or shape: what a lying provider may hand the referee)."""
     if name.startswith(LEAF_PREFIX) or name not in OPS:
         raise ValueError(f"no RepOps operator named {name!r}")
-    tensors = [torch.from_numpy(np.array(x, copy=True)) for x in inputs]
-    return OPS[name](tensors, decode_attrs(attrs)).numpy()
+    decoded = decode_attrs(attrs)
+    try:
+        tensors = [torch.from_numpy(np.array(x, copy=True)) for x in inputs]
+        return OPS[name](tensors, decoded).numpy()
+    except (RuntimeError, TypeError, IndexError, KeyError, ValueError, OverflowError) as error:
+        raise ValueError(f"operator {name} cannot run on these inputs: {error}") from error
 
 
 def nesterov_step(

@@ -242,6 +242,10 @@ def test_every_record_of_the_default_step_replays_through_run_op() -> None:
 def test_reference_run_op_agrees_with_torch_run_op() -> None:
     stepper, state = _small()
     result = stepper(state, 0)
+    # The untraced fast path computes the same state as the traced step.
+    inputs, targets = (torch.from_numpy(a) for a in stepper.batch(0))
+    fast, _ = train_step({k: _t(v) for k, v in state.items()}, inputs, targets, stepper.shape)
+    assert state_hash({k: v.numpy() for k, v in fast.items()}) == state_hash(result.state)
     for record in result.records:
         if not record.is_leaf:
             inputs = [result.outputs[i] for i in record.inputs]
@@ -281,6 +285,12 @@ def test_tamper_op_must_name_an_operator_of_the_step() -> None:
         stepper(state, 0, tamper_op=10**6)
     with pytest.raises(ValueError):
         run_op("leaf:inputs", [], b"")
+    with pytest.raises(ValueError):
+        run_op("linear", [np.zeros((2, 3), np.float32)], b"")  # two inputs missing
+    with pytest.raises(ValueError):
+        run_op("matmul", [np.zeros((2, 3), np.float32), np.zeros((4, 2), np.float32)], b"")
+    with pytest.raises(ValueError):
+        run_op("attention_probs", [np.zeros((4, 6), np.float32)], b"")  # no heads/batch attrs
     with pytest.raises(ValueError):
         stepper({k: v for k, v in state.items() if k != "adam.step"}, 0)
 
