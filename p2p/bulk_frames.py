@@ -50,7 +50,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESOCB3
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from p2p.errors import LocalProtocolError, RemoteProtocolError
+from p2p.errors import LocalProtocolError, RemoteProtocolError, StreamEnded
 
 KEY_BYTES = 32
 SHARE_BYTES = 32
@@ -311,9 +311,11 @@ class BulkReceiver:
         self._kind = FrameKind.DATA
         self.state = ReceiverState.RECV_HEADER
 
-    def _fail(self, message: str) -> RemoteProtocolError:
+    def _fail(
+        self, message: str, kind: type[RemoteProtocolError] = RemoteProtocolError
+    ) -> RemoteProtocolError:
         self.state = ReceiverState.ERROR
-        return RemoteProtocolError(f"stripe {self.stripe} frame {self._counter}: {message}")
+        return kind(f"stripe {self.stripe} frame {self._counter}: {message}")
 
     def _require(self, state: ReceiverState) -> None:
         if self.state is not state:
@@ -387,10 +389,14 @@ class BulkReceiver:
         return FrameOpened(self._kind, offset, length)
 
     def receive_eof(self) -> None:
-        """The connection ended. Raises ``RemoteProtocolError`` unless the END frame was seen."""
+        """The connection ended. Raises ``StreamEnded`` (a ``RemoteProtocolError``: the data is
+        incomplete; a caller may tell a peer that died from one that lied) unless the END frame
+        was seen."""
         if self.state is not ReceiverState.DONE:
             total = self._frames + 1
-            raise self._fail(f"connection closed after {self._counter} of {total} frames")
+            raise self._fail(
+                f"connection closed after {self._counter} of {total} frames", StreamEnded
+            )
 
     @property
     def done(self) -> bool:

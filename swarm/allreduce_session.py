@@ -78,10 +78,9 @@ INLINE_MAX_BYTES = 256 * 1024
 # Below this many elements the machine runs on the event loop: a thread hop costs more.
 THREAD_MIN_NUMEL = 1 << 16
 # Each peer's share is cut into chunks of about this many float32 bytes (at most MAX_CHUNKS), so
-# a reducer reduces and sends chunk k while chunk k + 1 arrives. Large, because every chunk is one
-# bulk transfer: a fresh TCP connection (slow start) and ~0.4 s of offer/accept/outcome round
-# trips on a 50 ms link (bench.allreduce_netlab --trace); 4 and 8 MiB chunks bought nothing on
-# loopback.
+# a reducer reduces and sends chunk k while chunk k + 1 arrives. Over a pair's bulk channel a
+# chunk costs no handshake; 8 MiB chunks bought nothing on loopback (CPU-bound) and have not been
+# measured on quiet shaped links yet, so one chunk per 32 MiB stays.
 CHUNK_BYTES = 32 << 20
 MAX_CHUNKS = 16
 CONNECT_WAIT_S = 1.0
