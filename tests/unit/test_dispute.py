@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2p import LocalProtocolError, Message, RemoteProtocolError, decode, encode
-from verify.commit import TaskSpec
+from verify.commit import MerkleTree, StepLeaf, StepTrace, TaskSpec, record_leaf
 from verify.dispute import (
     Answered,
     Failed,
@@ -45,7 +45,7 @@ from verify.dispute_wire import (
 )
 from verify.provider import Provider
 from verify.toytask import ToyTask, flip_low_bit, run_op
-from verify.trace import StepResult, state_hash
+from verify.trace import OpRecord, StepResult, state_hash, tensor_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA_SEED = 5
@@ -85,6 +85,7 @@ def play(
     meddle: dict[type[Message], Meddle] | None = None,
     through_wire: bool = False,
     same_program: bool = True,
+    cheater_class: type[Provider] = Provider,
 ) -> Game:
     toy = ToyTask(layers=layers, data_seed=DATA_SEED)
     start = toy.initial_state(seed=1)
@@ -93,7 +94,10 @@ def play(
     if cheat_step is not None:
         steppers[cheater] = cheat_step
     providers = [
-        Provider(steppers[p], start, task, tamper=tamper if p == cheater else None) for p in (0, 1)
+        (cheater_class if p == cheater else Provider)(
+            steppers[p], start, task, tamper=tamper if p == cheater else None
+        )
+        for p in (0, 1)
     ]
     for provider in providers:
         provider.run()
@@ -337,6 +341,57 @@ def test_other_attrs_are_named_after_step_0_and_undecided_at_it(
     v = game.verdict
     assert v.step == from_step and v.op_name == "scale" and game.recompute.calls == 0
     assert v.cheaters == ((0,) if named else ()), v
+
+
+class ExtraOperator(ToyTask):
+    """A cheater whose step at ``step`` records one more operator just before the state record."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(data_seed=DATA_SEED)
+        self.extra_at = step
+
+    def __call__(
+        self, state: Mapping[str, np.ndarray], step: int, tamper_op: int | None = None
+    ) -> StepResult:
+        result = super().__call__(state, step, tamper_op)
+        if step == self.extra_at:
+            value = run_op("sum", [result.outputs[-1]], b"")
+            result.records.append(
+                OpRecord("sum", (len(result.records) - 1,), b"", tensor_hash(value))
+            )
+            result.outputs.append(value)
+        return result
+
+
+class TrailingRecords(Provider):
+    """Commits, at step 2, the honest trace followed by two more records (the last a copy of the
+    state record, so its leaf still passes the state check): a longer trace with the same prefix."""
+
+    def _traced(self, step: int) -> StepTrace:
+        trace = super()._traced(step)
+        if step == 2:
+            last = trace.records[-1]
+            trace.records += [OpRecord("sum", (0,), b"", bytes(32)), last]
+            trace.outputs += [None, None]
+            trace.tree = MerkleTree([record_leaf(r) for r in trace.records])
+            trace.leaf = StepLeaf(step, last.output, len(trace.records), trace.tree.root)
+        return trace
+
+
+@pytest.mark.parametrize("step", [0, 2])
+def test_an_extra_operator_is_a_graph_dispute(step: int) -> None:
+    game = play(4, cheat_step=ExtraOperator(step))
+    v = game.verdict
+    assert v.step == step and v.op == game.providers[0].leaves[step].n_ops - 1
+    assert v.cheaters == ((1,) if step else ()), v
+    assert v.rounds <= game.bound() and game.recompute.calls == 0
+
+
+def test_records_after_the_state_record_lose_on_the_length_check() -> None:
+    game = play(5, cheater_class=TrailingRecords, cheater=0)
+    v = game.verdict
+    assert v.cheaters == (0,) and v.reason == "records after the step's state record", v
+    assert v.step == 2 and v.rounds <= game.bound()
 
 
 def test_a_wrong_data_leaf_is_caught_by_the_data_oracle() -> None:
