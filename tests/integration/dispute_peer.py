@@ -1,4 +1,4 @@
-"""A dispute-game provider in its own process, for tests/integration/test_dispute.py.
+"""A dispute-game provider in its own process, for tests/integration/test_dispute_p2p.py.
 
     python tests/integration/dispute_peer.py --steps S [--layers L] [--cheat-step K --cheat-op J]
         [--silent-on QUERY] [--oversize-on QUERY]
