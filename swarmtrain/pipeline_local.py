@@ -45,6 +45,7 @@ ROLE = (sys.executable, "-m", "swarmtrain.pipeline_local")
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 TRAINERS = 2
+AVERAGE_EVERY_S = 5.0
 
 
 # -- the model, cut into stages -----------------------------------------------------------------
@@ -131,6 +132,7 @@ def stage_builder(
     lr: float,
     slow_stage: int | None = None,
     slow_s: float = 0.0,
+    machine_slow_s: float = 0.0,
 ) -> Callable[[int], Any]:
     """``build_stage(k)`` for ``StageServer``: every call builds the same seeded parameters."""
 
@@ -146,8 +148,10 @@ def stage_builder(
             example = torch.zeros(batch_size, context, dtype=torch.int64)
         else:
             example = torch.zeros(batch_size, context, model.config.d_model)
-        if slow_stage == k and slow_s > 0:
-            module = _Slowed(module, slow_s)
+        # A slow stage (every server that serves it) and a slow machine (whatever it serves).
+        delay_s = (slow_s if slow_stage == k else 0.0) + machine_slow_s
+        if delay_s > 0:
+            module = _Slowed(module, delay_s)
         return StageModule(module, example, lambda params: torch.optim.Adam(params, lr=lr))
 
     return build
@@ -186,6 +190,7 @@ def serve_role(opts: argparse.Namespace) -> int:
         lr=opts.lr,
         slow_stage=opts.slow_stage,
         slow_s=opts.slow_ms / 1000,
+        machine_slow_s=opts.machine_slow_ms / 1000,
     )
     config = StageServerConfig(
         run_id=opts.run_id,
@@ -225,6 +230,7 @@ def serve_role(opts: argparse.Namespace) -> int:
 
 
 def train_role(opts: argparse.Namespace) -> int:
+    """Train ``--rounds`` rounds of ``--microbatches`` (or rounds until ``--duration-s``)."""
     import torch
     import trio
     from torch.nn import functional as F
@@ -239,79 +245,89 @@ def train_role(opts: argparse.Namespace) -> int:
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
-    summary: dict[str, Any] = {"losses": [], "failovers": 0, "failed": 0}
+    summary: dict[str, Any] = {"losses": [], "failovers": 0, "failed": 0, "samples": 0}
 
-    async def one(trainer: PipelineTrainer, batch: tuple[Any, Any], losses: list[float]) -> None:
-        for attempt in range(4):
-            try:
-                result = await trainer.train_microbatch(*batch)
-            except MicrobatchFailed as exc:
-                summary["failed"] += 1
-                _emit({"event": "microbatch_failed", "attempt": attempt, "reason": str(exc)})
-                await trainer.refresh()
-                await trio.sleep(0.5 * (attempt + 1))
-                continue
-            losses.append(result.loss)
-            return
+    async def one(
+        trainer: PipelineTrainer, batch: tuple[Any, Any], losses: list[float], limit: Any
+    ) -> None:
+        async with limit:
+            for attempt in range(4):
+                if "stopped" in summary:
+                    return
+                try:
+                    result = await trainer.train_microbatch(*batch)
+                except MicrobatchFailed as exc:
+                    summary["failed"] += 1
+                    _emit({"event": "microbatch_failed", "attempt": attempt, "reason": str(exc)})
+                    if opts.stop_on_failure:  # the fixed pipeline of bench.swarm
+                        summary["stopped"] = str(exc)
+                        return
+                    await trainer.refresh()
+                    await trio.sleep(0.5 * (attempt + 1))
+                    continue
+                losses.append(result.loss)
+                return
+
+    async def train(trainer: PipelineTrainer, me: bytes) -> None:
+        began = time.monotonic()
+        round_number = 0
+        while "stopped" not in summary:
+            if opts.duration_s and time.monotonic() - began >= opts.duration_s:
+                break
+            if not opts.duration_s and round_number >= opts.rounds:
+                break
+            started = time.monotonic()
+            batches = inner_batches(
+                corpus,
+                run_seed=opts.seed,
+                round=round_number,
+                peer_id=me,
+                steps=opts.microbatches,
+                batch_size=opts.batch_size,
+                context=opts.context,
+            )
+            losses: list[float] = []
+            limit = trio.Semaphore(opts.in_flight)
+            async with trio.open_nursery() as round_nursery:
+                for batch in batches:
+                    round_nursery.start_soon(one, trainer, batch, losses, limit)
+            seconds = time.monotonic() - started
+            summary["losses"].append(sum(losses) / len(losses) if losses else None)
+            summary["failovers"] = trainer.statistics.failovers
+            summary["samples"] += len(losses) * opts.batch_size
+            summary["seconds"] = round(time.monotonic() - began, 3)
+            _emit(
+                {
+                    "event": "round",
+                    "round": round_number,
+                    "loss": summary["losses"][-1],
+                    "microbatches": len(losses),
+                    "seconds": round(seconds, 2),
+                    "samples_per_s": round(len(losses) * opts.batch_size / seconds, 2),
+                    "failovers": trainer.statistics.failovers,
+                    "servers_per_stage": trainer.servers_per_stage(),
+                }
+            )
+            round_number += 1
+        summary["seconds"] = round(time.monotonic() - began, 3)
 
     async def main() -> None:
         with trio.fail_after(opts.lifetime_s):
             async with open_node(_node_config(opts.join, opts.identity)) as node:
-                trainer = PipelineTrainer(
-                    node,
-                    TrainerConfig(
-                        run_id=opts.run_id,
-                        num_stages=opts.stages,
-                        seed=opts.seed,
-                        hop_timeout_s=opts.hop_timeout_s,
-                    ),
-                    loss_fn,
+                config = TrainerConfig(
+                    run_id=opts.run_id,
+                    num_stages=opts.stages,
+                    seed=opts.seed,
+                    hop_timeout_s=opts.hop_timeout_s,
+                    max_attempts_per_hop=1 if opts.stop_on_failure else 8,
                 )
+                trainer = PipelineTrainer(node, config, loss_fn)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(trainer.run)
                     with trio.fail_after(START_TIMEOUT_S):
                         await trainer.wait_for_servers()
                     _emit({"event": "ready", "servers_per_stage": trainer.servers_per_stage()})
-                    me = node.host.peer_id.to_bytes()
-                    for round_number in range(opts.rounds):
-                        started = time.monotonic()
-                        batches = inner_batches(
-                            corpus,
-                            run_seed=opts.seed,
-                            round=round_number,
-                            peer_id=me,
-                            steps=opts.microbatches,
-                            batch_size=opts.batch_size,
-                            context=opts.context,
-                        )
-                        losses: list[float] = []
-                        limit = trio.Semaphore(opts.in_flight)
-
-                        async def limited(
-                            batch: tuple[Any, Any], losses: list[float], limit: trio.Semaphore
-                        ) -> None:
-                            async with limit:
-                                await one(trainer, batch, losses)
-
-                        async with trio.open_nursery() as round_nursery:
-                            for batch in batches:
-                                round_nursery.start_soon(limited, batch, losses, limit)
-                        summary["losses"].append(sum(losses) / len(losses) if losses else None)
-                        summary["failovers"] = trainer.statistics.failovers
-                        _emit(
-                            {
-                                "event": "round",
-                                "round": round_number,
-                                "loss": summary["losses"][-1],
-                                "microbatches": len(losses),
-                                "seconds": round(time.monotonic() - started, 2),
-                                "samples_per_s": round(
-                                    len(losses) * opts.batch_size / (time.monotonic() - started), 2
-                                ),
-                                "failovers": trainer.statistics.failovers,
-                                "servers_per_stage": trainer.servers_per_stage(),
-                            }
-                        )
+                    await train(trainer, node.host.peer_id.to_bytes())
                     nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -332,16 +348,21 @@ def _role_parser(role: str) -> argparse.ArgumentParser:
     if role == "_server":
         p.add_argument("--stage", type=int, required=True)
         p.add_argument("--lr", type=float, default=3e-3)
-        p.add_argument("--average-every-s", type=float, default=5.0)
+        p.add_argument("--average-every-s", type=float, default=AVERAGE_EVERY_S)
         p.add_argument("--rebalance-every-s", type=float, default=3.0)
         p.add_argument("--rebalance-after-s", type=float, default=8.0)
         p.add_argument("--slow-stage", type=int, default=None)
         p.add_argument("--slow-ms", type=float, default=0.0, help="delay per stage call")
+        p.add_argument(
+            "--machine-slow-ms", type=float, default=0.0, help="delay per call, any stage"
+        )
     else:
         p.add_argument("--rounds", type=int, default=3)
         p.add_argument("--microbatches", type=int, default=8)
         p.add_argument("--in-flight", type=int, default=2)
         p.add_argument("--hop-timeout-s", type=float, default=15.0)
+        p.add_argument("--duration-s", type=float, default=0.0, help="train this long instead")
+        p.add_argument("--stop-on-failure", action="store_true", help="no failover (bench)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -483,6 +504,10 @@ def summarize(
     }
 
 
+def _of(child: Child, kind: str) -> list[dict[str, Any]]:
+    return [e for e in list(child.events) if e.get("event") == kind]
+
+
 def _last_stage(server: Child) -> int | None:
     stage = None
     for e in server.events:
@@ -563,11 +588,17 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; every process stopped", file=sys.stderr)
         return 130
+    rounds = summary["averaging_rounds"]
+    hashes = (
+        "no averaging round finished"
+        if not rounds
+        else f"stage hashes {'agree' if summary['stage_hashes_agree'] else 'DIFFER'} "
+        f"over {rounds} averaging rounds"
+    )
     print(
-        f"{summary['stages']} stages, servers per stage {summary['servers_per_stage']}: "
-        f"loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}, stage hashes "
-        f"{'agree' if summary['stage_hashes_agree'] else 'DIFFER'} over "
-        f"{summary['averaging_rounds']} averaging rounds, {summary['rebalances']} rebalances, "
+        f"{summary['stages']} stages, servers per stage {summary['servers_per_stage']} in "
+        f"{summary['seconds']} s: loss {summary['loss_first']:.3f} -> "
+        f"{summary['loss_last']:.3f} nats/byte, {hashes}, {summary['rebalances']} rebalances, "
         f"{summary['failovers']} failovers"
     )
     return 0
@@ -632,6 +663,14 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
                 ) from None
             if t.proc.returncode != 0:
                 raise PipelineFailed(f"{t.name} exited {t.proc.returncode}: {t.last_log_line()}")
+        # Servers average on clock epochs (every 5 s by default); a short run can end between
+        # two. Wait for one more round on every server, so the summary shows the stages agree.
+        counts = [len(_of(s, "averaged")) for s in servers]
+        wait_until = time.monotonic() + 2 * AVERAGE_EVERY_S + 10
+        while time.monotonic() < wait_until and any(
+            len(_of(s, "averaged")) <= n for s, n in zip(servers, counts, strict=True)
+        ):
+            time.sleep(0.1)
         stop_all(servers)
         summary = summarize(stages, servers, trainers)
     summary["seconds"] = round(time.monotonic() - started, 1)
