@@ -26,11 +26,16 @@ driver sends queries, feeds back ``Answered`` / ``Failed`` / ``Timeout`` events,
    leaf, an injected data oracle for a data leaf, the ``state_hash`` of the inputs' hashes for the
    state record. Whoever's output differs from the referee's is named.
 
-Any answer that does not verify, is malformed, or comes after the deadline loses at once. A dispute
-the referee cannot settle with one operator ends with no one named and the reason: the providers
-disagree on the operator graph itself (name, inputs or attrs of the divergent record), or a data
-leaf with no oracle, or an operator the ``Recompute`` refuses. Settling a graph disagreement needs
-a commitment to the program, which this version does not take.
+Any answer that does not verify, is malformed, or comes after the deadline loses at once. When the
+two divergent records disagree on the operator graph itself (name, inputs or attrs), the agreed
+previous step's record at that index is the program if ``same_program_every_step`` is set (see
+``_graph_dispute``). A dispute the referee cannot settle ends with no one named and the reason: a
+graph dispute at step 0 or without that flag (it would need a commitment to the program, which
+this version does not take), a data leaf with no oracle, or an operator ``Recompute`` refuses.
+
+About 500 lines, over the usual 400, on purpose: every transition and every check an answer must
+pass live in this one file (h11's rule for ``_state.py``), so what can make a party lose is read
+in one place.
 """
 
 from __future__ import annotations
