@@ -53,7 +53,12 @@ class DisputeOutcome:
 def serve_provider(
     host: Host, provider: Provider, limiter: trio.CapacityLimiter | None = None
 ) -> None:
-    """Answer the referee's queries about ``provider``'s task on ``host``."""
+    """Answer the referee's queries about ``provider``'s task on ``host``.
+
+    One answer at a time by default: ``Provider`` keeps one recomputed step, which two threads
+    recomputing different steps would race on (and each would cost a step of compute anyway).
+    """
+    limiter = limiter or trio.CapacityLimiter(1)
     for query_type, protocol in QUERY_TYPES.items():
 
         async def handle(peer: PeerID, request: Message) -> Message:
