@@ -382,7 +382,8 @@ class ServiceProcess:
         )
 
     def tail(self, lines: int = 30) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         text = self.log_path.read_text(errors="replace").splitlines()
         return f"--- {self.service.name} (last {lines} lines) ---\n" + "\n".join(text[-lines:])
 

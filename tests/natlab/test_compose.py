@@ -49,8 +49,13 @@ def _volunteers(compose: Compose) -> list[Service]:
     return [s for s in compose.services.values() if "swarmtrain node" in " ".join(s.command or [])]
 
 
-def _routers(compose: Compose) -> list[Service]:
-    return [s for s in compose.services.values() if (s.command or [""])[0] == "nat-router"]
+def _routers(compose: Compose) -> dict[str, ipaddress.IPv4Network]:
+    """Router service -> the LAN it masquerades (``nat-router LAN_CIDR MODE``)."""
+    return {
+        s.name: ipaddress.IPv4Network(s.command[1])
+        for s in compose.services.values()
+        if s.command and s.command[0] == "nat-router"
+    }
 
 
 def _node_argv(service: Service) -> list[str]:
@@ -100,7 +105,7 @@ def test_compose_topology_trains(tmp_path: Path) -> None:
     volunteers, routers = _volunteers(compose), _routers(compose)
     # What the file must contain for the test to mean anything: two LANs, each behind a router.
     assert len(routers) == 2 and len(volunteers) >= 2, (routers, volunteers)
-    lans = {ipaddress.IPv4Network(r.command[1]) for r in routers}  # type: ignore[index]
+    lans = set(routers.values())
     assert all(
         any(ipaddress.IPv4Address(a) in lan for a in v.networks.values() for lan in lans)
         for v in volunteers
@@ -113,11 +118,10 @@ def test_compose_topology_trains(tmp_path: Path) -> None:
 
         # Like Docker's bridges, the LANs reach the world only through their router, and no
         # router has a route into the other LAN: whatever crosses from a LAN is masqueraded.
-        for router in routers:
-            own = ipaddress.IPv4Network(router.command[1])  # type: ignore[index]
+        for router, own in routers.items():
             for lan in lans - {own}:
-                route = lab.exec(router.name, ["ip", "route", "get", str(lan[10])], 10)
-                assert route.returncode != 0, f"{router.name} routes into {lan}: {route.stdout}"
+                route = lab.exec(router, ["ip", "route", "get", str(lan[10])], 10)
+                assert route.returncode != 0, f"{router} routes into {lan}: {route.stdout}"
 
         # The volunteers join with the peer id the one-shot service published: it must be the
         # identity the coordinator runs with (the run spec's signature is checked against it).
@@ -145,7 +149,7 @@ def test_compose_topology_trains(tmp_path: Path) -> None:
         for volunteer in volunteers:
             path = lab.service_path(volunteer.name, _option(_node_argv(volunteer), "--json"))
             summaries[volunteer.name] = json.loads(path.read_text())
-        counters = {router.name: _counters(lab, router.name) for router in routers}
+        counters = {router: _counters(lab, router) for router in routers}
         logs = {v.name: lab.processes[v.name].tail(8) for v in volunteers}
 
     print(f"compose run: {elapsed:.1f} s; routers {counters}")
