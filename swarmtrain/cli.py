@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -341,6 +342,10 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # A shell starts background jobs (``swarmtrain coordinator &`` in a script) with SIGINT
+    # ignored, and Python then never raises KeyboardInterrupt: restore it so Ctrl+C, or the
+    # SIGINT ``swarmtrain local`` sends its children, always means a clean stop.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = build_parser().parse_args(argv)
     # node keeps its identity in its state directory (several nodes on one machine must differ);
     # local starts processes that each have their own.

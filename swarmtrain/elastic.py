@@ -49,6 +49,7 @@ from swarmtrain.progress import (
 )
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.state_sync import (
+    Downloaded,
     Fetch,
     StateServer,
     StateSyncFailed,
@@ -71,6 +72,7 @@ class SyncReport:
     sources: int
     bytes: int
     seconds: float
+    pieces: list[int]  # ranges each source delivered, largest first
 
 
 class Elastic:
@@ -222,15 +224,15 @@ class Elastic:
         fetch = self._fetcher(self.runtime.node, self.run_id, agreed.state_hash)
         started = time.monotonic()
 
-        async def download() -> bytearray:
+        async def download() -> Downloaded:
             with trio.fail_after(SYNC_TIMEOUT_S):
-                got = await download_state(fetch, agreed.state_hash, self._state_bytes, sources)
-            return got.data
+                return await download_state(fetch, agreed.state_hash, self._state_bytes, sources)
 
         try:
-            data = self.runtime.call(download)
+            got = self.runtime.call(download)
         except trio.TooSlowError:
             raise StateSyncFailed(f"download took over {SYNC_TIMEOUT_S:.0f} s") from None
+        data = got.data
         self.diloco.load_state(bytes(data))
         seconds = time.monotonic() - started
         self.fresh = True
@@ -241,10 +243,13 @@ class Elastic:
             self.runtime.store(join_key(self.run_id, next_round), b"\x01", PROGRESS_TTL_S)
         except Exception as exc:
             log.warning("could not announce ourselves for round %d: %s", next_round, exc)
-        report = SyncReport(next_round, self.diloco.state_hash(), len(sources), len(data), seconds)
+        pieces = sorted(got.pieces_by_source.values(), reverse=True)
+        report = SyncReport(
+            next_round, self.diloco.state_hash(), len(sources), len(data), seconds, pieces
+        )
         self.emit(
-            f"synced to round {report.round} from {report.sources} peers: "
-            f"{report.bytes / 2**20:.2f} MiB in {report.seconds:.2f} s, "
-            f"state {report.state_hash[:12]} (the majority's)"
+            f"synced to round {report.round} from {report.sources} peers "
+            f"(pieces {'/'.join(map(str, pieces))}): {report.bytes / 2**20:.2f} MiB in "
+            f"{report.seconds:.2f} s, state {report.state_hash[:12]} (the majority's)"
         )
         return report

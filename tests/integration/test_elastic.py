@@ -9,6 +9,7 @@ stop the run. Waits are keyed on printed lines and bounded; nothing sleeps to sy
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,10 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
         synced = joiner.wait_line(lambda s: s.startswith("synced to round "), timeout_s=60)
         first = int(synced.split()[3])
         assert 1 <= first <= rounds - 3 and "from 3 peers" in synced, synced
+        found = re.search(r"\(pieces ([\d/]+)\)", synced)
+        assert found is not None, synced
+        pieces = [int(n) for n in found.group(1).split("/")]
+        assert len(pieces) >= 2, synced  # the ranges were split across several sources
 
         # Its very first round: all four peers averaged and its hash is the majority's.
         line = joiner.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=60)
