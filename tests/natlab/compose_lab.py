@@ -652,3 +652,22 @@ def _kill_namespace(ns: str) -> None:
     for pid in done.stdout.split():
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+
+
+def reap_stale(stem: str) -> list[str]:
+    """Delete namespaces named ``<stem><pid>-...`` whose pytest process is gone (killed before
+    its teardown ran), with whatever still runs in them. Returns the names deleted."""
+    listing = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=IP_TIMEOUT_S
+    )
+    pattern = re.compile(rf"^{re.escape(stem)}(\d+)-\S*")
+    deleted: list[str] = []
+    for line in listing.stdout.splitlines():
+        match = pattern.match(line.strip())
+        if match is None or Path(f"/proc/{match.group(1)}").exists():
+            continue
+        ns = match.group(0)
+        _kill_namespace(ns)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=IP_TIMEOUT_S)
+        deleted.append(ns)
+    return deleted

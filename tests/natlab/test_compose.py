@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 # tests/natlab is on sys.path (pytest's rootdir-relative import of this directory's conftest).
-from compose_lab import Compose, ComposeLab, Service, load_compose, load_dockerfile
+from compose_lab import Compose, ComposeLab, Service, load_compose, load_dockerfile, reap_stale
 from conftest import require_lab
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +38,8 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 RUN_CONFIG = ROOT / "docker" / "run.toml"
 # Our namespaces: not the other NAT-lab tests' prefixes, and one set per pytest process.
-PREFIX = f"stc{os.getpid()}-"
+STEM = "stc"
+PREFIX = f"{STEM}{os.getpid()}-"
 # Start to finish the test takes 45-70 s on a loaded 2-core machine; the deadline is generous so
 # a slow CI box fails with the volunteers' logs, not with pytest's timeout.
 RUN_DEADLINE_S = 150.0
@@ -99,6 +100,7 @@ def _coordinator_join(lab: ComposeLab, deadline: float) -> str:
 @pytest.mark.timeout(RUN_DEADLINE_S + 90)  # start-up, then teardown after our own deadline
 def test_compose_topology_trains(tmp_path: Path) -> None:
     require_lab()
+    reap_stale(STEM)  # a run killed before its teardown must not leave bridges and routers
     compose = load_compose(COMPOSE_FILE)
     image = load_dockerfile(DOCKERFILE)
     rounds = tomllib.loads(RUN_CONFIG.read_text())["run"]["rounds"]
