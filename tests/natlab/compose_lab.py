@@ -34,6 +34,7 @@ options, DNS names (the file uses addresses).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ipaddress
 import json
@@ -42,6 +43,8 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -671,3 +674,43 @@ def reap_stale(stem: str) -> list[str]:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=IP_TIMEOUT_S)
         deleted.append(ns)
     return deleted
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``docker compose up`` without Docker, for a developer (root): bring the file's services up
+    in namespaces and follow their logs until the named services exit (or Ctrl+C)."""
+    root = Path(__file__).resolve().parents[2]
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--file", type=Path, default=root / "docker-compose.yml")
+    parser.add_argument("--dockerfile", type=Path, default=root / "Dockerfile")
+    parser.add_argument("--until-exit", nargs="*", default=[], metavar="SERVICE")
+    args = parser.parse_args(argv)
+    compose, image = load_compose(args.file), load_dockerfile(args.dockerfile)
+    reap_stale("stc")
+    with (
+        tempfile.TemporaryDirectory(prefix="compose-lab-") as workdir,
+        ComposeLab(
+            compose, image, Path(workdir), f"stc{os.getpid()}-", Path(sys.executable).parent
+        ) as lab,
+    ):
+        lab.up()
+        offsets: dict[str, int] = {}
+        try:
+            while True:
+                for name, process in lab.processes.items():
+                    data = process.log_path.read_bytes()[offsets.get(name, 0) :]
+                    data = data[: data.rfind(b"\n") + 1]  # whole lines only
+                    offsets[name] = offsets.get(name, 0) + len(data)
+                    for line in data.decode(errors="replace").splitlines():
+                        print(f"{name:>16} | {line}", flush=True)
+                if args.until_exit and all(
+                    lab.processes[s].proc.poll() is not None for s in args.until_exit
+                ):
+                    return max(lab.processes[s].proc.returncode for s in args.until_exit)
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
