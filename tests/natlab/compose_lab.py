@@ -400,7 +400,8 @@ class ServiceProcess:
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may exit just now
+                os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=5)
         self._log.close()
 

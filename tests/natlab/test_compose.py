@@ -113,8 +113,13 @@ def test_compose_topology_trains(tmp_path: Path) -> None:
         for v in volunteers
     ), "every volunteer must sit on a router's LAN"
 
+    # The services find `swarmtrain` and `python` where this interpreter's scripts are, as the
+    # image has them in /usr/local/bin.
+    tool_bin = Path(sys.executable).parent
+    assert (tool_bin / "swarmtrain").exists(), f"no swarmtrain script in {tool_bin} (pip install)"
+
     started = time.monotonic()
-    with ComposeLab(compose, image, tmp_path, PREFIX, Path(sys.executable).parent) as lab:
+    with ComposeLab(compose, image, tmp_path, PREFIX, tool_bin) as lab:
         lab.up()
         print(f"compose lab up in {time.monotonic() - started:.1f} s")
 
