@@ -60,8 +60,10 @@ def matmul_bits(k: int) -> int:
 
 
 def _c(value: float, like: torch.Tensor) -> torch.Tensor:
-    # A 0-d tensor of the operand's dtype pins the constant's rounding before the operation,
-    # whatever torch does with Python scalars on a given device.
+    # A 0-d tensor on the operand's device, for divisions by constants (CUDA turns division by a
+    # CPU scalar into multiplication by its reciprocal) and for constant numerators. Python
+    # float multipliers and addends are fine: torch rounds them to the tensor's float32 first,
+    # as numpy does with np.float32 constants (the tests compare the two).
     return torch.tensor(value, dtype=like.dtype, device=like.device)
 
 
@@ -99,7 +101,9 @@ def _grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     if not 0 < bits <= 51:
         raise ValueError("grid bits must be in [1, 51]")
     e = torch.frexp(x.abs().amax(dim=dim, keepdim=True)).exponent.clamp_(min=E_MIN)
-    if bits <= 22:
+    # Both branches round to the same grid, so choosing by the data changes no bit; the float32
+    # one is cheaper but its constant would overflow for magnitudes near float32's maximum.
+    if bits <= 22 and int(e.max()) <= 100:
         magic = pow2_f64(e + (23 - bits)).mul_(1.5).to(F32)
         return torch.add(x, magic).sub_(magic).to(F64)
     magic = pow2_f64(e + (52 - bits)).mul_(1.5)

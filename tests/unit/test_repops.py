@@ -85,6 +85,20 @@ def test_matmul_equals_reference_and_is_accurate(
     assert np.all(np.abs(got.numpy() - exact) <= bound + np.abs(exact) * 2**-23)
 
 
+def test_matmul_and_sum_of_extreme_magnitudes_equal_reference() -> None:
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((6, 40)).astype(np.float32)
+    a[0] = rng.uniform(-1, 1, 40) * 1e36  # 2**120: a float32 grid constant would overflow
+    a[1] *= np.float32(1e-40)  # subnormal row: grid exponent raised to E_MIN
+    a[2] = 0.0
+    a[3, ::2] = -0.0
+    b = rng.standard_normal((40, 5)).astype(np.float32)
+    _same(ops.matmul(_t(a), _t(b)), reference.matmul(a, b))
+    _same(ops.sum_exact(_t(a), 1), reference.sum_exact(a, 1))
+    zero = ops.matmul(_t(a[2:3]), _t(-np.abs(b)))
+    assert not np.signbit(zero.numpy()).any()  # 0 * negative sums to +0, never -0
+
+
 def test_matmul_chunks_long_inner_dimension_in_fixed_order() -> None:
     rng = np.random.default_rng(5)
     a, b = _wide(rng, (3, 4500), 10), _wide(rng, (4500, 2), 10)
