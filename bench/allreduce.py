@@ -441,7 +441,8 @@ def _print_round(
         f"{max(m['allreduce_s'] for m in results.values()):.3f} s  group sizes {groups}  "
         f"distinct results {len({m['digest'] for m in results.values()})}  sent/peer "
         f"{min(sent)}..{max(sent)} B  cpu (all peers) "
-        f"{sum(m['cpu_s'] for m in results.values()):.2f} s",
+        f"{sum(m['cpu_s'] for m in results.values()):.2f} s  uploads (Mbit/s) "
+        f"{[round((m.get('upload_bps') or 0) / 1e6) for m in results.values()]}",
         flush=True,
     )
 

@@ -137,6 +137,7 @@ async def _main(args: argparse.Namespace) -> None:
                     "allreduce_s": result.allreduce_s,
                     "bytes_sent": result.bytes_sent,
                     "bytes_received": result.bytes_received,
+                    "upload_bps": result.upload_bps,
                     "contributors": {
                         PeerID.from_base58(p).to_bytes().hex(): w
                         for p, w in result.contributors.items()

@@ -192,6 +192,11 @@ class Session:
         self.dropped: dict[bytes, str] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        # Upload rate: bulk bytes over the time at least one bulk send was running.
+        self._bulk_sent = 0
+        self._uploads = 0
+        self._upload_since = 0.0
+        self._upload_busy = 0.0
         self._inbox_send, self._inbox = trio.open_memory_channel[Any](math.inf)
         self._outboxes = {
             peer: trio.open_memory_channel[Any](math.inf) for peer in self.peers if peer != self.me
@@ -223,6 +228,13 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def upload_bps(self) -> float | None:
+        """What our bulk sends achieved (bits/s), None if too few to tell."""
+        if self._upload_busy < 0.02 or self._bulk_sent < (1 << 20):
+            return None
+        return 8 * self._bulk_sent / self._upload_busy
 
     @property
     def lost(self) -> frozenset[bytes]:
@@ -480,7 +492,9 @@ class Session:
                         listener=self.node.bulk_listener,
                         config=self._bulk,
                     )
-                await channel.send(payload)
+                with self._uploading():
+                    await channel.send(payload)
+                self._bulk_sent += len(payload)
         self._last_heard[order.peer] = trio.current_time()
         self.bytes_sent += len(payload)
         return channel
@@ -579,6 +593,18 @@ class Session:
         self._reported_lost.add(peer)
         log.info("round %s: lost %s: %s", self.group.round, _short(peer), why)
         self._inbox_send.send_nowait(PeerLost(peer))
+
+    @contextmanager
+    def _uploading(self) -> Iterator[None]:
+        if not self._uploads:
+            self._upload_since = time.perf_counter()
+        self._uploads += 1
+        try:
+            yield
+        finally:
+            self._uploads -= 1
+            if not self._uploads:
+                self._upload_busy += time.perf_counter() - self._upload_since
 
     @contextmanager
     def _transfer(self, peer: bytes) -> Iterator[None]:

@@ -52,6 +52,7 @@ from swarm.allreduce_session import (
     Session,
     SessionConfig,
 )
+from swarm.bandwidth import BandwidthEstimate
 from swarm.compression import Compression
 from swarm.dht_matchmaking import MatchmakingFailed, form_group, read_declarations
 from swarm.matchmaking import Declaration, Group, MatchmakingConfig
@@ -67,7 +68,8 @@ MAX_NUMEL = 1 << 30
 @dataclass(frozen=True)
 class AveragerConfig:
     """``compression``: one codec for every tensor, or None to choose per tensor (int8 above
-    64K elements, none below). ``bandwidth_bps`` sizes our share of the reduction.
+    64K elements, none below). ``bandwidth_bps`` sizes our share of the reduction; None (the
+    default) declares what our uploads achieved in earlier rounds (``swarm.bandwidth``).
     ``peer_timeout_s``: a peer that leaves a ping unanswered this long (with nothing in flight
     between us) is lost. 10 s, because 8 peers sharing 2 saturated cores answered pings in over
     2 s and lost whole rounds to false alarms at 2-3 s; a frozen peer costs that much time."""
@@ -79,7 +81,7 @@ class AveragerConfig:
     peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     compression: Compression | None = Compression.NONE
-    bandwidth_bps: float = 1e9
+    bandwidth_bps: float | None = None
     bulk: BulkConfig = field(default_factory=BulkConfig)
 
     def __post_init__(self) -> None:
@@ -105,6 +107,7 @@ class AveragingResult:
     bytes_sent: int
     bytes_received: int
     dropped: dict[str, str]
+    upload_bps: float | None = None  # what our bulk sends achieved, None if too few to tell
 
     @functools.cached_property
     def digest(self) -> str:
@@ -174,6 +177,7 @@ class Averager:
         self.config = config
         self.me = node.host.peer_id.to_bytes()
         self.next_round = 0
+        self._bandwidth = BandwidthEstimate()
         self._matchmaking = MatchmakingConfig(
             max_group_size=config.max_group_size,
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
@@ -250,6 +254,8 @@ class Averager:
         contributors = {peer for peer, _ in result.contributors}
         gone = set(result.dropped) | session.lost
         self._survivors = frozenset(contributors - gone) | {self.me}
+        if self.config.bandwidth_bps is None:
+            self._bandwidth.observe(session.upload_bps)
         averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
         return AveragingResult(
             tensors=averaged,
@@ -262,7 +268,15 @@ class Averager:
             bytes_sent=session.bytes_sent,
             bytes_received=session.bytes_received,
             dropped={str(PeerID(p)): why for p, why in result.dropped.items()},
+            upload_bps=session.upload_bps,
         )
+
+    @property
+    def bandwidth_bps(self) -> float:
+        """What we declare for the next round: the configured value, else the measured one."""
+        if self.config.bandwidth_bps is not None:
+            return float(self.config.bandwidth_bps)
+        return self._bandwidth.declared
 
     async def publish_state_hash(self, round_number: int, digest: bytes) -> int:
         """Store our state digest for ``round_number``; returns how many DHT peers hold it."""
@@ -299,7 +313,7 @@ class Averager:
         else:
             expected = frozenset()  # no history: decide at the deadline
         declaration = Declaration(
-            self.me, r, float(weight), float(self.config.bandwidth_bps), time.time(), len(expected)
+            self.me, r, float(weight), self.bandwidth_bps, time.time(), len(expected)
         )
         try:
             finish = await form_group(
