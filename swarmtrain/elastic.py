@@ -10,7 +10,8 @@ What a node does around its DiLoCo rounds (``swarmtrain.node`` calls these in it
   round boundary -- a new agreed round appearing -- so that we start an inner phase together with
   everyone else, then download that state from its holders (several sources, byte ranges split
   between them, resumed elsewhere if one dies), verify it against the majority hash, adopt it,
-  and announce ourselves for the next round under ``join_key``.
+  and contribute from the next round, announced under ``join_key`` (while waiting and before
+  the download, so that round expects us however soon it opens).
 * **Re-sync after a round**: when our round failed while the majority's succeeded, or our hash
   differs from the majority's, download the agreed state the same way and announce again.
 * **Expected peers**: when a round has announced joiners (or we just joined), every member passes
@@ -164,6 +165,10 @@ class Elastic:
             f"{self.diloco.round}'s: "
             + ("waiting for the next round boundary to join" if progressing else "syncing now")
         )
+        if progressing:
+            # We will adopt the state after the round in progress, agreed.round + 1, and
+            # contribute to the one after it: say so now, well before that round opens.
+            self._announce(agreed.round + 2)
         deadline = time.monotonic() + (wait_s if progressing else 0.0)
         while time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -199,6 +204,12 @@ class Elastic:
             log.warning("round %d: could not re-sync: %s", round_number, exc)
             return None
 
+    def _announce(self, round_number: int) -> None:
+        try:
+            self.runtime.store(join_key(self.run_id, round_number), b"\x01", PROGRESS_TTL_S)
+        except Exception as exc:
+            log.warning("could not announce ourselves for round %d: %s", round_number, exc)
+
     def _behind(self, agreed: AgreedState) -> bool:
         ours = self.diloco.round
         if agreed.round + 1 > ours:
@@ -221,6 +232,11 @@ class Elastic:
         sources = [PeerID.from_base58(p) for p in agreed.holders if p != self.me]
         if not sources:
             raise StateSyncFailed("no other peer holds the agreed state")
+        # Announce first: the others read announcements when the next round opens, and that may
+        # come soon after a round boundary (a short inner phase); if the download then fails,
+        # they lose at most the matchmaking deadline waiting for us.
+        next_round = agreed.round + 1
+        self._announce(next_round)
         fetch = self._fetcher(self.runtime.node, self.run_id, agreed.state_hash)
         started = time.monotonic()
 
@@ -238,11 +254,7 @@ class Elastic:
         self.fresh = True
         self.syncs += 1
         self.serve_current()
-        next_round = self.diloco.round
-        try:
-            self.runtime.store(join_key(self.run_id, next_round), b"\x01", PROGRESS_TTL_S)
-        except Exception as exc:
-            log.warning("could not announce ourselves for round %d: %s", next_round, exc)
+        assert self.diloco.round == next_round  # the state's own round, verified by load_state
         pieces = sorted(got.pieces_by_source.values(), reverse=True)
         report = SyncReport(
             next_round, self.diloco.state_hash(), len(sources), len(data), seconds, pieces
