@@ -95,7 +95,9 @@ class AveragerConfig:
 @dataclass(frozen=True)
 class AveragingResult:
     """One round's outcome on this peer. ``tensors`` match the inputs' types, shapes, dtypes;
-    ``vector`` is their flat float32 concatenation, the bytes every survivor holds."""
+    ``vector`` is their flat float32 concatenation, the bytes every survivor holds. Float32
+    tensors are views of ``vector``, which the round may still serve to peers that lost a reducer
+    until it closes: copy before changing them in place ahead of the next call."""
 
     tensors: list[Any]
     vector: np.ndarray
