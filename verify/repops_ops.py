@@ -112,6 +112,12 @@ def _grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     return x.to(F64).add_(magic).sub_(magic)
 
 
+def _to_f32_no_negative_zero(x: torch.Tensor) -> torch.Tensor:
+    """float32(x + 0.0) in one pass: + 0.0 turns -0 into +0, because whether a sum of signed
+    zeros is -0 differs between BLAS libraries. (Rounding before or after adding 0 is the same.)"""
+    return torch.add(x, 0.0, out=torch.empty(x.shape, dtype=F32, device=x.device))
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch.Tensor:
     """``a @ b`` for float32 ``(..., M, K) @ (..., K, N)``, bit-reproducible.
 
@@ -135,8 +141,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
         part = torch.matmul(qa[..., start:stop], qb[..., start:stop, :])
         out = part if out is None else out.add_(part)
     assert out is not None
-    # + 0.0 turns -0 into +0: whether a sum of signed zeros is -0 differs between BLAS libraries.
-    return out.to(F32).add_(0.0)
+    return _to_f32_no_negative_zero(out)
 
 
 def sum_bits(k: int) -> int:
@@ -148,7 +153,7 @@ def sum_exact(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum of float32 ``x`` over ``dim`` (removed), each term first rounded to the grid of
     ``sum_bits(K)`` bits below the largest magnitude: every partial sum is exact in float64, so
     the order does not matter; one rounding to float32."""
-    return _grid(x, dim, sum_bits(x.shape[dim])).sum(dim=dim).to(F32).add_(0.0)  # no -0
+    return _to_f32_no_negative_zero(_grid(x, dim, sum_bits(x.shape[dim])).sum(dim=dim))
 
 
 def exp(x: torch.Tensor) -> torch.Tensor:
