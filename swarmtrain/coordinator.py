@@ -32,7 +32,9 @@ from p2p import (
     message,
     open_node,
     serve_unary,
+    subkey_values,
 )
+from swarmtrain.progress import agreed_state, decode_all, progress_key
 from swarmtrain.relay import RelayOptions, keep_serving, relay_node_config
 from swarmtrain.runspec import (
     MAX_SIGNATURE_BYTES,
@@ -47,6 +49,7 @@ log = logging.getLogger(__name__)
 
 SPEC_PROTOCOL = "/swarmtrain/runspec/1"
 SPEC_TIMEOUT_S = 10.0
+PROGRESS_LOG_S = 10.0
 
 
 @message(403, max_bytes=64)
@@ -129,10 +132,33 @@ async def run_coordinator(
         emit(f"swarmtrain node --join {join}")
         for addr in node.host.addrs()[1:]:
             log.info("also reachable at %s", addr)
-        await keep_serving(node, options.relay.status_interval_s)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_serving, node, options.relay.status_interval_s)
+            nursery.start_soon(_log_progress, node, config.run_id, PROGRESS_LOG_S)
 
 
-def coordinator_main(
-    key_pair: KeyPair, options: CoordinatorOptions, emit: Callable[[str], None]
-) -> None:
-    trio.run(run_coordinator, key_pair, options, emit)
+async def _log_progress(node: Node, run_id: str, interval_s: float) -> None:
+    """The coordinator's view of its run, in its log: round, peers, loss (what status shows)."""
+    last = None
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            records = await node.dht.get_records(progress_key(run_id), latest=True)
+        except P2PError as exc:
+            log.info("could not read the run's progress: %s", exc)
+            continue
+        values = subkey_values(records, now=time.time())
+        progress = decode_all({str(PeerID(records[k].owner)): v for k, v in values.items()})
+        agreed = agreed_state(progress)
+        if agreed is None or agreed.round == last:
+            continue
+        last = agreed.round
+        losses = [p.loss for p in progress if p.round == agreed.round]
+        log.info(
+            "run %s: round %d agreed by %d peers (state %s), mean loss %.3f",
+            run_id,
+            agreed.round,
+            len(agreed.holders),
+            agreed.state_hash.hex()[:12],
+            sum(losses) / len(losses),
+        )
