@@ -23,6 +23,9 @@ Services, all children of ``StageServer.run``'s nursery:
   all-reduce (``swarm.averager``, one run id per stage) while serving pauses, so they leave the
   round bit-identical. Each publishes the SHA-256 of the result and keeps that snapshot: it is what
   ``params`` downloads serve, so a download can be checked against the announced hash.
+* **join**: a server that starts on a stage other servers already serve downloads their
+  parameters first (as a move does), so a restarted server does not drag the stage back to the
+  initial parameters at its first averaging.
 * **rebalance** (point 4): at every ``rebalance_every_s`` epoch, ``swarm.rebalance.plan_move`` on
   the announcements; the one server it names downloads the target stage's parameters from a server
   of that stage (hash-checked against that server's signed announcement and the bytes), builds the
@@ -188,6 +191,12 @@ class StageServer:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._active = await trio.to_thread.run_sync(self._build, self._initial_stage)
+        # Joining a stage that is already served (a restart, a late server): start from its
+        # current averaged parameters, not from the initial ones.
+        joined = await self._download(self._initial_stage, await self.read_servers())
+        if joined is not None:
+            self._active = joined
+            self._event("joined", stage=self.stage, round=joined.snapshot_round)
         await trio.to_thread.run_sync(self._probe)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -552,32 +561,8 @@ class StageServer:
         Returns False (and keeps serving our stage) when no server of ``target`` gave
         parameters matching its announced hash."""
         source_stage = self.stage
-        holders = sorted(
-            (a for a in servers if a.stage == target and a.peer_id != self.me),
-            key=lambda a: -a.throughput,
-        )
-        for holder in holders:
-            try:
-                with trio.fail_after(self.config.download_timeout_s):
-                    await self.node.reach(PeerID(holder.peer_id))
-                    round_number, digest, arrays = await fetch_params(
-                        self.node.host, holder.peer_id, self.config.run_id, target
-                    )
-            except (P2PError, trio.TooSlowError) as exc:
-                log.info("downloading stage %d from %s failed: %r", target, holder.peer_id, exc)
-                continue
-            computed = await trio.to_thread.run_sync(param_digest, arrays)
-            if digest != holder.param_hash or computed != digest:
-                log.warning("stage %d parameters from %s fail their hash", target, holder)
-                continue
-            try:
-                fresh = await trio.to_thread.run_sync(self._build_loaded, target, arrays)
-            except ValueError as exc:
-                log.warning("stage %d parameters do not fit: %s", target, exc)
-                continue
-            fresh.snapshot_round, fresh.snapshot_hash = round_number, digest
-            break
-        else:
+        fresh = await self._download(target, servers)
+        if fresh is None:
             return False
         async with self._lock:
             self._active = fresh
@@ -586,9 +571,43 @@ class StageServer:
         await self.announce()
         self.statistics.moves += 1
         self._event(
-            "moved", epoch=epoch, from_stage=source_stage, to_stage=target, hash=digest.hex()
+            "moved",
+            epoch=epoch,
+            from_stage=source_stage,
+            to_stage=target,
+            hash=fresh.snapshot_hash.hex(),
         )
         return True
+
+    async def _download(self, stage: int, servers: list[ServerAnnouncement]) -> _Active | None:
+        """``stage`` built with the parameters of one of its servers (the fastest that answers
+        with bytes matching the hash in its signed announcement), or None."""
+        holders = sorted(
+            (a for a in servers if a.stage == stage and a.peer_id != self.me),
+            key=lambda a: -a.throughput,
+        )
+        for holder in holders:
+            try:
+                with trio.fail_after(self.config.download_timeout_s):
+                    await self.node.reach(PeerID(holder.peer_id))
+                    round_number, digest, arrays = await fetch_params(
+                        self.node.host, holder.peer_id, self.config.run_id, stage
+                    )
+            except (P2PError, trio.TooSlowError) as exc:
+                log.info("downloading stage %d from %s failed: %r", stage, holder.peer_id, exc)
+                continue
+            computed = await trio.to_thread.run_sync(param_digest, arrays)
+            if digest != holder.param_hash or computed != digest:
+                log.warning("stage %d parameters from %s fail their hash", stage, holder)
+                continue
+            try:
+                fresh = await trio.to_thread.run_sync(self._build_loaded, stage, arrays)
+            except ValueError as exc:
+                log.warning("stage %d parameters do not fit: %s", stage, exc)
+                continue
+            fresh.snapshot_round, fresh.snapshot_hash = round_number, digest
+            return fresh
+        return None
 
     def _build_loaded(self, stage: int, arrays: list[np.ndarray]) -> _Active:
         fresh = self._build(stage)
