@@ -1,0 +1,55 @@
+"""Progress records and the agreed-state rule every reader applies the same way."""
+
+from __future__ import annotations
+
+import msgpack
+
+from swarmtrain.progress import Progress, agreed_state, decode_all
+
+H1, H2 = b"\x01" * 32, b"\x02" * 32
+
+
+def _p(peer: str, rnd: int, ok: bool, digest: bytes) -> Progress:
+    return Progress(peer, rnd, ok, digest, 3.5, 1000.0, 3, 10, 20, 2, 1.0)
+
+
+def test_records_round_trip_and_malformed_ones_are_skipped() -> None:
+    good = _p("a", 4, True, H1)
+    assert Progress.from_bytes("a", good.to_bytes()) == good
+    bad = {
+        "short": msgpack.packb([1, 4, True]),
+        "hash": _p("x", 4, True, b"\x01" * 31).to_bytes(),
+        "negative": msgpack.packb([1, -1, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0]),
+        "bool round": msgpack.packb([1, True, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0]),
+        "nan": msgpack.packb([1, 1, True, H1, float("nan"), 1.0, 1, 1, 1, 1, 1.0]),
+        "huge": b"\x00" * 2000,
+        "garbage": b"\xc1",
+    }
+    assert all(Progress.from_bytes(k, v) is None for k, v in bad.items())
+    assert decode_all({"a": good.to_bytes(), **bad}) == [good]
+
+
+def test_agreed_state_is_the_majority_of_successful_records_at_the_latest_round() -> None:
+    records = [
+        _p("a", 3, True, H1),
+        _p("b", 3, True, H1),
+        _p("c", 3, True, H2),  # a drifted minority
+        _p("d", 4, False, H2),  # failed rounds never count, even newer ones
+        _p("e", 2, True, H2),  # older rounds do not count either
+    ]
+    agreed = agreed_state(records)
+    assert agreed is not None
+    assert (agreed.round, agreed.state_hash, agreed.holders, agreed.published) == (
+        3,
+        H1,
+        ("a", "b"),
+        3,
+    )
+    assert agreed_state(records, 2) == agreed_state([_p("e", 2, True, H2)])
+    assert agreed_state([_p("d", 4, False, H2)]) is None and agreed_state([]) is None
+
+
+def test_a_tie_breaks_on_the_hash_so_every_reader_names_the_same_state() -> None:
+    one = [_p("a", 1, True, H1), _p("b", 1, True, H2)]
+    assert agreed_state(one) == agreed_state(list(reversed(one)))
+    assert agreed_state(one).state_hash == H2  # type: ignore[union-attr]
