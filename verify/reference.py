@@ -81,6 +81,23 @@ def sum_exact(x: np.ndarray, axis: int) -> np.ndarray:
     return np.squeeze(total, axis) + F32(0.0)
 
 
+def sum_tree(x: np.ndarray, axis: int) -> np.ndarray:
+    """Fixed pairwise tree of float32 additions; see ``verify.repops_ops.sum_tree``."""
+    axis %= x.ndim
+
+    def part(start: int, stop: int) -> np.ndarray:
+        index = [slice(None)] * x.ndim
+        index[axis] = slice(start, stop)
+        return x[tuple(index)]
+
+    while x.shape[axis] > 1:
+        n = x.shape[axis]
+        half = n // 2
+        summed = part(0, half) + part(half, 2 * half)
+        x = np.concatenate([summed, part(2 * half, n)], axis=axis) if n % 2 else summed
+    return np.squeeze(x, axis)
+
+
 def exp(x: np.ndarray) -> np.ndarray:
     xc = np.clip(x, EXP_LO, EXP_HI)
     k = np.round(xc * LOG2E)
@@ -123,7 +140,7 @@ def log_pos(s: np.ndarray) -> np.ndarray:
 
 def softmax_rows(x: np.ndarray) -> np.ndarray:
     e = exp(x - (np.max(x, axis=-1, keepdims=True) + F32(0.0)))
-    return e / sum_exact(e, -1)[..., None]
+    return e / sum_tree(e, -1)[..., None]
 
 
 def _heads(qkv: np.ndarray, heads: int, batch: int) -> tuple[np.ndarray, ...]:
@@ -156,7 +173,7 @@ def _attention_scores_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.nda
     probs, qkv, dout = i
     q, _, v = _heads(qkv, a["heads"], probs.shape[0])
     dp = matmul(_dout_heads(dout, q), np.swapaxes(v, -1, -2))
-    row = sum_exact(dp * probs, -1)[..., None]
+    row = sum_tree(dp * probs, -1)[..., None]
     return ((dp - row) * probs) * F32(1.0 / math.sqrt(q.shape[-1]))
 
 
@@ -172,9 +189,9 @@ def _attention_qkv_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarra
 def _layernorm_stats(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
     (x,) = i
     d = F32(x.shape[-1])
-    mean = sum_exact(x, -1) / d
+    mean = sum_tree(x, -1) / d
     xc = x - mean[:, None]
-    var = sum_exact(xc * xc, -1) / d
+    var = sum_tree(xc * xc, -1) / d
     rstd = ONE / np.sqrt(var + F32(a["eps"]))
     return np.stack((mean, rstd), axis=-1)
 
@@ -188,8 +205,8 @@ def _layernorm_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
     xhat = _xhat(x, stats)
     dxhat = dy * g
     d = F32(x.shape[-1])
-    mean_d = (sum_exact(dxhat, -1) / d)[:, None]
-    mean_dx = (sum_exact(dxhat * xhat, -1) / d)[:, None]
+    mean_d = (sum_tree(dxhat, -1) / d)[:, None]
+    mean_dx = (sum_tree(dxhat * xhat, -1) / d)[:, None]
     return ((dxhat - mean_d) - xhat * mean_dx) * stats[:, 1:2]
 
 
@@ -197,9 +214,9 @@ def _cross_entropy(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
     logits, targets = i
     flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
     top = np.max(flat, axis=-1, keepdims=True) + F32(0.0)
-    lse = log_pos(sum_exact(exp(flat - top), -1)) + top[:, 0]
+    lse = log_pos(sum_tree(exp(flat - top), -1)) + top[:, 0]
     losses = lse - np.take_along_axis(flat, tgt, axis=1)[:, 0]
-    return np.asarray(sum_exact(losses, 0) / F32(flat.shape[0]), dtype=F32)
+    return np.asarray(sum_tree(losses, 0) / F32(flat.shape[0]), dtype=F32)
 
 
 def _cross_entropy_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
@@ -239,7 +256,7 @@ def _embedding_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
 def _position_backward(i: list[np.ndarray], a: dict[str, Any]) -> np.ndarray:
     (dx,) = i
     batch = a["batch"]
-    summed = sum_exact(dx.reshape(batch, dx.shape[0] // batch, dx.shape[1]), 0)
+    summed = sum_tree(dx.reshape(batch, dx.shape[0] // batch, dx.shape[1]), 0)
     out = np.zeros((a["context"], dx.shape[1]), dtype=F32)
     out[: summed.shape[0]] = summed
     return out
@@ -263,12 +280,12 @@ OPS: dict[str, OpFn] = {
     "matmul_nt": lambda i, a: matmul(i[0], np.swapaxes(i[1], -1, -2)),
     "matmul_tn": lambda i, a: matmul(np.swapaxes(i[0], -1, -2), i[1]),
     "linear": lambda i, a: matmul(i[0], np.swapaxes(i[1], -1, -2)) + i[2],
-    "sum_rows": lambda i, a: sum_exact(i[0], 0),
+    "sum_rows": lambda i, a: sum_tree(i[0], 0),
     "embed": _embed,
     "layernorm_stats": _layernorm_stats,
     "layernorm": lambda i, a: (_xhat(i[0], i[1]) * i[2]) + i[3],
     "layernorm_backward": _layernorm_backward,
-    "layernorm_grad_weight": lambda i, a: sum_exact(_xhat(i[0], i[1]) * i[2], 0),
+    "layernorm_grad_weight": lambda i, a: sum_tree(_xhat(i[0], i[1]) * i[2], 0),
     "attention_probs": _attention_probs,
     "attention_values": _attention_values,
     "attention_scores_backward": _attention_scores_backward,

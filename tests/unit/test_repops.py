@@ -128,6 +128,25 @@ def test_sum_exact_equals_reference_and_fsum(shape: list[int], dim: int, seed: i
 
 
 @FAST
+@given(
+    shape=st.lists(st.integers(1, 70), min_size=1, max_size=3),
+    dim=st.integers(0, 2),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_sum_tree_equals_reference_and_is_accurate(shape: list[int], dim: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x = _wide(rng, tuple(shape), 12)
+    dim = dim % x.ndim
+    got = ops.sum_tree(_t(x), dim)
+    _same(got, reference.sum_tree(x, dim))
+    flat = np.moveaxis(x, dim, -1).reshape(-1, x.shape[dim]).astype(np.float64)
+    exact = np.array([math.fsum(row) for row in flat]).reshape(got.shape)
+    levels = max(1, (x.shape[dim] - 1).bit_length())
+    bound = np.abs(flat).sum(axis=1).reshape(got.shape) * levels * 2.0**-23
+    assert np.all(np.abs(got.numpy() - exact) <= bound)
+
+
+@FAST
 @given(seed=st.integers(0, 2**32 - 1))
 def test_elementwise_functions_equal_reference_and_are_accurate(seed: int) -> None:
     rng = np.random.default_rng(seed)
