@@ -57,6 +57,11 @@ SANS_IO = [
     "swarm/payload.py",
     "swarm/matchmaking.py",
     "swarm/allreduce.py",
+    "swarm/bandwidth.py",
+    "verify/trace.py",
+    "verify/commit.py",
+    "verify/dispute.py",
+    "verify/dispute_wire.py",
 ]
 FORBIDDEN_IN_SANS_IO = {"trio", "libp2p", "socket", "time", "random", "asyncio", "threading"}
 
