@@ -1,11 +1,11 @@
 """How we know results are honest: reproducible operators (RepOps), commitments, the Verde dispute
 game and its referee.
 
-``verify.repops`` imports no networking at all; the dispute game (``verify.dispute``) is a sans-IO
-state machine and its trio driver (``verify.dispute_driver``: ``serve_provider``, ``run_referee``)
-speaks over ``p2p``; it is imported from there, so that importing this package pulls in no
-networking. This package imports nothing of ``diloco`` or ``swarm``. ``verify.trace`` is the
-contract between the two halves: what a traced step records and how tensors and states are hashed.
+``verify.repops`` and ``verify.trace`` import no networking. The dispute game (``verify.dispute``,
+its messages in ``verify.dispute_wire``) is a sans-IO state machine; its trio driver over ``p2p``
+is ``verify.dispute_driver`` (``serve_provider``, ``run_referee``). ``verify.trace`` is the
+contract between the two halves: what a traced step records, how tensors and states are hashed.
+This package imports nothing of ``diloco`` or ``swarm``.
 """
 
 from verify.commit import (
