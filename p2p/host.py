@@ -76,11 +76,15 @@ def is_relayed(conn: Any) -> bool:
         return False
 
 
+def _closed(conn: INetConn) -> bool:
+    return bool(getattr(conn, "is_closed", False))
+
+
 def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
     """``direct`` if any live connection to ``peer_id`` is direct, ``relayed`` if all go through
     a relay, None when not connected."""
     raw = host.libp2p if isinstance(host, Host) else host
-    conns = raw.get_network().get_connections(peer_id)
+    conns = [c for c in raw.get_network().get_connections(peer_id) if not _closed(c)]
     if not conns:
         return None
     return "relayed" if all(is_relayed(c) for c in conns) else "direct"
@@ -184,6 +188,12 @@ class Host:
     async def open_stream(self, peer_id: ID, protocol: str) -> INetStream:
         try:
             with trio.fail_after(self.config.dial_timeout_s):
+                network = self.libp2p.get_network()
+                listed = network.get_connections(peer_id)
+                if listed and all(_closed(c) for c in listed):
+                    # py-libp2p keeps a closed connection listed for a while; new_stream then
+                    # neither uses it nor dials ("no valid connections"), so dial a new one.
+                    await network.dial_peer_replacement(peer_id)
                 return await self.libp2p.new_stream(peer_id, [TProtocol(protocol)])
         except trio.TooSlowError as exc:
             raise PeerUnreachable(f"opening {protocol} to {peer_id} timed out") from exc
