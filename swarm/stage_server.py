@@ -34,6 +34,9 @@ Services, all children of ``StageServer.run``'s nursery:
 Torch runs in worker threads, one job at a time (``self._lock``), so the DHT, the announcements
 and the all-reduce never wait behind a microbatch. A handler that fails replies with a refusal and
 logs; nothing it raises reaches the host.
+
+This module runs past the ~400-line guide: its services share one active stage, its lock and its
+averaged snapshot (a move swaps all three at once); split apart they would pass those around.
 """
 
 from __future__ import annotations
