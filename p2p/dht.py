@@ -22,7 +22,9 @@ What 0.8.1 gives and where this layer departs from it (read ``libp2p/kad_dht/kad
 * **Limits.** 0.8.1 caps concurrent inbound Kad streams at 12 and resets the rest; pooled streams
   each hold one slot while idle, so the cap is raised to ``DhtConfig.max_inbound_streams``.
 
-Every network wait is bounded by ``DhtConfig.request_timeout_s`` per peer.
+Every network wait is bounded by ``DhtConfig.request_timeout_s`` per peer; a peer that lets one
+time out (or that a caller names with ``suspect``) is skipped for ``suspect_s`` while other peers
+can answer, so a frozen process costs one timeout, not one per lookup.
 
 Measured (``python -m bench.dht --peers 8 --keys 300``, loaded 2-core box): get p50 5.5 ms and p99
 10.4 ms for keys the reader does not hold, a peer joins a formed swarm in 0.51 s (host start
@@ -97,6 +99,9 @@ class DhtConfig:
     streams_per_peer: int = 8
     max_inbound_streams: int = 512
     refresh_interval_s: float = 60.0
+    # A peer that let a request time out is skipped this long while others can answer: a frozen
+    # process otherwise costs every later lookup a whole request timeout.
+    suspect_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,7 @@ class Dht:
         self._idle: dict[ID, list[INetStream]] = {}
         self._slots: dict[ID, trio.Semaphore] = {}
         self._requests_failed = 0
+        self._suspect_until: dict[ID, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -271,6 +277,21 @@ class Dht:
             keys_held=len(self.store_local.store),
             requests_failed=self._requests_failed,
         )
+
+    def suspect(self, peer_id: ID, seconds: float | None = None) -> None:
+        """Skip ``peer_id`` in lookups and stores for ``seconds`` (default ``suspect_s``) while
+        other peers can answer: it timed out here, or the caller saw it freeze or leave."""
+        span = self.config.suspect_s if seconds is None else seconds
+        self._suspect_until[peer_id] = time.monotonic() + span
+
+    def is_suspect(self, peer_id: ID) -> bool:
+        until = self._suspect_until.get(peer_id)
+        if until is None:
+            return False
+        if until <= time.monotonic():
+            del self._suspect_until[peer_id]
+            return False
+        return True
 
     def routing_table_peers(self) -> list[ID]:
         return self._kad.routing_table.find_local_closest_peers(self.peer_id.to_bytes(), 10**6)
@@ -350,10 +371,16 @@ class Dht:
         answered: list[ID] = [self.peer_id]
         named: list[ID] = []
         for _ in range(self.config.lookup_rounds):
-            known = self._kad.routing_table.find_local_closest_peers(kbytes, width)
+            # Wider than ``width`` by the suspects, which are skipped below while others answer.
+            known = self._kad.routing_table.find_local_closest_peers(
+                kbytes, width + len(self._suspect_until)
+            )
             # Candidates: peers not asked yet, and those that answered (a silent one is skipped).
             pool = [p for p in dict.fromkeys([*known, *named]) if p not in asked] + answered
-            wanted = sort_peer_ids_by_distance(kbytes, pool)[:width]
+            fresh = [p for p in pool if p not in asked and not self.is_suspect(p)]
+            if not fresh and len(answered) == 1:  # only suspects left and nobody answered yet
+                fresh = [p for p in pool if p not in asked]
+            wanted = sort_peer_ids_by_distance(kbytes, fresh + answered)[:width]
             batch = [p for p in wanted if p not in asked]
             if not batch:
                 break
@@ -435,7 +462,13 @@ class Dht:
             async with slots:
                 return await self._request_in_slot(peer, request.type, payload, fresh)
         self._requests_failed += 1
-        log.debug("kad request %s to %s timed out", request.type, peer)
+        self.suspect(peer)
+        log.debug(
+            "kad request %s to %s timed out; suspect for %s s",
+            request.type,
+            peer,
+            self.config.suspect_s,
+        )
         return None
 
     async def _request_in_slot(

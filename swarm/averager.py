@@ -249,6 +249,7 @@ class Averager:
             result = await session.result()
         except AveragingFailed:
             self._survivors = None
+            self._suspect(session.lost)
             raise
         except BaseException:
             session.cancel()
@@ -256,6 +257,7 @@ class Averager:
         contributors = {peer for peer, _ in result.contributors}
         gone = set(result.dropped) | session.lost
         self._survivors = frozenset(contributors - gone) | {self.me}
+        self._suspect(gone)
         if self.config.bandwidth_bps is None:
             self._bandwidth.observe(session.upload_bps)
         averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
@@ -272,6 +274,12 @@ class Averager:
             dropped={str(PeerID(p)): why for p, why in result.dropped.items()},
             upload_bps=session.upload_bps,
         )
+
+    def _suspect(self, peers: Iterable[bytes]) -> None:
+        """Peers the round lost (frozen, gone, lying) answer no DHT request for a while either:
+        the next round's matchmaking should not wait a request timeout on each of them."""
+        for peer in peers:
+            self.node.dht.suspect(PeerID(peer))
 
     @property
     def bandwidth_bps(self) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -147,3 +148,35 @@ def test_relay_addresses_are_found_by_peer_id(swarm: list[Peer]) -> None:
     assert circuit in found
     assert any(a.endswith(str(publisher.peer_id)) and "p2p-circuit" not in a for a in found)
     assert seeker.ask("find_addrs", seeker.peer_id.to_bytes().hex())["addrs"] == []
+
+
+def test_a_frozen_peer_costs_one_request_timeout_then_is_skipped(swarm: list[Peer]) -> None:
+    """SIGSTOP keeps a peer's sockets open, so only the request timeout notices it; afterwards
+    lookups skip it while others answer instead of waiting for it every time. (Last in the
+    module: the frozen peer stays suspect for a while.)"""
+    from libp2p.kad_dht.utils import sort_peer_ids_by_distance
+
+    from p2p.dht import DhtConfig, dht_key
+
+    victim, writer, reader = swarm[8], swarm[1], swarm[7]
+    ids = [p.peer_id for p in swarm]
+    # A key the victim is the closest peer to: the reader's single-peer lookup asks it first.
+    key = next(
+        k
+        for k in (f"frozen-{i}" for i in range(10_000))
+        if sort_peer_ids_by_distance(dht_key(k), ids)[0] == victim.peer_id
+    )
+    assert writer.ask("store", key, b"v".hex(), "300")["stored"] >= 2
+    timeout_s = DhtConfig().request_timeout_s
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert reader.ask("get", key)["values"] == {writer.peer_id.to_bytes().hex(): b"v".hex()}
+        first = time.monotonic() - start
+        start = time.monotonic()
+        assert reader.ask("get", key)["values"] == {writer.peer_id.to_bytes().hex(): b"v".hex()}
+        second = time.monotonic() - start
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    assert first >= timeout_s * 0.9, first  # it did wait for the frozen peer once
+    assert second < timeout_s / 2, second
