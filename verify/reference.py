@@ -7,7 +7,9 @@ constants, numpy calls only), so a mistake in one shows up as a mismatch. The tr
 these kernels with the shared, backend-free program of ``verify.repops_graph``.
 
 Every float32 operation here is one numpy ufunc on float32 arrays with ``np.float32`` constants
-(numpy never fuses two ufuncs into an FMA); reductions are exact in float64 (see repops_ops).
+(numpy never fuses two ufuncs into an FMA). Matmuls are exact on float64 grids, formulated here
+as integers times a power-of-two scale (torch rounds with an add-and-subtract constant instead:
+the same values by a different route); sums follow the same pairwise tree of float32 additions.
 """
 
 from __future__ import annotations
