@@ -84,6 +84,24 @@ def stage_capacities(servers: Sequence[ServerAnnouncement], config: RebalanceCon
     return totals
 
 
+def stage_status(
+    servers: Sequence[ServerAnnouncement], config: RebalanceConfig
+) -> list[dict[str, float | int]]:
+    """Per stage: servers, relayed servers, capacity (effective samples/s) and queued requests;
+    what ``swarmtrain status`` shows for a pipeline run."""
+    rows: list[dict[str, float | int]] = [
+        {"stage": s, "servers": 0, "relayed": 0, "capacity": 0.0, "queue": 0}
+        for s in range(config.num_stages)
+    ]
+    for a in _unique(servers, config):
+        row = rows[a.stage]
+        row["servers"] += 1
+        row["relayed"] += int(a.relayed)
+        row["capacity"] += a.effective_throughput(config.relay_factor)
+        row["queue"] += a.queue
+    return rows
+
+
 def rank(epoch: int, peer_id: bytes) -> bytes:
     """The order in which servers are considered to move in ``epoch``."""
     return hashlib.sha256(b"swarmtrain/rebalance/1\x00%d\x00" % epoch + peer_id).digest()

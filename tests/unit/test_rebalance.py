@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm.pipeline_records import ServerAnnouncement
-from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_capacities, stage_ratio
+from swarm.rebalance import (
+    Move,
+    RebalanceConfig,
+    plan_move,
+    stage_capacities,
+    stage_ratio,
+    stage_status,
+)
 
 HASH = b"\x00" * 32
 
@@ -129,3 +136,14 @@ def test_only_one_server_moves_per_epoch_and_the_mover_rotates() -> None:
     servers = [server(i, 0, 100.0) for i in range(6)] + [server(6, 1, 10.0)]
     movers = {plan_move(servers, epoch, config).peer_id for epoch in range(40)}  # type: ignore[union-attr]
     assert len(movers) > 1, "equal candidates take turns by the epoch hash"
+
+
+def test_stage_status_sums_what_status_shows() -> None:
+    config = RebalanceConfig(num_stages=3, relay_factor=0.5)
+    servers = [server(0, 0, 10.0), server(1, 0, 10.0, relayed=True), server(2, 1, 4.0)]
+    rows = stage_status([*servers, server(0, 0, 99.0)], config)  # a peer counts once
+    assert rows == [
+        {"stage": 0, "servers": 2, "relayed": 1, "capacity": 15.0, "queue": 0},
+        {"stage": 1, "servers": 1, "relayed": 0, "capacity": 4.0, "queue": 0},
+        {"stage": 2, "servers": 0, "relayed": 0, "capacity": 0.0, "queue": 0},
+    ]
