@@ -171,3 +171,43 @@ def test_slowed_stage_gets_a_server_and_the_pipeline_speeds_up(tmp_path: Path) -
     print("samples/s before the first move", before, "after the last", after, "moves", moves)
     assert before and after, (rounds, moves)
     assert sum(after) / len(after) > 1.3 * sum(before) / len(before), (before, after)
+
+
+def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> None:
+    """A server SIGKILLed and restarted (same identity, same stage) downloads its stage's last
+    averaged parameters, hash-checked, instead of starting over; the stage then averages with it
+    and its servers agree again."""
+    with pipeline(
+        tmp_path,
+        2,
+        [0, 1, 0, 1],
+        server_options=["--average-every-s", "2", "--rebalance-every-s", "0"],
+        trainer_options=["--rounds", "12", "--microbatches", "4"],
+    ) as swarm:
+        victim = swarm.servers[3]
+        first = victim.wait_event("averaged", 60)
+        victim.proc.kill()
+        assert victim.proc.wait(5) == -9
+        reborn = Child(
+            "server3-again",
+            victim.proc.args,  # type: ignore[arg-type]
+            tmp_path / "server3-again.log",
+            lambda child, event: None,
+        )
+        swarm.servers.append(reborn)
+        try:
+            joined = reborn.wait_event("joined", 60)
+            deadline = time.monotonic() + 30
+            while not events(reborn, "averaged") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            finish(swarm.trainers, 90)
+        finally:
+            reborn.stop(5)
+        stop_all(swarm.servers, 5)
+        summary = summarize(2, swarm.servers, swarm.trainers)
+    assert joined["stage"] == 1 and joined["round"] >= first["round"], (joined, first)
+    after = events(reborn, "averaged")
+    assert after, "the restarted server averaged with its stage"
+    peer = {e["round"]: e["digest"] for e in events(swarm.servers[1], "averaged")}
+    assert any(peer.get(e["round"]) == e["digest"] for e in after), (after, peer)
+    assert summary["stage_hashes_agree"], summary
