@@ -82,7 +82,9 @@ def init_params(shape: ModelShape = DEFAULT_SHAPE, seed: int = 0) -> dict[str, n
     return out
 
 
-def initial_state(params: Mapping[str, np.ndarray], shape: ModelShape = DEFAULT_SHAPE) -> dict:
+def initial_state(
+    params: Mapping[str, np.ndarray], shape: ModelShape = DEFAULT_SHAPE
+) -> dict[str, np.ndarray]:
     """A training state from parameters: zero AdamW moments, step counter 0.
 
     Raises ValueError when a parameter is missing, extra, of the wrong shape or not float32."""
@@ -102,12 +104,14 @@ def initial_state(params: Mapping[str, np.ndarray], shape: ModelShape = DEFAULT_
 
 
 def batch_for(
-    corpus: np.ndarray, seed: int, step: int, batch_size: int, context: int
+    corpus: bytes | np.ndarray, seed: int, step: int, batch_size: int, context: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets), int64 ``(batch_size, context)``, targets shifted by one byte.
 
     Window ``b`` starts at SHA-256(tag, seed, step, b) mod (len - context): a pure function of
     its arguments on every platform (no RNG stream whose algorithm could change)."""
+    if isinstance(corpus, bytes):
+        corpus = np.frombuffer(corpus, np.uint8)
     span = len(corpus) - context
     if span <= 0 or batch_size <= 0 or step < 0:
         raise ValueError("corpus shorter than context + 1, or bad batch size / step")
@@ -204,7 +208,9 @@ class RepOpsStep:
     def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         return batch_for(self.corpus, self.seed, step, self.batch_size, self.shape.context)
 
-    def initial_state(self, params: Mapping[str, np.ndarray] | None = None) -> dict:
+    def initial_state(
+        self, params: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """``initial_state`` of ``params`` (default: ``init_params(shape, seed=0)``)."""
         return initial_state(init_params(self.shape) if params is None else params, self.shape)
 
