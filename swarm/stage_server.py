@@ -81,6 +81,8 @@ from swarm.rebalance import RebalanceConfig, plan_move
 
 log = logging.getLogger(__name__)
 
+DOWNLOAD_PASSES = 3
+
 
 @dataclass
 class StageModule:
@@ -449,13 +451,16 @@ class StageServer:
         averager = Averager(
             self.node,
             AveragerConfig(
-                run_id=f"{self.config.run_id}-stage{self.stage}",
+                run_id=self._stage_run_id(self.stage),
                 matchmaking_timeout_s=self.config.matchmaking_timeout_s,
                 allreduce_timeout_s=self.config.averaging_timeout_s,
             ),
         )
         self._averager = averager
         self._averager_scope = await self._nursery.start(self._run_averager, averager)
+
+    def _stage_run_id(self, stage: int) -> str:
+        return f"{self.config.run_id}-stage{stage}"
 
     async def _run_averager(
         self, averager: Averager, *, task_status: trio.TaskStatus[trio.CancelScope]
@@ -583,34 +588,60 @@ class StageServer:
         return True
 
     async def _download(self, stage: int, servers: list[ServerAnnouncement]) -> _Active | None:
-        """``stage`` built with the parameters of one of its servers (the fastest that answers
-        with bytes matching the hash in its signed announcement), or None."""
+        """``stage`` built with the parameters of one of its servers, or None.
+
+        Holders are tried fastest first, over ``DOWNLOAD_PASSES`` passes a second apart. The bytes
+        must hash to the digest the holder names, and that digest must be either the one in its
+        signed announcement or the majority digest the stage's servers published for that
+        averaging round: a round that ends between the holder's announcement and our download
+        serves a newer snapshot than the record names, which the published hashes vouch for."""
         holders = sorted(
             (a for a in servers if a.stage == stage and a.peer_id != self.me),
             key=lambda a: -a.throughput,
         )
-        for holder in holders:
-            try:
-                with trio.fail_after(self.config.download_timeout_s):
-                    await self.node.reach(PeerID(holder.peer_id))
-                    round_number, digest, arrays = await fetch_params(
-                        self.node.host, holder.peer_id, self.config.run_id, stage
-                    )
-            except (P2PError, trio.TooSlowError) as exc:
-                log.info("downloading stage %d from %s failed: %r", stage, holder.peer_id, exc)
-                continue
-            computed = await trio.to_thread.run_sync(param_digest, arrays)
-            if digest != holder.param_hash or computed != digest:
-                log.warning("stage %d parameters from %s fail their hash", stage, holder)
-                continue
-            try:
-                fresh = await trio.to_thread.run_sync(self._build_loaded, stage, arrays)
-            except ValueError as exc:
-                log.warning("stage %d parameters do not fit: %s", stage, exc)
-                continue
-            fresh.snapshot_round, fresh.snapshot_hash = round_number, digest
-            return fresh
+        for attempt in range(DOWNLOAD_PASSES):
+            if attempt:
+                await trio.sleep(1.0)
+            for holder in holders:
+                fresh = await self._download_from(stage, holder)
+                if fresh is not None:
+                    return fresh
         return None
+
+    async def _vouched(self, stage: int, round_number: int, digest: bytes) -> bool:
+        """Whether the servers of ``stage`` published ``digest`` as round ``round_number``'s."""
+        if round_number < 0:
+            return False
+        reader = Averager(self.node, AveragerConfig(run_id=self._stage_run_id(stage)))
+        try:
+            agreement = await reader.state_agreement(round_number)
+        except P2PError:
+            return False
+        return agreement.majority == digest.hex()
+
+    async def _download_from(self, stage: int, holder: ServerAnnouncement) -> _Active | None:
+        try:
+            with trio.fail_after(self.config.download_timeout_s):
+                await self.node.reach(PeerID(holder.peer_id))
+                round_number, digest, arrays = await fetch_params(
+                    self.node.host, holder.peer_id, self.config.run_id, stage
+                )
+        except (P2PError, trio.TooSlowError) as exc:
+            log.info("downloading stage %d from %s failed: %r", stage, holder.peer_id, exc)
+            return None
+        computed = await trio.to_thread.run_sync(param_digest, arrays)
+        if computed != digest or (
+            digest != holder.param_hash and not await self._vouched(stage, round_number, digest)
+        ):
+            log.warning("stage %d parameters from %s fail their hash", stage, holder)
+            return None
+        try:
+            fresh = await trio.to_thread.run_sync(self._build_loaded, stage, arrays)
+        except ValueError as exc:
+            log.warning("stage %d parameters do not fit: %s", stage, exc)
+            return None
+        fresh.snapshot_round, fresh.snapshot_hash = round_number, digest
+        return fresh
 
     def _build_loaded(self, stage: int, arrays: list[np.ndarray]) -> _Active:
         fresh = self._build(stage)
