@@ -29,6 +29,7 @@ when its hash disagrees.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -95,6 +96,7 @@ class Elastic:
         self.me = str(runtime.peer_id)
         self.fresh = False  # adopted a downloaded state and has not averaged since
         self.syncs = 0
+        self._last_progress: Progress | None = None
         self._state_bytes = len(diloco.state_bytes())
 
     # -- records -------------------------------------------------------------------------------
@@ -107,6 +109,7 @@ class Elastic:
             return []
 
     def publish(self, progress: Progress) -> None:
+        self._last_progress = progress
         try:
             self.runtime.store(
                 progress_key(self.run_id),
@@ -199,10 +202,33 @@ class Elastic:
         if agreed is None or agreed.state_hash.hex() == self.diloco.state_hash():
             return None
         try:
-            return self._adopt(agreed)
+            report = self._adopt(agreed)
         except StateSyncFailed as exc:
             log.warning("round %d: could not re-sync: %s", round_number, exc)
             return None
+        last = self._last_progress
+        if last is not None and last.round == round_number:
+            # We now hold the round's agreed state: say so, so that we count as a holder (a
+            # joiner's source) and the peers lingering after the last round can leave.
+            self.publish(
+                dataclasses.replace(
+                    last, ok=True, state_hash=agreed.state_hash, published_at=time.time()
+                )
+            )
+        return report
+
+    def linger(self, round_number: int, max_s: float) -> None:
+        """After the run's last round: keep serving our state while a peer of that round does
+        not hold the agreed state yet (its round failed and it is re-syncing from us), at most
+        ``max_s``; without this, the holders would all exit and leave it with nothing to fetch."""
+        ours = bytes.fromhex(self.diloco.state_hash())
+        deadline = time.monotonic() + max_s
+        while time.monotonic() < deadline:
+            at_last = [p for p in self.records() if p.round == round_number]
+            if all(p.ok and p.state_hash == ours for p in at_last):
+                return
+            time.sleep(POLL_S)
+        log.info("left after %.0f s with peers of round %d still out of sync", max_s, round_number)
 
     def _announce(self, round_number: int) -> None:
         try:

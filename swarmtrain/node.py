@@ -28,6 +28,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 
 # How long after a round we wait for the round's peers to publish their state hashes.
 AGREEMENT_TIMEOUT_S = 3.0
+# After the last round, how long a node keeps serving a peer that is re-syncing to the final state.
+FINAL_LINGER_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,11 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
     node_config = NodeConfig(
         HostConfig(key_pair, listen_addrs=options.listen), bootstrap=options.join
     )
+    # The corpus (seconds of reading and hashing the standard library) does not depend on the
+    # spec: load it while the node joins and fetches the spec, so a joiner is ready sooner.
+    loader = ThreadPoolExecutor(1, thread_name_prefix="corpus")
+    corpus = loader.submit(load_stdlib_corpus)
+    loader.shutdown(wait=False)
     runtime = PeerRuntime(node_config)
     try:
         node = runtime.node
@@ -172,7 +180,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
         runtime.start(averager.run)
         server = StateServer(node, config.run_id)
         runtime.call_sync(server.install)
-        summary = _train(options, config, runtime, averager, server, emit)
+        summary = _train(options, config, runtime, averager, server, corpus.result(), emit)
     finally:
         runtime.close()
     summary.peer_id = str(peer_id_of(key_pair))
@@ -188,9 +196,9 @@ def _train(
     runtime: PeerRuntime,
     averager: swarm.Averager,
     server: StateServer,
+    corpus: Corpus,
     emit: Callable[[str], None],
 ) -> NodeSummary:
-    corpus = load_stdlib_corpus()
     model = build_model(config)
     inner = torch.optim.AdamW(model.parameters(), lr=config.inner_lr)
     elastic_box: list[Elastic] = []
@@ -217,6 +225,8 @@ def _train(
         summary = NodeSummary(str(peer), first_round=diloco.round)
         while diloco.round < config.rounds:
             _train_round(config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit)
+        if summary.last_round == config.rounds - 1 and summary.agree:
+            elastic.linger(summary.last_round, FINAL_LINGER_S)
     finally:
         diloco.close()
     summary.syncs = elastic.syncs

@@ -12,7 +12,9 @@ ROUND_LINE = re.compile(r"^round (\d+) ")
 JOIN_COMMAND = "swarmtrain node --join "
 
 
-def start_coordinator(tmp_path: Path, rounds: int, inner_steps: int) -> tuple[PeerProcess, str]:
+def start_coordinator(
+    tmp_path: Path, rounds: int, inner_steps: int, matchmaking_timeout_s: float = 4.0
+) -> tuple[PeerProcess, str]:
     """``swarmtrain init`` + ``swarmtrain coordinator`` on loopback; returns it and its join
     address, taken from the exact command it prints."""
     config = tmp_path / "run.toml"
@@ -23,6 +25,11 @@ def start_coordinator(tmp_path: Path, rounds: int, inner_steps: int) -> tuple[Pe
     text = config.read_text()
     text = re.sub(r"(?m)^rounds = \d+$", f"rounds = {rounds}", text)
     text = re.sub(r"(?m)^inner_steps = \d+$", f"inner_steps = {inner_steps}", text)
+    text = re.sub(
+        r"(?m)^matchmaking_timeout_s = .*$",
+        f"matchmaking_timeout_s = {matchmaking_timeout_s}",
+        text,
+    )
     config.write_text(text)
     coordinator = PeerProcess(
         [

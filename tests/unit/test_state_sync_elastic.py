@@ -107,12 +107,16 @@ def test_a_peer_whose_round_failed_adopts_the_majority_state_and_announces_itsel
     }
     asked: list[Hashable] = []
     elastic = _elastic(me, dht, data, asked)
+    elastic.publish(Progress.from_bytes(str(me), dht[progress_key(RUN)][str(me)]))  # type: ignore[arg-type]
     report = elastic.after_round(2, ok=False)
     assert report is not None and report.round == 3 and report.sources == 2
     assert elastic.diloco.state_hash() == majority.hex() and elastic.diloco.round == 3
     assert asked and set(asked) <= {b, c}  # only holders of the majority state, never d
     assert dht[join_key(RUN, 3)] == {str(me): b"\x01"}  # announced for the next round
     assert elastic.fresh and elastic.server._states == {majority: data}  # and serves it
+    # ... and says it now holds round 2's agreed state (it counts as a source from now on).
+    mine = Progress.from_bytes(str(me), dht[progress_key(RUN)][str(me)])
+    assert mine is not None and mine.ok and mine.state_hash == majority
     # Everyone derives the same expected set for round 3: holders of round 2 plus joiners.
     expected = elastic.expected_peers(3)
     assert expected == {p.to_bytes() for p in (me, b, c)}
