@@ -79,8 +79,10 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
         joined = round_lines(joiner)
         assert sorted(joined) == list(range(first, rounds)), joiner.lines
         assert all("agree yes" in line for line in joined.values()), joined
-        last = round_lines(nodes[0])[rounds - 1]
-        assert "peers 3" in last and "agree yes (3/3)" in last, last
+        # After the kill the three survivors averaged together (the victim's slot was not waited
+        # for past the matchmaking deadline), agreeing bit for bit.
+        after = [line for r, line in round_lines(nodes[0]).items() if r > first]
+        assert any("peers 3" in ln and "agree yes (3/3)" in ln for ln in after), after
     finally:
         for peer in [*nodes, joiner]:
             if peer is not None:
