@@ -84,6 +84,7 @@ THREAD_MIN_NUMEL = 1 << 16
 CHUNK_BYTES = 32 << 20
 MAX_CHUNKS = 16
 CONNECT_WAIT_S = 1.0
+FLUSH_S = 2.0
 # Raw float32 payloads are little-endian: received bytes are the values where that is native.
 _RAW_IS_NATIVE = np.dtype("<f4") == np.dtype(np.float32)
 
@@ -202,6 +203,7 @@ class Session:
             peer: trio.open_memory_channel[Any](math.inf) for peer in self.peers if peer != self.me
         }
         self._done_from: set[bytes] = set()
+        self._flushing = False
         self._last_heard: dict[bytes, float] = {}
         # Transfers in flight per peer: their own progress deadline watches those peers, and a
         # ping that has to queue behind them under load would only misjudge a busy peer as gone.
@@ -260,10 +262,12 @@ class Session:
                 self._scope.deadline = deadline + self.config.peer_timeout_s
                 await self._connect_all()
                 async with trio.open_nursery() as nursery:
-                    for peer in self._outboxes:
-                        nursery.start_soon(self._send_loop, peer)
                     nursery.start_soon(self._watch_liveness)
-                    await self._drive(deadline)
+                    async with trio.open_nursery() as senders:
+                        for peer in self._outboxes:
+                            senders.start_soon(self._send_loop, peer)
+                        await self._drive(deadline)
+                        self._flush(senders.cancel_scope)
                     nursery.cancel_scope.cancel()
         finally:
             self._closed = True
@@ -295,6 +299,15 @@ class Session:
                 self._peer_gone(peer, f"stream from it ended: {exc!r}")
             finally:
                 self._handler_scopes.discard(scope)
+
+    def _flush(self, senders: trio.CancelScope) -> None:
+        """Take no more orders, but let each sender finish the payload it is on and deliver the
+        ``Done`` queued behind it, for at most ``FLUSH_S``: a peer that sees our stream end before
+        our ``Done`` counts us lost and leaves us out of its next round."""
+        self._flushing = True
+        for send, _ in self._outboxes.values():
+            send.close()
+        senders.deadline = min(senders.deadline, trio.current_time() + FLUSH_S)
 
     async def _connect_all(self) -> None:
         """Connect to every member before any stream opens, the lower peer id dialing.
@@ -438,6 +451,8 @@ class Session:
                 if isinstance(order, Done):
                     await rpc.send(order)
                     continue
+                if self._flushing:
+                    continue  # everyone has its result: nobody needs this forward any more
                 channel = await self._send_item(rpc, direct, channel, order)
         except (P2PError, OSError, BulkTransferFailed, trio.BrokenResourceError) as exc:
             self._peer_gone(peer, f"sending to it failed: {exc!r}")
