@@ -182,7 +182,7 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
         2,
         [0, 1, 0, 1],
         server_options=["--average-every-s", "2", "--rebalance-every-s", "0"],
-        trainer_options=["--rounds", "12", "--microbatches", "4"],
+        trainer_options=["--rounds", "6", "--microbatches", "4"],
     ) as swarm:
         victim = swarm.servers[3]
         first = victim.wait_event("averaged", 60)
