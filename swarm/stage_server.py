@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +96,10 @@ class StageModule:
 
 @dataclass(frozen=True)
 class StageServerConfig:
+    """Periods and limits of a stage server (seconds unless named otherwise). The defaults suit
+    loopback and LAN swarms; ``average_every_s`` and ``rebalance_every_s`` must be equal on every
+    server of a run (they define the shared clock epochs)."""
+
     run_id: str
     num_stages: int
     announce_every_s: float = 1.0
@@ -133,7 +137,8 @@ class ServerStatistics:
     averaged_rounds: int = 0
     failed_rounds: int = 0
     moves: int = 0
-    events: list[dict[str, Any]] = field(default_factory=list)
+    # The latest events (serving, joined, averaged, moved), newest last; bounded for long runs.
+    events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
 
 
 class _Active:
@@ -188,7 +193,6 @@ class StageServer:
         self._averager: Averager | None = None
         self._averager_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
-        self._started = time.monotonic()
 
     @property
     def stage(self) -> int:
