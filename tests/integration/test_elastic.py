@@ -19,10 +19,19 @@ from peerproc import ROOT, SWARMTRAIN, PeerProcess
 from runproc import ROUND_LINE, node, round_lines, start_coordinator, wait_exit
 
 
+def _state_of(line: str) -> str:
+    found = re.search(r" state ([0-9a-f]{12}) ", line)
+    assert found is not None, line
+    return found.group(1)
+
+
 def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_the_run(
     tmp_path: Path,
 ) -> None:
-    rounds = 9
+    # More rounds than the test waits for: where the joiner lands depends on how fast rounds go
+    # against its start-up (torch import, corpus), so the test follows the swarm round by round
+    # and stops it with Ctrl+C once everything is checked, instead of waiting for the end.
+    rounds = 50
     # A 6 s matchmaking deadline (4 s by default): on a loaded 2-core box the joiner's first
     # inner phase (torch warm-up, started about a second after the others') may end later.
     coordinator, join = start_coordinator(
@@ -31,12 +40,12 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
     nodes = [node(join, tmp_path / f"n{i}") for i in range(3)]
     joiner: PeerProcess | None = None
     try:
-        # Started once the swarm trains; its torch start-up takes seconds, so it joins mid-run.
+        # Started once the swarm trains; its start-up takes seconds, so it joins mid-run.
         nodes[0].wait_line(lambda s: s.startswith("round 0 "), timeout_s=90)
         joiner = node(join, tmp_path / "joiner")
         synced = joiner.wait_line(lambda s: s.startswith("synced to round "), timeout_s=60)
         first = int(synced.split()[3])
-        assert 1 <= first <= rounds - 3 and "from 3 peers" in synced, synced
+        assert first >= 1 and "from 3 peers" in synced, synced
         found = re.search(r"\(pieces ([\d/]+)\)", synced)
         assert found is not None, synced
         pieces = [int(n) for n in found.group(1).split("/")]
@@ -45,6 +54,9 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
         # Its very first round: all four peers averaged and its hash is the majority's.
         line = joiner.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=60)
         assert "peers 4" in line and "agree yes (4/4)" in line, (line, joiner.stderr[-3000:])
+        for peer in nodes:
+            theirs = peer.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=30)
+            assert _state_of(theirs) == _state_of(line), (theirs, line)
 
         status = subprocess.run(
             [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
@@ -59,30 +71,32 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
         assert report["round"] >= first and report["loss"] > 0 and report["tokens_per_s"] > 0
         assert report["state_holders"] >= 3, report
 
-        # SIGKILL an original node in the next inner phase: the other three finish the run.
+        # SIGKILL an original node in its next inner phase: the other three go on training.
         victim = nodes[2]
-        victim.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=30)
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(5)
         survivors = [nodes[0], nodes[1], joiner]
-        for peer in survivors:
-            assert wait_exit(peer, 80) == 0, peer.stderr[-3000:]
-        summaries = [
-            json.loads((tmp_path / name / "summary.json").read_text())
-            for name in ("n0", "n1", "joiner")
+        after = nodes[0].wait_line(
+            lambda s: (
+                (m := ROUND_LINE.match(s)) is not None
+                and int(m.group(1)) > first
+                and "peers 3" in s
+                and "agree yes (3/3)" in s
+            ),
+            timeout_s=90,
+        )
+        r = int(after.split()[1])
+        lines = [
+            p.wait_line(lambda s: s.startswith(f"round {r} "), timeout_s=30) for p in survivors
         ]
-        printed = {name: p.lines for name, p in zip(("n0", "n1", "joiner"), survivors, strict=True)}
-        assert len({s["state_hash"] for s in summaries}) == 1, (summaries, printed)
-        assert all(s["last_round"] == rounds - 1 for s in summaries), summaries
-        assert summaries[2]["first_round"] == first and summaries[2]["syncs"] == 1
-        # The joiner contributed from its first round on, each round agreeing with the others.
+        assert len({_state_of(ln) for ln in lines}) == 1, lines  # bit-identical after the kill
+        # The joiner took part in every round since its first; it never disagreed.
         joined = round_lines(joiner)
-        assert sorted(joined) == list(range(first, rounds)), joiner.lines
-        assert all("agree yes" in line for line in joined.values()), joined
-        # After the kill the three survivors averaged together (the victim's slot was not waited
-        # for past the matchmaking deadline), agreeing bit for bit.
-        after = [line for r, line in round_lines(nodes[0]).items() if r > first]
-        assert any("peers 3" in ln and "agree yes (3/3)" in ln for ln in after), after
+        assert set(range(first, r + 1)) <= set(joined), joiner.lines
+        assert not any("agree NO" in ln for ln in joined.values()), joined
+        for peer in survivors:  # Ctrl+C: a clean stop, checkpoint kept
+            assert peer.stop(timeout_s=20) == 130, peer.stderr[-3000:]
+            assert "Traceback" not in peer.stderr, peer.stderr[-3000:]
     finally:
         for peer in [*nodes, joiner]:
             if peer is not None:
