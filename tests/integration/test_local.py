@@ -14,7 +14,7 @@ import subprocess
 from pathlib import Path
 
 from peerproc import SWARMTRAIN
-from runproc import ROUND_LINE, node, start_coordinator, wait_exit
+from runproc import node, start_coordinator, wait_exit
 
 INNER_STEPS = "10"
 
@@ -58,10 +58,9 @@ def test_ctrl_c_then_restart_resumes_from_the_checkpoint_skipping_a_corrupt_one(
 ) -> None:
     """Ctrl+C leaves cleanly with the round boundary's checkpoint on disk; the restart detects
     the newest checkpoint is corrupt, says so, resumes from the one before, then catches up with
-    the swarm (which went on without it) by downloading the agreed state, and ends in agreement.
-    """
-    rounds = 10
-    coordinator, join = start_coordinator(tmp_path, rounds=rounds, inner_steps=10)
+    the swarm (which went on without it) by downloading the agreed state, and agrees with it.
+    The spec has more rounds than the test needs: it stops everyone with Ctrl+C once checked."""
+    coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=10)
     state = tmp_path / "b"
     others = [node(join, tmp_path / "a"), node(join, tmp_path / "c")]
     stopped = node(join, state)
@@ -82,19 +81,18 @@ def test_ctrl_c_then_restart_resumes_from_the_checkpoint_skipping_a_corrupt_one(
         restarted = node(join, state)
         resumed = restarted.wait_line(lambda line: line.startswith("node "), timeout_s=60)
         assert "resumed from checkpoint at round 1" in resumed, resumed
+        synced = restarted.wait_line(lambda line: line.startswith("synced to round "), timeout_s=90)
+        k = int(synced.split()[3])
+        line = restarted.wait_line(lambda s: s.startswith(f"round {k} "), timeout_s=60)
+        assert "peers 3" in line and "agree yes (3/3)" in line, (line, restarted.stderr[-3000:])
+        theirs = others[0].wait_line(lambda s: s.startswith(f"round {k} "), timeout_s=30)
+        assert line.split(" state ")[1][:12] == theirs.split(" state ")[1][:12], (line, theirs)
         assert f"checkpoint {newest} is unusable, skipping it: checksum mismatch" in (
             restarted.stderr
         ), restarted.stderr[-3000:]
-        assert wait_exit(restarted, 90) == 0, restarted.stderr[-3000:]
-        synced = [line for line in restarted.lines if line.startswith("synced to round ")]
-        assert len(synced) == 1, restarted.lines
-        for other in others:
-            assert wait_exit(other, 60) == 0, other.stderr[-3000:]
-        summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in "abc"]
-        assert len({s["state_hash"] for s in summaries}) == 1, summaries
-        assert all(s["last_round"] == rounds - 1 for s in summaries), summaries
-        rounds_after = [line for line in restarted.lines if ROUND_LINE.match(line)]
-        assert rounds_after and all("agree yes" in line for line in rounds_after), rounds_after
+        for proc in (restarted, *others):
+            assert proc.stop(timeout_s=20) == 130, proc.stderr[-3000:]
+            assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     finally:
         for proc in (stopped, *others, restarted):
             if proc is not None:
