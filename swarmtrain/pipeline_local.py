@@ -157,6 +157,20 @@ def stage_builder(
     return build
 
 
+async def pipeline_status(dht: Any, run_id: str, num_stages: int) -> list[dict[str, Any]]:
+    """What ``swarmtrain status`` shows for a pipeline run, read from the servers' records: per
+    stage, its servers, how many are relayed, capacity (effective samples/s) and queued requests.
+    ``dht`` is a running ``p2p.Dht``; raises ``P2PError`` when the read fails."""
+    from swarm.pipeline_records import decode_announcements, servers_key
+    from swarm.rebalance import RebalanceConfig, stage_status
+
+    records = await dht.get_records(servers_key(run_id), latest=True)
+    found = decode_announcements(
+        [(r.owner, r.value) for r in records.values()], num_stages=num_stages
+    )
+    return stage_status(found, RebalanceConfig(num_stages=num_stages))
+
+
 # -- roles (child processes) ---------------------------------------------------------------------
 
 
