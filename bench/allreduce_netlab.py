@@ -420,7 +420,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         if args.tcp_baseline:
             from swarm.allreduce_session import chunks_for
 
-            chunk = tensor_bytes // n // chunks_for(args.numel, n)
+            chunk = tensor_bytes // n // chunks_for(args.numel, n, args.rate)
             for label, size in (
                 ("one connection per pair", 0),
                 (f"a connection per {chunk / 1e6:.2f} MB chunk", chunk),

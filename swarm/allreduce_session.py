@@ -77,11 +77,14 @@ KIND_SLICE, KIND_REDUCED = 0, 1
 INLINE_MAX_BYTES = 256 * 1024
 # Below this many elements the machine runs on the event loop: a thread hop costs more.
 THREAD_MIN_NUMEL = 1 << 16
-# Each peer's share is cut into chunks of about this many float32 bytes (at most MAX_CHUNKS), so
-# a reducer reduces and sends chunk k while chunk k + 1 arrives. Over a pair's bulk channel a
-# chunk costs no handshake; 8 MiB chunks bought nothing on loopback (CPU-bound) and have not been
-# measured on quiet shaped links yet, so one chunk per 32 MiB stays.
-CHUNK_BYTES = 32 << 20
+# Each peer's share is cut into chunks, so that a reducer reduces and sends chunk k while chunk
+# k + 1 arrives: about CHUNK_SECONDS of the slowest member's declared link, between MIN and MAX
+# bytes. On a 100 Mbit/s, 25 ms link (bench.allreduce_netlab) 8 MiB chunks reached 0.81-0.84 of
+# the bandwidth limit where one 25 MB chunk per peer reached 0.75; on loopback, where the CPU is
+# the limit, every extra chunk is overhead (32 MiB: 1.35 s, 8 MiB: 2.5 s for N=4, 25M floats).
+CHUNK_SECONDS = 0.5
+MIN_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 32 << 20
 MAX_CHUNKS = 16
 CONNECT_WAIT_S = 1.0
 FLUSH_S = 2.0
@@ -89,9 +92,11 @@ FLUSH_S = 2.0
 _RAW_IS_NATIVE = np.dtype("<f4") == np.dtype(np.float32)
 
 
-def chunks_for(numel: int, group_size: int) -> int:
-    """Chunks per peer: a function of the round's shape only, so every member computes it."""
-    return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / CHUNK_BYTES)))
+def chunks_for(numel: int, group_size: int, slowest_bps: float) -> int:
+    """Chunks per peer: a function of the round's shape and the members' declarations only, so
+    every member computes the same."""
+    chunk = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, slowest_bps / 8 * CHUNK_SECONDS))
+    return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / chunk)))
 
 
 @message(100, max_bytes=1024)
@@ -169,7 +174,8 @@ class Session:
         # Encoded bytes of reduced parts, by the held array: a forward must carry exactly the
         # bytes the reducer sent, and re-encoding a decoded int8 part may not reproduce them.
         self._encoded: dict[int, tuple[np.ndarray, bytes]] = {}
-        self.chunks = chunks_for(len(local), len(self.peers))
+        slowest = min(m.bandwidth_bps for m in group.members)
+        self.chunks = chunks_for(len(local), len(self.peers), slowest)
         # The result vector. Reduced parts that travel raw are received straight into their
         # place in it (the first copy of each part only: a later one may replace a part the
         # machine holds, and one arriving while we reduce the part ourselves must not race our

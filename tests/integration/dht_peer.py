@@ -54,6 +54,9 @@ async def _command(host: Host, dht: Dht, line: str) -> dict[str, object]:
     if cmd == "join":
         size = await dht.bootstrap([info_from_p2p_addr(Multiaddr(args[0]))])
         return {"routing_table_size": size}
+    if cmd == "suspect":
+        dht.suspect(ID.from_base58(args[0]))
+        return {"suspect": args[0]}
     if cmd == "peers":
         return {"routing_table_size": dht.statistics().routing_table_size}
     if cmd == "store":
