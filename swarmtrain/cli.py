@@ -10,6 +10,8 @@
     swarmtrain node     --join MULTIADDR [--state-dir DIR] [--json PATH] [--listen MULTIADDR ...]
     swarmtrain status   --join MULTIADDR [--json]
     swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
+                        [--pipeline-stages S [--pipeline-slow-stage K] ...]
+    swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
 (exit status 130). A failure prints one line that names its cause and exits with status 1.
@@ -29,6 +31,7 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from p2p import IdentityError, P2PError, default_identity_path, load_or_create_identity, peer_id_of
+from swarmtrain import pipeline_local, verify_cmd
 from swarmtrain.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.relay import RelayOptions, run_relay
@@ -180,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_local.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     p_local.add_argument("-v", "--verbose", action="store_true", help="show the nodes' logs")
+    pipeline_local.add_arguments(p_local)
+    verify_cmd.add_parser(sub)
     return parser
 
 
@@ -351,8 +356,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # local starts processes that each have their own.
     if args.command == "node":
         return _main_node(args)
+    if args.command == "local" and args.pipeline_stages is not None:
+        return pipeline_local.run(args)
     if args.command == "local":
         return _main_local(args)
+    if args.command == "verify":
+        return verify_cmd.run(args)
     if args.command == "init":
         return _main_init(args)
     if args.command == "status":
