@@ -206,54 +206,44 @@ def collect_results(
     timeout_s: float,
     on_event: Callable[[Worker, dict[str, Any]], None] | None = None,
 ) -> dict[int, dict[str, Any]]:
-    """Wait (bounded) for each worker's result of the round; ``on_event`` sees every event."""
+    """Wait (bounded) for each worker's result of the round; ``on_event`` sees every event. Then
+    ask each worker that succeeded for its result's SHA-256, now that nobody is averaging."""
     deadline = time.monotonic() + timeout_s
+    results = _await_event(workers, "result", round_number, deadline, on_event)
+    asked = [w for w in workers if results[w.rank].get("ok")]
+    for worker in asked:
+        worker.send({"cmd": "digest", "round": round_number})
+    for rank, record in _await_event(asked, "digest", round_number, deadline).items():
+        results[rank]["digest"] = record["digest"]
+    return results
+
+
+def _await_event(
+    workers: list[Worker],
+    kind: str,
+    round_number: int,
+    deadline: float,
+    on_event: Callable[[Worker, dict[str, Any]], None] | None = None,
+) -> dict[int, dict[str, Any]]:
+    """Each worker's first ``kind`` event of the round, by rank (TimeoutError at ``deadline``)."""
     pending = {w.rank: w for w in workers}
-    results: dict[int, dict[str, Any]] = {}
+    found: dict[int, dict[str, Any]] = {}
     while pending:
-        progressed = False
         for rank, worker in list(pending.items()):
             try:
                 record = worker.next_event(min(deadline, time.monotonic() + 0.05))
             except TimeoutError:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(
-                        f"round {round_number}: no result from workers {sorted(pending)} "
-                        f"within {timeout_s:.0f} s"
+                        f"round {round_number}: no {kind} from workers {sorted(pending)}"
                     ) from None
                 continue
-            progressed = True
             if on_event is not None:
                 on_event(worker, record)
-            if record.get("event") == "result" and record.get("round") == round_number:
-                results[rank] = record
+            if record.get("event") == kind and record.get("round") == round_number:
+                found[rank] = record
                 del pending[rank]
-        if not progressed and time.monotonic() >= deadline:
-            raise TimeoutError(f"round {round_number}: workers {sorted(pending)} timed out")
-    _collect_digests(workers, results, round_number, deadline)
-    return results
-
-
-def _collect_digests(
-    workers: list[Worker], results: dict[int, dict[str, Any]], round_number: int, deadline: float
-) -> None:
-    """Ask each worker that returned a result for its SHA-256, now that nobody is averaging."""
-    asked = {w.rank: w for w in workers if results.get(w.rank, {}).get("ok")}
-    for worker in asked.values():
-        worker.send({"cmd": "digest", "round": round_number})
-    while asked:
-        for rank, worker in list(asked.items()):
-            try:
-                record = worker.next_event(min(deadline, time.monotonic() + 0.05))
-            except TimeoutError:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(
-                        f"round {round_number}: no digest from {sorted(asked)}"
-                    ) from None
-                continue
-            if record.get("event") == "digest" and record.get("round") == round_number:
-                results[rank]["digest"] = record["digest"]
-                del asked[rank]
+    return found
 
 
 def report_failure(workers: list[Proc]) -> None:
