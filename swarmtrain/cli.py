@@ -7,7 +7,8 @@
     swarmtrain init     [PATH]
     swarmtrain coordinator [--config run.toml] [--rounds R] [--identity PATH] [--listen MA ...]
                         [--announce MA ...]
-    swarmtrain node     --join MULTIADDR [--state-dir DIR] [--json PATH] [--listen MULTIADDR ...]
+    swarmtrain node     --join MULTIADDR [--state-dir DIR] [--device auto|cpu|cuda] [--json PATH]
+                        [--listen MULTIADDR ...]
     swarmtrain status   --join MULTIADDR [--json]
     swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
                         [--pipeline-stages S [--pipeline-slow-stage K] ...]
@@ -134,6 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_node.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads [torch's default]"
     )
+    p_node.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the inner steps run; the shared state stays on the CPU [auto: cuda if any]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
 
     p_init = sub.add_parser("init", help="write a commented default run config")
@@ -227,6 +234,7 @@ def _main_node(args: argparse.Namespace) -> int:
             identity=args.identity,
             listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"]),
             threads=args.threads,
+            device=args.device,
             json_path=args.json,
         )
         summary = run_node(options, lambda line: print(line, flush=True))

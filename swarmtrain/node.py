@@ -69,6 +69,7 @@ class NodeOptions:
     identity: Path | None = None  # default: state_dir / "identity.key"
     listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
     threads: int | None = None
+    device: str = "auto"  # auto | cpu | cuda: where the inner steps run
     json_path: Path | None = None
     # How long a node behind the swarm waits for the next round boundary before it syncs anyway.
     join_wait_s: float = 120.0
@@ -132,6 +133,18 @@ def averager_config(config: RunConfig) -> swarm.AveragerConfig:
     )
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when torch sees a GPU, else the CPU. Raises ValueError for ``cuda``
+    without one (before anything joins or trains), or for an unknown name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (use cpu or auto)")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
 def build_model(config: RunConfig) -> ByteTransformer:
     shape = ByteTransformerConfig(
         d_model=config.d_model,
@@ -153,6 +166,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
     last round boundary's checkpoint is on disk). Raises SpecRefused (the spec is unsigned or
     tampered with), P2PError when the node cannot join or reach the coordinator, ValueError for
     a checkpoint of another config, RuntimeError when the agreed state cannot be downloaded."""
+    device = resolve_device(options.device)
     if options.threads:
         torch.set_num_threads(options.threads)
     options.state_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +194,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
         runtime.start(averager.run)
         server = StateServer(node, config.run_id)
         runtime.call_sync(server.install)
-        summary = _train(options, config, runtime, averager, server, corpus.result(), emit)
+        summary = _train(options, config, runtime, averager, server, corpus.result(), device, emit)
     finally:
         runtime.close()
     summary.peer_id = str(peer_id_of(key_pair))
@@ -197,9 +211,12 @@ def _train(
     averager: swarm.Averager,
     server: StateServer,
     corpus: Corpus,
+    device: torch.device,
     emit: Callable[[str], None],
 ) -> NodeSummary:
-    model = build_model(config)
+    # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
+    # so peers on different devices still agree bit for bit; only the inner steps move.
+    model = build_model(config).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=config.inner_lr)
     elastic_box: list[Elastic] = []
     average = SwarmAverage(runtime, averager, expected=lambda r: elastic_box[0].expected_peers(r))
@@ -217,7 +234,7 @@ def _train(
     elastic_box.append(elastic)
     peer = runtime.peer_id
     how = "resumed from checkpoint at" if diloco.round else "starting at"
-    emit(f"node {peer} {how} round {diloco.round} of {config.rounds}")
+    emit(f"node {peer} {how} round {diloco.round} of {config.rounds} on {device}")
     try:
         if diloco.round:
             elastic.serve_current()  # our checkpoint may be what a peer behind us needs
@@ -263,7 +280,9 @@ def _train_round(
     losses: list[float] = []
     tokens = 0
     inner_s = 1e-9
+    device = next(diloco.model.parameters()).device
     for step, (inputs, targets) in enumerate(batches):
+        inputs, targets = inputs.to(device), targets.to(device)
         loss = diloco.model.loss(inputs, targets)  # type: ignore[operator]
         loss.backward()
         losses.append(float(loss.detach()))

@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 from peerproc import SWARMTRAIN, PeerProcess, start_relay
 
 
@@ -144,3 +145,15 @@ def test_node_refuses_a_join_peer_that_serves_no_run_spec(tmp_path: Path) -> Non
         assert "no run spec from" in result.stderr and "coordinator's address" in result.stderr
     finally:
         relay.stop()
+
+
+def test_node_refuses_a_device_it_does_not_have_before_joining(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
+    join = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWLRPJAA5o6Z6i2qsqxa9KZZBEncVMHkNKSwqJDQRsvZS5"
+    result = _run("node", "--join", join, "--device", "cuda", "--state-dir", str(tmp_path))
+    assert result.returncode == 1, result
+    assert "--device cuda: torch sees no CUDA device here" in result.stderr, result.stderr
+    assert not (tmp_path / "identity.key").exists()  # refused before anything started
