@@ -209,8 +209,19 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
         server_options=["--average-every-s", "2", "--rebalance-every-s", "0"],
         trainer_options=["--rounds", "6", "--microbatches", "4"],
     ) as swarm:
-        victim = swarm.servers[3]
-        first = victim.wait_event("averaged", 60)
+        victim, peer = swarm.servers[3], swarm.servers[1]
+        # Kill only once both servers of stage 1 hold a round: killed as soon as it alone
+        # finished one, the victim can cost its peer that round (a lone survivor fails), and the
+        # peer then rightly serves its previous parameters.
+        deadline = time.monotonic() + 60
+        common: set[int] = set()
+        while not common and time.monotonic() < deadline:
+            time.sleep(0.1)
+            common = {e["round"] for e in events(victim, "averaged")} & {
+                e["round"] for e in events(peer, "averaged")
+            }
+        assert common, (events(victim, "averaged"), events(peer, "averaged"))
+        first = max(common)
         victim.proc.kill()
         assert victim.proc.wait(5) == -9
         reborn = Child(
@@ -230,9 +241,9 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
             reborn.stop(5)
         stop_all(swarm.servers, 5)
         summary = summarize(2, swarm.servers, swarm.trainers)
-    assert joined["stage"] == 1 and joined["round"] >= first["round"], (joined, first)
+    assert joined["stage"] == 1 and joined["round"] >= first, (joined, first)
     after = events(reborn, "averaged")
     assert after, "the restarted server averaged with its stage"
-    peer = {e["round"]: e["digest"] for e in events(swarm.servers[1], "averaged")}
-    assert any(peer.get(e["round"]) == e["digest"] for e in after), (after, peer)
+    digests = {e["round"]: e["digest"] for e in events(peer, "averaged")}
+    assert any(digests.get(e["round"]) == e["digest"] for e in after), (after, digests)
     assert summary["stage_hashes_agree"], summary
