@@ -456,12 +456,21 @@ class StageServer:
             self.node,
             AveragerConfig(
                 run_id=self._stage_run_id(self.stage),
-                matchmaking_timeout_s=self.config.matchmaking_timeout_s,
+                matchmaking_timeout_s=self._matchmaking_timeout_s(),
                 allreduce_timeout_s=self.config.averaging_timeout_s,
             ),
         )
         self._averager = averager
         self._averager_scope = await self._nursery.start(self._run_averager, averager)
+
+    def _matchmaking_timeout_s(self) -> float:
+        """At most 0.4 of the averaging period: a round that fails to match must end before the
+        next boundary. Otherwise a server alone in a round (its peer late) skips the next
+        boundary, and two servers out of phase alternate rounds and never meet (seen with a 2 s
+        period and a 2 s matchmaking timeout)."""
+        period = self.config.average_every_s
+        timeout = self.config.matchmaking_timeout_s
+        return min(timeout, 0.4 * period) if period else timeout
 
     def _stage_run_id(self, stage: int) -> str:
         return f"{self.config.run_id}-stage{stage}"
@@ -497,7 +506,7 @@ class StageServer:
             tensors = [p.detach() for p in active.params]
             result = None
             with trio.move_on_after(
-                self.config.matchmaking_timeout_s + self.config.averaging_timeout_s
+                self._matchmaking_timeout_s() + self.config.averaging_timeout_s
             ):
                 try:
                     result = await averager.average(

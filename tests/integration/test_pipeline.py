@@ -206,7 +206,7 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
         tmp_path,
         2,
         [0, 1, 0, 1],
-        server_options=["--average-every-s", "2", "--rebalance-every-s", "0"],
+        server_options=["--average-every-s", "3", "--rebalance-every-s", "0", "-v"],
         trainer_options=["--rounds", "6", "--microbatches", "4"],
     ) as swarm:
         victim, peer = swarm.servers[3], swarm.servers[1]
