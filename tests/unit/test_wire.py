@@ -29,9 +29,14 @@ from p2p.wire import (
     registered_types,
 )
 
-# Import every p2p module so that every registered wire message is tested below.
-for _module in pkgutil.iter_modules(p2p.__path__):
-    importlib.import_module(f"p2p.{_module.name}")
+# Import every module of every package, so that every registered wire message is tested below
+# whatever else the session imported, and two modules can never claim one type code unnoticed.
+for _package in ("p2p", "swarm", "verify", "swarmtrain"):
+    for _module in pkgutil.iter_modules(importlib.import_module(_package).__path__):
+        importlib.import_module(f"{_package}.{_module.name}")
+
+from swarm import pipeline_wire  # noqa: E402  (imported above; named for the strategies)
+from swarmtrain import state_sync  # noqa: E402
 
 
 def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
@@ -68,8 +73,65 @@ def _tensor_headers() -> st.SearchStrategy[Message]:
     return st.builds(build, dtypes, shapes, st.integers(1, 16 << 20))
 
 
+def _pipeline_tensor(optional: bool = False) -> st.SearchStrategy[tuple[str, list[int], bytes]]:
+    """(dtype, shape, data) that ``pipeline_wire`` accepts: the data matches the shape."""
+
+    def build(dtype: str, shape: list[int], fill: int) -> tuple[str, list[int], bytes]:
+        if dtype == "":
+            return "", [], b""
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        return dtype, shape, bytes([fill]) * size
+
+    dtypes = ["float32", "float16", "int64"] + ([""] if optional else [])
+    shapes = st.lists(st.integers(0, 6), max_size=pipeline_wire.MAX_DIMS)
+    return st.builds(build, st.sampled_from(dtypes), shapes, st.integers(0, 255))
+
+
+def _pipeline_messages() -> dict[type, Any]:
+    ids = st.binary(min_size=1, max_size=pipeline_wire.MAX_MICROBATCH_ID_BYTES)
+    text, ints = st.text(max_size=20), st.integers(-(2**31), 2**31)
+    w = pipeline_wire
+
+    def params(stage: int, r: int, digest: bytes, tensors: list[tuple[str, list[int], bytes]]):  # type: ignore[no-untyped-def]
+        return w.ParamsReply(stage, r, digest, *(list(x) for x in zip(*tensors, strict=True)))
+
+    return {
+        w.ForwardRequest: lambda: st.builds(
+            lambda r, s, i, t: w.ForwardRequest(r, s, i, *t), text, ints, ids, _pipeline_tensor()
+        ),
+        w.ForwardReply: lambda: st.builds(
+            lambda i, t: w.ForwardReply(i, *t), ids, _pipeline_tensor()
+        ),
+        w.BackwardRequest: lambda: st.builds(
+            lambda r, s, i, g, x: w.BackwardRequest(r, s, i, *g, *x),
+            text,
+            ints,
+            ids,
+            _pipeline_tensor(),
+            _pipeline_tensor(optional=True),
+        ),
+        w.BackwardReply: lambda: st.builds(
+            lambda i, t: w.BackwardReply(i, *t), ids, _pipeline_tensor(optional=True)
+        ),
+        w.ParamsReply: lambda: st.builds(
+            params,
+            ints,
+            ints,
+            st.binary(max_size=32),
+            st.lists(_pipeline_tensor(), min_size=1, max_size=3),
+        ),
+        state_sync.StateRangeRequest: lambda: st.builds(
+            state_sync.StateRangeRequest,
+            text,
+            st.binary(min_size=state_sync.HASH_BYTES, max_size=state_sync.HASH_BYTES),
+            st.integers(0, state_sync.MAX_STATE_BYTES),
+            st.integers(1, state_sync.MAX_RANGE_BYTES),
+        ),
+    }
+
+
 # Types whose invariants tie fields together get a strategy that builds valid instances.
-CUSTOM_STRATEGIES = {p2p.tensors.TensorHeader: _tensor_headers}
+CUSTOM_STRATEGIES = {p2p.tensors.TensorHeader: _tensor_headers, **_pipeline_messages()}
 
 
 def _instances(cls: type[Message]) -> st.SearchStrategy[Message]:
