@@ -1,11 +1,15 @@
-"""How a group cooperates: matchmaking, all-reduce, compression, averaging (pipelines later).
+"""How a group cooperates: matchmaking, all-reduce, compression, averaging, and pipelines (SWARM
+parallelism: routing, rebalancing, stage servers, trainers).
 
 Protocol logic here is sans-IO (no trio, sockets, clocks or randomness); trio drivers on top of
 ``p2p`` move the bytes. Each protocol's events and actions live in its module, reachable from here
-as ``swarm.matchmaking`` and ``swarm.allreduce`` (the names overlap: both have ``Finish``).
+as ``swarm.matchmaking``, ``swarm.allreduce``, ``swarm.pipeline_routing`` and ``swarm.rebalance``
+(the names overlap: several have ``Finish``). The pipeline's torch drivers are imported from
+their modules, ``swarm.stage_server`` (``StageServer``) and ``swarm.pipeline_trainer``
+(``PipelineTrainer``), so that importing ``swarm`` does not import torch.
 """
 
-from swarm import allreduce, compression, matchmaking
+from swarm import allreduce, compression, matchmaking, pipeline_routing, rebalance
 from swarm.allreduce import AllReduce, AllReduceState, partition, reduce_part
 from swarm.allreduce_session import AveragingFailed
 from swarm.averager import (
@@ -15,6 +19,7 @@ from swarm.averager import (
     BlockingAverager,
     StateAgreement,
 )
+from swarm.bandwidth import BandwidthEstimate
 from swarm.compression import Compression
 from swarm.matchmaking import (
     Declaration,
@@ -26,6 +31,9 @@ from swarm.matchmaking import (
     round_key,
     target_round,
 )
+from swarm.pipeline_records import ServerAnnouncement, param_digest, servers_key
+from swarm.pipeline_routing import MicrobatchRoute, Router, RoutingConfig
+from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_status
 
 __all__ = [
     "AllReduce",
@@ -34,6 +42,7 @@ __all__ = [
     "AveragerConfig",
     "AveragingFailed",
     "AveragingResult",
+    "BandwidthEstimate",
     "BlockingAverager",
     "Compression",
     "Declaration",
@@ -41,13 +50,25 @@ __all__ = [
     "MatchState",
     "Matchmaker",
     "MatchmakingConfig",
+    "MicrobatchRoute",
+    "Move",
+    "RebalanceConfig",
+    "Router",
+    "RoutingConfig",
+    "ServerAnnouncement",
     "StateAgreement",
     "allreduce",
     "compression",
     "derive_groups",
     "matchmaking",
+    "param_digest",
     "partition",
+    "pipeline_routing",
+    "plan_move",
+    "rebalance",
     "reduce_part",
     "round_key",
+    "servers_key",
+    "stage_status",
     "target_round",
 ]
