@@ -67,6 +67,7 @@ from swarm.allreduce import (
     SendReduced,
     partition,
 )
+from swarm.bandwidth import share_weights
 from swarm.matchmaking import Group
 from swarm.payload import Layout
 
@@ -168,7 +169,7 @@ class Session:
         self.config = config
         self.me = node.host.peer_id.to_bytes()
         self.peers = group.peer_ids
-        bandwidths = [max(1, int(m.bandwidth_bps // 1_000_000)) for m in group.members]
+        bandwidths = share_weights([m.bandwidth_bps for m in group.members])
         self._big = len(local) >= THREAD_MIN_NUMEL
         self._local = local  # what we encode our slices from (their decoding is machine.local)
         # Encoded bytes of reduced parts, by the held array: a forward must carry exactly the

@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm.bandwidth import MAX_BPS, MIN_BPS, SLACK, BandwidthEstimate
+from swarm.bandwidth import MAX_BPS, MIN_BPS, SLACK, BandwidthEstimate, share_weights
 
 
 def test_noise_within_the_slack_never_changes_the_declaration() -> None:
@@ -40,3 +40,20 @@ def test_declaration_stays_in_range(measurements: list[float]) -> None:
     for measured in measurements:
         declared = estimate.observe(measured)
         assert MIN_BPS / 2 <= declared <= MAX_BPS * 2
+
+
+def test_members_within_4x_share_equally_slower_ones_get_a_quarter_per_factor_of_4() -> None:
+    assert len(set(share_weights([2.5e9, 9e9, 5e9]))) == 1  # loopback noise: equal parts
+    fast, five_x, twenty_x = share_weights([1e9, 2e8, 5e7])
+    assert (fast / five_x, fast / twenty_x) == (4, 16)
+    assert share_weights([0.0, 1e9])[0] >= 1  # a member declaring nothing still gets a sliver
+
+
+@given(st.lists(st.floats(min_value=0.0, max_value=1e12), min_size=1, max_size=16))
+def test_share_weights_are_positive_and_order_preserving(declared: list[float]) -> None:
+    weights = share_weights(declared)
+    assert all(w >= 1 for w in weights)
+    for a, wa in zip(declared, weights, strict=True):
+        for b, wb in zip(declared, weights, strict=True):
+            if a <= b:
+                assert wa <= wb
