@@ -57,6 +57,11 @@ def share_weights(declared_bps: list[float]) -> list[int]:
     fastest = max(declared_bps, default=1.0)
     weights = []
     for bps in declared_bps:
-        level = math.floor(math.log(fastest / max(bps, 1.0), 4)) if bps < fastest else 0
-        weights.append(max(1, 4 ** (8 - min(level, 8))))
+        if bps >= fastest:
+            level = 0.0
+        elif bps <= 0:
+            level = 8.0  # declared nothing: the smallest share
+        else:
+            level = min(8.0, (math.log(fastest) - math.log(bps)) / math.log(4))
+        weights.append(4 ** (8 - math.floor(level)))
     return weights
