@@ -103,8 +103,9 @@ class LocalSummary:
         )
 
 
-class _Child:
-    """A child process; a thread hands its stdout lines to ``on_line``, stderr goes to a file."""
+class Child:
+    """A child process; a thread hands its stdout lines to ``on_line``, stderr goes to a file.
+    ``swarmtrain.pipeline_local`` extends it for children that print JSON events."""
 
     def __init__(
         self, name: str, argv: list[str], log_path: Path, on_line: Callable[[str], None]
@@ -127,6 +128,10 @@ class _Child:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
             on_line(raw.decode(errors="replace").rstrip("\n"))
+        self._stdout_ended()
+
+    def _stdout_ended(self) -> None:
+        """Called on the reader thread once the child's stdout closed."""
 
     def last_log_line(self) -> str:
         try:
@@ -135,14 +140,18 @@ class _Child:
             return ""
         return lines[-1] if lines else ""
 
-    def stop(self) -> None:
-        """SIGINT (the node's Ctrl+C path: checkpoint kept), SIGKILL after the grace period."""
+    def interrupt(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGINT (the node's Ctrl+C path: checkpoint kept), SIGKILL after ``grace_s``."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(STOP_GRACE_S)
+                self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s; killing it", self.name, STOP_GRACE_S)
+                log.warning("%s did not stop within %.0f s; killing it", self.name, grace_s)
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._reader.join(timeout=5)
@@ -150,13 +159,13 @@ class _Child:
 
 
 def _start_coordinator(
-    workdir: Path, config: RunConfig, children: list[_Child], emit: Callable[[str], None]
+    workdir: Path, config: RunConfig, children: list[Child], emit: Callable[[str], None]
 ) -> str:
     """Start the coordinator on ``config`` and return the join address it prints."""
     config_path = workdir / "run.toml"
     config_path.write_text(default_toml(config))
     lines: queue.Queue[str] = queue.Queue()
-    coordinator = _Child(
+    coordinator = Child(
         "coordinator",
         [
             *SWARMTRAIN,
@@ -202,7 +211,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
 
         return on_line
 
-    children: list[_Child] = []
+    children: list[Child] = []
     with ExitStack() as stack:
         if options.workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarmtrain-")))
@@ -214,7 +223,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
         config = RunConfig(run_id=run_id, rounds=options.rounds, inner_steps=options.inner_steps)
         join = _start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")
-        nodes: list[_Child] = []
+        nodes: list[Child] = []
         for index in range(options.peers):
             node_dir = workdir / f"node{index}"
             argv = [
@@ -233,7 +242,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             ]
             if options.verbose:
                 argv.append("-v")
-            child = _Child(
+            child = Child(
                 f"node {index}", argv, workdir / f"node{index}.log", emit_from(f"[{index}]")
             )
             children.append(child)

@@ -26,7 +26,6 @@ import logging
 import math
 import os
 import queue
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +35,9 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from swarmtrain import local
 
 log = logging.getLogger(__name__)
 
@@ -395,40 +396,35 @@ def role_main(argv: Sequence[str]) -> int:
 # -- the orchestrator ----------------------------------------------------------------------------
 
 
-class Child:
-    """A child process; a thread parses its stdout JSON lines, stderr goes to a log file."""
+class Child(local.Child):
+    """A child whose stdout lines are JSON events: kept in ``events``, handed to ``on_event``."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, on_event: Callable) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log: IO[bytes] = log_path.open("wb")
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log_path: Path,
+        on_event: Callable[[Child, dict[str, Any]], None],
+    ) -> None:
         self.events: list[dict[str, Any]] = []
         self._changed = threading.Condition()
-        self.proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
-        self._reader = threading.Thread(target=self._pump, args=(on_event,), daemon=True)
-        self._reader.start()
+        self._on_event = on_event
+        super().__init__(name, argv, log_path, self._on_line)
 
-    def _pump(self, on_event: Callable[[Child, dict[str, Any]], None]) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = {"event": "text", "text": line}
-            if not isinstance(event, dict):
-                event = {"event": "text", "text": line}
-            with self._changed:
-                self.events.append(event)
-                self._changed.notify_all()
-            on_event(self, event)
+    def _on_line(self, text: str) -> None:
+        line = text.strip()
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = {"event": "text", "text": line}
+        if not isinstance(event, dict):
+            event = {"event": "text", "text": line}
+        with self._changed:
+            self.events.append(event)
+            self._changed.notify_all()
+        self._on_event(self, event)
+
+    def _stdout_ended(self) -> None:
         with self._changed:
             self._changed.notify_all()
 
@@ -443,32 +439,13 @@ class Child:
             event = found()
         if event is None:
             raise PipelineFailed(
-                f"{self.name}: no {kind!r} within {timeout_s:.0f} s; log: {self.last_log_line()}"
+                f"{self.name}: no {kind!r} within {timeout_s:.0f} s; "
+                f"log: {self.last_log_line() or 'none'}"
             )
         return event
 
-    def last_log_line(self) -> str:
-        try:
-            lines = self.log_path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return lines[-1] if lines else "none"
-
-    def interrupt(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGINT (the role's normal way out), SIGKILL after ``grace_s``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self._reader.join(timeout=5)
-        self._log.close()
+        super().stop(grace_s)
 
 
 def stop_all(children: Sequence[Child], grace_s: float = STOP_GRACE_S) -> None:
