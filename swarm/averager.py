@@ -248,8 +248,10 @@ class Averager:
         try:
             result = await session.result()
         except AveragingFailed:
+            # No suspects from a failed round: a peer that lost everyone (it froze, or its link
+            # went down) is the odd one out, and skipping the others in DHT lookups would cut it
+            # off from the declarations they share (it then matched alone next round).
             self._survivors = None
-            self._suspect(session.lost)
             raise
         except BaseException:
             session.cancel()
