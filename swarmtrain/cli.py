@@ -7,8 +7,8 @@
     swarmtrain init     [PATH]
     swarmtrain coordinator [--config run.toml] [--rounds R] [--identity PATH] [--listen MA ...]
                         [--announce MA ...]
-    swarmtrain node     --join MULTIADDR [--state-dir DIR] [--device auto|cpu|cuda] [--json PATH]
-                        [--listen MULTIADDR ...]
+    swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
+                        [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
     swarmtrain status   --join MULTIADDR [--json]
     swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
                         [--pipeline-stages S [--pipeline-slow-stage K] ...]
@@ -141,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="where the inner steps run; the shared state stays on the CPU [auto: cuda if any]",
     )
+    p_node.add_argument(
+        "--role",
+        choices=["server", "trainer"],
+        default=None,
+        help="pipeline runs only (pipeline.stages > 0): serve a stage until Ctrl+C, or train "
+        "run.rounds rounds [server]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
 
     p_init = sub.add_parser("init", help="write a commented default run config")
@@ -236,10 +243,12 @@ def _main_node(args: argparse.Namespace) -> int:
             threads=args.threads,
             device=args.device,
             json_path=args.json,
+            role=args.role,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         # DiLoCo checkpoints at every round boundary; only the inner phase in progress is lost.
+        # (A pipeline node printed its summary line; a stage's parameters live on its servers.)
         log.info("stopped; checkpoints of finished rounds are in %s", state_dir)
         return 130
     except SpecRefused as exc:
@@ -248,14 +257,7 @@ def _main_node(args: argparse.Namespace) -> int:
     except (P2PError, ValueError, OSError, RuntimeError, ExceptionGroup) as exc:
         print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)
         return 1
-    loss_first = "n/a" if summary.loss_first is None else f"{summary.loss_first:.3f}"
-    loss_last = "n/a" if summary.loss_last is None else f"{summary.loss_last:.3f}"
-    print(
-        f"done: {summary.rounds_contributed} rounds contributed, last round "
-        f"{summary.last_round}, loss {loss_first} -> {loss_last}, "
-        f"held-out {summary.eval_loss:.3f}, state {summary.state_hash[:12]}",
-        flush=True,
-    )
+    print(summary.done_line(), flush=True)
     return 0
 
 

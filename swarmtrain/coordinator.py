@@ -6,7 +6,9 @@ reachability service, exactly what ``swarmtrain relay`` runs) that also answers
 in the join address it prints, so a volunteer who runs the printed command knows whose signature
 to demand; ``fetch_spec`` is that check, on the volunteer's side.
 
-Output on stdout, nothing else there: the run line, then the exact command volunteers run.
+Output on stdout, nothing else there: the run line, then the exact command volunteers run; for
+a pipeline run (``pipeline.stages > 0``) two commands: a stage server's, then a trainer's
+(``--role trainer``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from p2p import (
     serve_unary,
     subkey_values,
 )
+from swarmtrain.pipeline_progress import pipeline_status
 from swarmtrain.progress import agreed_state, decode_all, progress_key
 from swarmtrain.relay import RelayOptions, keep_serving, relay_node_config
 from swarmtrain.runspec import (
@@ -125,16 +128,55 @@ async def run_coordinator(
         data, signature = sign_spec(spec, key_pair)
         serve_spec(node.host, data, signature)
         join = join_addr(node)
-        emit(
-            f"run {config.run_id}: {config.rounds} rounds, H={config.inner_steps}, "
-            f"spec signed by {node.host.peer_id}"
-        )
-        emit(f"swarmtrain node --join {join}")
+        for line in join_lines(config, str(node.host.peer_id), join):
+            emit(line)
         for addr in node.host.addrs()[1:]:
             log.info("also reachable at %s", addr)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(keep_serving, node, options.relay.status_interval_s)
-            nursery.start_soon(_log_progress, node, config.run_id, PROGRESS_LOG_S)
+            if config.is_pipeline:
+                nursery.start_soon(_log_stages, node, config, PROGRESS_LOG_S)
+            else:
+                nursery.start_soon(_log_progress, node, config.run_id, PROGRESS_LOG_S)
+
+
+def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
+    """The run line, then the command(s) volunteers run."""
+    if not config.is_pipeline:
+        return [
+            f"run {config.run_id}: {config.rounds} rounds, H={config.inner_steps}, "
+            f"spec signed by {coordinator}",
+            f"swarmtrain node --join {join}",
+        ]
+    return [
+        f"run {config.run_id}: pipeline of {config.pipeline_stages} stages, {config.rounds} "
+        f"trainer rounds of {config.pipeline_microbatches} microbatches, spec signed by "
+        f"{coordinator}; stage servers run the first command, trainers the second",
+        f"swarmtrain node --join {join}",
+        f"swarmtrain node --join {join} --role trainer",
+    ]
+
+
+async def _log_stages(node: Node, config: RunConfig, interval_s: float) -> None:
+    """The coordinator's view of its pipeline run, in its log: servers and capacity per stage."""
+    last = None
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            rows = await pipeline_status(node.dht, config.run_id, config.pipeline_stages)
+        except P2PError as exc:
+            log.info("could not read the pipeline's servers: %s", exc)
+            continue
+        servers = [int(r["servers"]) for r in rows]
+        if servers == last:
+            continue
+        last = servers
+        log.info(
+            "run %s: servers per stage %s, capacity %s samples/s",
+            config.run_id,
+            servers,
+            [round(float(r["capacity"]), 1) for r in rows],
+        )
 
 
 async def _log_progress(node: Node, run_id: str, interval_s: float) -> None:

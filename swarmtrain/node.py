@@ -37,7 +37,6 @@ import torch
 import swarm
 from diloco import (
     ByteTransformer,
-    ByteTransformerConfig,
     Corpus,
     DiLoCo,
     eval_batches,
@@ -45,9 +44,11 @@ from diloco import (
     inner_batches,
     load_stdlib_corpus,
 )
-from p2p import HostConfig, NodeConfig, load_or_create_identity, peer_id_of
+from p2p import HostConfig, NodeConfig, PeerID, load_or_create_identity, peer_id_of
 from swarmtrain.coordinator import coordinator_of, fetch_spec
 from swarmtrain.elastic import Elastic
+from swarmtrain.pipeline_node import ROLES, PipelineSummary, run_pipeline
+from swarmtrain.pipeline_roles import shape_of
 from swarmtrain.progress import Progress
 from swarmtrain.runspec import RunConfig, RunSpec
 from swarmtrain.runtime import PeerRuntime
@@ -71,12 +72,17 @@ class NodeOptions:
     threads: int | None = None
     device: str = "auto"  # auto | cpu | cuda: where the inner steps run
     json_path: Path | None = None
-    # How long a node behind the swarm waits for the next round boundary before it syncs anyway.
+    # How long a node behind the swarm waits for the next round boundary before it syncs anyway;
+    # for a pipeline trainer, how long it waits for every stage to have a server.
     join_wait_s: float = 120.0
+    # A pipeline run's role: "server" (the default there) or "trainer"; refused for DiLoCo runs.
+    role: str | None = None
 
     def __post_init__(self) -> None:
         if not self.join:
             raise ValueError("--join is required: the coordinator's address (…/p2p/ID)")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 @dataclass
@@ -114,6 +120,16 @@ class NodeSummary:
             "round_seconds": [round(s, 3) for s in self.round_seconds],
         }
 
+    def done_line(self) -> str:
+        loss_first = "n/a" if self.loss_first is None else f"{self.loss_first:.3f}"
+        loss_last = "n/a" if self.loss_last is None else f"{self.loss_last:.3f}"
+        held_out = "n/a" if self.eval_loss is None else f"{self.eval_loss:.3f}"
+        return (
+            f"done: {self.rounds_contributed} rounds contributed, last round "
+            f"{self.last_round}, loss {loss_first} -> {loss_last}, "
+            f"held-out {held_out}, state {self.state_hash[:12]}"
+        )
+
 
 def run_seed_of(run_id: str) -> int:
     """The run's seed for the initial parameters and the data assignment: every peer of a run
@@ -146,26 +162,23 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model(config: RunConfig) -> ByteTransformer:
-    shape = ByteTransformerConfig(
-        d_model=config.d_model,
-        n_layers=config.n_layers,
-        n_heads=config.n_heads,
-        context=config.model_context,
-    )
-    return ByteTransformer(shape, seed=run_seed_of(config.run_id))
+    return ByteTransformer(shape_of(config), seed=run_seed_of(config.run_id))
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
+def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary | PipelineSummary:
     """Fetch the run spec, catch up with the swarm, train until DiLoCo's round reaches the
-    spec's ``rounds``; ``emit`` gets one progress line per round. Returns the summary (also
-    written to ``options.json_path``). KeyboardInterrupt propagates after the node is closed (the
-    last round boundary's checkpoint is on disk). Raises SpecRefused (the spec is unsigned or
-    tampered with), P2PError when the node cannot join or reach the coordinator, ValueError for
-    a checkpoint of another config, RuntimeError when the agreed state cannot be downloaded."""
+    spec's ``rounds``; ``emit`` gets one progress line per round. For a pipeline spec, run a
+    stage server (until Ctrl+C) or, with ``role="trainer"``, a trainer
+    (``swarmtrain.pipeline_node``). Returns the summary (also written to ``options.json_path``).
+    KeyboardInterrupt propagates after the node is closed (the last round boundary's checkpoint
+    is on disk). Raises SpecRefused (the spec is unsigned or tampered with), P2PError when the
+    node cannot join or reach the coordinator, ValueError for a checkpoint of another config or
+    a ``role`` on a DiLoCo run, RuntimeError when the agreed state cannot be downloaded or a
+    pipeline stage has no server."""
     device = resolve_device(options.device)
     if options.threads:
         torch.set_num_threads(options.threads)
@@ -181,27 +194,64 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary:
     corpus = loader.submit(load_stdlib_corpus)
     loader.shutdown(wait=False)
     runtime = PeerRuntime(node_config)
+    summary: NodeSummary | PipelineSummary
     try:
         node = runtime.node
         assert node is not None
         spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
         config = spec.config
-        emit(
-            f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} "
-            f"verified; {config.rounds} rounds, H={config.inner_steps}"
-        )
-        averager = swarm.Averager(node, averager_config(config))
-        runtime.start(averager.run)
-        server = StateServer(node, config.run_id)
-        runtime.call_sync(server.install)
-        summary = _train(options, config, runtime, averager, server, corpus.result(), device, emit)
+        if config.is_pipeline:
+            summary = _run_pipeline(options, config, runtime, coordinator, emit)
+        else:
+            if options.role is not None:
+                raise ValueError(
+                    f"--role {options.role}: run {config.run_id} is a DiLoCo run "
+                    "(pipeline.stages = 0), where every node trains the whole model; "
+                    "run the node without --role"
+                )
+            emit(
+                f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} "
+                f"verified; {config.rounds} rounds, H={config.inner_steps}"
+            )
+            averager = swarm.Averager(node, averager_config(config))
+            runtime.start(averager.run)
+            server = StateServer(node, config.run_id)
+            runtime.call_sync(server.install)
+            summary = _train(
+                options, config, runtime, averager, server, corpus.result(), device, emit
+            )
+            summary.peer_id = str(peer_id_of(key_pair))
     finally:
         runtime.close()
-    summary.peer_id = str(peer_id_of(key_pair))
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(summary.to_json()) + "\n")
     return summary
+
+
+def _run_pipeline(
+    options: NodeOptions,
+    config: RunConfig,
+    runtime: PeerRuntime,
+    coordinator: PeerID,
+    emit: Callable[[str], None],
+) -> PipelineSummary:
+    role = options.role or "server"
+    emit(
+        f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} verified; "
+        f"pipeline of {config.pipeline_stages} stages, {config.rounds} trainer rounds of "
+        f"{config.pipeline_microbatches} microbatches; this node: {role}"
+    )
+    if options.device == "cuda":
+        log.warning("--device cuda: pipeline roles run on the CPU")
+    return run_pipeline(
+        runtime,
+        config,
+        role,
+        seed=run_seed_of(config.run_id),
+        wait_for_servers_s=options.join_wait_s,
+        emit=emit,
+    )
 
 
 def _train(

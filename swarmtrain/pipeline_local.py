@@ -8,11 +8,12 @@ of a stage average their parameters every few seconds and move to the bottleneck
 rebalancing rule says so. At the end it sums up, and ``--json`` writes
 ``{stages, servers_per_stage, loss_first, loss_last, stage_hashes_agree, rebalances, failovers}``.
 
-Roles run through this module too: ``python -m swarmtrain.pipeline_local _server ...`` and
-``_trainer ...`` print one JSON object per stdout line (``ready``, ``serving``, ``averaged``,
-``moved``, ``round``, ``final``); the parent reads them. Every child has a lifetime limit
-(``--lifetime-s``), runs in its own session, gets SIGINT when done and SIGKILL after a grace
-period, so nothing outlives the command.
+Roles run through this module too (their code is ``swarmtrain.pipeline_roles``, which
+``swarmtrain node`` runs for a pipeline run spec): ``python -m swarmtrain.pipeline_local
+_server ...`` and ``_trainer ...`` print one JSON object per stdout line (``ready``,
+``serving``, ``averaged``, ``moved``, ``round``, ``final``); the parent reads them. Every child
+has a lifetime limit (``--lifetime-s``), runs in its own session, gets SIGINT when done and
+SIGKILL after a grace period, so nothing outlives the command.
 
 API: ``add_arguments(parser)`` adds the ``--pipeline-*`` options (the ``local`` parser already
 has ``--peers``, ``--rounds``, ``--json`` and ``-v``); ``run(args) -> int`` runs it.
@@ -38,6 +39,37 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain import local
+from swarmtrain.pipeline_progress import pipeline_status
+from swarmtrain.pipeline_roles import (
+    ServerSettings,
+    TrainerSettings,
+    cut_stages,
+    model_config,
+    serve,
+    server_final,
+    stage_builder,
+    train,
+)
+
+# The model's cut and the status rows live in pipeline_roles / pipeline_progress (shared with
+# ``swarmtrain node``); tests and bench.swarm import them from here too.
+__all__ = [
+    "Child",
+    "PipelineFailed",
+    "add_arguments",
+    "cut_stages",
+    "main",
+    "model_config",
+    "pipeline_status",
+    "role_argv",
+    "role_main",
+    "run",
+    "run_pipeline",
+    "stage_builder",
+    "start_relay",
+    "stop_all",
+    "summarize",
+]
 
 log = logging.getLogger(__name__)
 
@@ -47,129 +79,6 @@ START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 TRAINERS = 2
 AVERAGE_EVERY_S = 5.0
-
-
-# -- the model, cut into stages -----------------------------------------------------------------
-
-
-def model_config(num_stages: int, d_model: int = 64, context: int = 64) -> Any:
-    from diloco import ByteTransformerConfig
-
-    return ByteTransformerConfig(
-        d_model=d_model, n_layers=max(num_stages, 2), n_heads=4, context=context
-    )
-
-
-def cut_stages(model: Any, num_stages: int) -> list[Any]:
-    """``ByteTransformer`` as ``num_stages`` modules whose composition is the model's forward:
-    embeddings + first blocks / middle blocks / last blocks + final norm + head."""
-    import torch
-    from torch import nn
-
-    blocks = list(model.blocks)
-    if not 1 <= num_stages <= len(blocks):
-        raise ValueError(f"{num_stages} stages for {len(blocks)} blocks")
-    bounds = [round(i * len(blocks) / num_stages) for i in range(num_stages + 1)]
-
-    class Embed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.embed, self.position = model.embed, model.position
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            positions = torch.arange(idx.shape[1], device=idx.device)
-            return self.embed(idx) + self.position(positions)
-
-    class Stage(nn.Module):
-        def __init__(self, first: bool, last: bool, part: list[nn.Module]) -> None:
-            super().__init__()
-            self.embedding = Embed() if first else None
-            self.blocks = nn.ModuleList(part)
-            self.ln_final = model.ln_final if last else None
-            self.head = model.head if last else None
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if self.embedding is not None:
-                x = self.embedding(x)
-            for block in self.blocks:
-                x = block(x)
-            if self.head is not None:
-                x = self.head(self.ln_final(x))
-            return x
-
-    return [
-        Stage(k == 0, k == num_stages - 1, blocks[bounds[k] : bounds[k + 1]])
-        for k in range(num_stages)
-    ]
-
-
-class _Slowed:
-    """Wraps a stage so that each call also sleeps ``delay_s``: a slower machine, as the stage
-    server measures it (the sleep happens in its worker thread). A fixed delay rather than a
-    multiple of the compute time, so the slowdown does not depend on the machine's load."""
-
-    def __new__(cls, module: Any, delay_s: float) -> Any:
-        import torch
-        from torch import nn
-
-        class Slowed(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.inner = module
-
-            def forward(self, x: torch.Tensor) -> torch.Tensor:
-                time.sleep(delay_s)
-                return self.inner(x)
-
-        return Slowed()
-
-
-def stage_builder(
-    num_stages: int,
-    *,
-    seed: int,
-    batch_size: int,
-    context: int,
-    lr: float,
-    slow_stage: int | None = None,
-    slow_s: float = 0.0,
-    machine_slow_s: float = 0.0,
-) -> Callable[[int], Any]:
-    """``build_stage(k)`` for ``StageServer``: every call builds the same seeded parameters."""
-
-    def build(k: int) -> Any:
-        import torch
-
-        from diloco import ByteTransformer
-        from swarm.stage_server import StageModule
-
-        model = ByteTransformer(model_config(num_stages, context=context), seed=seed)
-        module = cut_stages(model, num_stages)[k]
-        if k == 0:
-            example = torch.zeros(batch_size, context, dtype=torch.int64)
-        else:
-            example = torch.zeros(batch_size, context, model.config.d_model)
-        # A slow stage (every server that serves it) and a slow machine (whatever it serves).
-        delay_s = (slow_s if slow_stage == k else 0.0) + machine_slow_s
-        if delay_s > 0:
-            module = _Slowed(module, delay_s)
-        return StageModule(module, example, lambda params: torch.optim.Adam(params, lr=lr))
-
-    return build
-
-
-async def pipeline_status(dht: Any, run_id: str, num_stages: int) -> list[dict[str, Any]]:
-    """What ``swarmtrain status`` shows for a pipeline run, read from the servers' records: per
-    stage, its servers, how many are relayed, capacity (effective samples/s) and queued requests.
-    ``dht`` is a running ``p2p.Dht``; raises ``P2PError`` when the read fails."""
-    from swarm.pipeline_records import decode_announcements, servers_key
-    from swarm.rebalance import RebalanceConfig, stage_status
-
-    records = await dht.get_records(servers_key(run_id), latest=True)
-    found = decode_announcements(
-        [(r.owner, r.value) for r in records.values()], num_stages=num_stages
-    )
-    return stage_status(found, RebalanceConfig(num_stages=num_stages))
 
 
 # -- roles (child processes) ---------------------------------------------------------------------
@@ -189,58 +98,42 @@ def _node_config(join: str, identity: Path) -> Any:
 
 
 def serve_role(opts: argparse.Namespace) -> int:
+    """Serve ``--stage`` until SIGINT or ``--lifetime-s``; the ``final`` event at the end."""
     import torch
     import trio
 
     from p2p import open_node
-    from swarm.stage_server import StageServer, StageServerConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    build = stage_builder(
-        opts.stages,
-        seed=opts.seed,
-        batch_size=opts.batch_size,
-        context=opts.context,
-        lr=opts.lr,
-        slow_stage=opts.slow_stage,
-        slow_s=opts.slow_ms / 1000,
-        machine_slow_s=opts.machine_slow_ms / 1000,
-    )
-    config = StageServerConfig(
+    settings = ServerSettings(
         run_id=opts.run_id,
         num_stages=opts.stages,
+        shape=model_config(opts.stages, context=opts.context),
+        seed=opts.seed,
+        batch_size=opts.batch_size,
+        sequence_length=opts.context,
+        lr=opts.lr,
         average_every_s=opts.average_every_s or None,
         rebalance_every_s=opts.rebalance_every_s or None,
         rebalance_after_s=opts.rebalance_after_s,
         relayed=False,
+        slow_stage=opts.slow_stage,
+        slow_s=opts.slow_ms / 1000,
+        machine_slow_s=opts.machine_slow_ms / 1000,
     )
-    holder: list[StageServer] = []
+    holder: list[Any] = []
 
     async def main() -> None:
+        config = _node_config(opts.join, opts.identity)
         with trio.move_on_after(opts.lifetime_s):
-            async with open_node(_node_config(opts.join, opts.identity)) as node:
-                server = StageServer(node, config, build, opts.stage, on_event=_emit)
-                holder.append(server)
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(server.run)
-                    _emit({"event": "ready", "peer": node.host.peer_id.to_bytes().hex()})
+            async with open_node(config) as node, trio.open_nursery() as nursery:
+                holder.append(await nursery.start(serve, node, settings, opts.stage, _emit))
 
     with suppress(KeyboardInterrupt):  # SIGINT from the parent: the normal way to stop
         trio.run(main)
     if holder:
-        stats = holder[0].statistics
-        _emit(
-            {
-                "event": "final",
-                "stage": holder[0].stage,
-                "forwards": stats.forwards,
-                "backwards": stats.backwards,
-                "moves": stats.moves,
-                "averaged_rounds": stats.averaged_rounds,
-                "failed_rounds": stats.failed_rounds,
-            }
-        )
+        _emit(server_final(holder[0]))
     return 0
 
 
@@ -248,102 +141,31 @@ def train_role(opts: argparse.Namespace) -> int:
     """Train ``--rounds`` rounds of ``--microbatches`` (or rounds until ``--duration-s``)."""
     import torch
     import trio
-    from torch.nn import functional as F
 
-    from diloco import inner_batches, load_stdlib_corpus
     from p2p import open_node
-    from swarm.pipeline_trainer import MicrobatchFailed, PipelineTrainer, TrainerConfig
 
     torch.set_num_threads(1)
-    corpus = load_stdlib_corpus(max_bytes=1 << 20)
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    summary: dict[str, Any] = {"losses": [], "failovers": 0, "failed": 0, "samples": 0}
-
-    async def one(
-        trainer: PipelineTrainer, batch: tuple[Any, Any], losses: list[float], limit: Any
-    ) -> None:
-        async with limit:
-            for attempt in range(4):
-                if "stopped" in summary:
-                    return
-                try:
-                    result = await trainer.train_microbatch(*batch)
-                except MicrobatchFailed as exc:
-                    summary["failed"] += 1
-                    _emit({"event": "microbatch_failed", "attempt": attempt, "reason": str(exc)})
-                    if opts.stop_on_failure:  # the fixed pipeline of bench.swarm
-                        summary["stopped"] = str(exc)
-                        return
-                    await trainer.refresh()
-                    await trio.sleep(0.5 * (attempt + 1))
-                    continue
-                losses.append(result.loss)
-                return
-
-    async def train(trainer: PipelineTrainer, me: bytes) -> None:
-        began = time.monotonic()
-        round_number = 0
-        while "stopped" not in summary:
-            if opts.duration_s and time.monotonic() - began >= opts.duration_s:
-                break
-            if not opts.duration_s and round_number >= opts.rounds:
-                break
-            started = time.monotonic()
-            batches = inner_batches(
-                corpus,
-                run_seed=opts.seed,
-                round=round_number,
-                peer_id=me,
-                steps=opts.microbatches,
-                batch_size=opts.batch_size,
-                context=opts.context,
-            )
-            losses: list[float] = []
-            limit = trio.Semaphore(opts.in_flight)
-            async with trio.open_nursery() as round_nursery:
-                for batch in batches:
-                    round_nursery.start_soon(one, trainer, batch, losses, limit)
-            seconds = time.monotonic() - started
-            summary["losses"].append(sum(losses) / len(losses) if losses else None)
-            summary["failovers"] = trainer.statistics.failovers
-            summary["samples"] += len(losses) * opts.batch_size
-            summary["seconds"] = round(time.monotonic() - began, 3)
-            _emit(
-                {
-                    "event": "round",
-                    "round": round_number,
-                    "loss": summary["losses"][-1],
-                    "microbatches": len(losses),
-                    "seconds": round(seconds, 2),
-                    "samples_per_s": round(len(losses) * opts.batch_size / seconds, 2),
-                    "failovers": trainer.statistics.failovers,
-                    "servers_per_stage": trainer.servers_per_stage(),
-                }
-            )
-            round_number += 1
-        summary["seconds"] = round(time.monotonic() - began, 3)
+    settings = TrainerSettings(
+        run_id=opts.run_id,
+        num_stages=opts.stages,
+        batch_size=opts.batch_size,
+        sequence_length=opts.context,
+        rounds=opts.rounds,
+        microbatches=opts.microbatches,
+        data_seed=opts.seed,
+        route_seed=opts.seed,
+        in_flight=opts.in_flight,
+        hop_timeout_s=opts.hop_timeout_s,
+        duration_s=opts.duration_s,
+        stop_on_failure=opts.stop_on_failure,
+        wait_for_servers_s=START_TIMEOUT_S,
+    )
+    summary: dict[str, Any] = {}
 
     async def main() -> None:
         with trio.fail_after(opts.lifetime_s):
             async with open_node(_node_config(opts.join, opts.identity)) as node:
-                config = TrainerConfig(
-                    run_id=opts.run_id,
-                    num_stages=opts.stages,
-                    seed=opts.seed,
-                    hop_timeout_s=opts.hop_timeout_s,
-                    max_attempts_per_hop=1 if opts.stop_on_failure else 8,
-                )
-                trainer = PipelineTrainer(node, config, loss_fn)
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(trainer.run)
-                    with trio.fail_after(START_TIMEOUT_S):
-                        await trainer.wait_for_servers()
-                    _emit({"event": "ready", "servers_per_stage": trainer.servers_per_stage()})
-                    await train(trainer, node.host.peer_id.to_bytes())
-                    nursery.cancel_scope.cancel()
+                summary.update(await train(node, settings, _emit))
 
     trio.run(main)
     _emit({"event": "final", **summary})

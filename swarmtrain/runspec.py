@@ -1,6 +1,7 @@
 """The run config (``run.toml``) and the run spec the coordinator signs.
 
-A run is defined by its config: model shape, DiLoCo settings, swarm deadlines, number of rounds.
+A run is defined by its config: model shape, DiLoCo settings, swarm deadlines, number of rounds,
+and, for a SWARM pipeline run (``[pipeline] stages > 0``), the stage count and its periods.
 The coordinator reads ``run.toml`` (``tomllib``), validates it, fixes a run id, and signs the
 canonical encoding of the result with its Ed25519 identity: that is the *run spec*. Volunteers
 fetch the spec from the peer named in ``--join`` and check the signature against that peer's id
@@ -59,6 +60,10 @@ def _positive(value: Any) -> bool:
     return value > 0
 
 
+def _non_negative(value: Any) -> bool:
+    return value >= 0
+
+
 def _run_id_ok(value: Any) -> bool:
     return len(value) <= 64 and "/" not in value and value.isprintable() and " " not in value
 
@@ -92,6 +97,20 @@ FIELDS: tuple[_Field, ...] = (
            "a positive number", "seconds a round waits for peers to declare"),
     _Field("swarm.allreduce_timeout_s", "allreduce_timeout_s", float, _positive,
            "a positive number", "seconds an all-reduce may take before it fails"),
+    _Field("pipeline.stages", "pipeline_stages", int, _non_negative,
+           "a non-negative integer", "0: a DiLoCo run (every node trains the whole model). S > 0: "
+           "a SWARM pipeline run: the\n# model cut into S stages (at most model.n_layers), "
+           "served by stage servers (Adam at\n# training.inner_lr) and driven by trainers "
+           "(`swarmtrain node --role trainer`)"),
+    _Field("pipeline.microbatches", "pipeline_microbatches", int, _positive,
+           "a positive integer", "microbatches (of training.batch_size sequences) per trainer "
+           "round; run.rounds rounds"),
+    _Field("pipeline.average_every_s", "pipeline_average_every_s", float, _positive,
+           "a positive number", "seconds between two averagings of a stage's parameters by its "
+           "servers"),
+    _Field("pipeline.rebalance_every_s", "pipeline_rebalance_every_s", float, _non_negative,
+           "a non-negative number", "seconds between two rebalancing decisions (a server moves "
+           "to the bottleneck stage);\n# 0: servers never move"),
 )  # fmt: skip
 _BY_KEY = {f.key: f for f in FIELDS}
 _SECTIONS = tuple(dict.fromkeys(f.key.split(".")[0] for f in FIELDS))
@@ -115,6 +134,10 @@ class RunConfig:
     outer_momentum: float = 0.9
     matchmaking_timeout_s: float = 4.0
     allreduce_timeout_s: float = 30.0
+    pipeline_stages: int = 0
+    pipeline_microbatches: int = 8
+    pipeline_average_every_s: float = 5.0
+    pipeline_rebalance_every_s: float = 3.0
 
     def __post_init__(self) -> None:
         for spec in FIELDS:
@@ -128,9 +151,19 @@ class RunConfig:
                 f"training.sequence_length ({self.sequence_length}) is longer than "
                 f"model.context ({self.model_context})"
             )
+        if self.pipeline_stages > self.n_layers:
+            raise ConfigError(
+                f"pipeline.stages ({self.pipeline_stages}) is more than model.n_layers "
+                f"({self.n_layers}): every stage needs at least one transformer block"
+            )
 
     def replace(self, **changes: Any) -> RunConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def is_pipeline(self) -> bool:
+        """A SWARM pipeline run (stage servers and trainers) rather than a DiLoCo run."""
+        return self.pipeline_stages > 0
 
     def items(self) -> list[tuple[str, Any]]:
         """``[(toml key, value)]`` sorted by key: the canonical order the spec is signed in."""

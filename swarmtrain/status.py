@@ -1,5 +1,9 @@
 """``swarmtrain status --join MULTIADDR``: a run's peers, round, loss and throughput.
 
+For a pipeline run (``pipeline.stages > 0``) it shows, per stage, the servers (and how many are
+relayed), the stage's capacity (effective samples/s) and queued requests, read from the servers'
+announcements, then each trainer's latest round (``swarmtrain.pipeline_progress``).
+
 Joins the DHT with a throwaway identity (a status query should not touch the user's key or
 appear as a volunteer), fetches and verifies the run spec from the coordinator, and reads the
 progress records the nodes publish after every round (``swarmtrain.progress``). Nothing here is
@@ -9,12 +13,14 @@ trusted beyond what the records' signatures say: each line is what that peer cla
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, NodeConfig, PeerID, open_node, subkey_values
 from swarmtrain.coordinator import coordinator_of, fetch_spec
+from swarmtrain.pipeline_progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.progress import Progress, agreed_state, decode_all, progress_key
 from swarmtrain.runspec import RunSpec
 
@@ -27,6 +33,8 @@ class StatusReport:
     spec: RunSpec
     records: list[Progress]
     now: float
+    stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline runs: a row per stage
+    trainers: dict[str, TrainerProgress] = field(default_factory=dict)  # pipeline: peer -> round
 
     def active(self) -> list[Progress]:
         return [p for p in self.records if self.now - p.published_at < SILENT_AFTER_S]
@@ -35,6 +43,8 @@ class StatusReport:
         return max((p.round for p in self.records), default=None)
 
     def to_json(self) -> dict[str, object]:
+        if self.spec.config.is_pipeline:
+            return self._pipeline_json()
         latest = self.latest_round()
         at_latest = [p for p in self.records if p.round == latest]
         agreed = agreed_state(self.records)
@@ -51,7 +61,64 @@ class StatusReport:
             "nodes": [p.to_json() for p in self.records],
         }
 
+    def _pipeline_json(self) -> dict[str, object]:
+        active = {
+            peer: p
+            for peer, p in self.trainers.items()
+            if self.now - p.published_at < SILENT_AFTER_S
+        }
+        latest = max((p.round for p in active.values()), default=None)
+        at_latest = [p for p in active.values() if p.round == latest]
+        return {
+            "run_id": self.spec.config.run_id,
+            "coordinator": self.spec.coordinator,
+            "rounds": self.spec.config.rounds,
+            "pipeline_stages": self.spec.config.pipeline_stages,
+            "stages": [
+                {**row, "capacity": round(float(row["capacity"]), 2)} for row in self.stages
+            ],
+            "servers": sum(int(row["servers"]) for row in self.stages),
+            "round": latest,
+            "trainers": len(active),
+            "loss": _mean([p.loss for p in at_latest if p.loss is not None]),
+            "samples_per_s": round(sum(p.samples_per_s for p in at_latest), 2),
+            "trainer_rounds": [
+                {"peer_id": peer, **p.to_json()} for peer, p in self.trainers.items()
+            ],
+        }
+
+    def _pipeline_format(self) -> str:
+        summary = self._pipeline_json()
+        config = self.spec.config
+        lines = [
+            f"run {config.run_id} (coordinator {self.spec.coordinator}): pipeline of "
+            f"{config.pipeline_stages} stages, {summary['servers']} servers, "
+            f"{summary['trainers']} active trainers, round "
+            f"{summary['round'] if summary['round'] is not None else '-'} of {config.rounds}, "
+            f"loss {_text(summary['loss'])}, {summary['samples_per_s']} samples/s in all",
+            f"{'stage':>5}{'servers':>9}{'relayed':>9}{'samples/s':>11}{'queue':>7}",
+        ]
+        for row in self.stages:
+            lines.append(
+                f"{row['stage']:>5}{row['servers']:>9}{row['relayed']:>9}"
+                f"{float(row['capacity']):>11.1f}{row['queue']:>7}"
+            )
+        if not self.trainers:
+            lines.append("no trainer has finished a round yet")
+            return "\n".join(lines)
+        lines.append(
+            f"{'trainer':<14}{'round':>6}{'loss':>8}{'samples/s':>11}{'failovers':>11}  last seen"
+        )
+        for peer, p in self.trainers.items():
+            lines.append(
+                f"{peer[-12:]:<14}{p.round:>6}{_text(p.loss):>8}{p.samples_per_s:>11.1f}"
+                f"{p.failovers:>11}  {self.now - p.published_at:.0f} s ago"
+            )
+        return "\n".join(lines)
+
     def format(self) -> str:
+        if self.spec.config.is_pipeline:
+            return self._pipeline_format()
         summary = self.to_json()
         config = self.spec.config
         lines = [
@@ -90,7 +157,12 @@ async def run_status(join: tuple[str, ...], listen: tuple[str, ...]) -> StatusRe
     config = NodeConfig(HostConfig(create_new_key_pair(), listen_addrs=listen), bootstrap=join)
     async with open_node(config) as node:
         spec = await fetch_spec(node, coordinator)
-        records = await node.dht.get_records(progress_key(spec.config.run_id), latest=True)
+        run = spec.config
+        if run.is_pipeline:
+            stages = await pipeline_status(node.dht, run.run_id, run.pipeline_stages)
+            trainers = await trainer_progress(node.dht, run.run_id)
+            return StatusReport(spec, [], time.time(), stages, trainers)
+        records = await node.dht.get_records(progress_key(run.run_id), latest=True)
     now = time.time()
     values = subkey_values(records, now=now)
     by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}
