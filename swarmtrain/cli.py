@@ -248,8 +248,11 @@ def _main_node(args: argparse.Namespace) -> int:
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
         # DiLoCo checkpoints at every round boundary; only the inner phase in progress is lost.
-        # (A pipeline node printed its summary line; a stage's parameters live on its servers.)
-        log.info("stopped; checkpoints of finished rounds are in %s", state_dir)
+        # (A pipeline node keeps none: it printed its summary, a stage lives on its servers.)
+        if any(state_dir.glob("diloco-*.ckpt")):
+            log.info("stopped; checkpoints of finished rounds are in %s", state_dir)
+        else:
+            log.info("stopped")
         return 130
     except SpecRefused as exc:
         print(f"swarmtrain node: run spec refused: {exc}", file=sys.stderr)

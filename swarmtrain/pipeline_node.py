@@ -11,7 +11,12 @@ first average.
 
 * A **server** starts on the stage with the fewest servers in the DHT records (ties broken by a
   hash of its peer id and the stage, so servers that start together spread out), then serves
-  until Ctrl+C; rebalancing moves it later if another stage becomes the bottleneck.
+  until Ctrl+C; rebalancing moves it later if another stage becomes the bottleneck. Servers that
+  start together can still all read empty records and land on one stage, and rebalancing cannot
+  fill a stage nobody serves (a move downloads the target stage's parameters from its servers).
+  So every ``EMPTY_CHECK_S`` a server checks for an empty stage: if there is one, one server of
+  the most served stage (``empty_stage_move``: the same choice on every server) restarts there
+  from the initial parameters, which are all an unserved stage has left.
 * A **trainer** waits (bounded) until every stage has a server, trains its rounds and exits.
 
 The roles report events (dicts); here they become lines for a human (``describe``). The role
@@ -31,7 +36,7 @@ from typing import Any
 import trio
 
 from p2p import Node, P2PError
-from swarmtrain.pipeline_progress import pipeline_status
+from swarmtrain.pipeline_progress import pipeline_status, servers_by_stage
 from swarmtrain.pipeline_roles import (
     ServerSettings,
     TrainerSettings,
@@ -47,6 +52,7 @@ ROLES = ("server", "trainer")
 # A server prints its counts this often (when they changed): its only sign of life when it is
 # alone on its stage and never averages.
 PROGRESS_EVERY_S = 15.0
+EMPTY_CHECK_S = 3.0
 
 
 def least_served(servers_per_stage: list[int], peer_id: bytes) -> int:
@@ -58,6 +64,41 @@ def least_served(servers_per_stage: list[int], peer_id: bytes) -> int:
         return servers_per_stage[stage], hashlib.sha256(tag).digest()
 
     return min(range(len(servers_per_stage)), key=rank)
+
+
+def empty_stage_move(
+    by_stage: list[list[bytes]], me: bytes, my_stage: int, epoch: int
+) -> int | None:
+    """The stage we restart on because nobody serves it, or None (the usual case).
+
+    When a stage has no server, the most served stage (if it has two or more) gives up the one
+    server that ranks first by sha256(epoch, peer id); it takes the lowest empty stage."""
+    empty = [k for k, peers in enumerate(by_stage) if not peers]
+    if not empty:
+        return None
+    donor = max(range(len(by_stage)), key=lambda k: (len(by_stage[k]), -k))
+    if donor != my_stage or len(by_stage[donor]) < 2 or me not in by_stage[donor]:
+        return None
+    tag = b"swarmtrain/fill-stage/1\x00%d\x00" % epoch
+    mover = min(by_stage[donor], key=lambda peer: hashlib.sha256(tag + peer).digest())
+    return empty[0] if mover == me else None
+
+
+async def wait_empty_stage(node: Node, run_id: str, num_stages: int, stage: int) -> int:
+    """Until ``empty_stage_move`` names us; returns the stage to restart on."""
+    me = node.host.peer_id.to_bytes()
+    while True:
+        now = time.time()
+        epoch = int(now // EMPTY_CHECK_S) + 1
+        await trio.sleep(epoch * EMPTY_CHECK_S - now)
+        try:
+            with trio.move_on_after(EMPTY_CHECK_S):
+                by_stage = await servers_by_stage(node.dht, run_id, num_stages)
+                target = empty_stage_move(by_stage, me, stage, epoch)
+                if target is not None:
+                    return target
+        except P2PError:
+            continue
 
 
 async def choose_stage(node: Node, run_id: str, num_stages: int) -> int:
@@ -235,8 +276,16 @@ def run_pipeline(
         settings = server_settings(config, seed)
 
         async def work() -> None:
-            async with trio.open_nursery() as nursery:
-                box["server"] = await nursery.start(serve, node, settings, stage, on_event)
+            current = stage
+            while True:
+                async with trio.open_nursery() as nursery:
+                    box["server"] = await nursery.start(serve, node, settings, current, on_event)
+                    target = await wait_empty_stage(
+                        node, config.run_id, settings.num_stages, current
+                    )
+                    nursery.cancel_scope.cancel()
+                emit(f"stage {target} has no server: restarting on it (initial parameters)")
+                current = target
     else:
         emit(f"trainer {node.host.peer_id}: waiting until every stage has a server")
         trainer = trainer_settings(config, seed, node.host.peer_id.to_bytes(), wait_for_servers_s)

@@ -111,6 +111,20 @@ async def trainer_progress(dht: Any, run_id: str) -> dict[str, TrainerProgress]:
     return {peer: p for peer, p in sorted(found.items()) if p is not None}
 
 
+async def servers_by_stage(dht: Any, run_id: str, num_stages: int) -> list[list[bytes]]:
+    """The peer ids announced on each stage (sorted); raises P2PError when the read fails."""
+    from swarm.pipeline_records import decode_announcements, servers_key
+
+    records = await dht.get_records(servers_key(run_id), latest=True)
+    found = decode_announcements(
+        [(r.owner, r.value) for r in records.values()], num_stages=num_stages
+    )
+    by_stage: list[list[bytes]] = [[] for _ in range(num_stages)]
+    for announcement in found:
+        by_stage[announcement.stage].append(announcement.peer_id)
+    return by_stage
+
+
 async def pipeline_status(dht: Any, run_id: str, num_stages: int) -> list[dict[str, Any]]:
     """What ``swarmtrain status`` shows for a pipeline run, read from the servers' records: per
     stage, its servers, how many are relayed, capacity (effective samples/s) and queued requests.

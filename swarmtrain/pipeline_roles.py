@@ -263,11 +263,14 @@ async def serve(
 
 
 async def _report_progress(server: StageServer, every_s: float, emit: Emit) -> None:
-    last: tuple[int, ...] = ()
+    def counts() -> tuple[int, ...]:
+        stats = server.statistics
+        return (server.stage, stats.forwards, stats.backwards, stats.averaged_rounds, stats.moves)
+
+    last = counts()
     while True:
         await trio.sleep(every_s)
-        stats = server.statistics
-        now = (server.stage, stats.forwards, stats.backwards, stats.averaged_rounds, stats.moves)
+        now = counts()
         if now != last:
             last = now
             emit(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def test_default_toml_round_trips_to_the_defaults() -> None:
         ("[training]\nsequence_length = 500\n", "training.sequence_length (500) is longer"),
         ('[run]\nid = "a/b"\n', "run.id must be"),
         ("run = 3\n", "run must be a [run] table"),
+        ("[pipeline]\nstages = -1\n", "pipeline.stages must be a non-negative integer, got -1"),
+        ("[pipeline]\nstages = 1.5\n", "pipeline.stages must be a non-negative integer"),
+        ("[pipeline]\nstages = 5\n", "pipeline.stages (5) is more than model.n_layers (4)"),
+        ("[pipeline]\nstage = 2\n", "unknown key pipeline.stage"),
+        ("[pipeline]\nmicrobatches = 0\n", "pipeline.microbatches must be a positive integer"),
+        ("[pipeline]\naverage_every_s = 0\n", "pipeline.average_every_s must be a positive"),
+        ("[pipeline]\nrebalance_every_s = -1\n", "pipeline.rebalance_every_s must be a non-neg"),
+        ('[pipeline]\naverage_every_s = "5"\n', "pipeline.average_every_s must be a positive"),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
@@ -62,6 +71,67 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
 
 def test_ints_are_accepted_for_float_keys() -> None:
     assert config_from_mapping({"training": {"outer_lr": 1}}).outer_lr == 1.0
+
+
+def test_pipeline_keys_default_to_a_diloco_run_and_init_writes_them_commented() -> None:
+    assert not RunConfig().is_pipeline and RunConfig().pipeline_stages == 0
+    text = default_toml()
+    assert "[pipeline]" in text and "\nstages = 0\n" in text and "--role trainer" in text
+    body = text[text.index("[pipeline]") :]
+    assert all(f"\n{k} = " in body for k in PIPELINE_KEYS)
+    config = config_from_mapping(
+        {"model": {"n_layers": 2}, "pipeline": {"stages": 2, "average_every_s": 3}}
+    )
+    assert config.is_pipeline and config.pipeline_average_every_s == 3.0
+
+
+PIPELINE_KEYS = ("stages", "microbatches", "average_every_s", "rebalance_every_s")
+PIPELINE = RunConfig(
+    run_id="p1",
+    rounds=3,
+    n_layers=3,
+    pipeline_stages=3,
+    pipeline_microbatches=6,
+    pipeline_average_every_s=2.5,
+    pipeline_rebalance_every_s=0.0,
+)
+
+
+def test_a_signed_pipeline_spec_round_trips_and_tampering_with_its_keys_is_refused() -> None:
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, signature = sign_spec(RunSpec(PIPELINE, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config == PIPELINE
+    obj = msgpack.unpackb(data, raw=False)
+    settings = dict(obj[1])
+    assert {f"pipeline.{k}" for k in PIPELINE_KEYS} <= set(settings)
+    for key, value in [("pipeline.stages", 2), ("pipeline.average_every_s", 9.0)]:
+        changed = [[k, value if k == key else v] for k, v in obj[1]]
+        tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        with pytest.raises(SpecRefused, match="tampered with"):
+            verify_spec(tampered, signature, coordinator)
+    # Dropping the pipeline keys (a DiLoCo spec in disguise) breaks the signature too.
+    dropped = [[k, v] for k, v in obj[1] if not k.startswith("pipeline.")]
+    stripped = msgpack.packb([obj[0], dropped, obj[2], obj[3]], use_bin_type=True)
+    with pytest.raises(SpecRefused, match="tampered with"):
+        verify_spec(stripped, signature, coordinator)
+
+
+def test_a_validly_signed_spec_with_a_bad_pipeline_value_is_refused_naming_the_key() -> None:
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, _ = sign_spec(RunSpec(PIPELINE, str(coordinator), 2.0), key_pair)
+    obj = msgpack.unpackb(data, raw=False)
+    for key, value, message in [
+        ("pipeline.stages", 4, "pipeline.stages (4) is more than model.n_layers (3)"),
+        ("pipeline.stages", -1, "pipeline.stages must be a non-negative integer"),
+        ("pipeline.average_every_s", 0.0, "pipeline.average_every_s must be a positive number"),
+    ]:
+        changed = [[k, value if k == key else v] for k, v in obj[1]]
+        bad = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        signature = key_pair.private_key.sign(SIGNING_DOMAIN + bad)
+        with pytest.raises(SpecRefused, match=re.escape(message)):
+            verify_spec(bad, signature, coordinator)
 
 
 def _signed() -> tuple[bytes, bytes, PeerID]:
