@@ -14,9 +14,9 @@ first average.
   until Ctrl+C; rebalancing moves it later if another stage becomes the bottleneck. Servers that
   start together can still all read empty records and land on one stage, and rebalancing cannot
   fill a stage nobody serves (a move downloads the target stage's parameters from its servers).
-  So every ``EMPTY_CHECK_S`` a server checks for an empty stage: if there is one, one server of
-  the most served stage (``empty_stage_move``: the same choice on every server) restarts there
-  from the initial parameters, which are all an unserved stage has left.
+  So every ``EMPTY_CHECK_S`` a server checks for an empty stage: if one looks empty on two reads
+  in a row, one server of the most served stage (``empty_stage_move``: the same choice on every
+  server) restarts there from the initial parameters, which are all an unserved stage has left.
 * A **trainer** waits (bounded) until every stage has a server, trains its rounds and exits.
 
 The roles report events (dicts); here they become lines for a human (``describe``). The role
@@ -26,6 +26,7 @@ interrupted in, so Ctrl+C cancels the role (shutdown is cancellation) and prints
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -87,18 +88,26 @@ def empty_stage_move(
 async def wait_empty_stage(node: Node, run_id: str, num_stages: int, stage: int) -> int:
     """Until ``empty_stage_move`` names us; returns the stage to restart on."""
     me = node.host.peer_id.to_bytes()
+    # A stage must look empty on two reads in a row (the second judged with the first's epoch,
+    # so the same server is named): a missed or late announcement on a loaded machine is not an
+    # empty stage, and restarting there would serve initial parameters beside trained ones.
+    pending: tuple[int, int] | None = None  # (epoch, target) of a first read that named us
     while True:
         now = time.time()
         epoch = int(now // EMPTY_CHECK_S) + 1
         await trio.sleep(epoch * EMPTY_CHECK_S - now)
-        try:
-            with trio.move_on_after(EMPTY_CHECK_S):
-                by_stage = await servers_by_stage(node.dht, run_id, num_stages)
-                target = empty_stage_move(by_stage, me, stage, epoch)
-                if target is not None:
-                    return target
-        except P2PError:
-            continue
+        by_stage = None
+        with trio.move_on_after(EMPTY_CHECK_S), contextlib.suppress(P2PError):
+            by_stage = await servers_by_stage(node.dht, run_id, num_stages)
+        if by_stage is None:
+            pending = None
+        elif pending is None:
+            target = empty_stage_move(by_stage, me, stage, epoch)
+            pending = None if target is None else (epoch, target)
+        elif empty_stage_move(by_stage, me, stage, pending[0]) == pending[1]:
+            return pending[1]
+        else:
+            pending = None
 
 
 async def choose_stage(node: Node, run_id: str, num_stages: int) -> int:

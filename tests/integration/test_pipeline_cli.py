@@ -112,7 +112,7 @@ def test_coordinator_nodes_and_status_run_a_two_stage_pipeline(tmp_path: Path) -
             assert [int(r) for r, _, _ in rounds] == list(range(ROUNDS)), trainer.lines
             assert all(int(n) == MICROBATCHES for _, _, n in rounds), trainer.lines
             losses = [float(loss) for _, loss, _ in rounds]
-            assert losses[-1] < losses[0], losses
+            assert losses[-1] < losses[0], (losses, [s.lines[1:] for s in servers])
             assert trainer.lines[-1].startswith(f"done: trainer, {ROUNDS} rounds, loss ")
             summary = json.loads((tmp_path / "trainer" / "s.json").read_text())
             assert summary["role"] == "trainer" and summary["rounds"] == ROUNDS
