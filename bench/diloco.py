@@ -27,7 +27,9 @@ Printed: held-out loss (nats/byte) of each, ``bytes_ratio`` (data parallel over 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import threading
 import time
@@ -38,6 +40,7 @@ import torch
 
 from bench.common import git_sha
 from diloco import (
+    AverageOutcome,
     ByteTransformer,
     DiLoCo,
     LocalAverage,
@@ -46,7 +49,9 @@ from diloco import (
     inner_batches,
     load_stdlib_corpus,
 )
-from swarm.compression import Compression, decode, encode, wire_bytes
+from swarm.allreduce import partition
+from swarm.compression import Compression
+from swarm.payload import Layout
 
 RUN_SEED = 0
 
@@ -61,45 +66,118 @@ def _batches(corpus: Any, args: argparse.Namespace, round: int, k: int) -> list[
         run_seed=RUN_SEED,
         round=round,
         peer_id=_peer(k),
-        steps=args.inner_steps,
+        steps=args.schedule_h[round],
         batch_size=args.batch,
         context=args.context,
     )
 
 
-def _codec(compression: Compression) -> Any:
-    def compress(flat: torch.Tensor) -> torch.Tensor:
-        values = flat.detach().to("cpu", torch.float32).numpy()
-        return torch.from_numpy(decode(encode(values, compression), compression, values.size))
+def h_schedule(spec: str, steps: int) -> list[int]:
+    """H of every round: ``spec`` is one H or a comma list, the last entry repeating until the
+    rounds add up to ``steps``. Raises ValueError when they cannot add up exactly."""
+    given = [int(h) for h in spec.split(",")]
+    if not given or min(given) <= 0:
+        raise ValueError("--inner-steps needs positive integers")
+    out: list[int] = []
+    while sum(out) < steps:
+        out.append(given[min(len(out), len(given) - 1)])
+    if sum(out) != steps:
+        raise ValueError(f"--inner-steps {spec} does not add up to --steps {steps}")
+    return out
 
-    return compress
+
+def lr_factor(step: int, total: int, schedule: str, warmup: float, final: float) -> float:
+    """The inner learning rate's multiplier at inner step ``step`` of ``total``: ``constant`` 1;
+    ``cosine`` a linear warm-up over ``warmup`` of the steps, then a cosine decay to ``final``.
+    The same function drives all three methods, so the comparison stays at equal schedules."""
+    if schedule == "constant":
+        return 1.0
+    ramp = max(1, round(warmup * total))
+    if step < ramp:
+        return (step + 1) / ramp
+    progress = min(1.0, (step - ramp) / max(1, total - ramp))
+    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _inner_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(step, args.steps, args.schedule, args.warmup, args.final_lr),
+    )
+    return optimizer, scheduler
+
+
+class _Wire:
+    """Int8 (or other lossy codec) values as the swarm's all-reduce carries them.
+
+    The swarm cuts the flat vector into one part per peer (``swarm.allreduce.partition``, equal
+    bandwidths here) and encodes each part tensor by tensor (``swarm.payload.Layout``), so int8
+    blocks start at every tensor's and every part's start, not at multiples of 1024 of the whole
+    vector. ``round_trip`` is the sender's quantization: DiLoCo's error feedback keeps exactly
+    what it drops. The reducer quantizes the mean again for the all-gather (``finish``); every
+    peer gets the same bits, which error feedback cannot see (it is the same for all).
+    """
+
+    def __init__(self, sizes: list[int], workers: int, compression: Compression) -> None:
+        self.layout = Layout.for_sizes(sizes, compression)
+        peers = sorted(_peer(k) for k in range(workers))
+        self.parts = [(a, b) for _, a, b in partition(sum(sizes), peers, [1] * workers)]
+        self.sizes = sizes
+
+    def bytes(self) -> int:
+        return sum(self.layout.wire_bytes(a, b) for a, b in self.parts)
+
+    def round_trip(self, flat: torch.Tensor) -> torch.Tensor:
+        values = flat.detach().to("cpu", torch.float32).numpy()
+        out = np.empty_like(values)
+        for a, b in self.parts:
+            out[a:b] = self.layout.round_trip(values[a:b], a)
+        return torch.from_numpy(out)
+
+    def finish(self, average: Any) -> Any:
+        def wrapped(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+            outcome = average(round, tensors, weight)
+            flat = torch.cat([t.reshape(-1) for t in outcome.tensors])
+            mean = self.round_trip(flat).split(self.sizes)
+            shaped = [m.view(t.shape) for m, t in zip(mean, outcome.tensors, strict=True)]
+            return dataclasses.replace(outcome, tensors=shaped)
+
+        return wrapped
 
 
 def run_diloco(corpus: Any, args: argparse.Namespace, heldout: list[Any]) -> float:
-    rounds = args.steps // args.inner_steps
     local = LocalAverage(args.workers, timeout_s=3600)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
+    sizes = [p.numel() for p in models[0].parameters()]
+    wire = (
+        None
+        if args.compression is Compression.NONE
+        else _Wire(sizes, args.workers, args.compression)
+    )
     errors: list[BaseException] = []
-    compress = None if args.compression is Compression.NONE else _codec(args.compression)
 
     def worker(k: int) -> None:
         try:
             model = models[k]
-            inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+            inner, scheduler = _inner_optimizer(model, args)
+            average = local.member(f"w{k}")
             with DiLoCo(
                 model,
                 inner,
-                local.member(f"w{k}"),
-                inner_steps=args.inner_steps,
+                average if wire is None else wire.finish(average),
+                inner_steps=args.schedule_h,
                 outer_lr=args.outer_lr,
                 outer_momentum=args.outer_momentum,
-                compress=compress,
+                outer_momentum_warmup=args.outer_momentum_warmup,
+                compress=None if wire is None else wire.round_trip,
             ) as diloco:
-                for r in range(rounds):
+                for r in range(len(args.schedule_h)):
                     for inputs, targets in _batches(corpus, args, r, k):
                         model.loss(inputs, targets).backward()
                         diloco.step(samples=inputs.shape[0])
                         diloco.zero_grad()
+                        scheduler.step()
         except BaseException as exc:
             errors.append(exc)
 
@@ -119,15 +197,16 @@ def run_data_parallel(
 ) -> float:
     """Gradients averaged every step over ``workers``' windows: one model, one big batch."""
     model = ByteTransformer(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
-    for r in range(args.steps // args.inner_steps):
+    optimizer, scheduler = _inner_optimizer(model, args)
+    for r, h in enumerate(args.schedule_h):
         shares = [_batches(corpus, args, r, k) for k in workers]
-        for step in range(args.inner_steps):
+        for step in range(h):
             inputs = torch.cat([share[step][0] for share in shares])
             targets = torch.cat([share[step][1] for share in shares])
             model.loss(inputs, targets).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
     return evaluate(model, heldout)
 
 
@@ -135,38 +214,53 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker")
-    parser.add_argument("--inner-steps", type=int, default=125, help="H")
+    parser.add_argument(
+        "--inner-steps", default="125", help="H, or a comma list of H per round (last repeats)"
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--inner-lr", type=float, default=2e-3)
-    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--schedule", default="cosine", choices=["constant", "cosine"])
+    parser.add_argument("--warmup", type=float, default=0.05, help="share of steps (cosine)")
+    parser.add_argument("--final-lr", type=float, default=0.1, help="end of the decay (cosine)")
+    parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--outer-momentum-warmup", type=int, default=0, help="rounds")
     parser.add_argument("--compression", default="int8", choices=["int8", "none"])
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument(
+        "--only", default="diloco,data_parallel,alone", help="comma list of methods to run"
+    )
     args = parser.parse_args()
     args.compression = Compression[args.compression.upper()]
-    if args.steps % args.inner_steps:
-        parser.error("--steps must be a multiple of --inner-steps")
+    try:
+        args.schedule_h = h_schedule(args.inner_steps, args.steps)
+    except ValueError as error:
+        parser.error(str(error))
     torch.manual_seed(0)
     corpus = load_stdlib_corpus()
     heldout = eval_batches(corpus, batches=args.eval_batches, context=args.context)
     params = sum(p.numel() for p in ByteTransformer(seed=0).parameters())
+    rounds = len(args.schedule_h)
+    h_text = str(args.schedule_h[0]) if len(set(args.schedule_h)) == 1 else args.inner_steps
     print(
         f"=== DiLoCo vs data parallel vs alone ({git_sha()}): {args.workers} workers x "
         f"{args.steps} steps of {args.batch}x{args.context} bytes, {params} parameters, "
-        f"H={args.inner_steps}, outer Nesterov lr {args.outer_lr} momentum "
-        f"{args.outer_momentum}, inner AdamW {args.inner_lr}, {args.compression.name} "
-        f"pseudo-gradients, {os.cpu_count()} cores ===",
+        f"H={h_text} ({rounds} rounds), outer Nesterov lr {args.outer_lr} momentum "
+        f"{args.outer_momentum} (warm-up {args.outer_momentum_warmup} rounds), inner AdamW "
+        f"{args.inner_lr} {args.schedule}, {args.compression.name} pseudo-gradients, "
+        f"{os.cpu_count()} cores ===",
         flush=True,
     )
+    methods = {
+        "diloco": lambda: run_diloco(corpus, args, heldout),
+        "data_parallel": lambda: run_data_parallel(corpus, args, heldout, [*range(args.workers)]),
+        "alone": lambda: run_data_parallel(corpus, args, heldout, [0]),
+    }
     results: dict[str, float] = {}
-    for name, run in [
-        ("diloco", lambda: run_diloco(corpus, args, heldout)),
-        ("data_parallel", lambda: run_data_parallel(corpus, args, heldout, [*range(args.workers)])),
-        ("alone", lambda: run_data_parallel(corpus, args, heldout, [0])),
-    ]:
+    for name in args.only.split(","):
         start = time.perf_counter()
-        results[name] = run()
+        results[name] = methods[name]()
         print(
             f"{name:>13}: held-out {results[name]:.4f} nats/byte "
             f"({time.perf_counter() - start:.0f} s)",
@@ -174,8 +268,13 @@ def main() -> None:
         )
     n = args.workers
     share = 2 * (n - 1) / n
+    sizes = [p.numel() for p in ByteTransformer(seed=0).parameters()]
+    round_bytes = _Wire(sizes, n, args.compression).bytes()
     dp_bytes = share * 4 * params * args.steps
-    diloco_bytes = share * wire_bytes(params, args.compression) * (args.steps // args.inner_steps)
+    diloco_bytes = share * round_bytes * rounds
+    if len(results) < 3:
+        print(json.dumps({"heldout": results, "config": _config(args)}))
+        return
     gap = results["alone"] - results["data_parallel"]
     summary = {
         "bytes_ratio": dp_bytes / diloco_bytes,
@@ -184,7 +283,7 @@ def main() -> None:
         "wan_loss_ratio": None,
         "heldout": results,
         "bytes_per_worker": {"data_parallel": dp_bytes, "diloco": diloco_bytes},
-        "config": {k: (v.name if isinstance(v, Compression) else v) for k, v in vars(args).items()},
+        "config": _config(args),
         "git_sha": git_sha(),
     }
     print(
@@ -194,6 +293,10 @@ def main() -> None:
         f"{np.nan if gap == 0 else summary['recovered_fraction']:.2f}; wan_loss_ratio: not built"
     )
     print(json.dumps(summary))
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (v.name if isinstance(v, Compression) else v) for k, v in vars(args).items()}
 
 
 if __name__ == "__main__":

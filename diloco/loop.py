@@ -38,7 +38,7 @@ import hashlib
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -77,7 +77,10 @@ class DiLoCo:
     """DiLoCo over ``model``'s trainable parameters with ``inner_optimizer`` (e.g. AdamW).
 
     ``average`` follows ``diloco.Average``. ``inner_steps`` is H. ``run_id`` goes into the config
-    fingerprint that guards checkpoints. ``compress``, when given, is the deterministic
+    fingerprint that guards checkpoints. ``inner_steps`` may also be a list: H of round r is its
+    r-th entry, the last one repeating (a sync-frequency schedule, e.g. shorter phases early).
+    ``outer_momentum_warmup`` ramps the outer momentum from 0 over that many rounds
+    (``OuterConfig.momentum_at``). ``compress``, when given, is the deterministic
     quantize-then-dequantize the averaging applies to a flat float32 pseudo-gradient (e.g. int8
     blockwise); DiLoCo then sends ``compress(pseudo-gradient + residual)`` and keeps what the
     quantization lost as the residual for the next round (error feedback, as in 1-bit SGD and
@@ -93,21 +96,24 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         average: Average | Callable[[int, list[torch.Tensor], float], AverageOutcome],
         *,
-        inner_steps: int,
+        inner_steps: int | Sequence[int],
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        outer_momentum_warmup: int = 0,
         overlap: bool = False,
         state_dir: str | os.PathLike[str] | None = None,
         run_id: str = "",
         compress: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        if inner_steps <= 0:
-            raise ValueError("inner_steps must be positive")
+        schedule = (inner_steps,) if isinstance(inner_steps, int) else tuple(inner_steps)
+        if not schedule or any(not isinstance(h, int) or h <= 0 for h in schedule):
+            raise ValueError("inner_steps must be a positive int or a non-empty list of them")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self._average = average
-        self.inner_steps = inner_steps
-        self.outer = OuterConfig(outer_lr, outer_momentum)
+        self.inner_steps_schedule = schedule
+        self.inner_steps = schedule[0]
+        self.outer = OuterConfig(outer_lr, outer_momentum, outer_momentum_warmup)
         self.overlap = overlap
         self._state_dir = state_dir
         self._compress = compress
@@ -116,7 +122,7 @@ class DiLoCo:
             raise ValueError("the model has no trainable parameters")
         self._params = [p for _, p in named]
         layout = layout_digest([(n, tuple(p.shape)) for n, p in named])
-        self.fingerprint = _fingerprint(layout, inner_steps, self.outer, overlap, run_id)
+        self.fingerprint = _fingerprint(layout, schedule, self.outer, overlap, run_id)
 
         flat = self._local_flat()
         self._state = GlobalState(0, flat.clone(), torch.zeros_like(flat), layout)
@@ -209,6 +215,10 @@ class DiLoCo:
         self._restore(state)
         self._save_checkpoint()
 
+    def inner_steps_at(self, round: int) -> int:
+        """H of ``round``'s inner phase: the schedule's entry, its last entry beyond its end."""
+        return self.inner_steps_schedule[min(round, len(self.inner_steps_schedule) - 1)]
+
     def statistics(self) -> DiLoCoStatistics:
         return DiLoCoStatistics(
             self.round,
@@ -223,7 +233,7 @@ class DiLoCo:
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self._samples += 1.0 if self._step_samples is None else self._step_samples
         self._local_step += 1
-        if self._local_step == self.inner_steps:
+        if self._local_step == self.inner_steps_at(self.round):
             self._local_step = 0
             if self.overlap:
                 self._overlapped_round()
@@ -359,11 +369,18 @@ class DiLoCo:
 
 
 def _fingerprint(
-    layout: bytes, inner_steps: int, outer: OuterConfig, overlap: bool, run_id: str
+    layout: bytes, schedule: tuple[int, ...], outer: OuterConfig, overlap: bool, run_id: str
 ) -> str:
-    """What must match for a checkpoint to be resumed: layout, H, outer settings, mode, run id."""
+    """What must match for a checkpoint to be resumed: layout, H (schedule), outer settings, mode,
+    run id."""
     hasher = hashlib.sha256(b"swarmtrain/diloco/config/1")
     hasher.update(layout)
-    hasher.update(struct.pack("<Qdd?", inner_steps, outer.lr, outer.momentum, overlap))
+    hasher.update(struct.pack("<Qdd?", schedule[0], outer.lr, outer.momentum, overlap))
+    # The newer options are hashed only when set, so checkpoints written before they existed
+    # still resume.
+    if outer.momentum_warmup:
+        hasher.update(struct.pack("<Q", outer.momentum_warmup))
+    if len(schedule) > 1:
+        hasher.update(struct.pack(f"<{len(schedule)}Q", *schedule))
     hasher.update(run_id.encode())
     return hasher.hexdigest()[:32]

@@ -322,3 +322,36 @@ def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_res
             _train_phase(diloco, model, 0)
     assert observed == [0, 1, 2]
     assert diloco.statistics().rounds_failed == 1
+
+
+def test_an_inner_steps_schedule_sets_h_per_round_and_peers_agree() -> None:
+    averaging = LocalAverage(2, timeout_s=PEER_DEADLINE_S)
+
+    def work(peer: int) -> tuple[list[int], str]:
+        diloco, model = _peer(averaging.member(f"peer-{peer}"), inner_steps=[2, 3])
+        boundaries = []
+        with diloco:
+            for step, (inputs, targets) in enumerate(_batches(0, peer, 8), start=1):
+                model.loss(inputs, targets).backward()
+                diloco.step(samples=inputs.shape[0])
+                diloco.zero_grad()
+                if diloco.statistics().local_step == 0:
+                    boundaries.append(step)
+        assert [diloco.inner_steps_at(r) for r in range(4)] == [2, 3, 3, 3]
+        return boundaries, diloco.state_hash()
+
+    (first, hash_a), (second, hash_b) = _run_peers(2, work)
+    assert first == second == [2, 5, 8]  # H 2, then the last entry (3) repeats
+    assert hash_a == hash_b
+
+
+def test_the_fingerprint_covers_the_h_schedule_and_momentum_warmup() -> None:
+    average = LocalAverage(1).member("solo")
+    plain = _peer(average, inner_steps=4)[0].fingerprint
+    # A one-entry schedule and no warm-up keep the fingerprint of before the options existed.
+    assert _peer(average, inner_steps=[4])[0].fingerprint == plain
+    assert _peer(average, inner_steps=[4, 8])[0].fingerprint != plain
+    assert _peer(average, inner_steps=4, outer_momentum_warmup=3)[0].fingerprint != plain
+    for bad in ([], [0], [4, -1]):
+        with pytest.raises(ValueError):
+            _peer(average, inner_steps=bad)

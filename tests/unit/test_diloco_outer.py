@@ -82,3 +82,26 @@ def test_weighted_mean_is_exact_and_independent_of_insertion_order() -> None:
         weighted_mean({"a": (a, 0.0)})
     with pytest.raises(ValueError):
         weighted_mean({"a": (a, 1.0), "b": (b[:1], 1.0)})
+
+
+def test_momentum_warmup_ramps_linearly_from_zero_then_holds() -> None:
+    config = OuterConfig(lr=1.0, momentum=0.9, momentum_warmup=4)
+    assert [config.momentum_at(r) for r in range(6)] == [0.0, 0.225, 0.45, 0.675, 0.9, 0.9]
+    assert OuterConfig(momentum=0.9).momentum_at(0) == 0.9  # no warm-up: constant
+    with pytest.raises(ValueError):
+        OuterConfig(momentum_warmup=-1)
+
+
+def test_outer_step_uses_the_momentum_of_its_round_bit_for_bit() -> None:
+    generator = torch.Generator().manual_seed(3)
+    params, momentum, gradient = (torch.randn(257, generator=generator) for _ in range(3))
+    config = OuterConfig(lr=0.7, momentum=0.9, momentum_warmup=3)
+    for round in range(5):
+        state = GlobalState(round, params, momentum, bytes(32))
+        after = outer_step(state, gradient, config)
+        expected = nesterov_update(params, momentum, gradient, 0.7, config.momentum_at(round))
+        assert torch.equal(after.params, expected[0]) and torch.equal(after.momentum, expected[1])
+    # Round 0 of a warm-up is plain averaging: p - lr * g, and the momentum restarts at g.
+    first = outer_step(GlobalState(0, params, momentum, bytes(32)), gradient, config)
+    assert torch.equal(first.params, torch.sub(params, torch.mul(gradient, torch.tensor(0.7))))
+    assert torch.equal(first.momentum, gradient)
