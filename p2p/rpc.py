@@ -39,7 +39,6 @@ from p2p.wire import (
     Message,
     decode,
     encode,
-    frame,
     message,
     read_exactly,
     read_frame,
@@ -85,7 +84,7 @@ class RpcStream:
         data = as_wire_bytes(array)
         await self.send(header)
         for start in range(0, header.nbytes, header.chunk_bytes):
-            await self.stream.write(frame(bytes(data[start : start + header.chunk_bytes])))
+            await write_frame(self.stream, bytes(data[start : start + header.chunk_bytes]))
 
     async def receive(self, *expected: type[M]) -> M:
         limit = max(t.MAX_BYTES for t in expected)

@@ -226,6 +226,8 @@ async def read_exactly(stream: ByteStream, n: int) -> bytes:
         except Exception as exc:
             if _is_eof(exc):
                 chunk = b""
+            elif _broken(exc):
+                raise StreamEnded(f"stream broke {remaining} of {n} bytes short: {exc}") from exc
             else:
                 raise
         if not chunk:
@@ -240,6 +242,19 @@ def _is_eof(exc: BaseException) -> bool:
     return type(exc).__name__ in {"StreamEOF", "EOFError", "IncompleteReadError"}
 
 
+_BROKEN_NAMES = {"BrokenResourceError", "ClosedResourceError"}  # trio's
+
+
+def _broken(exc: BaseException) -> bool:
+    # A reset, closed or broken transport under the stream (libp2p raises its own families, not
+    # ours): the peer left or died, which callers must be able to catch as a P2PError. Matched by
+    # module and name so this module imports neither libp2p nor trio.
+    return isinstance(exc, OSError) or any(
+        c.__module__.split(".")[0] == "libp2p" or c.__name__ in _BROKEN_NAMES
+        for c in type(exc).__mro__
+    )
+
+
 async def read_frame(stream: ByteStream, max_frame_bytes: int) -> bytes:
     """Read one frame; the length is checked against ``max_frame_bytes`` before the body."""
     (length,) = FRAME_HEADER.unpack(await read_exactly(stream, FRAME_HEADER.size))
@@ -249,7 +264,13 @@ async def read_frame(stream: ByteStream, max_frame_bytes: int) -> bytes:
 
 
 async def write_frame(stream: ByteStream, payload: bytes) -> None:
-    await stream.write(frame(payload))
+    """Write one frame; a stream that broke under us is ``StreamEnded``."""
+    try:
+        await stream.write(frame(payload))
+    except Exception as exc:
+        if _broken(exc):
+            raise StreamEnded(f"stream broke while writing: {exc}") from exc
+        raise
 
 
 async def send_message(stream: ByteStream, msg: Message) -> None:

@@ -12,12 +12,15 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from libp2p.io.exceptions import ConnectionClosedError
+from libp2p.network.stream.exceptions import StreamError, StreamReset
 
 import p2p.rpc
 import p2p.tensors
-from p2p.errors import LocalProtocolError, RemoteProtocolError
+from p2p.errors import LocalProtocolError, RemoteProtocolError, StreamEnded
 from p2p.wire import (
     PROTOCOL_VERSION,
     FrameDecoder,
@@ -26,7 +29,9 @@ from p2p.wire import (
     encode,
     frame,
     message,
+    read_frame,
     registered_types,
+    write_frame,
 )
 
 # Import every module of every package, so that every registered wire message is tested below
@@ -273,3 +278,53 @@ def test_tensor_header_invariants() -> None:
         p2p.tensors.TensorHeader("object", [1], 8, 1024)  # dtype not allowed
     with pytest.raises(ValueError):
         p2p.tensors.TensorHeader("float32", [-1], -4, 1024)
+
+
+class _BrokenStream:
+    """A stream whose transport fails the way libp2p's does when the peer dies, or with a bug."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    async def read(self, n: int | None = None) -> bytes:
+        raise self.exc
+
+    async def write(self, data: bytes) -> None:
+        raise self.exc
+
+
+def _write_then_read(stream: _BrokenStream) -> list[BaseException]:
+    async def both() -> list[BaseException]:
+        raised = []
+        for call in (write_frame(stream, b"x"), read_frame(stream, 16)):
+            try:
+                await call
+            except Exception as exc:
+                raised.append(exc)
+        return raised
+
+    return trio.run(both)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        StreamError("Write operation failed: Broken pipe"),
+        StreamReset("reset by peer"),
+        ConnectionClosedError("TCP connection reset by remote peer"),
+        BrokenPipeError(32, "Broken pipe"),
+        trio.BrokenResourceError(),
+    ],
+    ids=lambda exc: type(exc).__name__,
+)
+def test_a_broken_transport_is_stream_ended_on_read_and_write(exc: Exception) -> None:
+    # A peer dying under a write once escaped as libp2p's StreamError and crashed a trainer that
+    # catches P2PError around every hop.
+    raised = _write_then_read(_BrokenStream(exc))
+    assert len(raised) == 2 and all(isinstance(r, StreamEnded) for r in raised), raised
+    assert all(r.__cause__ is exc for r in raised)
+
+
+def test_a_bug_under_the_stream_is_not_dressed_as_a_departed_peer() -> None:
+    bug = TypeError("bug")
+    assert _write_then_read(_BrokenStream(bug)) == [bug, bug]
