@@ -471,6 +471,33 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     }
 
 
+def lab_unavailable(bench: str) -> str | None:
+    """Why the lab cannot be built here (it needs root on Linux, iproute2 and a TUN device)."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return (
+            f"{bench}: needs root on Linux (network namespaces, tc, a TUN device); run it as "
+            f"root, e.g. sudo .venv/bin/python -m bench.{bench} ..."
+        )
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing or not os.path.exists("/dev/net/tun"):
+        return (
+            f"{bench}: needs iproute2 (ip, tc) and /dev/net/tun; missing: "
+            f"{', '.join(missing) or '/dev/net/tun'}"
+        )
+    return None
+
+
+def stop_on_signals() -> None:
+    """SIGTERM and SIGINT raise KeyboardInterrupt, so the lab is torn down on either."""
+
+    def terminate(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    # Ctrl+C even where SIGINT came in ignored (a background job of a script)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description="All-reduce between peers in network namespaces over shaped links."
@@ -500,28 +527,11 @@ def main() -> int:
     args = parser.parse_args()
     if not 2 <= args.peers <= 200 or args.numel < 1 or args.rounds < 1 or args.delay < 0:
         parser.error("need 2 <= --peers <= 200, --numel >= 1, --rounds >= 1, --delay >= 0")
-    if sys.platform != "linux" or os.geteuid() != 0:
-        print(
-            "allreduce_netlab: needs root on Linux (network namespaces, tc, a TUN device); "
-            "run it as root, e.g. sudo .venv/bin/python -m bench.allreduce_netlab ...",
-            file=sys.stderr,
-        )
+    unavailable = lab_unavailable("allreduce_netlab")
+    if unavailable:
+        print(unavailable, file=sys.stderr)
         return 2
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing or not os.path.exists("/dev/net/tun"):
-        print(
-            f"allreduce_netlab: needs iproute2 (ip, tc) and /dev/net/tun; missing: "
-            f"{', '.join(missing) or '/dev/net/tun'}",
-            file=sys.stderr,
-        )
-        return 2
-
-    def terminate(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    # Ctrl+C even where SIGINT came in ignored (a background job of a script)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_on_signals()
     keep = args.log_dir is not None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="allreduce_netlab-"))
     log_dir.mkdir(parents=True, exist_ok=True)

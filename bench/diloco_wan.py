@@ -57,7 +57,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -71,7 +70,9 @@ from bench.allreduce_netlab import (
     START_TIMEOUT_S,
     Lab,
     Proc,
+    lab_unavailable,
     parse_rate,
+    stop_on_signals,
 )
 from bench.common import git_sha
 
@@ -305,27 +306,11 @@ def main() -> int:
     args = parser.parse_args()
     if not 2 <= args.peers <= 64 or args.delay < 0 or args.budget_s <= 0 or args.inner_steps < 1:
         parser.error("need 2 <= --peers <= 64, --delay >= 0, --budget-s > 0, --inner-steps >= 1")
-    if sys.platform != "linux" or os.geteuid() != 0:
-        print(
-            "diloco_wan: needs root on Linux (network namespaces, tc, a TUN device); run it as "
-            "root, e.g. sudo .venv/bin/python -m bench.diloco_wan ...",
-            file=sys.stderr,
-        )
+    unavailable = lab_unavailable("diloco_wan")
+    if unavailable:
+        print(unavailable, file=sys.stderr)
         return 2
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing or not os.path.exists("/dev/net/tun"):
-        print(
-            f"diloco_wan: needs iproute2 (ip, tc) and /dev/net/tun; missing: "
-            f"{', '.join(missing) or '/dev/net/tun'}",
-            file=sys.stderr,
-        )
-        return 2
-
-    def terminate(*_: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stop_on_signals()
     keep = args.log_dir is not None
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="diloco_wan-"))
     log_dir.mkdir(parents=True, exist_ok=True)

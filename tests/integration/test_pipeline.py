@@ -53,6 +53,7 @@ def pipeline(
     server_options: Sequence[str] = (),
     per_server: dict[int, list[str]] | None = None,
     trainer_options: Sequence[str] = (),
+    trainers_after_servers: bool = True,
 ) -> Iterator[Swarm]:
     run_id = f"test-{os.urandom(3).hex()}"
     children: list[Child] = []
@@ -81,7 +82,7 @@ def pipeline(
         # Trainers start once every server has announced, so their first read of the DHT sees all
         # of them: a trainer that knew only the server about to die would fail a microbatch over
         # to nobody (it retries it after a refresh, but the kill test counts such failures).
-        for s in servers:
+        for s in servers if trainers_after_servers else ():
             s.wait_event("ready", START_S)
         trainers = [
             Child(
@@ -93,6 +94,8 @@ def pipeline(
             for i in range(2)
         ]
         children.extend(trainers)
+        for s in servers:
+            s.wait_event("ready", START_S)
         yield Swarm(servers, trainers, stages, join, run_id)
 
 
@@ -183,6 +186,9 @@ def test_slowed_stage_gets_a_server_and_the_pipeline_speeds_up(tmp_path: Path) -
             *("--rebalance-after-s", "6", "--slow-stage", "1", "--slow-ms", "150"),
         ],
         trainer_options=["--rounds", "14", "--microbatches", "4"],
+        # rebalancing starts 6 s after the servers do: trainers starting with them see the
+        # slow pipeline for a few rounds before the first move
+        trainers_after_servers=False,
     ) as swarm:
         ready = max(s.wait_event("ready", 1)["at"] for s in swarm.servers)
         finish(swarm.trainers, 100)
