@@ -1,27 +1,40 @@
 """DiLoCo against synchronous data parallel and one worker alone, at equal tokens, on this machine.
 
-    python -m bench.diloco [--workers 4] [--steps 2000] [--inner-steps 125] [--batch 8]
-        [--context 128] [--inner-lr 2e-3] [--outer-lr 0.7] [--outer-momentum 0.9]
-        [--compression int8|none] [--eval-batches 8]
+    python -m bench.diloco [--workers 4] [--steps 2000] [--inner-steps 125 | H1,H2,...] [--batch 8]
+        [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
+        [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 4]
+        [--compression int8|none] [--eval-batches 8] [--sequential] [--only diloco,...]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
-in one sitting, each method from the same seeded initial parameters:
+in one sitting, each method from the same seeded initial parameters, the three side by side in
+threads (``--sequential``: one after another; the losses do not change, only the wall clock):
 
 - DiLoCo: ``--workers`` threads, each a ``diloco.DiLoCo`` with its own AdamW, ``--steps`` inner
-  steps of ``--batch`` windows, averaging every ``--inner-steps`` through ``LocalAverage`` with the
-  pseudo-gradient quantized as the swarm's codec would (int8 blockwise, with DiLoCo's error
-  feedback). The all-reduce itself is in-process: this bench measures optimization, the all-reduce
-  benches measure the wire.
+  steps of ``--batch`` windows, averaging every ``--inner-steps`` (H; a comma list gives H per
+  round, the last repeating) through ``LocalAverage``. Outer Nesterov SGD whose momentum ramps
+  from 0 over ``--outer-momentum-warmup`` rounds (``OuterConfig.momentum_at``). With int8 the
+  pseudo-gradient is quantized as the swarm's all-reduce does it (int8 blocks per tensor within
+  each peer's part, and the mean again for the all-gather), with DiLoCo's error feedback on the
+  sender's side. The all-reduce itself is in-process: this bench measures optimization, the
+  all-reduce benches measure the wire.
 - Data parallel: gradients averaged every step, which is one model taking ``--steps`` steps of
   ``workers x batch`` windows (the same windows the DiLoCo workers see, step by step).
 - Alone: one worker's share, ``--steps`` steps of ``--batch`` windows.
 
+All three use the same inner learning rate schedule, per inner step: ``cosine`` (the default) is
+a linear warm-up over ``--warmup`` of the steps, then a cosine decay to ``--final-lr`` of the peak;
+``constant`` keeps ``--inner-lr``. Why these defaults (docs/diloco_tuning.md has every run): at
+1000 steps the schedule took alone from 2.387 to 1.905 nats/byte; outer momentum 0.9 from the
+first round made DiLoCo worse than alone (1.943), model averaging (momentum 0) reached 1.871, and
+momentum ramped over 4 rounds 1.798.
+
 Bytes each worker sends, bandwidth-optimal ring/butterfly all-reduce of N peers: data parallel
-2(N-1)/N x 4 x params per step (float32 gradients); DiLoCo 2(N-1)/N x the codec's bytes per round.
-Printed: held-out loss (nats/byte) of each, ``bytes_ratio`` (data parallel over DiLoCo),
-``loss_ratio`` (DiLoCo over data parallel) and ``recovered_fraction`` = (alone - DiLoCo) /
-(alone - data parallel). The last line is one JSON object with those keys and ``wan_loss_ratio``
-(the equal-wall-clock comparison over shaped NAT-lab links is not built yet: null).
+2(N-1)/N x 4 x params per step (float32 gradients); DiLoCo 2(N-1)/N x the codec's bytes per round
+(per-tensor, per-part int8 blocks: a few more scales than one flat vector). Printed: held-out loss
+(nats/byte) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
+parallel) and ``recovered_fraction`` = (alone - DiLoCo) / (alone - data parallel). The last line is
+one JSON object with those keys and ``wan_loss_ratio`` (null here: ``bench.diloco_wan`` measures
+the equal-wall-clock comparison over shaped links).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import numpy as np
@@ -195,18 +209,30 @@ def run_diloco(corpus: Any, args: argparse.Namespace, heldout: list[Any]) -> flo
 def run_data_parallel(
     corpus: Any, args: argparse.Namespace, heldout: list[Any], workers: list[int]
 ) -> float:
-    """Gradients averaged every step over ``workers``' windows: one model, one big batch."""
+    """Gradients averaged every step over ``workers``' windows: one model, one big batch.
+
+    Each worker's gradient is computed in its own thread (as data-parallel workers would) and the
+    mean of the equal-sized shares' gradients is the big batch's gradient. Why threads: on a
+    shared machine one thread gets one thread's share of the cores, and data parallel does as
+    much arithmetic as DiLoCo's threaded workers.
+    """
     model = ByteTransformer(seed=0)
+    params = list(model.parameters())
     optimizer, scheduler = _inner_optimizer(model, args)
-    for r, h in enumerate(args.schedule_h):
-        shares = [_batches(corpus, args, r, k) for k in workers]
-        for step in range(h):
-            inputs = torch.cat([share[step][0] for share in shares])
-            targets = torch.cat([share[step][1] for share in shares])
-            model.loss(inputs, targets).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
+
+    def gradient(batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(model.loss(*batch), params)
+
+    with ThreadPoolExecutor(len(workers)) as pool:
+        for r, h in enumerate(args.schedule_h):
+            shares = [_batches(corpus, args, r, k) for k in workers]
+            for step in range(h):
+                grads = list(pool.map(gradient, [share[step] for share in shares]))
+                for param, per_worker in zip(params, zip(*grads, strict=True), strict=True):
+                    param.grad = torch.stack(per_worker).mean(dim=0)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
     return evaluate(model, heldout)
 
 
@@ -225,9 +251,12 @@ def main() -> None:
     parser.add_argument("--final-lr", type=float, default=0.1, help="end of the decay (cosine)")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--outer-momentum-warmup", type=int, default=0, help="rounds")
+    parser.add_argument("--outer-momentum-warmup", type=int, default=4, help="rounds")
     parser.add_argument("--compression", default="int8", choices=["int8", "none"])
     parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument(
+        "--sequential", dest="concurrent", action="store_false", help="one method at a time"
+    )
     parser.add_argument(
         "--only", default="diloco,data_parallel,alone", help="comma list of methods to run"
     )
@@ -258,14 +287,21 @@ def main() -> None:
         "alone": lambda: run_data_parallel(corpus, args, heldout, [0]),
     }
     results: dict[str, float] = {}
-    for name in args.only.split(","):
+    names = args.only.split(",")
+    # Concurrently (one thread per method) unless asked otherwise: each method's result does not
+    # depend on the others, and on a shared machine running them side by side finishes sooner.
+    with ThreadPoolExecutor(len(names) if args.concurrent else 1) as pool:
         start = time.perf_counter()
-        results[name] = methods[name]()
-        print(
-            f"{name:>13}: held-out {results[name]:.4f} nats/byte "
-            f"({time.perf_counter() - start:.0f} s)",
-            flush=True,
-        )
+        futures = {pool.submit(methods[name]): name for name in names}
+        for future in as_completed(futures):
+            name = futures[future]
+            results[name] = future.result()
+            print(
+                f"{name:>13}: held-out {results[name]:.4f} nats/byte "
+                f"({time.perf_counter() - start:.0f} s after the start)",
+                flush=True,
+            )
+    results = {name: results[name] for name in names}
     n = args.workers
     share = 2 * (n - 1) / n
     sizes = [p.numel() for p in ByteTransformer(seed=0).parameters()]
