@@ -9,9 +9,11 @@
                         [--announce MA ...]
     swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
+                        [--allow-model MODULE:FUNCTION ...]
     swarmtrain status   --join MULTIADDR [--json]
     swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
-                        [--pipeline-stages S [--pipeline-slow-stage K] ...]
+                        [--pipeline-stages S [--pipeline-slow-stage K]
+                         [--model-factory MODULE:FUNCTION] ...]
     swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
@@ -148,6 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="pipeline runs only (pipeline.stages > 0): serve a stage until Ctrl+C, or train "
         "run.rounds rounds [server]",
     )
+    p_node.add_argument(
+        "--allow-model",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="a model factory a pipeline spec may make this node import, repeatable; a stage "
+        "server refuses a spec naming any other [none: the default model only]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
 
     p_init = sub.add_parser("init", help="write a commented default run config")
@@ -244,6 +254,7 @@ def _main_node(args: argparse.Namespace) -> int:
             device=args.device,
             json_path=args.json,
             role=args.role,
+            allow_models=tuple(args.allow_model),
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:

@@ -148,11 +148,18 @@ def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
             f"spec signed by {coordinator}",
             f"swarmtrain node --join {join}",
         ]
+    # A stage server imports a user's model only when it names it itself (--allow-model).
+    model = (
+        f"model {config.model_factory} (servers need it installed), "
+        if config.model_factory
+        else ""
+    )
+    allow = f" --allow-model {config.model_factory}" if config.model_factory else ""
     return [
-        f"run {config.run_id}: pipeline of {config.pipeline_stages} stages, {config.rounds} "
-        f"trainer rounds of {config.pipeline_microbatches} microbatches, spec signed by "
-        f"{coordinator}; stage servers run the first command, trainers the second",
-        f"swarmtrain node --join {join}",
+        f"run {config.run_id}: pipeline of {config.pipeline_stages} stages, {model}"
+        f"{config.rounds} trainer rounds of {config.pipeline_microbatches} microbatches, spec "
+        f"signed by {coordinator}; stage servers run the first command, trainers the second",
+        f"swarmtrain node --join {join}{allow}",
         f"swarmtrain node --join {join} --role trainer",
     ]
 

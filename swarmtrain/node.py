@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,7 +51,7 @@ from swarmtrain.elastic import Elastic
 from swarmtrain.pipeline_node import ROLES, PipelineSummary, run_pipeline
 from swarmtrain.pipeline_roles import shape_of
 from swarmtrain.progress import Progress
-from swarmtrain.runspec import RunConfig, RunSpec
+from swarmtrain.runspec import FACTORY_PATTERN, RunConfig, RunSpec
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.state_sync import StateServer
 from swarmtrain.swarm_average import SwarmAverage
@@ -77,12 +78,17 @@ class NodeOptions:
     join_wait_s: float = 120.0
     # A pipeline run's role: "server" (the default there) or "trainer"; refused for DiLoCo runs.
     role: str | None = None
+    # Model factories ("module:function") a pipeline spec may make this node import (a server).
+    allow_models: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.join:
             raise ValueError("--join is required: the coordinator's address (…/p2p/ID)")
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for factory in self.allow_models:
+            if not re.fullmatch(FACTORY_PATTERN, factory):
+                raise ValueError(f"--allow-model {factory!r}: expected MODULE:FUNCTION")
 
 
 @dataclass
@@ -251,6 +257,7 @@ def _run_pipeline(
         seed=run_seed_of(config.run_id),
         wait_for_servers_s=options.join_wait_s,
         emit=emit,
+        allow_models=options.allow_models,
     )
 
 

@@ -1,7 +1,9 @@
 """``swarmtrain local --pipeline-stages S``: SWARM parallelism on this machine.
 
 Cuts the default model (``diloco.ByteTransformer``) into S stages (embedding + first blocks /
-middle blocks / last blocks + head), then runs, as separate processes on 127.0.0.1: a relay
+middle blocks / last blocks + head), or with ``--model-factory MODULE:FUNCTION`` a user's model
+(``swarmtrain.pipeline_model``: S groups of layers balanced by parameter count; typing the flag
+is the allowing), then runs, as separate processes on 127.0.0.1: a relay
 (bootstrap and DHT), N stage servers (server i starts on stage i mod S) and 2 trainers that hold
 the data and drive microbatches through the servers with stochastic wiring and failover. Servers
 of a stage average their parameters every few seconds and move to the bottleneck stage when the
@@ -27,6 +29,7 @@ import logging
 import math
 import os
 import queue
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain import local
+from swarmtrain.pipeline_model import ModelContractError
 from swarmtrain.pipeline_progress import pipeline_status
 from swarmtrain.pipeline_roles import (
     ServerSettings,
     TrainerSettings,
+    check_model,
     cut_stages,
     model_config,
     serve,
@@ -50,6 +55,7 @@ from swarmtrain.pipeline_roles import (
     stage_builder,
     train,
 )
+from swarmtrain.runspec import FACTORY_PATTERN
 
 # The model's cut and the status rows live in pipeline_roles / pipeline_progress (shared with
 # ``swarmtrain node``); tests and bench.swarm import them from here too.
@@ -121,7 +127,13 @@ def serve_role(opts: argparse.Namespace) -> int:
         slow_stage=opts.slow_stage,
         slow_s=opts.slow_ms / 1000,
         machine_slow_s=opts.machine_slow_ms / 1000,
+        model_factory=opts.model_factory,
     )
+    try:
+        check_model(settings)
+    except ModelContractError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     holder: list[Any] = []
 
     async def main() -> None:
@@ -184,6 +196,7 @@ def _role_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--lifetime-s", type=float, default=600.0)
     if role == "_server":
         p.add_argument("--stage", type=int, required=True)
+        p.add_argument("--model-factory", default="", help="MODULE:FUNCTION [default model]")
         p.add_argument("--lr", type=float, default=3e-3)
         p.add_argument("--average-every-s", type=float, default=AVERAGE_EVERY_S)
         p.add_argument("--rebalance-every-s", type=float, default=3.0)
@@ -230,6 +243,7 @@ class Child(local.Child):
     ) -> None:
         self.events: list[dict[str, Any]] = []
         self._changed = threading.Condition()
+        self._ended = False  # stdout closed: the child exited (poll() may lag behind)
         self._on_event = on_event
         super().__init__(name, argv, log_path, self._on_line)
 
@@ -248,6 +262,7 @@ class Child(local.Child):
 
     def _stdout_ended(self) -> None:
         with self._changed:
+            self._ended = True
             self._changed.notify_all()
 
     def wait_event(self, kind: str, timeout_s: float) -> dict[str, Any]:
@@ -256,7 +271,8 @@ class Child(local.Child):
 
         with self._changed:
             self._changed.wait_for(
-                lambda: found() is not None or self.proc.poll() is not None, timeout=timeout_s
+                lambda: found() is not None or self._ended or self.proc.poll() is not None,
+                timeout=timeout_s,
             )
             event = found()
         if event is None:
@@ -374,6 +390,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cut the model into S stages served by --peers stage servers, plus 2 trainers",
     )  # fmt: skip
     parser.add_argument(
+        "--model-factory", default="", metavar="MODULE:FUNCTION",
+        help="with --pipeline-stages: train the nn.Sequential this function returns instead of "
+        "the default model (docs/pipelines.md; it must be importable here) [default model]",
+    )  # fmt: skip
+    parser.add_argument(
         "--pipeline-microbatches", type=int, default=8, metavar="M",
         help="microbatches per trainer per round [8]",
     )  # fmt: skip
@@ -424,6 +445,10 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
     microbatches = int(getattr(args, "pipeline_microbatches", 8))
     if stages < 1 or peers < stages:
         raise PipelineFailed(f"--peers {peers} cannot serve {stages} stages (one server each)")
+    factory = str(getattr(args, "model_factory", "") or "")
+    if factory and not re.fullmatch(FACTORY_PATTERN, factory):
+        raise PipelineFailed(f"--model-factory {factory!r}: expected MODULE:FUNCTION")
+    model = ["--model-factory", factory] if factory else []
     timeout_s = args.pipeline_timeout or 90.0 + rounds * microbatches * 3.0 * max(1, peers / 4)
     run_id = f"pipe-{os.urandom(4).hex()}"
     slow = []
@@ -449,7 +474,7 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
         for i in range(peers):
             argv = role_argv(
                 "_server", join, workdir / f"server{i}.key", run_id, stages,
-                ["--stage", str(i % stages), *slow, *lifetime, *verbose],
+                ["--stage", str(i % stages), *model, *slow, *lifetime, *verbose],
             )  # fmt: skip
             servers.append(Child(f"server{i}", argv, workdir / f"server{i}.log", on_event))
         children.extend(servers)
@@ -477,11 +502,14 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
             if t.proc.returncode != 0:
                 raise PipelineFailed(f"{t.name} exited {t.proc.returncode}: {t.last_log_line()}")
         # Servers average on clock epochs (every 5 s by default); a short run can end between
-        # two. Wait for one more round on every server, so the summary shows the stages agree.
-        counts = [len(_of(s, "averaged")) for s in servers]
+        # two. Wait for one more round on every server that shares its stage (one alone on its
+        # stage has nobody to average with), so the summary shows the stages agree.
+        where = [_last_stage(s) for s in servers]
+        waited = [s for s, k in zip(servers, where, strict=True) if where.count(k) >= 2]
+        counts = [len(_of(s, "averaged")) for s in waited]
         wait_until = time.monotonic() + 2 * AVERAGE_EVERY_S + 10
         while time.monotonic() < wait_until and any(
-            len(_of(s, "averaged")) <= n for s, n in zip(servers, counts, strict=True)
+            len(_of(s, "averaged")) <= n for s, n in zip(waited, counts, strict=True)
         ):
             time.sleep(0.1)
         stop_all(servers)

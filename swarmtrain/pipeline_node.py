@@ -7,7 +7,10 @@ microbatch (``training.batch_size`` x ``training.sequence_length``), the servers
 (``training.inner_lr``), the trainer's rounds (``run.rounds`` of ``pipeline.microbatches``) and the
 servers' clock epochs (``pipeline.average_every_s``, ``pipeline.rebalance_every_s``). Every server
 builds the initial parameters from the run id's seed, so the servers of a stage agree before they
-first average.
+first average. A spec may name a user's model (``[model] factory``): a server imports it only
+when its own ``--allow-model`` list names it (``pipeline_model.check_allowed``), and builds and
+cuts it once before it joins, so a missing module or a broken model is a one-line error.
+Trainers never import the model (they send bytes and read logits), so they need no flag.
 
 * A **server** starts on the stage with the fewest servers in the DHT records (ties broken by a
   hash of its peer id and the stage, so servers that start together spread out), then serves
@@ -30,17 +33,19 @@ import contextlib
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from p2p import Node, P2PError
+from swarmtrain.pipeline_model import check_allowed
 from swarmtrain.pipeline_progress import pipeline_status, servers_by_stage
 from swarmtrain.pipeline_roles import (
     ServerSettings,
     TrainerSettings,
+    check_model,
     serve,
     server_final,
     shape_of,
@@ -133,6 +138,7 @@ def server_settings(config: RunConfig, seed: int) -> ServerSettings:
         average_every_s=config.pipeline_average_every_s,
         rebalance_every_s=config.pipeline_rebalance_every_s or None,
         progress_every_s=PROGRESS_EVERY_S,
+        model_factory=config.model_factory,
     )
 
 
@@ -259,11 +265,14 @@ def run_pipeline(
     seed: int,
     wait_for_servers_s: float,
     emit: Callable[[str], None],
+    allow_models: Sequence[str] = (),
 ) -> PipelineSummary:
     """Run ``role`` on the runtime's node: a server until Ctrl+C, a trainer until its last round.
 
     Returns the summary. On Ctrl+C the role is cancelled, the summary line is emitted and
-    KeyboardInterrupt propagates. Raises what the role raised (``NoServers``, P2PError,
+    KeyboardInterrupt propagates. Raises ``ModelRefused`` (a server, for a spec's model factory
+    not in ``allow_models``) and ``ModelContractError`` (it cannot be imported or breaks the
+    contract) before serving; else what the role raised (``NoServers``, P2PError,
     ValueError), with the role already stopped."""
     node = runtime.node
     assert node is not None
@@ -280,9 +289,16 @@ def run_pipeline(
             emit(line)
 
     if role == "server":
+        settings = server_settings(config, seed)
+        if config.model_factory:
+            check_allowed(config.model_factory, allow_models, run_id=config.run_id)
+            check_model(settings)
+            emit(
+                f"model {config.model_factory} (allowed by --allow-model) builds and cuts "
+                f"into {config.pipeline_stages} stages"
+            )
         stage = runtime.call(choose_stage, node, config.run_id, config.pipeline_stages)
         emit(f"stage server {node.host.peer_id} starting on stage {stage} (the least served)")
-        settings = server_settings(config, seed)
 
         async def work() -> None:
             current = stage

@@ -2,8 +2,10 @@
 child processes) and ``swarmtrain node`` (a run spec with ``pipeline.stages > 0``).
 
 * The model: ``diloco.ByteTransformer`` of a given ``ByteTransformerConfig``, cut into S stages
-  (embedding + first blocks / middle blocks / last blocks + head); ``stage_builder`` builds stage
-  k with the same seeded parameters on every server.
+  (embedding + first blocks / middle blocks / last blocks + head), or a user's model
+  (``[model] factory``: ``swarmtrain.pipeline_model``) cut into S groups of layers balanced by
+  parameter count; ``stage_builder`` builds stage k with the same seeded parameters on every
+  server.
 * ``serve``: a ``swarm.StageServer`` on a running node, until cancelled.
 * ``train``: a ``swarm.PipelineTrainer`` that drives ``rounds`` rounds of ``microbatches``
   microbatches through the servers, retrying a failed microbatch, and publishes each round's
@@ -136,6 +138,7 @@ def stage_builder(
     context: int,
     lr: float,
     shape: ByteTransformerConfig | None = None,
+    factory: str = "",
     slow_stage: int | None = None,
     slow_s: float = 0.0,
     machine_slow_s: float = 0.0,
@@ -143,6 +146,7 @@ def stage_builder(
     """``build_stage(k)`` for ``StageServer``: every call builds the same seeded parameters.
 
     ``shape`` is the whole model's (default: ``model_config(num_stages, context=context)``);
+    ``factory`` (``"module:function"``, already allowed) replaces it with a user's model;
     ``context`` is the length of the sequences trainers send (the probe's example input)."""
     model_shape = shape if shape is not None else model_config(num_stages, context=context)
 
@@ -151,13 +155,20 @@ def stage_builder(
 
         from diloco import ByteTransformer
         from swarm.stage_server import StageModule
+        from swarmtrain.pipeline_model import cut_model
 
-        model = ByteTransformer(model_shape, seed=seed)
-        module = cut_stages(model, num_stages)[k]
-        if k == 0:
-            example = torch.zeros(batch_size, context, dtype=torch.int64)
+        if factory:
+            stages, examples = cut_model(
+                factory, seed, num_stages, batch_size=batch_size, context=context
+            )
+            module, example = stages[k], examples[k]
         else:
-            example = torch.zeros(batch_size, context, model.config.d_model)
+            model = ByteTransformer(model_shape, seed=seed)
+            module = cut_stages(model, num_stages)[k]
+            if k == 0:
+                example = torch.zeros(batch_size, context, dtype=torch.int64)
+            else:
+                example = torch.zeros(batch_size, context, model.config.d_model)
         # A slow stage (every server that serves it) and a slow machine (whatever it serves).
         delay_s = (slow_s if slow_stage == k else 0.0) + machine_slow_s
         if delay_s > 0:
@@ -190,6 +201,23 @@ class ServerSettings:
     slow_s: float = 0.0
     machine_slow_s: float = 0.0
     progress_every_s: float | None = None  # a "progress" event this often, when counts moved
+    model_factory: str = ""  # "module:function": a user's model instead of ``shape``
+
+
+def check_model(settings: ServerSettings) -> None:
+    """Build and cut a user's model once (nothing for the default model), so a server that
+    cannot import it, or whose model breaks the contract, fails before it joins the stages.
+    Raises ``pipeline_model.ModelContractError``."""
+    if settings.model_factory:
+        from swarmtrain.pipeline_model import cut_model
+
+        cut_model(
+            settings.model_factory,
+            settings.seed,
+            settings.num_stages,
+            batch_size=settings.batch_size,
+            context=settings.sequence_length,
+        )
 
 
 def new_server(node: Node, settings: ServerSettings, stage: int, emit: Emit) -> StageServer:
@@ -204,6 +232,7 @@ def new_server(node: Node, settings: ServerSettings, stage: int, emit: Emit) -> 
         context=settings.sequence_length,
         lr=settings.lr,
         shape=settings.shape,
+        factory=settings.model_factory,
         slow_stage=settings.slow_stage,
         slow_s=settings.slow_s,
         machine_slow_s=settings.machine_slow_s,

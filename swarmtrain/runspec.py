@@ -1,7 +1,9 @@
 """The run config (``run.toml``) and the run spec the coordinator signs.
 
 A run is defined by its config: model shape, DiLoCo settings, swarm deadlines, number of rounds,
-and, for a SWARM pipeline run (``[pipeline] stages > 0``), the stage count and its periods.
+and, for a SWARM pipeline run (``[pipeline] stages > 0``), the stage count and its periods, and
+optionally a user's model (``[model] factory = "package.module:function"``; only its name is in
+the spec, and volunteers import it only when they allow it: ``swarmtrain.pipeline_model``).
 The coordinator reads ``run.toml`` (``tomllib``), validates it, fixes a run id, and signs the
 canonical encoding of the result with its Ed25519 identity: that is the *run spec*. Volunteers
 fetch the spec from the peer named in ``--join`` and check the signature against that peer's id
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -64,6 +67,17 @@ def _non_negative(value: Any) -> bool:
     return value >= 0
 
 
+# ``package.module:function`` (``model.factory``): dotted identifiers, a colon, an identifier.
+FACTORY_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+MAX_FACTORY_CHARS = 200
+
+
+def _factory_ok(value: Any) -> bool:
+    return value == "" or (
+        len(value) <= MAX_FACTORY_CHARS and re.fullmatch(FACTORY_PATTERN, value) is not None
+    )
+
+
 def _run_id_ok(value: Any) -> bool:
     return len(value) <= 64 and "/" not in value and value.isprintable() and " " not in value
 
@@ -81,6 +95,14 @@ FIELDS: tuple[_Field, ...] = (
            "attention heads; must divide d_model"),
     _Field("model.context", "model_context", int, _positive, "a positive integer",
            "longest sequence the model accepts (bytes)"),
+    _Field("model.factory", "model_factory", str, _factory_ok,
+           'empty or "package.module:function" (at most 200 characters)',
+           '"" trains the default model above. Pipeline runs only: "package.module:function" '
+           "trains\n# your own model instead (d_model, n_layers and n_heads are then unused):\n# "
+           "function() returns an nn.Sequential whose first layer takes byte ids (batch,\n# "
+           "training.sequence_length) and whose last returns (batch, sequence, 256) logits;\n# "
+           "it is called with torch seeded from the run; every stage server must install it "
+           "and\n# pass --allow-model with it (docs/pipelines.md)"),
     _Field("training.inner_steps", "inner_steps", int, _positive, "a positive integer",
            "DiLoCo's H: inner AdamW steps between two outer rounds"),
     _Field("training.batch_size", "batch_size", int, _positive, "a positive integer",
@@ -132,6 +154,7 @@ class RunConfig:
     inner_lr: float = 3e-3
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    model_factory: str = ""
     matchmaking_timeout_s: float = 4.0
     allreduce_timeout_s: float = 30.0
     pipeline_stages: int = 0
@@ -151,7 +174,13 @@ class RunConfig:
                 f"training.sequence_length ({self.sequence_length}) is longer than "
                 f"model.context ({self.model_context})"
             )
-        if self.pipeline_stages > self.n_layers:
+        if self.model_factory and not self.is_pipeline:
+            raise ConfigError(
+                f"model.factory ({self.model_factory}) needs a pipeline run (pipeline.stages "
+                "> 0): DiLoCo runs train the default model"
+            )
+        # A factory's model has its own layers: stage servers check the count when they cut it.
+        if self.pipeline_stages > self.n_layers and not self.model_factory:
             raise ConfigError(
                 f"pipeline.stages ({self.pipeline_stages}) is more than model.n_layers "
                 f"({self.n_layers}): every stage needs at least one transformer block"

@@ -26,7 +26,7 @@ SERVER_LINE = "swarmtrain node --join "
 ROUND_LINE = re.compile(r"^round (\d+) loss (\S+) microbatches (\d+) ")
 
 
-def write_config(path: Path, *, stages: int) -> None:
+def write_config(path: Path, *, stages: int, factory: str = "") -> None:
     made = subprocess.run(
         [*SWARMTRAIN, "init", str(path)], capture_output=True, text=True, timeout=30, check=False
     )
@@ -43,6 +43,7 @@ def write_config(path: Path, *, stages: int) -> None:
         "microbatches": MICROBATCHES,
         "average_every_s": 3.0,
         "rebalance_every_s": 0.0,
+        "factory": f'"{factory}"',
     }.items():
         text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
         assert count == 1, key
@@ -50,10 +51,12 @@ def write_config(path: Path, *, stages: int) -> None:
 
 
 @contextmanager
-def coordinator(tmp_path: Path, *, stages: int) -> Iterator[tuple[PeerProcess, list[str]]]:
+def coordinator(
+    tmp_path: Path, *, stages: int, factory: str = ""
+) -> Iterator[tuple[PeerProcess, list[str]]]:
     """The coordinator and the commands it printed (argv lists, ``swarmtrain`` dropped)."""
     config = tmp_path / "run.toml"
-    write_config(config, stages=stages)
+    write_config(config, stages=stages, factory=factory)
     proc = PeerProcess(
         [
             *SWARMTRAIN, "coordinator", "--config", str(config),
@@ -70,12 +73,13 @@ def coordinator(tmp_path: Path, *, stages: int) -> Iterator[tuple[PeerProcess, l
         proc.stop()
 
 
-def node(command: list[str], state_dir: Path) -> PeerProcess:
+def node(command: list[str], state_dir: Path, env: dict[str, str] | None = None) -> PeerProcess:
     return PeerProcess(
         [
             *SWARMTRAIN, *command, "--listen", "/ip4/127.0.0.1/tcp/0",
             "--state-dir", str(state_dir), "--threads", "1", "--json", str(state_dir / "s.json"),
-        ]
+        ],
+        env=env,
     )  # fmt: skip
 
 

@@ -52,6 +52,14 @@ def test_default_toml_round_trips_to_the_defaults() -> None:
         ("[pipeline]\naverage_every_s = 0\n", "pipeline.average_every_s must be a positive"),
         ("[pipeline]\nrebalance_every_s = -1\n", "pipeline.rebalance_every_s must be a non-neg"),
         ('[pipeline]\naverage_every_s = "5"\n', "pipeline.average_every_s must be a positive"),
+        ('[model]\nfactory = "mymodel"\n', 'model.factory must be empty or "package.module:'),
+        ('[model]\nfactory = "a.b:c.d"\n', "model.factory must be empty or"),
+        ('[model]\nfactory = "a b:c"\n', "model.factory must be empty or"),
+        ('[model]\nfactory = "1a:b"\n', "model.factory must be empty or"),
+        ('[model]\nfactory = "a:b\\n"\n', "model.factory must be empty or"),
+        ("[model]\nfactory = 3\n", "model.factory must be empty or"),
+        (f'[model]\nfactory = "a:{"b" * 200}"\n', "at most 200 characters"),
+        ('[model]\nfactory = "pkg.mod:build"\n', "model.factory (pkg.mod:build) needs a pipeline"),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
@@ -83,6 +91,38 @@ def test_pipeline_keys_default_to_a_diloco_run_and_init_writes_them_commented() 
         {"model": {"n_layers": 2}, "pipeline": {"stages": 2, "average_every_s": 3}}
     )
     assert config.is_pipeline and config.pipeline_average_every_s == 3.0
+
+
+def test_a_model_factory_is_written_commented_and_frees_the_stage_count() -> None:
+    text = default_toml()
+    body = text[text.index("[model]") : text.index("[training]")]
+    assert '\nfactory = ""\n' in body and "--allow-model" in body and "(batch," in body
+    config = config_from_mapping(
+        {"model": {"factory": "my_pkg.models:tiny_mlp", "n_layers": 2}, "pipeline": {"stages": 5}}
+    )
+    # The user's model has its own layers: stage servers check S against them when they cut it.
+    assert config.model_factory == "my_pkg.models:tiny_mlp" and config.pipeline_stages == 5
+    assert RunConfig().model_factory == ""
+
+
+def test_the_model_factory_is_signed_and_swapping_it_is_refused() -> None:
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    config = PIPELINE.replace(model_factory="my_pkg.models:tiny_mlp")
+    data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config == config
+    obj = msgpack.unpackb(data, raw=False)
+    assert dict(obj[1])["model.factory"] == "my_pkg.models:tiny_mlp"
+    for value in ["os:system", ""]:  # another factory, or none (the default model)
+        changed = [[k, value if k == "model.factory" else v] for k, v in obj[1]]
+        tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        with pytest.raises(SpecRefused, match="tampered with"):
+            verify_spec(tampered, signature, coordinator)
+    # Validly signed but malformed: refused naming the key before anything imports it.
+    changed = [[k, "os.system; rm" if k == "model.factory" else v] for k, v in obj[1]]
+    bad = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    with pytest.raises(SpecRefused, match=r"model\.factory must be empty or"):
+        verify_spec(bad, key_pair.private_key.sign(SIGNING_DOMAIN + bad), coordinator)
 
 
 PIPELINE_KEYS = ("stages", "microbatches", "average_every_s", "rebalance_every_s")
