@@ -194,11 +194,12 @@ class Elastic:
         )
         return None
 
-    def after_round(self, round_number: int, ok: bool) -> SyncReport | None:
+    def after_round(self, round_number: int, ok: bool, wait_s: float = 0.0) -> SyncReport | None:
         """After our round ``round_number`` (failed, or its hash disagreed with the majority):
-        adopt the majority's state if it differs from ours. Returns what was synced, or None.
-        A failed download is logged (the next round's check tries again)."""
-        agreed = self._settled(round_number)
+        adopt the majority's state if it differs from ours. For a failed round, wait up to
+        ``wait_s`` for the others' outcome (``_outcome``). Returns what was synced, or None. A
+        failed download is logged (the next round's check tries again)."""
+        agreed = self._settled(round_number) if ok else self._outcome(round_number, wait_s)
         if agreed is None or agreed.state_hash.hex() == self.diloco.state_hash():
             return None
         try:
@@ -207,7 +208,7 @@ class Elastic:
             log.warning("round %d: could not re-sync: %s", round_number, exc)
             return None
         last = self._last_progress
-        if last is not None and last.round == round_number:
+        if last is not None and last.round == round_number == agreed.round:
             # We now hold the round's agreed state: say so, so that we count as a holder (a
             # joiner's source) and the peers lingering after the last round can leave.
             self.publish(
@@ -241,6 +242,31 @@ class Elastic:
         if agreed.round + 1 > ours:
             return True
         return agreed.round + 1 == ours and agreed.state_hash.hex() != self.diloco.state_hash()
+
+    def _outcome(self, round_number: int, wait_s: float) -> AgreedState | None:
+        """The state to adopt after our failed round ``round_number``, or None if nobody's
+        round succeeded.
+
+        Our round can fail long before the others' ends (every other peer looked lost to us on a
+        loaded machine) or long after (a frozen process): waiting only a moment for their
+        records then found none, we kept training alone a round behind, were not expected by
+        the next round's group, failed it too, and never came back. So wait, at most ``wait_s``,
+        until the peers of the previous round have all published this one; if they have moved
+        on already (their records are per peer, the newest only), adopt their newest agreed
+        state: ours is as stale, and we join at the next boundary like any joiner."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            records = self.records()
+            if agreed_state(records, round_number) is not None:
+                return self._settled(round_number)
+            newest = agreed_state(records)
+            if newest is not None and newest.round > round_number:
+                return newest
+            # peers of the previous round (a peer whose newest record is older left earlier)
+            others = [p for p in records if p.peer_id != self.me and p.round >= round_number - 1]
+            if all(p.round >= round_number for p in others) or time.monotonic() >= deadline:
+                return None
+            time.sleep(POLL_S)
 
     def _settled(self, round_number: int) -> AgreedState | None:
         """The agreed state of ``round_number`` once its successful records stop arriving."""

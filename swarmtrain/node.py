@@ -385,8 +385,10 @@ def _train_round(
             f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s FAILED ({why}); "
             f"state {state_hash[:12]} {round_s:.1f} s"
         )
-        # The others may have succeeded: then their state is ahead of our skipped one.
-        if elastic.after_round(r, ok=False) is not None:
+        # The others may have succeeded: then their state is ahead of our skipped one. They may
+        # still be in the round: its deadlines bound how long it can outlast ours.
+        outcome_wait_s = config.matchmaking_timeout_s + config.allreduce_timeout_s
+        if elastic.after_round(r, ok=False, wait_s=outcome_wait_s) is not None:
             summary.agree = True
         return
     assert report is not None

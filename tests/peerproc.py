@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,6 +54,14 @@ class PeerProcess:
     @property
     def stderr(self) -> str:
         return "".join(self.stderr_chunks)
+
+    def wait_stderr(self, *texts: str, timeout_s: float) -> str:
+        """The stderr text once it holds every one of ``texts`` (or after ``timeout_s``): a child
+        logs what it did after doing it, and the reader thread lags on a loaded machine."""
+        deadline = time.monotonic() + timeout_s
+        while not all(t in self.stderr for t in texts) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.stderr
 
     def wait_line(self, predicate: object = None, *, index: int = 0, timeout_s: float) -> str:
         """Block until stdout line number ``index`` (or one matching ``predicate``) exists."""

@@ -122,7 +122,8 @@ def test_tampered_run_spec_is_refused(tmp_path: Path) -> None:
             join = forger.wait_line(timeout_s=30)
             victim = node(join, tmp_path / mode)
             assert wait_exit(victim, 60) == 1
-            assert "run spec refused" in victim.stderr and words in victim.stderr, victim.stderr
+            stderr = victim.wait_stderr("run spec refused", words, timeout_s=10)
+            assert "run spec refused" in stderr and words in stderr, stderr
             assert "Traceback" not in victim.stderr
             assert not any(ROUND_LINE.match(line) for line in victim.lines)  # nothing trained
         finally:

@@ -92,7 +92,10 @@ async def test_failing_handler_leaves_host_serving(
                 assert "always fails" in info.value.message
                 await _echo_works(host, _peer_id(addr))
     assert proc.proc.poll() is None
-    assert "this handler always fails" in proc.stderr
+    stderr = await trio.to_thread.run_sync(
+        lambda: proc.wait_stderr("this handler always fails", timeout_s=10)
+    )
+    assert "this handler always fails" in stderr
 
 
 HOSTILE = {
@@ -127,7 +130,10 @@ async def test_hostile_bytes_are_rejected_and_logged(
                 assert b"bad_request" in answer
             await _echo_works(host, _peer_id(addr))
     assert proc.proc.poll() is None
-    assert "rejected" in proc.stderr and reason in proc.stderr, proc.stderr[-2000:]
+    stderr = await trio.to_thread.run_sync(
+        lambda: proc.wait_stderr("rejected", reason, timeout_s=10)
+    )
+    assert "rejected" in stderr and reason in stderr, stderr[-2000:]
 
 
 async def test_connection_limit_holds() -> None:

@@ -3,6 +3,8 @@ majority re-sync after a failed or drifted round, catching up at start, the expe
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -155,3 +157,65 @@ def test_a_node_behind_a_failing_swarm_syncs_at_once_instead_of_waiting() -> Non
 def test_a_new_run_needs_no_sync() -> None:
     elastic = _elastic(_peer(), {}, b"", [])
     assert elastic.catch_up(wait_s=600.0, rounds=5) is None
+
+
+def test_a_failed_peer_waits_for_the_others_still_in_the_round() -> None:
+    # Our round failed early (the others looked lost to us) while they were still averaging:
+    # their records for the round come later, and we adopt what they agreed.
+    me, b, c = _peer(), _peer(), _peer()
+    data, majority = _world(2)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 1, True, bytes(32)),
+            str(c): _record(c, 1, True, bytes(32)),
+        }
+    }
+    asked: list[Hashable] = []
+    elastic = _elastic(me, dht, data, asked)
+
+    def finish_round() -> None:
+        dht[progress_key(RUN)][str(b)] = _record(b, 2, True, majority)
+        dht[progress_key(RUN)][str(c)] = _record(c, 2, True, majority)
+
+    timer = threading.Timer(2.0, finish_round)  # past the 1 s that the old rule waited
+    timer.start()
+    try:
+        report = elastic.after_round(2, ok=False, wait_s=30.0)
+    finally:
+        timer.cancel()
+    assert report is not None and report.round == 3
+    assert elastic.diloco.state_hash() == majority.hex() and set(asked) <= {b, c}
+
+
+def test_a_failed_peer_whose_swarm_moved_on_adopts_the_newest_agreed_state() -> None:
+    # The others finished our failed round and the next one before we looked (their records
+    # hold only their newest round): we take the newest agreed state and join after it.
+    me, b, c = _peer(), _peer(), _peer()
+    data, majority = _world(3)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 3, True, majority),
+            str(c): _record(c, 3, True, majority),
+        }
+    }
+    elastic = _elastic(me, dht, data, [])
+    started = time.monotonic()
+    report = elastic.after_round(2, ok=False, wait_s=30.0)
+    assert time.monotonic() - started < 5
+    assert report is not None and report.round == 4  # round 3's agreed state
+    assert dht[join_key(RUN, 4)] == {str(me): b"\x01"}  # expected by the next round's group
+
+
+def test_a_failed_peer_does_not_wait_when_everyone_failed_or_left() -> None:
+    me, b, c, gone = _peer(), _peer(), _peer(), _peer()
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 2, False, bytes(32)),
+            str(c): _record(c, 2, False, bytes(32)),
+            str(gone): _record(gone, 0, True, bytes(32)),  # left rounds ago: not waited for
+        }
+    }
+    elastic = _elastic(me, dht, b"", [])
+    started = time.monotonic()
+    assert elastic.after_round(2, ok=False, wait_s=30.0) is None
+    assert time.monotonic() - started < 5
