@@ -64,7 +64,7 @@ from diloco import (
     load_stdlib_corpus,
 )
 from swarm.allreduce import partition
-from swarm.compression import Compression
+from swarm.compression import Compression, decode, encode
 from swarm.payload import Layout
 
 RUN_SEED = 0
@@ -80,10 +80,28 @@ def _batches(corpus: Any, args: argparse.Namespace, round: int, k: int) -> list[
         run_seed=RUN_SEED,
         round=round,
         peer_id=_peer(k),
-        steps=args.schedule_h[round],
+        steps=_round_steps(args, round),
         batch_size=args.batch,
         context=args.context,
     )
+
+
+def _round_steps(args: argparse.Namespace, round: int) -> int:
+    # bench.diloco_wan_worker shares _batches with a plain ``inner_steps`` and no schedule.
+    schedule = getattr(args, "schedule_h", None)
+    return int(args.inner_steps) if schedule is None else schedule[round]
+
+
+def _codec(compression: Compression) -> Any:
+    """Quantize-then-dequantize of the whole flat vector, blocks from offset 0: what
+    ``bench.diloco_wan_worker`` passes as ``compress``. Its swarm all-reduce quantizes again per
+    tensor and part (bandwidth-dependent there); ``_Wire`` below is the exact form, used here."""
+
+    def compress(flat: torch.Tensor) -> torch.Tensor:
+        values = flat.detach().to("cpu", torch.float32).numpy()
+        return torch.from_numpy(decode(encode(values, compression), compression, values.size))
+
+    return compress
 
 
 def h_schedule(spec: str, steps: int) -> list[int]:
