@@ -353,15 +353,23 @@ class Averager:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def _session_for(self, group_id: bytes) -> Session | None:
-        """Our session for ``group_id``, waiting a while: a peer may form the group before us."""
-        with trio.move_on_after(self.config.matchmaking_timeout_s + 5.0):
+    async def _session_for(self, group_id: bytes) -> Session:
+        """Our session for ``group_id``, waiting a while: a peer may form the group before us.
+        Raises RemoteProtocolError saying why there is none."""
+        waited = self.config.matchmaking_timeout_s + 5.0
+        with trio.move_on_after(waited):
             while group_id not in self._ended:
                 session = self._sessions.get(group_id)
                 if session is not None:
-                    return None if session.closed else session
+                    if session.closed:
+                        raise RemoteProtocolError("that round is over here")
+                    return session
                 await self._changed.wait()
-        return None
+            raise RemoteProtocolError("that round is over here")
+        open_rounds = sorted(s.group.round for s in self._sessions.values())
+        raise RemoteProtocolError(
+            f"no such group here after {waited:.0f} s (our open rounds: {open_rounds})"
+        )
 
     async def _serve(self, stream: Stream) -> None:
         rpc = RpcStream(stream)
@@ -370,8 +378,6 @@ class Averager:
             with trio.fail_after(HELLO_TIMEOUT_S):
                 hello = await rpc.receive(Hello)
             session = await self._session_for(hello.group_id)
-            if session is None:
-                raise RemoteProtocolError("no such round here (unknown, or already over)")
             if hello.run_id != self.config.run_id or peer not in session.peers:
                 raise RemoteProtocolError("not a member of this round's group")
             if hello.layout != session.layout.digest:
