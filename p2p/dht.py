@@ -304,9 +304,12 @@ class Dht:
     ) -> int:
         """Sign ``value`` under our own subkey of ``key`` and store it at the closest peers.
 
-        Returns how many peers (ourselves included) hold it now; 0 means nobody took it.
+        We keep it too, closest or not, so ``get_records_from(us)`` finds it whatever the
+        replicas lost. Returns how many of the closest peers (ourselves included if we are one)
+        hold it now; 0 means no replica took it.
         """
         record = self.signer.sign(dht_key(key), value, expiration_time, tag=tag, version=version)
+        self.store_local.merge(dht_key(key), [record])
         return await self.store_records(key, [record])
 
     async def store_records(self, key: str, records: Iterable[SignedRecord]) -> int:
@@ -355,6 +358,29 @@ class Dht:
                 return merged
         _, merged = await self._lookup(kbytes, width=self.config.replicas)
         return merged
+
+    async def get_records_from(self, peer: ID, key: str) -> dict[bytes, SignedRecord] | None:
+        """The valid entries ``peer`` itself holds under ``key``, or None if it did not answer.
+
+        Every peer keeps what it stored (``store``), so asking the owner finds its own entry
+        when the replicas missed it.
+        """
+        kbytes = dht_key(key)
+        now = time.time()
+        if peer == self.peer_id:
+            return self.store_local.records(kbytes, now)
+        answers: list[tuple[ID, bytes | None, list[ID]]] = []
+        await self._get_one(peer, kbytes, answers)
+        if not answers:
+            return None
+        data = answers[0][1]
+        if data is None:
+            return {}
+        try:
+            return dict(valid_records(data, key=kbytes, now=now, strict=False))
+        except RemoteProtocolError as exc:
+            log.info("peer %s sent a malformed value: %s", peer, exc)
+            return {}
 
     async def _lookup(
         self, kbytes: bytes, *, width: int | None = None

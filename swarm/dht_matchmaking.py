@@ -3,8 +3,10 @@
 A declaration is stored as the peer's own signed subkey under ``round_key(run, r)``; a record
 whose declaration names another peer than its signer is ignored (nobody can declare for someone
 else). The driver polls the key until the machine forms the group or its deadline passes, then
-answers the machine's one re-read. Reads ask every replica (``latest=True``): a single replica may
-hold a partial set while a store is still spreading.
+answers the machine's re-reads, asking the expected peers it names directly too (``Dht.store``
+keeps our own records, so a live declarer always answers with its declaration). Reads ask every
+replica (``latest=True``): a single replica may hold a partial set while a store is still
+spreading.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Iterable
 import msgpack
 import trio
 
-from p2p import Dht, P2PError, RemoteProtocolError, SignedRecord
+from p2p import Dht, P2PError, PeerID, RemoteProtocolError, SignedRecord
 from swarm.matchmaking import (
     DeadlineReached,
     Declaration,
@@ -28,6 +30,7 @@ from swarm.matchmaking import (
     LocalRequest,
     Matchmaker,
     MatchmakingConfig,
+    MatchState,
     Publish,
     ReadDeclarations,
     round_key,
@@ -75,6 +78,32 @@ async def read_declarations(dht: Dht, run_id: str, round_number: int) -> tuple[D
         return ()
 
 
+async def reread_declarations(
+    dht: Dht, run_id: str, round_number: int, ask: Iterable[bytes]
+) -> DeclarationsReread:
+    """A read of the round key merged with what each peer of ``ask`` holds there itself."""
+    key = round_key(run_id, round_number).decode()
+    found: list[Declaration] = []
+    unreachable: set[bytes] = set()
+
+    async def ask_one(peer: bytes) -> None:
+        try:
+            records = await dht.get_records_from(PeerID(peer), key)
+        except P2PError as exc:
+            log.debug("asking %s for its declaration failed: %s", peer.hex()[-8:], exc)
+            records = None
+        if records is None:
+            unreachable.add(peer)
+        else:
+            found.extend(decode_declarations(records))
+
+    async with trio.open_nursery() as nursery:
+        for peer in ask:
+            nursery.start_soon(ask_one, peer)
+        found.extend(await read_declarations(dht, run_id, round_number))
+    return DeclarationsReread(tuple(found), frozenset(unreachable))
+
+
 async def form_group(
     dht: Dht,
     run_id: str,
@@ -100,10 +129,12 @@ async def form_group(
     queue = deque(machine.handle(LocalRequest(declaration), time.time()))
     poll = POLL_FIRST_S
     published_at = -float("inf")
+    rereads = 0
     while True:
         while queue:
             action = queue.popleft()
             if isinstance(action, Finish):
+                _log_left_out(machine, action)
                 return action
             if isinstance(action, Fail):
                 raise MatchmakingFailed(action.reason)
@@ -112,12 +143,23 @@ async def form_group(
                     raise MatchmakingFailed("no DHT peer stored our declaration")
                 published_at = time.monotonic()
             elif isinstance(action, ReadDeclarations):
-                reread: tuple[Declaration, ...] = ()
-                with trio.move_on_after(config.confirm_timeout_s):
-                    reread = await read_declarations(dht, run_id, action.round)
-                queue.extend(machine.handle(DeclarationsReread(reread), time.time()))
+                if rereads:  # again: an expected peer answered but had not declared yet
+                    await trio.sleep(min(POLL_MAX_S, max(0.0, machine.deadline - time.time())))
+                rereads += 1
+                reread: DeclarationsReread | None = None
+                with trio.move_on_after(max(0.0, machine.deadline - time.time())):
+                    reread = await reread_declarations(dht, run_id, action.round, action.ask)
+                if reread is not None:
+                    queue.extend(machine.handle(reread, time.time()))
         now = time.time()
         if now >= machine.deadline:
+            missing = machine.expected_peers - machine.view.keys()
+            if missing and machine.state is MatchState.WAITING:
+                log.info(
+                    "round %d: at the deadline %d of %d expected peers had not declared: %s",
+                    declaration.round, len(missing), len(machine.expected_peers),
+                    sorted(p.hex()[-8:] for p in missing),
+                )  # fmt: skip
             queue.extend(machine.handle(DeadlineReached(), now))
             continue
         if time.monotonic() - published_at > REPUBLISH_S:
@@ -130,6 +172,22 @@ async def form_group(
         if not queue:
             await trio.sleep(min(poll, max(0.0, machine.deadline - time.time())))
             poll = min(POLL_MAX_S, poll * 1.5)
+
+
+def _log_left_out(machine: Matchmaker, finish: Finish) -> None:
+    members = {peer for group in finish.groups for peer in group.peer_ids}
+    left_out = machine.expected_peers - members
+    if left_out:
+        log.info(
+            "round %d: formed without %d expected peer(s): %s",
+            machine.round, len(left_out),
+            ", ".join(
+                f"{peer.hex()[-8:]} ("
+                + ("did not answer" if peer in machine.unreachable else "had not declared")
+                + ")"
+                for peer in sorted(left_out)
+            ),
+        )  # fmt: skip
 
 
 async def _publish(dht: Dht, key: str, declaration: Declaration) -> int:

@@ -34,8 +34,12 @@ transition logic lives in this file and the machine never knows which peer "lead
 * There is no minimum wait: as soon as every *expected* peer (the driver passes the previous
   round's members still believed alive) has declared, the group forms.
 * Otherwise, at the deadline, the machine orders one more ``ReadDeclarations`` and decides on the
-  union of its view and that read, delivered as ``DeclarationsReread`` (CONFIRMING); if the read
-  does not come back by ``deadline + config.confirm_timeout_s`` the round fails for this peer.
+  union of its view and that read, delivered as ``DeclarationsReread`` (CONFIRMING). The read
+  also asks each expected peer still missing directly (a declarer always holds its own
+  declaration, so this finds one the replicas missed). While an expected peer that answered is
+  still missing, the machine reads again until ``deadline + config.confirm_timeout_s``: another
+  peer may have seen its declaration and finished early (rule 1), and deciding by rule 2 without
+  it would split the round. If no re-read comes back by then the round fails for this peer.
 * Events after FORMED are ignored (a late declaration is not included: that peer joins the next
   round, see ``target_round``). Any event after FAILED raises ``LocalProtocolError``.
 
@@ -44,9 +48,11 @@ Convergence rule for partial views (why two peers with different views agree):
 1. If every expected peer has declared, the members are exactly the expected peers. Unexpected
    declarers (newcomers) are deferred to a later round, so two peers that both finish early agree
    whatever extra declarations each happened to see, and a peer that reached its deadline but whose
-   re-read shows every expected peer applies the same rule and agrees with them too.
-2. Otherwise (an expected peer never declared, so nobody could finish early) the members are all
-   declarers for the round stamped no later than the deadline, read once after the deadline.
+   re-reads show every expected peer applies the same rule and agrees with them too. An expected
+   peer's declaration counts here even if stamped after our deadline: peers start a round at
+   different times, and one that declared before *its* deadline may be in the others' groups.
+2. Otherwise (an expected peer never declared or did not answer, so nobody could finish early)
+   the members are all declarers for the round stamped no later than the deadline, read after it.
    Honest peers publish for round ``r`` only before its deadline (``target_round``), so after the
    deadline the set is closed and every re-read returns the same set: the groups are identical.
 
@@ -240,13 +246,15 @@ class DeadlineReached:
 
 @dataclass(frozen=True, slots=True)
 class DeclarationsReread:
-    """The answer to ``ReadDeclarations``: a read of the round key made after the deadline.
+    """The answer to ``ReadDeclarations``: a read of the round key made after the deadline, plus
+    what the peers it named held; ``unreachable`` are those of them that did not answer.
 
     A separate event so that a read started before the deadline, arriving late, is never taken for
     the final read the decision rests on.
     """
 
     declarations: tuple[Declaration, ...]
+    unreachable: frozenset[bytes] = frozenset()
 
 
 Event = LocalRequest | DeclarationsSeen | DeclarationsReread | DeadlineReached
@@ -259,9 +267,11 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class ReadDeclarations:
-    """Read the round key once more and hand the result back as ``DeclarationsReread``."""
+    """Read the round key once more, and ask each peer of ``ask`` (expected, missing from our
+    view) what it holds there itself; hand the result back as ``DeclarationsReread``."""
 
     round: int
+    ask: frozenset[bytes] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,9 +331,12 @@ class Matchmaker:
         self.round = round_number
         self.expected_peers = frozenset(expected_peers)
         self.deadline = deadline
+        self.cutoff = deadline  # declarations stamped later are for a later round (rule 2)
         self.config = config
         self.state = MatchState.DECLARING
         self.view: dict[bytes, Declaration] = {}
+        self.unreachable: set[bytes] = set()
+        self.reread = False
         self.own: Declaration | None = None
         self.group: Group | None = None
 
@@ -359,7 +372,9 @@ class Matchmaker:
                     f"DeclarationsReread in state {state.name} (not asked for)"
                 )
             self._learn(event.declarations)
-            return self._decide_at_deadline()
+            self.unreachable |= event.unreachable & self.expected_peers
+            self.reread = True
+            return self._decide_after_reread(now)
         if isinstance(event, DeadlineReached):
             if now < self.deadline:
                 raise LocalProtocolError(
@@ -370,17 +385,20 @@ class Matchmaker:
             if state is MatchState.WAITING:
                 self.state = MatchState.CONFIRMING
                 self.deadline += self.config.confirm_timeout_s
-                return [ReadDeclarations(self.round)]
+                return [ReadDeclarations(self.round, self._missing())]
+            if self.reread:
+                return self._form(self._closed_set())
             return self._fail("the re-read of the round key did not come back")
         raise LocalProtocolError(f"unknown event {event!r}")
 
     def _learn(self, declarations: Iterable[Declaration]) -> None:
-        cutoff = (
-            self.deadline if self.state is not MatchState.CONFIRMING else self._first_deadline()
-        )
         for declaration in declarations:
-            if declaration.round != self.round or declaration.declared_at > cutoff:
-                continue  # an old or future round, or too late: that peer joins a later round
+            if declaration.round != self.round:
+                continue  # an old or a future round
+            if declaration.declared_at > self.cutoff and (
+                declaration.peer_id not in self.expected_peers
+            ):
+                continue  # too late and not waited for: that peer joins a later round
             if (
                 declaration.peer_id == self.peer_id
                 and self.own is not None
@@ -393,18 +411,25 @@ class Matchmaker:
             if known is None or declaration._rank() > known._rank():
                 self.view[declaration.peer_id] = declaration  # greatest wins: order-independent
 
-    def _first_deadline(self) -> float:
-        return self.deadline - self.config.confirm_timeout_s
+    def _missing(self) -> frozenset[bytes]:
+        return frozenset(self.expected_peers - self.view.keys())
+
+    def _closed_set(self) -> list[Declaration]:
+        return [d for d in self.view.values() if d.declared_at <= self.cutoff]
 
     def _try_early_finish(self) -> list[Action]:
         if self.expected_peers and self.expected_peers <= self.view.keys():
             return self._form([self.view[p] for p in self.expected_peers])
         return []
 
-    def _decide_at_deadline(self) -> list[Action]:
-        if self.expected_peers and self.expected_peers <= self.view.keys():
-            return self._form([self.view[p] for p in self.expected_peers])
-        return self._form(list(self.view.values()))
+    def _decide_after_reread(self, now: float) -> list[Action]:
+        finished = self._try_early_finish()
+        if finished:
+            return finished
+        waiting_for = self._missing() - self.unreachable
+        if self.expected_peers and waiting_for and now < self.deadline:
+            return [ReadDeclarations(self.round, waiting_for)]
+        return self._form(self._closed_set())
 
     def _form(self, members: list[Declaration]) -> list[Action]:
         groups = derive_groups(

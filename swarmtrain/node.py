@@ -284,6 +284,7 @@ def _train(
         inner_steps=config.inner_steps,
         outer_lr=config.outer_lr,
         outer_momentum=config.outer_momentum,
+        outer_momentum_warmup=config.outer_momentum_warmup,
         state_dir=options.state_dir,
         run_id=config.run_id,
     )

@@ -115,6 +115,10 @@ FIELDS: tuple[_Field, ...] = (
            "Nesterov SGD learning rate of the outer step (OpenDiLoCo: 0.7)"),
     _Field("training.outer_momentum", "outer_momentum", float,
            lambda v: 0 <= v < 1, "a number in [0, 1)", "Nesterov momentum of the outer step"),
+    _Field("training.outer_momentum_warmup", "outer_momentum_warmup", int, _non_negative,
+           "a non-negative integer", "rounds over which the outer momentum ramps up from 0 "
+           "(0: constant); with few rounds\n# full momentum from round 0 overshoots: 12 of 16 "
+           "rounds is best in bench.diloco\n# (docs/diloco_tuning.md)"),
     _Field("swarm.matchmaking_timeout_s", "matchmaking_timeout_s", float, _positive,
            "a positive number", "seconds a round waits for peers to declare"),
     _Field("swarm.allreduce_timeout_s", "allreduce_timeout_s", float, _positive,
@@ -154,6 +158,7 @@ class RunConfig:
     inner_lr: float = 3e-3
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    outer_momentum_warmup: int = 0
     model_factory: str = ""
     matchmaking_timeout_s: float = 4.0
     allreduce_timeout_s: float = 30.0

@@ -174,15 +174,47 @@ def test_finishes_as_soon_as_every_expected_peer_declared_and_ignores_late_ones(
     assert m.group == finish.group
 
 
-def test_deadline_rereads_once_then_forms_with_whoever_declared() -> None:
+def test_deadline_rereads_then_forms_with_whoever_declared() -> None:
     m = machine(0, [0, 1, 2])
     m.handle(LocalRequest(decl(0)), 0.0)
     m.handle(DeclarationsSeen((decl(1),)), 1.0)
-    assert m.handle(DeadlineReached(), 10.0) == [ReadDeclarations(0)]
+    # the missing expected peer is asked directly, besides the read of the key
+    assert m.handle(DeadlineReached(), 10.0) == [ReadDeclarations(0, frozenset({b"peer-002"}))]
     assert m.state is MatchState.CONFIRMING and m.deadline == 11.0
     late = decl(4, at=10.5)  # stamped after the deadline: joins the next round
-    (finish,) = m.handle(DeclarationsReread((decl(3, at=9.0), late)), 10.1)
+    reread = DeclarationsReread((decl(3, at=9.0), late), frozenset({b"peer-002"}))
+    (finish,) = m.handle(reread, 10.1)  # peer 2 did not answer: no need to wait for it
     assert finish.group.peer_ids == (b"peer-000", b"peer-001", b"peer-003")
+
+
+def test_an_expected_peer_that_answers_is_waited_for_until_the_confirm_deadline() -> None:
+    m = machine(0, [0, 1, 2])
+    m.handle(LocalRequest(decl(0)), 0.0)
+    m.handle(DeclarationsSeen((decl(1),)), 1.0)
+    m.handle(DeadlineReached(), 10.0)
+    # peer 2 is alive but had not declared: read again (the others may have seen it)
+    again = m.handle(DeclarationsReread((decl(3, at=9.0),)), 10.1)
+    assert again == [ReadDeclarations(0, frozenset({b"peer-002"}))]
+    # it declared late by our clock, in time by its own: rule 1, as the peers that saw it early
+    (finish,) = m.handle(DeclarationsReread((decl(2, at=10.2),)), 10.3)
+    assert finish.group.peer_ids == (b"peer-000", b"peer-001", b"peer-002")
+
+
+def test_rereads_stop_at_the_confirm_deadline_with_rule_two() -> None:
+    m = machine(0, [0, 1, 2])
+    m.handle(LocalRequest(decl(0)), 0.0)
+    m.handle(DeclarationsSeen((decl(1), decl(3, at=10.4))), 1.0)  # 3: unexpected and late
+    m.handle(DeadlineReached(), 10.0)
+    assert m.handle(DeclarationsReread(()), 10.5) == [ReadDeclarations(0, frozenset({b"peer-002"}))]
+    (finish,) = m.handle(DeclarationsReread(()), 11.0)
+    assert finish.group.peer_ids == (b"peer-000", b"peer-001")
+    # a read that is still out at the confirm deadline: decide on the re-reads that came back
+    m = machine(0, [0, 1, 2])
+    m.handle(LocalRequest(decl(0)), 0.0)
+    m.handle(DeadlineReached(), 10.0)
+    m.handle(DeclarationsReread((decl(1, at=2.0),)), 10.2)
+    (finish,) = m.handle(DeadlineReached(), 11.0)
+    assert isinstance(finish, Finish) and finish.group.peer_ids == (b"peer-000", b"peer-001")
 
 
 def test_lost_reread_fails_and_an_unexpected_peer_is_deferred() -> None:
@@ -236,7 +268,7 @@ class Swarm(RuleBasedStateMachine):
         self.now = 0.0
         self.dht: set[Declaration] = set()
         self.alive = set(range(n))
-        self.rereads: set[int] = set()
+        self.rereads: dict[int, frozenset[bytes]] = {}
         self.finished: dict[int, Finish] = {}
         expected_ids = range(min(expected, n))
         self.machines = [machine(i, expected_ids, DEADLINE, size) for i in range(n)]
@@ -246,7 +278,7 @@ class Swarm(RuleBasedStateMachine):
             if isinstance(action, Publish):
                 self.dht.add(action.declaration)
             elif isinstance(action, ReadDeclarations):
-                self.rereads.add(i)
+                self.rereads[i] = action.ask
             elif isinstance(action, Finish):
                 self.finished[i] = action
 
@@ -270,13 +302,16 @@ class Swarm(RuleBasedStateMachine):
     @rule(data=st.data())
     def answer_reread(self, data):
         waiting = {
-            i for i in self.rereads & self.alive if self.machines[i].state is MatchState.CONFIRMING
+            i
+            for i in self.rereads.keys() & self.alive
+            if self.machines[i].state is MatchState.CONFIRMING
         }
         if waiting:
             i = data.draw(st.sampled_from(sorted(waiting)))
-            self.rereads.discard(i)
+            asked = self.rereads.pop(i)
             full = sorted(self.dht, key=lambda d: d.peer_id, reverse=data.draw(st.booleans()))
-            self._handle(i, DeclarationsReread(tuple(full)))
+            dead = frozenset(p for p in asked if int(p[-3:]) not in self.alive)
+            self._handle(i, DeclarationsReread(tuple(full), dead))
 
     @rule(dt=st.floats(0.0, 4.0))
     def advance_clock(self, dt):

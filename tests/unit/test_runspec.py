@@ -31,6 +31,12 @@ def test_default_toml_round_trips_to_the_defaults() -> None:
     assert config_from_mapping(tomllib.loads(text)) == RunConfig()
 
 
+def test_outer_momentum_warmup_is_a_run_setting() -> None:
+    config = config_from_mapping({"training": {"outer_momentum_warmup": 12}})
+    assert config.outer_momentum_warmup == 12
+    assert ("training.outer_momentum_warmup", 12) in config.items()  # signed with the spec
+
+
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
@@ -39,6 +45,7 @@ def test_default_toml_round_trips_to_the_defaults() -> None:
         ("[run]\nrounds = 0\n", "run.rounds must be a positive integer, got 0"),
         ("[run]\nrounds = true\n", "run.rounds must be a positive integer, got True"),
         ("[training]\nouter_momentum = 1.5\n", "training.outer_momentum must be a number in"),
+        ("[training]\nouter_momentum_warmup = -2\n", "training.outer_momentum_warmup must be a"),
         ('[training]\ninner_lr = "fast"\n', "training.inner_lr must be a positive number"),
         ("[model]\nn_heads = 3\n", "model.n_heads (3) must divide model.d_model (128)"),
         ("[training]\nsequence_length = 500\n", "training.sequence_length (500) is longer"),
