@@ -4,6 +4,7 @@
         [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
         [--compression int8|none] [--eval-batches 8] [--sequential] [--only diloco,...]
+        [--wan [--wan-budget-s 150]]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
 in one sitting, each method from the same seeded initial parameters, the three side by side in
@@ -34,8 +35,10 @@ Bytes each worker sends, bandwidth-optimal ring/butterfly all-reduce of N peers:
 (per-tensor, per-part int8 blocks: a few more scales than one flat vector). Printed: held-out loss
 (nats/byte) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
 parallel) and ``recovered_fraction`` = (alone - DiLoCo) / (alone - data parallel). The last line is
-one JSON object with those keys and ``wan_loss_ratio`` (null here: ``bench.diloco_wan`` measures
-the equal-wall-clock comparison over shaped links).
+one JSON object with those keys and ``wan_loss_ratio``: with ``--wan`` (root: the NAT lab), after
+the equal-tokens part, ``bench.diloco_wan`` runs the two methods on the swarm itself at equal
+wall-clock over shaped links and its ratio is filled in (its whole result under ``wan``); without
+it, null.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -279,6 +284,10 @@ def main() -> None:
     parser.add_argument(
         "--only", default="diloco,data_parallel,alone", help="comma list of methods to run"
     )
+    parser.add_argument(
+        "--wan", action="store_true", help="then run bench.diloco_wan (root) for wan_loss_ratio"
+    )
+    parser.add_argument("--wan-budget-s", type=float, default=150.0, help="per method")
     args = parser.parse_args()
     args.compression = Compression[args.compression.upper()]
     try:
@@ -331,24 +340,40 @@ def main() -> None:
         print(json.dumps({"heldout": results, "config": _config(args)}))
         return
     gap = results["alone"] - results["data_parallel"]
+    wan = run_wan(args.wan_budget_s) if args.wan else None
     summary = {
         "bytes_ratio": dp_bytes / diloco_bytes,
         "loss_ratio": results["diloco"] / results["data_parallel"],
         "recovered_fraction": (results["alone"] - results["diloco"]) / gap if gap else None,
-        "wan_loss_ratio": None,
+        "wan_loss_ratio": wan["wan_loss_ratio"] if wan else None,
         "heldout": results,
         "bytes_per_worker": {"data_parallel": dp_bytes, "diloco": diloco_bytes},
         "config": _config(args),
         "git_sha": git_sha(),
+        "wan": wan,
     }
     print(
         f"bytes sent per worker: data parallel {dp_bytes / 1e6:.1f} MB, DiLoCo "
         f"{diloco_bytes / 1e6:.2f} MB -> bytes_ratio {summary['bytes_ratio']:.0f}; loss_ratio "
         f"{summary['loss_ratio']:.3f}; recovered_fraction "
-        f"{np.nan if gap == 0 else summary['recovered_fraction']:.2f} "
-        "(wan_loss_ratio: bench.diloco_wan)"
+        f"{np.nan if gap == 0 else summary['recovered_fraction']:.2f}; wan_loss_ratio "
+        + (f"{wan['wan_loss_ratio']:.3f}" if wan else "not run (--wan)")
     )
     print(json.dumps(summary))
+
+
+def run_wan(budget_s: float) -> dict[str, Any] | None:
+    """``bench.diloco_wan`` in a child process (it sets up the NAT lab, which needs root), its
+    output passed through; its last line's JSON, or None when it failed (the reason is shown)."""
+    argv = [sys.executable, "-m", "bench.diloco_wan", "--budget-s", str(budget_s)]
+    print(f"--- equal wall-clock over shaped links: {' '.join(argv[1:])}", flush=True)
+    proc = subprocess.run(argv, stdout=subprocess.PIPE, text=True, timeout=6 * budget_s + 600)
+    lines = proc.stdout.strip().splitlines()
+    print("\n".join(lines[:-1]), flush=True)
+    if proc.returncode != 0 or not lines:
+        print(f"bench.diloco_wan failed (exit {proc.returncode}): no wan_loss_ratio", flush=True)
+        return None
+    return json.loads(lines[-1])
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

@@ -277,6 +277,9 @@ class Averager:
             upload_bps=session.upload_bps,
         )
 
+    async def _reach(self, peer: bytes) -> None:
+        await self.node.reach(PeerID(peer))
+
     def _suspect(self, peers: Iterable[bytes]) -> None:
         """Peers the round lost (frozen, gone, lying) answer no DHT request for a while either:
         the next round's matchmaking should not wait a request timeout on each of them."""
@@ -335,6 +338,7 @@ class Averager:
                 expected=expected,
                 timeout_s=self.config.matchmaking_timeout_s,
                 config=self._matchmaking,
+                reach=self._reach,
             )
         except MatchmakingFailed as exc:
             self._survivors = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgpack
 import trio
@@ -78,20 +78,31 @@ async def read_declarations(dht: Dht, run_id: str, round_number: int) -> tuple[D
         return ()
 
 
+Reach = Callable[[bytes], Awaitable[None]]
+
+
 async def reread_declarations(
-    dht: Dht, run_id: str, round_number: int, ask: Iterable[bytes]
+    dht: Dht, run_id: str, round_number: int, ask: Iterable[bytes], reach: Reach | None = None
 ) -> DeclarationsReread:
-    """A read of the round key merged with what each peer of ``ask`` holds there itself."""
+    """A read of the round key merged with what each peer of ``ask`` holds there itself.
+
+    ``reach(peer)`` connects to a peer first (``Node.reach``: its addresses from the DHT, relays,
+    hole punching): a peer whose declaration our reads missed may be one we never talked to.
+    """
     key = round_key(run_id, round_number).decode()
     found: list[Declaration] = []
     unreachable: set[bytes] = set()
 
     async def ask_one(peer: bytes) -> None:
-        try:
-            records = await dht.get_records_from(PeerID(peer), key)
-        except P2PError as exc:
-            log.debug("asking %s for its declaration failed: %s", peer.hex()[-8:], exc)
-            records = None
+        records = None
+        # One request's time: a frozen peer must not hold back the key's read beside it.
+        with trio.move_on_after(dht.config.request_timeout_s):
+            try:
+                if reach is not None:
+                    await reach(peer)
+                records = await dht.get_records_from(PeerID(peer), key)
+            except P2PError as exc:
+                log.debug("asking %s for its declaration failed: %s", peer.hex()[-8:], exc)
         if records is None:
             unreachable.add(peer)
         else:
@@ -112,6 +123,7 @@ async def form_group(
     expected: Iterable[bytes],
     timeout_s: float,
     config: MatchmakingConfig,
+    reach: Reach | None = None,
 ) -> Finish:
     """Declare for ``declaration.round`` and return the group this peer belongs to.
 
@@ -148,7 +160,9 @@ async def form_group(
                 rereads += 1
                 reread: DeclarationsReread | None = None
                 with trio.move_on_after(max(0.0, machine.deadline - time.time())):
-                    reread = await reread_declarations(dht, run_id, action.round, action.ask)
+                    reread = await reread_declarations(
+                        dht, run_id, action.round, action.ask, reach
+                    )
                 if reread is not None:
                     queue.extend(machine.handle(reread, time.time()))
         now = time.time()
