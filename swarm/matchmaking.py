@@ -37,9 +37,13 @@ transition logic lives in this file and the machine never knows which peer "lead
   union of its view and that read, delivered as ``DeclarationsReread`` (CONFIRMING). The read
   also asks each expected peer still missing directly (a declarer always holds its own
   declaration, so this finds one the replicas missed). While an expected peer that answered is
-  still missing, the machine reads again until ``deadline + config.confirm_timeout_s``: another
-  peer may have seen its declaration and finished early (rule 1), and deciding by rule 2 without
-  it would split the round. If no re-read comes back by then the round fails for this peer.
+  still missing, the machine reads again for one more declaration window (the time from our
+  declaration to the deadline), at most ``config.confirm_timeout_s``: it may have started the round
+  later than we did, another peer may have seen its declaration and finished early (rule 1), and
+  deciding by rule 2 without it would split the round. Not longer: a live peer that is in another
+  round would cost every round that much, and peers whose rounds start on a clock (stage servers)
+  would drift out of phase. If no re-read comes back by ``deadline + config.confirm_timeout_s``
+  the round fails for this peer.
 * Events after FORMED are ignored (a late declaration is not included: that peer joins the next
   round, see ``target_round``). Any event after FAILED raises ``LocalProtocolError``.
 
@@ -337,6 +341,7 @@ class Matchmaker:
         self.view: dict[bytes, Declaration] = {}
         self.unreachable: set[bytes] = set()
         self.reread = False
+        self.wait_until = deadline  # until when a re-read waits for a live expected peer
         self.own: Declaration | None = None
         self.group: Group | None = None
 
@@ -360,6 +365,8 @@ class Matchmaker:
             if own.peer_id != self.peer_id or own.round != self.round:
                 raise LocalProtocolError("declaration is for another peer or round")
             self.own = own
+            window = max(0.0, self.deadline - own.declared_at)
+            self.wait_until = self.deadline + min(window, self.config.confirm_timeout_s)
             self._learn((own,))
             self.state = MatchState.WAITING
             return [Publish(own), *self._try_early_finish()]
@@ -427,7 +434,7 @@ class Matchmaker:
         if finished:
             return finished
         waiting_for = self._missing() - self.unreachable
-        if self.expected_peers and waiting_for and now < self.deadline:
+        if self.expected_peers and waiting_for and now < self.wait_until:
             return [ReadDeclarations(self.round, waiting_for)]
         return self._form(self._closed_set())
 

@@ -4,7 +4,7 @@ Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prin
 ``READY <peer id hex>``; then each JSON command line gets one JSON line back:
 
     {"cmd": "average", "round": R, "numel": N, "seed": S, "weight": W,
-     "expected": [hex, ...] | null, "cancel_after": seconds | null}
+     "expected": [hex, ...] | null, "cancel_after": seconds after the group formed | null}
         -> {"ok": true, "digest": hex, "contributors": {hex: w}, "dropped": {hex: why},
             "allreduce_s": .., "matchmaking_s": .., "bytes_sent": ..}  or {"ok": false, "error": ..}
     {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
@@ -112,6 +112,22 @@ def install_fault(spec: str | None) -> None:
         raise SystemExit(f"unknown fault {spec!r}")
 
 
+def _cancel_in_allreduce(averager: Averager, scope: trio.CancelScope, seconds: float) -> None:
+    """Cancel ``seconds`` after our group formed: in the all-reduce, whatever matchmaking took
+    (a cancel during matchmaking is another case: a half-published declaration)."""
+    form_group = averager._form_group
+
+    async def then_arm(*args: Any) -> Any:
+        try:
+            group = await form_group(*args)
+        finally:
+            averager._form_group = form_group  # type: ignore[method-assign]
+        scope.deadline = trio.current_time() + seconds
+        return group
+
+    averager._form_group = then_arm  # type: ignore[method-assign]
+
+
 async def command(averager: Averager, line: str) -> dict[str, Any]:
     request = json.loads(line)
     cmd = request["cmd"]
@@ -119,7 +135,10 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
         local = vector(request["seed"], request["numel"])
         expected = request.get("expected")
         try:
-            with trio.move_on_after(request.get("cancel_after") or float("inf")) as scope:
+            with trio.CancelScope() as scope:
+                cancel_after = request.get("cancel_after")
+                if cancel_after is not None:
+                    _cancel_in_allreduce(averager, scope, cancel_after)
                 result = await averager.average(
                     [local],
                     request.get("weight", 1.0),

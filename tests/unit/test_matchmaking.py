@@ -208,6 +208,15 @@ def test_rereads_stop_at_the_confirm_deadline_with_rule_two() -> None:
     assert m.handle(DeclarationsReread(()), 10.5) == [ReadDeclarations(0, frozenset({b"peer-002"}))]
     (finish,) = m.handle(DeclarationsReread(()), 11.0)
     assert finish.group.peer_ids == (b"peer-000", b"peer-001")
+    # the extra wait is one declaration window (0.5 s here), not the whole confirm timeout
+    m = machine(0, [0, 1, 2])
+    m.handle(LocalRequest(decl(0, at=9.5)), 9.5)
+    m.handle(DeadlineReached(), 10.0)
+    assert m.handle(DeclarationsReread((decl(1, at=9.6),)), 10.2) == [
+        ReadDeclarations(0, frozenset({b"peer-002"}))
+    ]
+    (finish,) = m.handle(DeclarationsReread(()), 10.6)
+    assert finish.group.peer_ids == (b"peer-000", b"peer-001")
     # a read that is still out at the confirm deadline: decide on the re-reads that came back
     m = machine(0, [0, 1, 2])
     m.handle(LocalRequest(decl(0)), 0.0)
