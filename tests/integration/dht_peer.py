@@ -65,6 +65,11 @@ async def _command(host: Host, dht: Dht, line: str) -> dict[str, object]:
     if cmd == "get":
         values = await dht.get(args[0])
         return {"values": {k.hex(): v.hex() for k, v in values.items()}}
+    if cmd == "get_from":
+        records = await dht.get_records_from(ID.from_base58(args[0]), args[1])
+        if records is None:
+            return {"answered": False}
+        return {"answered": True, "values": {k.hex(): r.value.hex() for k, r in records.items()}}
     if cmd == "forge":
         key, victim_hex, value_hex = args
         accepted = asked = 0

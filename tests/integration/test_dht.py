@@ -130,6 +130,23 @@ def test_many_writers_share_one_key_as_subkeys(swarm: list[Peer]) -> None:
         assert reader.ask("get", "members")["values"] == expected
 
 
+def test_a_writer_asked_directly_answers_with_its_own_entry(swarm: list[Peer]) -> None:
+    """Every writer keeps what it stored, replica or not (matchmaking asks a peer whose
+    declaration the replicas missed); a peer that holds nothing there answers empty."""
+    writers = swarm[1:9]
+    for i, peer in enumerate(writers):
+        assert peer.ask("store", "direct", f"{i:02x}", "300")["stored"] >= 1
+    asker = swarm[0]
+    for i, peer in enumerate(writers):
+        reply = asker.ask("get_from", peer.peer_id.to_base58(), "direct")
+        assert reply["answered"], reply
+        assert reply["values"][peer.peer_id.to_bytes().hex()] == f"{i:02x}"
+    assert asker.ask("get_from", swarm[1].peer_id.to_base58(), "nothing-here") == {
+        "answered": True,
+        "values": {},
+    }
+
+
 def test_second_writer_cannot_overwrite_a_subkey_it_does_not_own(swarm: list[Peer]) -> None:
     owner, forger, reader = swarm[2], swarm[3], swarm[6]
     victim = owner.peer_id.to_bytes().hex()
