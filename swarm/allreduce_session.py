@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -129,10 +129,16 @@ class AveragingFailed(Exception):
 
 @dataclass(frozen=True)
 class SessionConfig:
+    """``upload_slots``: 0 sends to every peer at once; k > 0 lets at most k bulk payloads go
+    out at a time, taken in turn by destination (ours + 1, ours + 2, ... in group order), so with
+    k = 1 each receiver hears one sender at a time while peers keep step: no incast on a slow
+    download link. A stalled transfer holds its slot until its progress deadline."""
+
     timeout_s: float = 60.0
     peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     bulk: BulkConfig = field(default_factory=BulkConfig)
+    upload_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -203,12 +209,15 @@ class Session:
         # Upload rate: bulk bytes over the time at least one bulk send was running.
         self._bulk_sent = 0
         self._uploads = 0
+        self.peak_uploads = 0
         self._upload_since = 0.0
         self._upload_busy = 0.0
         self._inbox_send, self._inbox = trio.open_memory_channel[Any](math.inf)
         self._outboxes = {
             peer: trio.open_memory_channel[Any](math.inf) for peer in self.peers if peer != self.me
         }
+        slots = config.upload_slots
+        self._upload_slots = trio.CapacityLimiter(slots) if slots > 0 else None  # FIFO turns
         self._done_from: set[bytes] = set()
         self._flushing = False
         self._last_heard: dict[bytes, float] = {}
@@ -271,8 +280,13 @@ class Session:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_liveness)
                     async with trio.open_nursery() as senders:
-                        for peer in self._outboxes:
-                            senders.start_soon(self._send_loop, peer)
+                        # Each peer starts with its successor: with upload slots, the turns
+                        # then rotate so that no two senders aim at one receiver at once.
+                        mine = self.peers.index(self.me)
+                        for k in range(1, len(self.peers)):
+                            peer = self.peers[(mine + k) % len(self.peers)]
+                            if peer in self._outboxes:
+                                senders.start_soon(self._send_loop, peer)
                         await self._drive(deadline)
                         self._flush(senders.cancel_scope)
                     nursery.cancel_scope.cancel()
@@ -514,8 +528,9 @@ class Session:
                         listener=self.node.bulk_listener,
                         config=self._bulk,
                     )
-                with self._uploading():
-                    await channel.send(payload)
+                async with self._upload_slot():
+                    with self._uploading():
+                        await channel.send(payload)
                 self._bulk_sent += len(payload)
         self._last_heard[order.peer] = trio.current_time()
         self.bytes_sent += len(payload)
@@ -567,7 +582,13 @@ class Session:
         else:
             landing = False
             if _RAW_IS_NATIVE and self.layout.lossless_between(start, stop):
-                landing = item.kind == KIND_REDUCED and item.part_index not in self._landed
+                # Never once the round finished: the result handed out is ``_out`` itself, and a
+                # late copy (reduced before its sender learned of an exclusion) must not change it.
+                landing = (
+                    item.kind == KIND_REDUCED
+                    and item.part_index not in self._landed
+                    and not self._finished.is_set()
+                )
                 if landing:
                     self._landed.add(item.part_index)
                     self._landing.add(item.part_index)
@@ -616,11 +637,20 @@ class Session:
         log.info("round %s: lost %s: %s", self.group.round, _short(peer), why)
         self._inbox_send.send_nowait(PeerLost(peer))
 
+    @asynccontextmanager
+    async def _upload_slot(self) -> AsyncIterator[None]:
+        if self._upload_slots is None:
+            yield
+            return
+        async with self._upload_slots:
+            yield
+
     @contextmanager
     def _uploading(self) -> Iterator[None]:
         if not self._uploads:
             self._upload_since = time.perf_counter()
         self._uploads += 1
+        self.peak_uploads = max(self.peak_uploads, self._uploads)
         try:
             yield
         finally:
