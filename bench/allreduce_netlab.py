@@ -353,8 +353,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                     "--compression", args.compression,
                     "--allreduce-timeout", str(allreduce_timeout),
                     "--bandwidth-bps", str(rate_bps),
-                    "--peer-timeout", str(args.peer_timeout),
-                    "--upload-slots", str(args.upload_slots)]  # fmt: skip
+                    "--peer-timeout", str(args.peer_timeout)]  # fmt: skip
             if args.trace:
                 argv.append("--trace")
             if args.verbose:
@@ -516,12 +515,6 @@ def main() -> int:
         default=3.0,
         help="AveragerConfig.peer_timeout_s (its default, 3 s; a peer silent to pings that long "
         "is dropped)",
-    )
-    parser.add_argument(
-        "--upload-slots",
-        type=int,
-        default=0,
-        help="AveragerConfig.upload_slots: 0 sends to all peers at once, 1 one at a time in turn",
     )
     parser.add_argument("--trace", action="store_true", help="time every item in the workers")
     parser.add_argument(

@@ -312,7 +312,6 @@ async def peer_main(args: argparse.Namespace) -> None:
                 allreduce_timeout_s=args.allreduce_timeout,
                 peer_timeout_s=args.peer_timeout,
                 bandwidth_bps=args.bandwidth_bps,
-                upload_slots=args.upload_slots,
             ),
         )
         await nursery.start(averager.run)
@@ -385,7 +384,6 @@ def main() -> int:
     peer.add_argument("--allreduce-timeout", type=float, default=120.0)
     peer.add_argument("--peer-timeout", type=float, default=3.0)
     peer.add_argument("--bandwidth-bps", type=float, default=1e9)
-    peer.add_argument("--upload-slots", type=int, default=0)
     peer.add_argument("--trace", action="store_true")
     peer.add_argument("-v", action="store_true", help="INFO logging on stderr")
     delay = sub.add_parser("delay")

@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -129,16 +129,10 @@ class AveragingFailed(Exception):
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """``upload_slots``: 0 sends to every peer at once; k > 0 lets at most k bulk payloads go
-    out at a time, taken in turn by destination (ours + 1, ours + 2, ... in group order), so with
-    k = 1 each receiver hears one sender at a time while peers keep step: no incast on a slow
-    download link. A stalled transfer holds its slot until its progress deadline."""
-
     timeout_s: float = 60.0
     peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     bulk: BulkConfig = field(default_factory=BulkConfig)
-    upload_slots: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,15 +203,12 @@ class Session:
         # Upload rate: bulk bytes over the time at least one bulk send was running.
         self._bulk_sent = 0
         self._uploads = 0
-        self.peak_uploads = 0
         self._upload_since = 0.0
         self._upload_busy = 0.0
         self._inbox_send, self._inbox = trio.open_memory_channel[Any](math.inf)
         self._outboxes = {
             peer: trio.open_memory_channel[Any](math.inf) for peer in self.peers if peer != self.me
         }
-        slots = config.upload_slots
-        self._upload_slots = trio.CapacityLimiter(slots) if slots > 0 else None  # FIFO turns
         self._done_from: set[bytes] = set()
         self._flushing = False
         self._last_heard: dict[bytes, float] = {}
@@ -280,13 +271,8 @@ class Session:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_liveness)
                     async with trio.open_nursery() as senders:
-                        # Each peer starts with its successor: with upload slots, the turns
-                        # then rotate so that no two senders aim at one receiver at once.
-                        mine = self.peers.index(self.me)
-                        for k in range(1, len(self.peers)):
-                            peer = self.peers[(mine + k) % len(self.peers)]
-                            if peer in self._outboxes:
-                                senders.start_soon(self._send_loop, peer)
+                        for peer in self._outboxes:
+                            senders.start_soon(self._send_loop, peer)
                         await self._drive(deadline)
                         self._flush(senders.cancel_scope)
                     nursery.cancel_scope.cancel()
@@ -528,9 +514,8 @@ class Session:
                         listener=self.node.bulk_listener,
                         config=self._bulk,
                     )
-                async with self._upload_slot():
-                    with self._uploading():
-                        await channel.send(payload)
+                with self._uploading():
+                    await channel.send(payload)
                 self._bulk_sent += len(payload)
         self._last_heard[order.peer] = trio.current_time()
         self.bytes_sent += len(payload)
@@ -637,20 +622,11 @@ class Session:
         log.info("round %s: lost %s: %s", self.group.round, _short(peer), why)
         self._inbox_send.send_nowait(PeerLost(peer))
 
-    @asynccontextmanager
-    async def _upload_slot(self) -> AsyncIterator[None]:
-        if self._upload_slots is None:
-            yield
-            return
-        async with self._upload_slots:
-            yield
-
     @contextmanager
     def _uploading(self) -> Iterator[None]:
         if not self._uploads:
             self._upload_since = time.perf_counter()
         self._uploads += 1
-        self.peak_uploads = max(self.peak_uploads, self._uploads)
         try:
             yield
         finally:

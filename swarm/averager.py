@@ -83,7 +83,6 @@ class AveragerConfig:
     compression: Compression | None = Compression.NONE
     bandwidth_bps: float | None = None
     bulk: BulkConfig = field(default_factory=BulkConfig)
-    upload_slots: int = 0  # SessionConfig.upload_slots: 1 avoids incast on slow download links
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -111,7 +110,6 @@ class AveragingResult:
     bytes_received: int
     dropped: dict[str, str]
     upload_bps: float | None = None  # what our bulk sends achieved, None if too few to tell
-    peak_uploads: int = 0  # most bulk payloads we had in flight at once
 
     @functools.cached_property
     def digest(self) -> str:
@@ -242,7 +240,6 @@ class Averager:
                 peer_timeout_s=self.config.peer_timeout_s,
                 heartbeat_s=self.config.heartbeat_s,
                 bulk=self.config.bulk,
-                upload_slots=self.config.upload_slots,
             ),
         )
         self._sessions[group.group_id] = session
@@ -278,7 +275,6 @@ class Averager:
             bytes_received=session.bytes_received,
             dropped={str(PeerID(p)): why for p, why in result.dropped.items()},
             upload_bps=session.upload_bps,
-            peak_uploads=session.peak_uploads,
         )
 
     async def _reach(self, peer: bytes) -> None:

@@ -160,7 +160,6 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
             "allreduce_s": result.allreduce_s,
             "matchmaking_s": result.matchmaking_s,
             "bytes_sent": result.bytes_sent,
-            "peak_uploads": result.peak_uploads,
             # per twelfth of the vector: which region differs when two peers' digests do
             "regions": [
                 hashlib.sha256(piece.tobytes()).hexdigest()[:8]
@@ -201,7 +200,6 @@ async def main(args: argparse.Namespace) -> None:
                 allreduce_timeout_s=args.allreduce_timeout,
                 peer_timeout_s=args.peer_timeout,
                 max_group_size=args.max_group_size,
-                upload_slots=args.upload_slots,
             ),
         )
         await nursery.start(averager.run)
@@ -222,7 +220,6 @@ if __name__ == "__main__":
     parser.add_argument("--allreduce-timeout", type=float, default=30.0)
     parser.add_argument("--peer-timeout", type=float, default=5.0)
     parser.add_argument("--max-group-size", type=int, default=64)
-    parser.add_argument("--upload-slots", type=int, default=0)
     parser.add_argument("--fault")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()

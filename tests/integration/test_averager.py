@@ -164,15 +164,6 @@ def test_rounds_are_bit_identical_exact_and_start_at_once(swarm: Swarm) -> None:
         assert all(r["bytes_sent"] > 0 for r in replies)
 
 
-def test_one_upload_slot_sends_one_payload_at_a_time_with_the_same_result(swarm: Swarm) -> None:
-    peers = swarm.start(4, None, "--run-id", "slots", "--upload-slots", "1")
-    swarm.average(peers, 0)
-    replies = [p.reply() for p in peers]
-    swarm.check(replies, peers)
-    # every peer sent bulk payloads to three others, never two at once
-    assert [r["peak_uploads"] for r in replies] == [1] * len(peers), replies
-
-
 @pytest.mark.parametrize("codec", ["fp16", "int8", "auto"])
 def test_compressed_rounds_agree_bit_for_bit_and_are_close(swarm: Swarm, codec: str) -> None:
     peers = swarm.start(3, None, "--run-id", f"codec-{codec}", "--compression", codec)
