@@ -68,6 +68,7 @@ __all__ = [
     "ReducedPartReceived",
     "SendPart",
     "SendReduced",
+    "is_view_at",
     "partition",
     "reduce_part",
 ]
@@ -258,7 +259,7 @@ def _finite_float32(data: object, length: int) -> str | None:
     return None
 
 
-def _is_view_at(piece: np.ndarray, vector: np.ndarray, start: int) -> bool:
+def is_view_at(piece: np.ndarray, vector: np.ndarray, start: int) -> bool:
     """``piece`` is ``vector[start:start + len(piece)]`` itself (same memory, not a copy)."""
     # Same address and stride within one live process means the same bytes.
     address = vector.ctypes.data + start * vector.itemsize
@@ -507,7 +508,7 @@ class AllReduce:
         result = self._out if self._out is not None else np.empty_like(self.local)
         for (_, start, stop), entry in zip(self.parts, self.held, strict=True):
             assert entry is not None  # every part is settled before DONE
-            if not _is_view_at(entry[0], result, start):
+            if not is_view_at(entry[0], result, start):
                 result[start:stop] = entry[0]
         return result
 

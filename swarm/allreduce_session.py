@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -65,6 +65,7 @@ from swarm.allreduce import (
     ReducedPartReceived,
     SendPart,
     SendReduced,
+    is_view_at,
     partition,
 )
 from swarm.bandwidth import share_weights
@@ -98,6 +99,30 @@ def chunks_for(numel: int, group_size: int, slowest_bps: float) -> int:
     every member computes the same."""
     chunk = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, slowest_bps / 8 * CHUNK_SECONDS))
     return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / chunk)))
+
+
+def settle_landings(
+    result: np.ndarray,
+    parts: Sequence[tuple[bytes, int, int]],
+    held: Sequence[tuple[np.ndarray, frozenset[bytes]] | None],
+    landed: Collection[int],
+    landing: Collection[int],
+) -> np.ndarray:
+    """``result`` (the machine's assembled vector) with every part received in place put right.
+
+    A copy of part p received into its place (``landed``) that the machine did not keep (it
+    reduced p, or took a later copy) may have been written while the machine, in a worker
+    thread, assembled ``result``: the held bytes go there again. If such a receive is still
+    going on (``landing``), it goes on writing into ``result``: then this returns a copy.
+    """
+    settled = result.copy() if landing else result
+    for p in landed:
+        entry = held[p]
+        assert entry is not None  # Finish means every part is held
+        _, start, stop = parts[p]
+        if not is_view_at(entry[0], settled, start):
+            settled[start:stop] = entry[0]
+    return settled
 
 
 @message(100, max_bytes=1024)
@@ -401,18 +426,9 @@ class Session:
                 self._finished.set()
 
     def _settle_landings(self, result: np.ndarray) -> np.ndarray:
-        """``result`` unless a part is still being received into its place in it (a copy the
-        machine did not need: it reduced or already held that part); then a copy with the held
-        parts there, since that receive goes on writing into ``result``."""
-        if not self._landing:
-            return result
-        settled = result.copy()
-        for p in self._landing:
-            held = self.machine.held[p]
-            assert held is not None  # Finish means every part is held
-            _, start, stop = self.parts[p]
-            settled[start:stop] = held[0]
-        return settled
+        # Called as the round finishes, with no await before ``_finished`` is set, after which
+        # no copy lands any more.
+        return settle_landings(result, self.parts, self.machine.held, self._landed, self._landing)
 
     # -- values on the wire ----------------------------------------------------------------------
 
