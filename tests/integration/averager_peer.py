@@ -6,7 +6,8 @@ Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prin
     {"cmd": "average", "round": R, "numel": N, "seed": S, "weight": W,
      "expected": [hex, ...] | null, "cancel_after": seconds after the group formed | null}
         -> {"ok": true, "digest": hex, "contributors": {hex: w}, "dropped": {hex: why},
-            "allreduce_s": .., "matchmaking_s": .., "bytes_sent": ..}  or {"ok": false, "error": ..}
+            "allreduce_s": .., "matchmaking_s": .., "bytes_sent": .., "regions": [12 short
+            digests, one per twelfth of the vector]}  or {"ok": false, "error": ..}
     {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
     {"cmd": "agreement", "round": R}                    -> {"agrees": .., "peers": .., ...}
 
