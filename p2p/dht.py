@@ -366,21 +366,11 @@ class Dht:
         when the replicas missed it.
         """
         kbytes = dht_key(key)
-        now = time.time()
         if peer == self.peer_id:
-            return self.store_local.records(kbytes, now)
-        answers: list[tuple[ID, bytes | None, list[ID]]] = []
+            return self.store_local.records(kbytes, time.time())
+        answers: list[tuple[ID, dict[bytes, SignedRecord], list[ID]]] = []
         await self._get_one(peer, kbytes, answers)
-        if not answers:
-            return None
-        data = answers[0][1]
-        if data is None:
-            return {}
-        try:
-            return dict(valid_records(data, key=kbytes, now=now, strict=False))
-        except RemoteProtocolError as exc:
-            log.info("peer %s sent a malformed value: %s", peer, exc)
-            return {}
+        return answers[0][1] if answers else None
 
     async def _lookup(
         self, kbytes: bytes, *, width: int | None = None
@@ -412,21 +402,15 @@ class Dht:
             if not batch:
                 break
             asked.update(batch)
-            answers: list[tuple[ID, bytes | None, list[ID]]] = []
+            answers: list[tuple[ID, dict[bytes, SignedRecord], list[ID]]] = []
             async with trio.open_nursery() as nursery:
                 for peer in batch:
                     nursery.start_soon(self._get_one, peer, kbytes, answers)
-            for peer, data, closer in answers:
+            for peer, held, closer in answers:
                 answered.append(peer)
                 named.extend(p for p in closer if p not in named)
-                if data is None:
-                    continue
-                try:
-                    held = valid_records(data, key=kbytes, now=now, strict=False)
-                except RemoteProtocolError as exc:
-                    log.info("peer %s sent a malformed value: %s", peer, exc)
-                    continue
-                merged = merge_records(merged, held.values(), now=now)
+                if held:
+                    merged = merge_records(merged, held.values(), now=now)
         closest = sort_peer_ids_by_distance(kbytes, answered)[:width]
         return closest, merged
 
@@ -466,17 +450,27 @@ class Dht:
         return response is not None and response.key == kbytes
 
     async def _get_one(
-        self, peer: ID, kbytes: bytes, answers: list[tuple[ID, bytes | None, list[ID]]]
+        self,
+        peer: ID,
+        kbytes: bytes,
+        answers: list[tuple[ID, dict[bytes, SignedRecord], list[ID]]],
     ) -> None:
+        """Ask ``peer`` for ``kbytes``; if it answers, append (peer, its valid unexpired entries
+        (none if it holds none, or sent an oversized or malformed value), the closer peers it
+        named)."""
         request = Message(type=Message.MessageType.GET_VALUE, key=kbytes)
         response = await self._request(peer, request)
         if response is None:
             return
         closer = self._learn_peers(response)
         data = response.record.value if response.HasField("record") else None
-        if data is not None and len(data) > MAX_RECORD_SET_BYTES:
-            data = None
-        answers.append((peer, data, closer))
+        held: dict[bytes, SignedRecord] = {}
+        if data is not None and len(data) <= MAX_RECORD_SET_BYTES:
+            try:
+                held = valid_records(data, key=kbytes, now=time.time(), strict=False)
+            except RemoteProtocolError as exc:
+                log.info("peer %s sent a malformed value: %s", peer, exc)
+        answers.append((peer, held, closer))
 
     async def _request(self, peer: ID, request: Message, *, fresh: bool = False) -> Message | None:
         """One request/response on a pooled (or, if ``fresh``, a new) stream.
