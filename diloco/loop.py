@@ -158,6 +158,23 @@ class DiLoCo:
         finally:
             self._step_samples = None
 
+    def finish_inner_phase(self, local: torch.Tensor, samples: float) -> None:
+        """Run the round for an inner phase computed outside the inner optimizer, from the
+        global parameters (a verified run's RepOps task): ``local`` is the flat float32 vector
+        of parameters it ended at, ``samples`` what it processed. Progress an earlier failed
+        round carried is dropped with its weight: the task started from the global state, not
+        from it. Blocks for the averaging and checkpoints, as the H-th ``step`` does. Raises
+        ValueError for a vector of the wrong shape, or in overlap mode (no such phase there)."""
+        if self.overlap:
+            raise ValueError("finish_inner_phase needs synchronous rounds (overlap=False)")
+        if local.dtype != torch.float32 or local.shape != self._state.params.shape:
+            raise ValueError("local must be a flat float32 vector of the parameters' size")
+        self._write_model(local)
+        self._samples = float(samples)
+        self._local_step = 0
+        self._synchronous_round()
+        self._save_checkpoint()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 

@@ -204,8 +204,12 @@ class Averager:
         *,
         round_number: int | None = None,
         expected_peers: Iterable[bytes] | None = None,
+        exclude: Iterable[bytes] = (),
     ) -> AveragingResult:
         """Average ``tensors`` (torch tensors or numpy arrays) weighted by ``weight``.
+
+        ``exclude``: peers whose declarations this round ignores (the run banned them, or their
+        contribution failed verification); they are neither waited for nor grouped with us.
 
         Raises ``AveragingFailed`` (matchmaking or the all-reduce failed: the message says
         why) and ``ValueError`` for bad local input (NaN/inf, non-positive weight).
@@ -221,7 +225,7 @@ class Averager:
             [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs], self.config.compression
         )
         started = time.perf_counter()
-        group = await self._form_group(r, weight, expected_peers)
+        group = await self._form_group(r, weight, expected_peers, frozenset(exclude))
         matched = time.perf_counter()
         if len(group.members) < 2:
             # Our own vector back is no average; a peer cut off from the swarm must not take an
@@ -318,7 +322,11 @@ class Averager:
         return f"run/{self.config.run_id}/state/{round_number}"
 
     async def _form_group(
-        self, r: int, weight: float, expected_peers: Iterable[bytes] | None
+        self,
+        r: int,
+        weight: float,
+        expected_peers: Iterable[bytes] | None,
+        exclude: frozenset[bytes],
     ) -> Group:
         if expected_peers is not None:
             expected = frozenset(expected_peers) | {self.me}
@@ -327,6 +335,7 @@ class Averager:
             expected = self._survivors | {d.peer_id for d in opened}
         else:
             expected = frozenset()  # no history: decide at the deadline
+        expected -= exclude
         declaration = Declaration(
             self.me, r, float(weight), self.bandwidth_bps, time.time(), len(expected)
         )
@@ -339,6 +348,7 @@ class Averager:
                 timeout_s=self.config.matchmaking_timeout_s,
                 config=self._matchmaking,
                 reach=self._reach,
+                exclude=exclude,
             )
         except MatchmakingFailed as exc:
             self._survivors = None

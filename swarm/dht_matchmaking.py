@@ -124,16 +124,22 @@ async def form_group(
     timeout_s: float,
     config: MatchmakingConfig,
     reach: Reach | None = None,
+    exclude: frozenset[bytes] = frozenset(),
 ) -> Finish:
     """Declare for ``declaration.round`` and return the group this peer belongs to.
 
     Returns as soon as every expected peer declared, else decides on a re-read after
-    ``timeout_s``. Raises ``MatchmakingFailed``.
+    ``timeout_s``. Declarations of ``exclude`` (peers the run refuses: banned, or whose
+    contribution to this round failed verification) are ignored. Raises ``MatchmakingFailed``.
     """
+
+    def admitted(found: tuple[Declaration, ...]) -> tuple[Declaration, ...]:
+        return tuple(d for d in found if d.peer_id not in exclude)
+
     machine = Matchmaker(
         declaration.peer_id,
         declaration.round,
-        expected_peers=expected,
+        expected_peers=frozenset(expected) - exclude,
         deadline=declaration.declared_at + timeout_s,
         config=config,
     )
@@ -160,10 +166,9 @@ async def form_group(
                 rereads += 1
                 reread: DeclarationsReread | None = None
                 with trio.move_on_after(max(0.0, machine.deadline - time.time())):
-                    reread = await reread_declarations(
-                        dht, run_id, action.round, action.ask, reach
-                    )
+                    reread = await reread_declarations(dht, run_id, action.round, action.ask, reach)
                 if reread is not None:
+                    reread = DeclarationsReread(admitted(reread.declarations), reread.unreachable)
                     queue.extend(machine.handle(reread, time.time()))
         now = time.time()
         if now >= machine.deadline:
@@ -181,7 +186,7 @@ async def form_group(
             # routing tables keep dead ones a while): store again at the closest live ones.
             await _publish(dht, key, declaration)
             published_at = time.monotonic()
-        seen = await read_declarations(dht, run_id, declaration.round)
+        seen = admitted(await read_declarations(dht, run_id, declaration.round))
         queue.extend(machine.handle(DeclarationsSeen(seen), time.time()))
         if not queue:
             await trio.sleep(min(poll, max(0.0, machine.deadline - time.time())))

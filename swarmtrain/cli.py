@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         "server refuses a spec naming any other [none: the default model only]",
     )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
+    # A cheater for tests and demos of a verified run (verify.rate > 0): flips one bit of
+    # operator OP's output at inner step STEP of this node's task in round ROUND.
+    p_node.add_argument("--cheat", type=_cheat, default=None, help=argparse.SUPPRESS)
 
     p_init = sub.add_parser("init", help="write a commented default run config")
     p_init.add_argument("path", type=Path, nargs="?", default=Path("run.toml"), help="[run.toml]")
@@ -238,6 +241,13 @@ def _setup_logging(verbose: bool) -> None:
     logging.getLogger("multiaddr").setLevel(logging.WARNING)
 
 
+def _cheat(text: str) -> tuple[int, int, int]:
+    parts = text.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError("expected ROUND:STEP:OP (non-negative integers)")
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
 def _main_node(args: argparse.Namespace) -> int:
     # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
     from swarmtrain.node import NodeOptions, run_node
@@ -255,6 +265,7 @@ def _main_node(args: argparse.Namespace) -> int:
             json_path=args.json,
             role=args.role,
             allow_models=tuple(args.allow_model),
+            cheat=args.cheat,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -272,7 +283,7 @@ def _main_node(args: argparse.Namespace) -> int:
         print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)
         return 1
     print(summary.done_line(), flush=True)
-    return 0
+    return 3 if getattr(summary, "banned", "") else 0
 
 
 def _main_init(args: argparse.Namespace) -> int:

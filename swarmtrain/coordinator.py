@@ -38,12 +38,14 @@ from p2p import (
 )
 from swarmtrain.pipeline_progress import pipeline_status
 from swarmtrain.progress import agreed_state, decode_all, progress_key
+from swarmtrain.referee_service import RefereeService
 from swarmtrain.relay import RelayOptions, keep_serving, relay_node_config
 from swarmtrain.runspec import (
     MAX_SIGNATURE_BYTES,
     MAX_SPEC_BYTES,
     RunConfig,
     RunSpec,
+    run_seed_of,
     sign_spec,
     verify_spec,
 )
@@ -138,6 +140,9 @@ async def run_coordinator(
                 nursery.start_soon(_log_stages, node, config, PROGRESS_LOG_S)
             else:
                 nursery.start_soon(_log_progress, node, config.run_id, PROGRESS_LOG_S)
+            if config.verify_rate > 0:
+                referee = RefereeService(node, config, run_seed_of(config.run_id), emit)
+                nursery.start_soon(referee.run)
 
 
 def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:

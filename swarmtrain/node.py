@@ -23,7 +23,6 @@ progress records ``swarmtrain status`` reads.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -51,10 +50,11 @@ from swarmtrain.elastic import Elastic
 from swarmtrain.pipeline_node import ROLES, PipelineSummary, run_pipeline
 from swarmtrain.pipeline_roles import shape_of
 from swarmtrain.progress import Progress
-from swarmtrain.runspec import FACTORY_PATTERN, RunConfig, RunSpec
+from swarmtrain.runspec import FACTORY_PATTERN, RunConfig, RunSpec, run_seed_of
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.state_sync import StateServer
 from swarmtrain.swarm_average import SwarmAverage
+from swarmtrain.verification import Banned, Verification
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ class NodeOptions:
     role: str | None = None
     # Model factories ("module:function") a pipeline spec may make this node import (a server).
     allow_models: tuple[str, ...] = ()
+    # A verified run's cheater, for tests and demos: flip a bit of operator OP's output at inner
+    # step STEP of our task in round ROUND (``--cheat ROUND:STEP:OP``, hidden from --help).
+    cheat: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -107,6 +110,7 @@ class NodeSummary:
     agree: bool | None = None  # the last round's state hash equals the majority's
     syncs: int = 0  # states downloaded from peers (joining, catching up, re-syncing)
     round_seconds: list[float] = field(default_factory=list)
+    banned: str = ""  # a verified run's verdict against this peer
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -124,6 +128,7 @@ class NodeSummary:
             "agree": self.agree,
             "syncs": self.syncs,
             "round_seconds": [round(s, 3) for s in self.round_seconds],
+            "banned": self.banned,
         }
 
     def done_line(self) -> str:
@@ -135,12 +140,6 @@ class NodeSummary:
             f"{self.last_round}, loss {loss_first} -> {loss_last}, "
             f"held-out {held_out}, state {self.state_hash[:12]}"
         )
-
-
-def run_seed_of(run_id: str) -> int:
-    """The run's seed for the initial parameters and the data assignment: every peer of a run
-    derives the same one from the run id, so nobody has to download round 0's parameters."""
-    return int.from_bytes(hashlib.sha256(b"swarmtrain/run-seed/" + run_id.encode()).digest()[:8])
 
 
 def averager_config(config: RunConfig) -> swarm.AveragerConfig:
@@ -224,7 +223,15 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
             server = StateServer(node, config.run_id)
             runtime.call_sync(server.install)
             summary = _train(
-                options, config, runtime, averager, server, corpus.result(), device, emit
+                options,
+                config,
+                runtime,
+                averager,
+                server,
+                corpus.result(),
+                device,
+                emit,
+                coordinator,
             )
             summary.peer_id = str(peer_id_of(key_pair))
     finally:
@@ -270,13 +277,34 @@ def _train(
     corpus: Corpus,
     device: torch.device,
     emit: Callable[[str], None],
+    coordinator: PeerID,
 ) -> NodeSummary:
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = build_model(config).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=config.inner_lr)
     elastic_box: list[Elastic] = []
-    average = SwarmAverage(runtime, averager, expected=lambda r: elastic_box[0].expected_peers(r))
+    verification = None
+    if config.verify_rate > 0:
+        verification = Verification(
+            runtime,
+            config,
+            corpus,
+            run_seed_of(config.run_id),
+            coordinator,
+            cheat=options.cheat,
+            emit=emit,
+        )
+        emit(
+            f"verified run: {config.verify_rate:.0%} of tasks re-executed by a second peer; "
+            "inner phases run under RepOps"
+        )
+    average = SwarmAverage(
+        runtime,
+        averager,
+        expected=lambda r: elastic_box[0].expected_peers(r),
+        exclude=verification.excluded if verification is not None else None,
+    )
     diloco = DiLoCo(
         model,
         inner,
@@ -299,7 +327,15 @@ def _train(
         elastic.catch_up(options.join_wait_s, config.rounds)
         summary = NodeSummary(str(peer), first_round=diloco.round)
         while diloco.round < config.rounds:
-            _train_round(config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit)
+            try:
+                _train_round(
+                    config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
+                    verification,
+                )  # fmt: skip
+            except Banned as exc:
+                summary.banned = str(exc)
+                emit(f"this peer was {exc}; stopping")
+                break
         if summary.last_round == config.rounds - 1 and summary.agree:
             elastic.linger(summary.last_round, FINAL_LINGER_S)
     finally:
@@ -314,21 +350,14 @@ def _train(
     return summary
 
 
-def _train_round(
-    config: RunConfig,
-    diloco: DiLoCo,
-    average: SwarmAverage,
-    elastic: Elastic,
-    corpus: Corpus,
-    peer_bytes: bytes,
-    summary: NodeSummary,
-    emit: Callable[[str], None],
-) -> None:
-    r = diloco.round
+def _native_inner_phase(
+    config: RunConfig, diloco: DiLoCo, corpus: Corpus, peer_bytes: bytes
+) -> tuple[list[float], int, float]:
+    """H AdamW steps on our shard; the H-th runs the round. (losses, tokens, inner seconds)"""
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run_id),
-        round=r,
+        round=diloco.round,
         peer_id=peer_bytes,
         steps=config.inner_steps,
         batch_size=config.batch_size,
@@ -349,12 +378,57 @@ def _train_round(
             inner_s = time.perf_counter() - started
         diloco.step(samples=inputs.numel())  # the H-th step runs the outer round in this call
         diloco.zero_grad()
+    return losses, tokens, inner_s
+
+
+def _verified_inner_phase(
+    config: RunConfig, diloco: DiLoCo, verification: Verification
+) -> tuple[list[float], int, float]:
+    """Our RepOps task (and those we verify), the verification gate, then the round.
+    Raises ``Banned`` when the coordinator named us a cheater."""
+    r = diloco.round
+    named = [(n, p) for n, p in diloco.model.named_parameters() if p.requires_grad]
+    flat = diloco.global_state.params
+    params = {}
+    offset = 0
+    for name, param in named:
+        params[name] = flat[offset : offset + param.numel()].view(param.shape).numpy().copy()
+        offset += param.numel()
+    started = time.perf_counter()
+    work = verification.run_tasks(r, params)
+    inner_s = time.perf_counter() - started
+    verification.settle(r)
+    local = torch.cat([torch.from_numpy(work.params[n]).reshape(-1) for n, _ in named])
+    tokens = config.inner_steps * config.batch_size * config.sequence_length
+    diloco.finish_inner_phase(local, samples=tokens)
+    return work.losses, tokens, inner_s
+
+
+def _train_round(
+    config: RunConfig,
+    diloco: DiLoCo,
+    average: SwarmAverage,
+    elastic: Elastic,
+    corpus: Corpus,
+    peer_bytes: bytes,
+    summary: NodeSummary,
+    emit: Callable[[str], None],
+    verification: Verification | None = None,
+) -> None:
+    r = diloco.round
+    started = time.perf_counter()
+    if verification is None:
+        losses, tokens, inner_s = _native_inner_phase(config, diloco, corpus, peer_bytes)
+    else:
+        losses, tokens, inner_s = _verified_inner_phase(config, diloco, verification)
     round_s = time.perf_counter() - started
     mean_loss = sum(losses) / len(losses)
     report = average.last
     ok = report is not None and report.ok and report.round == r
     summary.last_round = r
     summary.round_seconds.append(round_s)
+    if verification is not None:
+        verification.round_done(r, ok, diloco.statistics().last_contributors)
     summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
     summary.loss_last = mean_loss
     state_hash = diloco.state_hash()

@@ -23,6 +23,7 @@ value past a volunteer either. No pickle, size-limited (``MAX_SPEC_BYTES``).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 import tomllib
@@ -137,6 +138,15 @@ FIELDS: tuple[_Field, ...] = (
     _Field("pipeline.rebalance_every_s", "pipeline_rebalance_every_s", float, _non_negative,
            "a non-negative number", "seconds between two rebalancing decisions (a server moves "
            "to the bottleneck stage);\n# 0: servers never move"),
+    _Field("verify.rate", "verify_rate", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+           "DiLoCo runs: the fraction of inner phases (tasks) a second peer re-executes; "
+           "above 0 every inner\n# phase runs under RepOps (bit-reproducible, slower) from a "
+           "fresh AdamW state, a task's\n# two commitments are compared and the coordinator "
+           "referees a difference; the loser's\n# contribution is left out and the loser "
+           "banned (docs/verification.md)"),
+    _Field("verify.timeout_s", "verify_timeout_s", float, _positive, "a positive number",
+           "seconds a verified round waits for a task's two commitments, or for the "
+           "coordinator's verdict"),
 )  # fmt: skip
 _BY_KEY = {f.key: f for f in FIELDS}
 _SECTIONS = tuple(dict.fromkeys(f.key.split(".")[0] for f in FIELDS))
@@ -166,6 +176,8 @@ class RunConfig:
     pipeline_microbatches: int = 8
     pipeline_average_every_s: float = 5.0
     pipeline_rebalance_every_s: float = 3.0
+    verify_rate: float = 0.0
+    verify_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for spec in FIELDS:
@@ -183,6 +195,11 @@ class RunConfig:
             raise ConfigError(
                 f"model.factory ({self.model_factory}) needs a pipeline run (pipeline.stages "
                 "> 0): DiLoCo runs train the default model"
+            )
+        if self.verify_rate > 0 and self.is_pipeline:
+            raise ConfigError(
+                f"verify.rate ({self.verify_rate}) needs a DiLoCo run (pipeline.stages = 0): "
+                "pipeline stages are not verified"
             )
         # A factory's model has its own layers: stage servers check the count when they cut it.
         if self.pipeline_stages > self.n_layers and not self.model_factory:
@@ -279,6 +296,12 @@ def default_toml(config: RunConfig | None = None) -> str:
                     f"{spec.key.split('.')[1]} = {_toml_value(getattr(config, spec.attr))}"
                 )
     return "\n".join(lines) + "\n"
+
+
+def run_seed_of(run_id: str) -> int:
+    """The run's seed for the initial parameters and the data assignment: every peer of a run
+    derives the same one from the run id, so nobody has to download round 0's parameters."""
+    return int.from_bytes(hashlib.sha256(b"swarmtrain/run-seed/" + run_id.encode()).digest()[:8])
 
 
 # -- the signed spec ------------------------------------------------------------------------------

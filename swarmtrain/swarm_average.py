@@ -13,7 +13,9 @@ reads back what the round's peers published.
 
 The averager runs in the node's trio loop (``swarmtrain.runtime.PeerRuntime``); DiLoCo calls from
 the torch thread. ``expected`` (optional) names the peers matchmaking should wait for in a round,
-which is how an announced joiner gets into its first round (``swarmtrain.elastic``).
+which is how an announced joiner gets into its first round (``swarmtrain.elastic``); ``exclude``
+(optional) names the peers a round must leave out (banned, or whose task failed verification:
+``swarmtrain.verification``).
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ class SwarmAverage:
         runtime: PeerRuntime,
         averager: swarm.Averager,
         expected: Callable[[int], Iterable[bytes] | None] | None = None,
+        exclude: Callable[[int], Iterable[bytes]] | None = None,
     ) -> None:
         self._runtime = runtime
         self._averager = averager
         self._expected = expected
+        self._exclude = exclude
         self.last: RoundReport | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -70,11 +74,12 @@ class SwarmAverage:
         stopped) pass through, and DiLoCo counts them as a failed round as well."""
         self.last = RoundReport(round, ok=False, error="in progress")
         expected = self._expected(round) if self._expected is not None else None
+        exclude = frozenset(self._exclude(round)) if self._exclude is not None else frozenset()
         averager = self._averager
 
         async def average() -> swarm.AveragingResult:
             return await averager.average(
-                tensors, weight, round_number=round, expected_peers=expected
+                tensors, weight, round_number=round, expected_peers=expected, exclude=exclude
             )
 
         try:

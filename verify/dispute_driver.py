@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -29,6 +31,7 @@ from p2p import (
     P2PError,
     PeerID,
     RemoteError,
+    RemoteProtocolError,
     RpcTimeout,
     call_unary,
     encode,
@@ -50,19 +53,32 @@ class DisputeOutcome:
     referee_compute_s: float  # the machine's own work: proof checks and the one operator
 
 
+class Answers(Protocol):
+    """What answers queries: a ``Provider``, or a registry of them keyed by task id."""
+
+    def answer(self, query: Message) -> Message: ...
+
+
 def serve_provider(
-    host: Host, provider: Provider, limiter: trio.CapacityLimiter | None = None
+    host: Host,
+    provider: Provider | Answers,
+    limiter: trio.CapacityLimiter | None = None,
+    allowed: Callable[[PeerID], bool] | None = None,
 ) -> None:
     """Answer the referee's queries about ``provider``'s task on ``host``.
 
     One answer at a time by default: ``Provider`` keeps one recomputed step, which two threads
     recomputing different steps would race on (and each would cost a step of compute anyway).
+    ``allowed(peer)`` False refuses the query (an opening costs a step of compute: only the
+    run's referee should get to ask for one).
     """
     limiter = limiter or trio.CapacityLimiter(1)
     for query_type, protocol in QUERY_TYPES.items():
 
         async def handle(peer: PeerID, request: Message) -> Message:
-            log.info("dispute query %s from %s", type(request).__name__, peer)
+            if allowed is not None and not allowed(peer):
+                raise RemoteProtocolError("only the run's referee asks dispute queries")
+            log.debug("dispute query %s from %s", type(request).__name__, peer)
             return await trio.to_thread.run_sync(provider.answer, request, limiter=limiter)
 
         serve_unary(host, protocol, query_type, handle)

@@ -355,3 +355,44 @@ def test_the_fingerprint_covers_the_h_schedule_and_momentum_warmup() -> None:
     for bad in ([], [0], [4, -1]):
         with pytest.raises(ValueError):
             _peer(average, inner_steps=bad)
+
+
+def test_finish_inner_phase_averages_a_phase_computed_elsewhere_and_drops_carried_progress() -> (
+    None
+):
+    """A verified run computes the inner phase outside the optimizer (RepOps, from the global
+    parameters); the round then averages ``global - local`` with the given weight only."""
+    averaging = LocalAverage(2, timeout_s=PEER_DEADLINE_S)
+
+    def work(peer: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        member = averaging.member(f"peer-{peer}")
+
+        def flaky(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+            if round == 0:
+                raise ConnectionError("simulated lost round")
+            return member(round, tensors, weight)
+
+        diloco, model = _peer(flaky, inner_steps=2)
+        with diloco:
+            _train_phase(diloco, model, peer)  # fails: its progress and weight are carried
+            start = diloco.global_state.params
+            local = start + 0.01 * (peer + 1)
+            diloco.finish_inner_phase(local, samples=10.0 * (peer + 1))
+            stats = diloco.statistics()
+            return start, diloco.global_state.params, stats.last_contributors
+
+    (start, after_a, weights), (_, after_b, _) = _run_peers(2, work)
+    assert torch.equal(after_a, after_b)
+    assert weights == {"peer-0": 10.0, "peer-1": 20.0}  # the failed phase's samples are gone
+    # The weighted mean of the deltas, then the outer step (momentum starts at zero).
+    delta = -(0.01 * 10 + 0.02 * 20) / 30
+    expected = nesterov_update(
+        start, torch.zeros_like(start), torch.full_like(start, delta), lr=0.7, mu=0.9
+    )
+    assert torch.allclose(after_a, expected[0], atol=1e-6)
+
+
+def test_finish_inner_phase_refuses_a_vector_of_another_size() -> None:
+    diloco, _ = _peer(LocalAverage(1).member("solo"), inner_steps=2)
+    with diloco, pytest.raises(ValueError, match="flat float32"):
+        diloco.finish_inner_phase(torch.zeros(3), samples=1.0)

@@ -1,0 +1,256 @@
+"""A volunteer's side of a verified run (``verify.rate > 0``): tasks, commitments, the gate.
+
+Each round, before averaging:
+
+1. ``run_tasks``: run our own task (``swarmtrain.verified_task``) traced when it is selected for
+   re-execution, untraced otherwise; then every task the plan (``swarmtrain.verify_plan``) makes
+   us verify, traced. Publish a ``RoundClaims`` under ``run/<id>/verify/<r>``.
+2. ``settle``: read the round's claims and the coordinator's verdicts until every assignment is
+   decided (``verify_plan.decide``) or ``verify.timeout_s`` passed. The owners left out and every
+   banned peer are the round's exclusion set, which matchmaking ignores (``swarm.Averager``'s
+   ``exclude``): a contribution that failed verification never reaches the all-reduce. Raises
+   ``Banned`` when a verdict names us.
+
+The providers of the last two rounds stay in memory and answer the referee's dispute queries
+(only the coordinator's: an operator opening costs a step of compute). Their memory is H + 1
+training states per traced task.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from diloco import Corpus
+from p2p import Message, PeerID
+from swarmtrain.runspec import RunConfig
+from swarmtrain.runtime import PeerRuntime
+from swarmtrain.verified_task import Task, make_task, run_fast, run_traced
+from swarmtrain.verify_plan import (
+    CLAIMS_TTL_S,
+    Assignment,
+    Claim,
+    Decision,
+    RoundClaims,
+    Verdict,
+    assignments,
+    banned,
+    decide,
+    decode_verdicts,
+    selected,
+    verdicts_key,
+    verify_key,
+)
+from verify.dispute_driver import serve_provider
+from verify.provider import Provider
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+KEEP_ROUNDS = 2
+
+
+class Banned(RuntimeError):
+    """The coordinator's verdict named this peer as a cheater."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(
+            f"banned from the run: round {verdict.round}, step {verdict.step}, operator "
+            f"{verdict.op} ({verdict.op_name}): {verdict.reason}"
+        )
+        self.verdict = verdict
+
+
+@dataclass
+class RoundWork:
+    """Our own task's outcome: the final parameters, its losses, and what we verified."""
+
+    params: dict[str, np.ndarray]
+    losses: list[float]
+    traced: bool
+    verified: list[bytes]  # owners whose task we re-executed
+
+
+def peer_bytes(peer_id: str) -> bytes:
+    return PeerID.from_base58(peer_id).to_bytes()
+
+
+class Verification:
+    def __init__(
+        self,
+        runtime: PeerRuntime,
+        config: RunConfig,
+        corpus: Corpus,
+        run_seed: int,
+        coordinator: PeerID,
+        *,
+        cheat: tuple[int, int, int] | None = None,  # (round, step, op): tests and demos only
+        emit: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.corpus = corpus
+        self.run_seed = run_seed
+        self.coordinator = coordinator
+        self.cheat = cheat
+        self.emit = emit
+        self.me = runtime.peer_id.to_bytes()
+        self.verdicts: list[Verdict] = []
+        self._providers: dict[int, dict[bytes, Provider]] = {}
+        self._lock = threading.Lock()
+        self._excluded: dict[int, frozenset[bytes]] = {}
+        self._members: dict[int, frozenset[bytes]] = {}
+        node = runtime.node
+        assert node is not None
+        runtime.call_sync(serve_provider, node.host, self, None, self._is_referee)
+
+    def _is_referee(self, peer: PeerID) -> bool:
+        return peer == self.coordinator
+
+    def answer(self, query: Message) -> Message:
+        """Dispatch a dispute query to the provider of its task (``Provider.answer``)."""
+        task_id = getattr(query, "task_id", None)
+        with self._lock:
+            found = [kept[task_id] for kept in self._providers.values() if task_id in kept]
+        if not found:
+            raise ValueError("unknown task")
+        return found[0].answer(query)
+
+    def _keep(self, round_number: int, provider: Provider) -> None:
+        with self._lock:
+            self._providers.setdefault(round_number, {})[provider.task.task_id] = provider
+            for old in [r for r in self._providers if r <= round_number - KEEP_ROUNDS]:
+                del self._providers[old]
+
+    def round_done(self, round_number: int, ok: bool, contributors: Mapping[str, float]) -> None:
+        """After a round: its contributors are the next round's members (when it succeeded)."""
+        if ok:
+            self._members[round_number + 1] = frozenset(peer_bytes(p) for p in contributors)
+        for old in [r for r in self._members if r <= round_number]:
+            del self._members[old]
+
+    def _plan(self, round_number: int) -> list[Assignment]:
+        """The round's assignments; none when we do not know its members (the first round, or
+        the first after we failed a round or adopted a state): then we verify nobody."""
+        members = self._members.get(round_number)
+        if not members:
+            return []
+        return assignments(self.config.run_id, round_number, members, self.config.verify_rate)
+
+    def run_tasks(self, round_number: int, params: dict[str, np.ndarray]) -> RoundWork:
+        """Run our task and those we verify, publish our claims. ``params`` are the round's
+        global parameters by name."""
+        r, rate = round_number, self.config.verify_rate
+        own = self._task(r, self.me, params)
+        claims: dict[bytes, Claim] = {}
+        tamper = None
+        if self.cheat is not None and self.cheat[0] == r:
+            tamper = (self.cheat[1], self.cheat[2])
+        traced = selected(self.config.run_id, r, self.me, rate)
+        if traced:
+            provider = run_traced(own, tamper)
+            self._keep(r, provider)
+            claims[self.me] = _claim(provider)
+            final = provider.final_state
+        else:
+            final = run_fast(own)
+        verified = []
+        for a in self._plan(r):
+            if a.verifier == self.me:
+                provider = run_traced(self._task(r, a.owner, params))
+                self._keep(r, provider)
+                claims[a.owner] = _claim(provider)
+                verified.append(a.owner)
+        record = RoundClaims(own.spec.start_state_hash, claims)
+        try:
+            self.runtime.store(verify_key(self.config.run_id, r), record.to_bytes(), CLAIMS_TTL_S)
+        except Exception as exc:  # the gate then leaves our task out: logged, not fatal
+            log.warning("round %d: could not publish our commitments: %s", r, exc)
+        return RoundWork({n: final[n] for n in params}, own.losses, traced, verified)
+
+    def _task(self, r: int, owner: bytes, params: dict[str, np.ndarray]) -> Task:
+        return make_task(self.config, self.corpus, self.run_seed, r, owner, params)
+
+    def settle(self, round_number: int) -> frozenset[bytes]:
+        """The peers round ``round_number`` leaves out, once every assignment is decided or the
+        verify timeout passed. Raises ``Banned`` when a verdict names us."""
+        r = round_number
+        plan = self._plan(r)
+        deadline = time.monotonic() + self.config.verify_timeout_s
+        while True:
+            self._read_verdicts()
+            mine = banned(self.verdicts).get(self.me)
+            if mine is not None:
+                raise Banned(mine)
+            records = self._read_claims(r) if plan else {}
+            timed_out = time.monotonic() >= deadline
+            decisions = [
+                (a, *decide(a, records, self.verdicts, r, timed_out=timed_out)) for a in plan
+            ]
+            if all(d is not Decision.WAIT for _, d, _ in decisions):
+                break
+            time.sleep(POLL_S)
+        left_out = {a.owner for a, d, _ in decisions if d is Decision.EXCLUDE}
+        for a, d, why in decisions:
+            if d is Decision.EXCLUDE or why != "commitments agree":
+                self.emit(
+                    f"round {r} verification: task of {str(PeerID(a.owner))[-8:]} "
+                    f"(verifier {str(PeerID(a.verifier))[-8:]}): {d.value}, {why}"
+                )
+        checked = sum(1 for _, d, why in decisions if why == "commitments agree")
+        if plan:
+            log.info("round %d: %d of %d verified tasks agree", r, checked, len(plan))
+        excluded = frozenset(left_out | set(banned(self.verdicts)))
+        self._excluded[r] = excluded
+        return excluded
+
+    def excluded(self, round_number: int) -> frozenset[bytes]:
+        """What ``settle`` decided for the round (banned peers when it did not run)."""
+        found = self._excluded.get(round_number)
+        return found if found is not None else frozenset(banned(self.verdicts))
+
+    def _read_verdicts(self) -> None:
+        try:
+            values = self.runtime.read(verdicts_key(self.config.run_id))
+        except Exception as exc:
+            log.info("could not read the verdicts: %s", exc)
+            return
+        data = values.get(str(self.coordinator))  # only the coordinator's signed entry counts
+        if data is None:
+            return
+        try:
+            verdicts = decode_verdicts(data)
+        except ValueError as exc:
+            log.warning("the coordinator's verdict record is malformed: %s", exc)
+            return
+        for v in verdicts:
+            if v not in self.verdicts:
+                self.verdicts.append(v)
+                if v.cheater is not None:
+                    self.emit(
+                        f"verdict: peer {str(PeerID(v.cheater))[-8:]} cheated in round {v.round} "
+                        f"(step {v.step}, operator {v.op} {v.op_name}): banned"
+                    )
+
+    def _read_claims(self, r: int) -> dict[bytes, RoundClaims]:
+        try:
+            values = self.runtime.read(verify_key(self.config.run_id, r))
+        except Exception as exc:
+            log.info("round %d: could not read the commitments: %s", r, exc)
+            return {}
+        out = {}
+        for peer, data in values.items():
+            claims = RoundClaims.from_bytes(data)
+            if claims is not None:
+                out[peer_bytes(peer)] = claims
+        return out
+
+
+def _claim(provider: Provider) -> Claim:
+    c = provider.commitment
+    return Claim(c.steps, c.task_root, c.final_state_hash, provider.task.start_state_hash)

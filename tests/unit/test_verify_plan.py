@@ -1,0 +1,170 @@
+"""The verified run's plan: who re-executes which task, what peers publish, how a peer decides."""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarmtrain.verify_plan import (
+    MAX_CLAIMS,
+    MAX_VERDICTS_BYTES,
+    Assignment,
+    Claim,
+    Decision,
+    RoundClaims,
+    Verdict,
+    assignments,
+    banned,
+    decide,
+    decode_verdicts,
+    disputes,
+    encode_verdicts,
+    majority_start,
+    selected,
+    task_seed,
+    verifier_of,
+)
+
+PEERS = [hashlib.sha256(bytes([i])).digest()[:20] + bytes([i]) for i in range(8)]
+H = [hashlib.sha256(b"h%d" % i).digest() for i in range(6)]
+
+
+def _claim(i: int, start: int = 0) -> Claim:
+    return Claim(4, H[i], H[i + 1], H[start])
+
+
+def test_selection_follows_the_rate_and_does_not_depend_on_who_asks() -> None:
+    draws = [selected("run", r, p, 0.25) for r in range(200) for p in PEERS]
+    assert 0.18 < sum(draws) / len(draws) < 0.32
+    assert not any(selected("run", r, p, 0.0) for r in range(50) for p in PEERS)
+    assert all(selected("run", r, p, 1.0) for r in range(50) for p in PEERS)
+    # Another run or round draws differently (the owner cannot pick a round it is never checked).
+    assert [selected("a", 0, p, 0.5) for p in PEERS] != [selected("b", 0, p, 0.5) for p in PEERS]
+
+
+def test_the_verifier_is_another_member_and_the_same_whatever_the_member_order() -> None:
+    members = PEERS[:5]
+    for r in range(20):
+        for owner in members:
+            v = verifier_of("run", r, owner, members)
+            assert v in members and v != owner
+            assert v == verifier_of("run", r, owner, list(reversed(members)))
+    assert verifier_of("run", 0, PEERS[0], [PEERS[0]]) is None
+    # Verifiers rotate: over many rounds each owner meets several.
+    assert len({verifier_of("run", r, PEERS[0], members) for r in range(40)}) >= 3
+
+
+def test_assignments_cover_the_selected_owners_only() -> None:
+    plan = assignments("run", 3, PEERS[:4], 1.0)
+    assert [a.owner for a in plan] == sorted(PEERS[:4])
+    assert assignments("run", 3, PEERS[:1], 1.0) == []  # nobody to verify a lone member
+    assert assignments("run", 3, PEERS[:4], 0.0) == []
+
+
+def test_task_seeds_differ_per_round_and_owner() -> None:
+    seeds = {task_seed("run", r, p) for r in range(10) for p in PEERS}
+    assert len(seeds) == 80 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_claims_round_trip_and_garbage_claims_nothing() -> None:
+    record = RoundClaims(H[0], {PEERS[0]: _claim(1), PEERS[1]: _claim(2)})
+    assert RoundClaims.from_bytes(record.to_bytes()) == record
+    for bad in (
+        b"",
+        b"\xc1",
+        msgpack.packb([2, H[0], []]),
+        msgpack.packb([1, b"short", []]),
+        msgpack.packb([1, H[0], [[PEERS[0], 0, H[1], H[2], H[0]]]]),  # zero steps
+        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1][:5], H[2], H[0]]]]),
+        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1], H[2]]]]),
+        msgpack.packb([1, H[0], "x"]),
+        b"\x00" * 10_000,
+    ):
+        assert RoundClaims.from_bytes(bad) is None
+    too_many = {bytes([i]) * 20: _claim(1) for i in range(MAX_CLAIMS + 1)}
+    with pytest.raises(ValueError, match="over the limit"):
+        RoundClaims(H[0], too_many).to_bytes()
+
+
+@given(st.binary(max_size=600))
+def test_claims_decoder_never_raises(data: bytes) -> None:
+    RoundClaims.from_bytes(data)
+
+
+def test_verdicts_round_trip_and_the_list_stays_under_the_record_limit() -> None:
+    verdicts = [
+        Verdict(r, PEERS[0], PEERS[1], PEERS[r % 2] if r % 3 else None, 2, 10, "linear", "x" * 500)
+        for r in range(200)
+    ]
+    data = encode_verdicts(verdicts)
+    assert len(data) <= MAX_VERDICTS_BYTES
+    decoded = decode_verdicts(data)
+    assert decoded[-1].round == 199 and decoded[-1].reason == "x" * 200
+    assert set(banned(decoded)) == {PEERS[0], PEERS[1]}
+    with pytest.raises(ValueError):
+        decode_verdicts(msgpack.packb([1, [[0, PEERS[0], PEERS[1], 5, 0, 0, "", ""]]]))
+    with pytest.raises(ValueError):
+        decode_verdicts(b"\x92\x01")
+
+
+def test_majority_start_and_disputes() -> None:
+    a, b, c = PEERS[:3]
+    records = {
+        a: RoundClaims(H[0], {a: _claim(1), b: _claim(2)}),
+        b: RoundClaims(H[0], {b: _claim(3)}),  # b's own claim differs from a's re-execution
+        c: RoundClaims(H[5], {}),
+    }
+    assert majority_start(records.values()) == H[0]
+    assert disputes(records) == [(b, a)]
+    assert majority_start([]) is None
+
+
+def _records(owner_claim: Claim | None, verifier_claim: Claim | None) -> dict[bytes, RoundClaims]:
+    owner, verifier = PEERS[0], PEERS[1]
+    out = {}
+    if owner_claim is not None:
+        out[owner] = RoundClaims(H[0], {owner: owner_claim})
+    if verifier_claim is not None:
+        out[verifier] = RoundClaims(H[0], {owner: verifier_claim})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("owner_claim", "verifier_claim", "timed_out", "expected", "why"),
+    [
+        (_claim(1), _claim(1), False, Decision.ACCEPT, "agree"),
+        (_claim(1), _claim(2), False, Decision.WAIT, "differ"),
+        (_claim(1), _claim(2), True, Decision.EXCLUDE, "differ"),
+        (None, _claim(1), False, Decision.WAIT, "both"),
+        (None, _claim(1), True, Decision.EXCLUDE, "owner published no"),
+        (_claim(1), None, True, Decision.ACCEPT, "verifier published no"),
+    ],
+)
+def test_decide_without_a_verdict(
+    owner_claim: Claim | None,
+    verifier_claim: Claim | None,
+    timed_out: bool,
+    expected: Decision,
+    why: str,
+) -> None:
+    a = Assignment(PEERS[0], PEERS[1])
+    decision, reason = decide(a, _records(owner_claim, verifier_claim), [], 3, timed_out=timed_out)
+    assert decision is expected and why in reason
+
+
+def test_a_verdict_settles_the_task_whatever_the_claims_say() -> None:
+    a = Assignment(PEERS[0], PEERS[1])
+    records = _records(_claim(1), _claim(2))
+
+    def ruling(cheater: bytes | None, round_number: int = 3) -> list[Verdict]:
+        return [Verdict(round_number, a.owner, a.verifier, cheater, 1, 7, "linear", "differs")]
+
+    assert decide(a, records, ruling(a.owner), 3, timed_out=False)[0] is Decision.EXCLUDE
+    assert decide(a, records, ruling(a.verifier), 3, timed_out=False)[0] is Decision.ACCEPT
+    assert decide(a, records, ruling(None), 3, timed_out=False)[0] is Decision.EXCLUDE
+    # A verdict about another round does not decide this one.
+    assert decide(a, records, ruling(a.owner, 2), 3, timed_out=False)[0] is Decision.WAIT
