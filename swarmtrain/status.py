@@ -18,11 +18,12 @@ from typing import Any
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, NodeConfig, PeerID, open_node, subkey_values
+from p2p import HostConfig, Node, NodeConfig, PeerID, open_node, subkey_values
 from swarmtrain.coordinator import coordinator_of, fetch_spec
 from swarmtrain.pipeline_progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.progress import Progress, agreed_state, decode_all, progress_key
 from swarmtrain.runspec import RunSpec
+from swarmtrain.verify_plan import Verdict, banned, decode_verdicts, verdicts_key
 
 # A peer whose latest record is older than this is shown as silent (it may have left).
 SILENT_AFTER_S = 120.0
@@ -35,6 +36,7 @@ class StatusReport:
     now: float
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline runs: a row per stage
     trainers: dict[str, TrainerProgress] = field(default_factory=dict)  # pipeline: peer -> round
+    verdicts: list[Verdict] = field(default_factory=list)  # verified runs: the coordinator's
 
     def active(self) -> list[Progress]:
         return [p for p in self.records if self.now - p.published_at < SILENT_AFTER_S]
@@ -58,6 +60,9 @@ class StatusReport:
             "tokens_per_s": round(sum(p.tokens_per_s for p in at_latest), 1),
             "state_hash": agreed.state_hash.hex() if agreed else None,
             "state_holders": len(agreed.holders) if agreed else 0,
+            "verify_rate": self.spec.config.verify_rate,
+            "verdicts": [_verdict_json(v) for v in self.verdicts],
+            "banned": sorted(str(PeerID(p)) for p in banned(self.verdicts)),
             "nodes": [p.to_json() for p in self.records],
         }
 
@@ -127,6 +132,15 @@ class StatusReport:
             f"{config.rounds}, {summary['peers']} active peers, "
             f"loss {_text(summary['loss'])}, {summary['tokens_per_s']} tok/s in all",
         ]
+        for v in self.verdicts:
+            cheater = "nobody named"
+            if v.cheater is not None:
+                cheater = f"{str(PeerID(v.cheater))[-12:]} banned"
+            lines.append(
+                f"verdict round {v.round}: task of {str(PeerID(v.owner))[-12:]} disputed by "
+                f"{str(PeerID(v.verifier))[-12:]}: {cheater} (step {v.step}, operator {v.op} "
+                f"{v.op_name}: {v.reason})"
+            )
         if not self.records:
             lines.append("no node has finished a round yet")
             return "\n".join(lines)
@@ -141,6 +155,19 @@ class StatusReport:
                 f"{p.state_hash.hex()[:12]}  {self.now - p.published_at:.0f} s ago"
             )
         return "\n".join(lines)
+
+
+def _verdict_json(v: Verdict) -> dict[str, object]:
+    return {
+        "round": v.round,
+        "owner": str(PeerID(v.owner)),
+        "verifier": str(PeerID(v.verifier)),
+        "cheater": None if v.cheater is None else str(PeerID(v.cheater)),
+        "step": v.step,
+        "op": v.op,
+        "op_name": v.op_name,
+        "reason": v.reason,
+    }
 
 
 def _mean(values: list[float]) -> float | None:
@@ -163,7 +190,16 @@ async def run_status(join: tuple[str, ...], listen: tuple[str, ...]) -> StatusRe
             trainers = await trainer_progress(node.dht, run.run_id)
             return StatusReport(spec, [], time.time(), stages, trainers)
         records = await node.dht.get_records(progress_key(run.run_id), latest=True)
+        verdicts = await _verdicts(node, run.run_id, coordinator) if run.verify_rate > 0 else []
     now = time.time()
     values = subkey_values(records, now=now)
     by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}
-    return StatusReport(spec, decode_all(by_owner), now)
+    return StatusReport(spec, decode_all(by_owner), now, verdicts=verdicts)
+
+
+async def _verdicts(node: Node, run_id: str, coordinator: PeerID) -> list[Verdict]:
+    """The coordinator's signed verdict list (entries others wrote under the key are ignored)."""
+    records = await node.dht.get_records(verdicts_key(run_id), latest=True)
+    values = subkey_values(records, now=time.time())
+    mine = [v for s, v in values.items() if records[s].owner == coordinator.to_bytes()]
+    return decode_verdicts(mine[0]) if mine else []

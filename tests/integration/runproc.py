@@ -13,10 +13,15 @@ JOIN_COMMAND = "swarmtrain node --join "
 
 
 def start_coordinator(
-    tmp_path: Path, rounds: int, inner_steps: int, matchmaking_timeout_s: float = 4.0
+    tmp_path: Path,
+    rounds: int,
+    inner_steps: int,
+    matchmaking_timeout_s: float = 4.0,
+    settings: dict[str, str] | None = None,
 ) -> tuple[PeerProcess, str]:
     """``swarmtrain init`` + ``swarmtrain coordinator`` on loopback; returns it and its join
-    address, taken from the exact command it prints."""
+    address, taken from the exact command it prints. ``settings``: more run.toml keys (each key
+    name must occur once in the file) and their TOML values."""
     config = tmp_path / "run.toml"
     made = subprocess.run(
         [*SWARMTRAIN, "init", str(config)], capture_output=True, text=True, timeout=30, check=False
@@ -30,6 +35,9 @@ def start_coordinator(
         f"matchmaking_timeout_s = {matchmaking_timeout_s}",
         text,
     )
+    for key, value in (settings or {}).items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert count == 1, key
     config.write_text(text)
     coordinator = PeerProcess(
         [
@@ -52,7 +60,7 @@ def start_coordinator(
     return coordinator, line[len(JOIN_COMMAND) :].strip()
 
 
-def node(join: str, state_dir: Path) -> PeerProcess:
+def node(join: str, state_dir: Path, *extra: str) -> PeerProcess:
     return PeerProcess(
         [
             *SWARMTRAIN,
@@ -67,6 +75,7 @@ def node(join: str, state_dir: Path) -> PeerProcess:
             "1",
             "--json",
             str(state_dir / "summary.json"),
+            *extra,
         ]
     )
 
