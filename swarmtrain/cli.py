@@ -209,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=None, help="give up after this many seconds"
     )
     p_local.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
+    p_local.add_argument(
+        "--verify-rate",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="a verified run: every inner phase under RepOps, a fraction P of them re-executed "
+        "by a second peer and disputes refereed by the coordinator [0: off]",
+    )
     p_local.add_argument("-v", "--verbose", action="store_true", help="show the nodes' logs")
     pipeline_local.add_arguments(p_local)
     verify_cmd.add_parser(sub)
@@ -361,6 +369,7 @@ def _main_local(args: argparse.Namespace) -> int:
             timeout_s=args.timeout,
             json_path=args.json,
             verbose=args.verbose,
+            verify_rate=args.verify_rate,
         )
         summary = run_local(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -392,6 +401,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "node":
         return _main_node(args)
     if args.command == "local" and args.pipeline_stages is not None:
+        if args.verify_rate:
+            print(
+                "swarmtrain local: --verify-rate needs a DiLoCo run (no --pipeline-stages)",
+                file=sys.stderr,
+            )
+            return 2
         return pipeline_local.run(args)
     if args.command == "local":
         return _main_local(args)

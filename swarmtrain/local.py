@@ -55,16 +55,21 @@ class LocalOptions:
     timeout_s: float | None = None  # default: scaled with rounds and steps
     json_path: Path | None = None
     verbose: bool = False
+    verify_rate: float = 0.0  # the spec's verify.rate: a verified run (RepOps, re-executions)
 
     def __post_init__(self) -> None:
         for name in ("peers", "rounds", "inner_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if not 0 <= self.verify_rate <= 1:
+            raise ValueError(f"--verify-rate must be in [0, 1], got {self.verify_rate}")
 
     def deadline_s(self) -> float:
         # Generous: a 2-core machine runs a default-model step in about 0.2 s per process.
         cpus = os.cpu_count() or 1
         step_s = 0.3 * max(1.0, self.peers / cpus)
+        if self.verify_rate > 0:  # RepOps steps (about 4.5x), traced, some run twice
+            step_s *= 6 * (1 + self.verify_rate)
         return self.timeout_s or 60.0 + self.rounds * (self.inner_steps * step_s + 20.0)
 
 
@@ -220,7 +225,12 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             workdir.mkdir(parents=True, exist_ok=True)
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: [child.stop() for child in reversed(children)])
-        config = RunConfig(run_id=run_id, rounds=options.rounds, inner_steps=options.inner_steps)
+        config = RunConfig(
+            run_id=run_id,
+            rounds=options.rounds,
+            inner_steps=options.inner_steps,
+            verify_rate=options.verify_rate,
+        )
         join = _start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[Child] = []
