@@ -25,6 +25,7 @@ mirror can be read side by side, operator for operator.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -77,33 +78,67 @@ def pow2_f64(e: torch.Tensor) -> torch.Tensor:
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
-    """Correctly rounded float32 sqrt of non-negative ``x``.
+    """Correctly rounded float32 sqrt of ``x``: torch's float64 sqrt, rounded to float32.
 
-    Why not ``torch.sqrt``: torch's vectorized CPU sqrt (float32 and float64, AVX-512 build) is
-    not correctly rounded (measured: 0.6% of float32 results off by one ulp) while its scalar tail
-    is, so even the thread count changes the bits. We take its float64 result as a guess, round to
-    float32, and fix the last bit exactly: the midpoint between two neighbouring float32 values
-    has 25 significant bits, so its square is exact in float64 and compares exactly with ``x``.
+    Why not ``torch.sqrt`` in float32: torch's vectorized CPU sqrt (AVX-512 build) is not
+    correctly rounded (measured: 0.6% of float32 results off by one ulp) while its scalar tail
+    is, so even the thread count changes the bits. Its float64 sqrt is not correctly rounded
+    either (measured: within 1 ulp of numpy's), but any float64 value within 4 ulp of sqrt(x)
+    rounds to the correctly rounded float32 sqrt: a midpoint m between neighbouring float32
+    values has 25 significant bits, so m * m has 50 and never equals a float32 ``x``. Scaled to
+    x in [1, 4), x - m * m is then a non-zero multiple of 2**-48, so
+    |sqrt(x) - m| = |x - m * m| / (sqrt(x) + m) >= 2**-50, which is 4 ulp of float64 in [1, 2).
+    A test checks every float32 in [1, 4) (every significand at both exponent parities).
     """
-    x64 = x.to(F64)
-    y = torch.sqrt(x64).to(F32)
-    below = torch.nextafter(y, _c(-math.inf, y))
-    above = torch.nextafter(y, _c(math.inf, y))
-    low_mid = torch.add(y.to(F64), below.to(F64)).mul_(0.5)
-    high_mid = torch.add(y.to(F64), above.to(F64)).mul_(0.5)
-    y = torch.where((low_mid.mul_(low_mid) > x64) & (y > 0), below, y)  # sqrt(0) stays 0
-    return torch.where(high_mid.mul_(high_mid) < x64, above, y)
+    return torch.sqrt(x.to(F64)).to(F32)
 
 
-def _grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
+class _Scratch(threading.local):
+    buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor]
+
+    def __init__(self) -> None:
+        self.buffers = {}
+
+
+_SCRATCH = _Scratch()
+SCRATCH_MAX = 1 << 21  # elements; larger temporaries are allocated (and freed) per call
+
+
+def scratch(
+    slot: str, like: torch.Tensor, dtype: torch.dtype, device: torch.device | None = None
+) -> torch.Tensor:
+    """A per-thread buffer shaped as ``like`` (on ``device``, default ``like``'s) for a temporary
+    that never leaves its kernel.
+
+    Why: fresh multi-megabyte temporaries come from mmap and page-fault on first touch on every
+    call (about 1 us per 4 KiB page here, as much as a pass over the data). Contents are
+    undefined; two uses that overlap in time must name different slots. When ``like`` is the
+    transpose of a contiguous tensor the buffer is laid out the same way, so that elementwise
+    passes between the two read and write memory in order (GEMM takes either layout)."""
+    transposed = like.dim() >= 2 and not like.is_contiguous() and like.mT.is_contiguous()
+    shape = like.mT.shape if transposed else like.shape
+    numel, device = like.numel(), like.device if device is None else device
+    if numel > SCRATCH_MAX:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    else:
+        key = (slot, dtype, device)
+        buffer = _SCRATCH.buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = _SCRATCH.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        out = buffer[:numel].view(shape)
+    return out.mT if transposed else out
+
+
+def _grid(x: torch.Tensor, dim: int, bits: int, slot: str | None = None) -> torch.Tensor:
     """float64 ``x`` rounded (half to even) to multiples of 2**(e - bits) along ``dim``.
 
     2**e bounds the largest magnitude (e at least E_MIN, so rows of tiny values share one coarse
     grid). Adding and subtracting C = 1.5 * 2**(e - bits + p) rounds in two exact passes: x + C
     lies in a binade whose ulp is the grid step (p = 23 in float32 when bits <= 22, else p = 52
-    in float64)."""
+    in float64). With ``slot`` the result lives in that scratch buffer (see ``scratch``)."""
     if not 0 < bits <= 51:
         raise ValueError("grid bits must be in [1, 51]")
+    out = torch.empty_like(x, dtype=F64) if slot is None else scratch(slot, x, F64)
     # max(amax, -amin) is max |x| without writing an |x| temporary (half the memory traffic).
     bound = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
     e = torch.frexp(bound).exponent.clamp_(min=E_MIN)
@@ -111,15 +146,17 @@ def _grid(x: torch.Tensor, dim: int, bits: int) -> torch.Tensor:
     # one is cheaper but its constant would overflow for magnitudes near float32's maximum.
     if bits <= 22 and int(e.max()) <= 100:
         magic = pow2_f64(e + (23 - bits)).mul_(1.5).to(F32)
-        return torch.add(x, magic).sub_(magic).to(F64)
+        shifted = torch.add(x, magic, out=scratch("grid32", x, F32)).sub_(magic)
+        return out.copy_(shifted)
     magic = pow2_f64(e + (52 - bits)).mul_(1.5)
-    return x.to(F64).add_(magic).sub_(magic)
+    return out.copy_(x).add_(magic).sub_(magic)
 
 
 def _to_f32_no_negative_zero(x: torch.Tensor) -> torch.Tensor:
-    """float32(x + 0.0) in one pass: + 0.0 turns -0 into +0, because whether a sum of signed
-    zeros is -0 differs between BLAS libraries. (Rounding before or after adding 0 is the same.)"""
-    return torch.add(x, 0.0, out=torch.empty(x.shape, dtype=F32, device=x.device))
+    """float32(x) + 0.0: + 0.0 turns -0 into +0, because whether a sum of signed zeros is -0
+    differs between BLAS libraries. (Rounding before or after adding 0 is the same.)"""
+    # Two plain passes beat one add with a float32 output: that mixed-dtype loop is not vectorized.
+    return torch.empty(x.shape, dtype=F32, device=x.device).copy_(x).add_(0.0)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch.Tensor:
@@ -137,14 +174,16 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
         bits_a = bits_b = matmul_bits(k)
     else:
         bits_a, bits_b = a_bits, 53 - ceil_log2(min(k, MAX_CHUNK)) - a_bits
-    qa = _grid(a, -1, bits_a)
-    qb = _grid(b, -2, bits_b)
-    out = None
-    for start in range(0, k, MAX_CHUNK):
-        stop = start + MAX_CHUNK
-        part = torch.matmul(qa[..., start:stop], qb[..., start:stop, :])
-        out = part if out is None else out.add_(part)
-    assert out is not None
+    qa = _grid(a, -1, bits_a, "matmul.a")
+    qb = _grid(b, -2, bits_b, "matmul.b")
+    lead = torch.broadcast_shapes(qa.shape[:-2], qb.shape[:-2])
+    like = torch.empty((*lead, qa.shape[-2], qb.shape[-1]), device="meta")
+    out = scratch("mm", like, F64, a.device)
+    torch.matmul(qa[..., :MAX_CHUNK], qb[..., :MAX_CHUNK, :], out=out)
+    for start in range(MAX_CHUNK, k, MAX_CHUNK):
+        chunk = slice(start, start + MAX_CHUNK)
+        part = scratch("mm.part", like, F64, a.device)
+        out.add_(torch.matmul(qa[..., chunk], qb[..., chunk, :], out=part))
     return _to_f32_no_negative_zero(out)
 
 
@@ -161,9 +200,12 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor:
         raise ValueError("sum_tree needs at least one term")
     while n > 1:
         half = n // 2
-        y = torch.add(x.narrow(dim, 0, half), x.narrow(dim, half, half))
+        # One split instead of two narrows: these loops are short and run on small tensors,
+        # so the number of torch calls is much of their cost.
+        parts = x.split_with_sizes([half, half, 1] if n % 2 else [half, half], dim)
+        y = torch.add(parts[0], parts[1])
         if n % 2:
-            y = torch.cat([y, x.narrow(dim, 2 * half, 1)], dim)
+            y = torch.cat([y, parts[2]], dim)
         x, n = y, y.shape[dim]
     return x.squeeze(dim)
 
@@ -187,13 +229,14 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     so the result stays a normal float32 and the addition is an exact multiply."""
     xc = x.clamp(EXP_LO, EXP_HI)
     k = torch.mul(xc, LOG2E).round_()
-    r = xc.sub_(torch.mul(k, EXP_C1)).sub_(torch.mul(k, EXP_C2))
+    # k * C1 is exact, so subtracting it through alpha (perhaps one FMA) rounds only once too.
+    r = xc.sub_(k, alpha=EXP_C1).sub_(torch.mul(k, EXP_C2))
     z = torch.mul(r, r)
     p = torch.mul(r, EXP_POLY[0]).add_(EXP_POLY[1])
     for c in EXP_POLY[2:]:
         p.mul_(r).add_(c)
     p.mul_(z).add_(r).add_(1.0)
-    p.view(torch.int32).add_(k.mul_(8388608.0).to(torch.int32))
+    p.view(torch.int32).add_(k.to(torch.int32), alpha=1 << 23)  # integer: exact
     return p.masked_fill_(x < EXP_LO, 0.0)
 
 
@@ -233,7 +276,7 @@ def softmax_rows(x: torch.Tensor) -> torch.Tensor:
     return e.div_(sum_tree(e, -1).unsqueeze(-1))
 
 
-BLOCK = 131072  # elements per block of an elementwise chain: its temporaries stay in L2
+BLOCK = 65536  # elements per block of an elementwise chain: its temporaries stay in L2
 
 
 def rowwise(fn: Any, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
@@ -272,8 +315,9 @@ def _heads(qkv: torch.Tensor, heads: int, batch: int) -> tuple[torch.Tensor, ...
     """(q, k, v), each (B, H, T, hd), viewed out of qkv (B*T, 3d) laid out as (B, T, 3, H, hd)."""
     n, width3 = qkv.shape
     view = qkv.view(batch, n // batch, 3, heads, width3 // (3 * heads))
-    # Contiguous copies: batched GEMM on these strided views is three times slower.
-    return tuple(view[:, :, j].transpose(1, 2).contiguous() for j in range(3))
+    # Strided views, no copies: matmul's rounding pass reads them once and writes the
+    # contiguous float64 operand the GEMM runs on.
+    return tuple(view[:, :, j].transpose(1, 2) for j in range(3))
 
 
 def _scale(hd: int) -> float:
@@ -299,7 +343,7 @@ def _attention_values(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torc
 
 def _dout_heads(dout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     batch, heads, length, hd = like.shape
-    return dout.view(batch, length, heads, hd).transpose(1, 2).contiguous()
+    return dout.view(batch, length, heads, hd).transpose(1, 2)
 
 
 def _scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor:

@@ -180,6 +180,20 @@ def test_elementwise_functions_equal_reference_and_are_accurate(seed: int) -> No
     _same(ops.sqrt(_t(squares)), np.sqrt(squares))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sqrt_is_correctly_rounded_for_every_significand(threads: int) -> None:
+    # ops.sqrt rounds torch's float64 sqrt (not correctly rounded itself) to float32; that is
+    # exact as long as the float64 result is within 4 ulp. Every float32 in [1, 4) covers every
+    # significand at both exponent parities; other binades are these scaled by powers of 4.
+    torch.set_num_threads(threads)
+    x = np.arange(0x3F800000, 0x40800000, dtype=np.uint32).view(np.float32)
+    _same(ops.sqrt(_t(x)), np.sqrt(x))
+    tiny = np.arange(0, 1 << 23, 997, dtype=np.uint32).view(np.float32)  # subnormals and 0
+    special = np.array([0.0, -0.0, np.inf, np.finfo(np.float32).max, 1e-45], np.float32)
+    for values in (tiny, special):
+        _same(ops.sqrt(_t(values)), np.sqrt(values))
+
+
 # ---- every operator, through whole steps on random shapes ----------------------------------
 
 
