@@ -479,7 +479,7 @@ def _train_round(
         f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s peers {report.peers} "
         f"sent {_mib(report.bytes_sent)} recv {_mib(report.bytes_received)} "
         f"allreduce {report.allreduce_s:.2f} s state {state_hash[:12]} agree {agree} "
-        f"{round_s:.1f} s"
+        f"{round_s:.1f} s{verification.note(r) if verification is not None else ''}"
     )
     drifted = agreement is not None and not agreement.agrees and agreement.majority is not None
     # Our state drifted from the majority's: adopt theirs before contributing again.

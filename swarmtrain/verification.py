@@ -105,6 +105,7 @@ class Verification:
         self._lock = threading.Lock()
         self._excluded: dict[int, frozenset[bytes]] = {}
         self._members: dict[int, frozenset[bytes]] = {}
+        self._notes: dict[int, str] = {}
         node = runtime.node
         assert node is not None
         runtime.call_sync(serve_provider, node.host, self, None, self._is_referee)
@@ -205,9 +206,17 @@ class Verification:
         checked = sum(1 for _, d, why in decisions if why == "commitments agree")
         if plan:
             log.info("round %d: %d of %d verified tasks agree", r, checked, len(plan))
+            self._notes[r] = f" verified {checked}/{len(plan)}" + (
+                f" excluded {len(left_out)}" if left_out else ""
+            )
         excluded = frozenset(left_out | set(banned(self.verdicts)))
         self._excluded[r] = excluded
         return excluded
+
+    def note(self, round_number: int) -> str:
+        """For the round's progress line: `` verified K/N`` (tasks whose two commitments
+        agreed, of those assigned) and how many owners were left out; empty when none."""
+        return self._notes.pop(round_number, "")
 
     def excluded(self, round_number: int) -> frozenset[bytes]:
         """What ``settle`` decided for the round (banned peers when it did not run)."""

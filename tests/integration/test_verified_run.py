@@ -61,6 +61,10 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
             assert "peers 3" in lines[0], lines[0]
             for r in range(1, rounds):
                 assert "peers 2" in lines[r] and "agree yes (2/2)" in lines[r], lines[r]
+            # Round 1: the cheater's task left out, the other two agreed with their verifiers
+            # (the cheater re-executed one of them honestly); then each verifies the other.
+            assert lines[1].endswith(" verified 2/3 excluded 1"), lines[1]
+            assert lines[2].endswith(" verified 2/2"), lines[2]
             assert summary["rounds_contributed"] == rounds and summary["banned"] == ""
             assert any(
                 line.startswith("verdict: peer " + cheater_id[-8:]) for line in peer.lines
