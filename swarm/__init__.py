@@ -9,14 +9,31 @@ their modules, ``swarm.stage_server`` (``StageServer``) and ``swarm.pipeline_tra
 (``PipelineTrainer``), so that importing ``swarm`` does not import torch.
 """
 
-from swarm import allreduce, compression, matchmaking, pipeline_routing, rebalance
+from swarm import (
+    aggregation_audit,
+    allreduce,
+    compression,
+    matchmaking,
+    pipeline_routing,
+    rebalance,
+)
+from swarm.aggregation_audit import (
+    AuditRecord,
+    PartAudit,
+    audited,
+    decode_audits,
+    encode_audits,
+    recheck,
+)
 from swarm.allreduce import AllReduce, AllReduceState, partition, reduce_part
 from swarm.allreduce_session import AveragingFailed
 from swarm.averager import (
+    SLICE_PROTOCOL,
     Averager,
     AveragerConfig,
     AveragingResult,
     BlockingAverager,
+    SliceRequest,
     StateAgreement,
 )
 from swarm.bandwidth import BandwidthEstimate
@@ -36,8 +53,10 @@ from swarm.pipeline_routing import MicrobatchRoute, Router, RoutingConfig
 from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_status
 
 __all__ = [
+    "SLICE_PROTOCOL",
     "AllReduce",
     "AllReduceState",
+    "AuditRecord",
     "Averager",
     "AveragerConfig",
     "AveragingFailed",
@@ -52,20 +71,27 @@ __all__ = [
     "MatchmakingConfig",
     "MicrobatchRoute",
     "Move",
+    "PartAudit",
     "RebalanceConfig",
     "Router",
     "RoutingConfig",
     "ServerAnnouncement",
+    "SliceRequest",
     "StateAgreement",
+    "aggregation_audit",
     "allreduce",
+    "audited",
     "compression",
+    "decode_audits",
     "derive_groups",
+    "encode_audits",
     "matchmaking",
     "param_digest",
     "partition",
     "pipeline_routing",
     "plan_move",
     "rebalance",
+    "recheck",
     "reduce_part",
     "round_key",
     "servers_key",

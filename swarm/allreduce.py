@@ -324,6 +324,8 @@ class AllReduce:
         self.held: list[tuple[np.ndarray, frozenset[bytes]] | None] = [None] * len(self.parts)
         self.sent: list[frozenset[bytes] | None] = [None] * len(self.parts)  # what we broadcast
         self.reducer_of: list[bytes] = [self._chain_head(p) for p in range(len(self.parts))]
+        # Parts this peer reduced itself, and over which set: what it can be audited for.
+        self.reduced_here: dict[int, frozenset[bytes]] = {}
         self.started = False
         # A lossy wire codec: the reducer must hold what everyone else decodes, not its own
         # float32 mean, or its result would differ from theirs in the dropped bits.
@@ -481,6 +483,7 @@ class AllReduce:
                 if self._finalize is not None:
                     reduced = self._finalize(p, reduced)
                 self.held[p] = held = (reduced, frozenset(self.members))
+                self.reduced_here[p] = held[1]
             if self.sent[p] != held[1]:
                 self.sent[p] = held[1]
                 listed = self._contributors(held[1])

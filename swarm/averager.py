@@ -17,6 +17,11 @@ the call that started them until every peer is done (they may still owe a forwar
 State parity (issue 3, point 6): ``publish_state_hash(r, digest)`` stores the digest as our
 subkey under ``run/<id>/state/<r>``; ``state_agreement(r)`` reads them back and says whether we
 agree with the majority.
+
+Auditable aggregation (issue 5, point 9; ``AveragerConfig.audit``): a lossless round's result
+also lists what this peer reduced (``swarm.aggregation_audit.PartAudit``: each input's hash and
+weight, the output's hash), and the peer keeps its contribution of the last rounds to serve its
+slices (``/swarmtrain/slice/1``, to ``config.auditor`` only) to a referee rechecking a part.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,14 +42,18 @@ import trio
 
 from p2p import (
     BulkConfig,
+    Message,
     Node,
     NodeConfig,
     PeerID,
     RemoteProtocolError,
     RpcStream,
     Stream,
+    message,
     open_node,
+    serve_stream,
 )
+from swarm.aggregation_audit import PartAudit, audits_of
 from swarm.allreduce_session import (
     PROTOCOL,
     AveragingFailed,
@@ -61,6 +70,20 @@ from swarm.payload import Layout
 log = logging.getLogger(__name__)
 
 STATE_HASH_TTL_S = 3600.0
+SLICE_PROTOCOL = "/swarmtrain/slice/1"
+KEEP_CONTRIBUTIONS = 2  # rounds whose contribution an auditing peer keeps
+
+
+@message(120, max_bytes=256)
+class SliceRequest(Message):
+    """A referee asks a contributor for ``[start, stop)`` of what it sent in a round."""
+
+    round: int
+    group_id: bytes
+    start: int
+    stop: int
+
+
 HELLO_TIMEOUT_S = 10.0
 MAX_NUMEL = 1 << 30
 
@@ -83,6 +106,13 @@ class AveragerConfig:
     compression: Compression | None = Compression.NONE
     bandwidth_bps: float | None = None
     bulk: BulkConfig = field(default_factory=BulkConfig)
+    # Report what we reduced and serve our slices to ``auditor`` (a peer id) for a referee's
+    # recheck; needs lossless averaging (``compression`` NONE).
+    audit: bool = False
+    auditor: bytes | None = None
+    # A lying reducer, for tests and demos of the audit: in this round every part we reduce is
+    # sent (and claimed) with 1.0 added to its first value.
+    cheat_reduce_round: int | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -90,6 +120,8 @@ class AveragerConfig:
         for name in ("matchmaking_timeout_s", "allreduce_timeout_s", "peer_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.audit and self.compression is not Compression.NONE:
+            raise ValueError("audit needs compression=Compression.NONE (a lossless sum)")
 
 
 @dataclass(frozen=True)
@@ -110,6 +142,10 @@ class AveragingResult:
     bytes_received: int
     dropped: dict[str, str]
     upload_bps: float | None = None  # what our bulk sends achieved, None if too few to tell
+    audits: tuple[PartAudit, ...] = ()  # with config.audit: the parts we reduced
+    parts: tuple[tuple[int, int], ...] = ()  # every part's [start, stop) in the vector
+    group_id_bytes: bytes = b""
+    reducers: tuple[bytes, ...] = ()  # each part's reducer as the round ended here
 
     @functools.cached_property
     def digest(self) -> str:
@@ -189,11 +225,15 @@ class Averager:
         self._changed = trio.Event()
         self._survivors: frozenset[bytes] | None = None
         self._nursery: trio.Nursery | None = None
+        # (round, group id) -> the values we contributed (as the wire carried them), for audits
+        self._contributed: dict[tuple[int, bytes], np.ndarray] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.node.host.set_handler(PROTOCOL, self._serve)
+            if self.config.audit:
+                serve_stream(self.node.host, SLICE_PROTOCOL, SliceRequest, self._serve_slice)
             task_status.started()
             await trio.sleep_forever()
 
@@ -244,6 +284,7 @@ class Averager:
                 peer_timeout_s=self.config.peer_timeout_s,
                 heartbeat_s=self.config.heartbeat_s,
                 bulk=self.config.bulk,
+                cheat_reduce=self.config.cheat_reduce_round == r,
             ),
         )
         self._sessions[group.group_id] = session
@@ -267,6 +308,12 @@ class Averager:
         if self.config.bandwidth_bps is None:
             self._bandwidth.observe(session.upload_bps)
         averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
+        audits: list[PartAudit] = []
+        if self.config.audit:
+            audits = await trio.to_thread.run_sync(audits_of, session.machine)
+            self._contributed[(r, group.group_id)] = session.machine.local
+            for key in sorted(self._contributed)[:-KEEP_CONTRIBUTIONS]:
+                del self._contributed[key]
         return AveragingResult(
             tensors=averaged,
             vector=result.vector,
@@ -279,7 +326,22 @@ class Averager:
             bytes_received=session.bytes_received,
             dropped={str(PeerID(p)): why for p, why in result.dropped.items()},
             upload_bps=session.upload_bps,
+            audits=tuple(audits),
+            parts=tuple((start, stop) for _, start, stop in session.parts),
+            group_id_bytes=group.group_id,
+            reducers=tuple(session.machine.reducer_of),
         )
+
+    async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:
+        """Our contribution's ``[start, stop)`` in a kept round, to the auditor only."""
+        if self.config.auditor is None or peer.to_bytes() != self.config.auditor:
+            raise RemoteProtocolError("only the run's auditor may fetch slices")
+        vector = self._contributed.get((request.round, request.group_id))
+        if vector is None:
+            raise RemoteProtocolError("no contribution of that round and group is kept here")
+        if not 0 <= request.start <= request.stop <= len(vector):
+            raise RemoteProtocolError("slice out of range")
+        yield vector[request.start : request.stop]
 
     async def _reach(self, peer: bytes) -> None:
         await self.node.reach(PeerID(peer))

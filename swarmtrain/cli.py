@@ -162,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     # A cheater for tests and demos of a verified run (verify.rate > 0): flips one bit of
     # operator OP's output at inner step STEP of this node's task in round ROUND.
     p_node.add_argument("--cheat", type=_cheat, default=None, help=argparse.SUPPRESS)
+    # ... and a lying reducer: every part this node reduces in round ROUND is off.
+    p_node.add_argument("--cheat-reduce", type=int, default=None, help=argparse.SUPPRESS)
 
     p_init = sub.add_parser("init", help="write a commented default run config")
     p_init.add_argument("path", type=Path, nargs="?", default=Path("run.toml"), help="[run.toml]")
@@ -274,6 +276,7 @@ def _main_node(args: argparse.Namespace) -> int:
             role=args.role,
             allow_models=tuple(args.allow_model),
             cheat=args.cheat,
+            cheat_reduce=args.cheat_reduce,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:

@@ -83,6 +83,8 @@ class NodeOptions:
     # A verified run's cheater, for tests and demos: flip a bit of operator OP's output at inner
     # step STEP of our task in round ROUND (``--cheat ROUND:STEP:OP``, hidden from --help).
     cheat: tuple[int, int, int] | None = None
+    # ... and a lying reducer: every part it reduces in round ROUND is off (``--cheat-reduce``).
+    cheat_reduce: int | None = None
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -142,15 +144,23 @@ class NodeSummary:
         )
 
 
-def averager_config(config: RunConfig) -> swarm.AveragerConfig:
+def averager_config(
+    config: RunConfig, coordinator: PeerID | None = None, cheat_reduce: int | None = None
+) -> swarm.AveragerConfig:
     # compression=None lets the swarm pick per tensor (int8 above 64K elements, exact below). Its
     # quantization is deterministic, so the state stays bit-identical either way; for the default
     # 0.9M-parameter model nearly every tensor is below the threshold, so this is close to exact.
+    # A verified run averages exactly, so the coordinator can recompute any part's sum from its
+    # inputs (an aggregation audit), and lets only the coordinator fetch our slices.
+    verified = config.verify_rate > 0
     return swarm.AveragerConfig(
         run_id=config.run_id,
         matchmaking_timeout_s=config.matchmaking_timeout_s,
         allreduce_timeout_s=config.allreduce_timeout_s,
-        compression=None,
+        compression=swarm.Compression.NONE if verified else None,
+        audit=verified,
+        auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
+        cheat_reduce_round=cheat_reduce,
     )
 
 
@@ -218,7 +228,9 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} "
                 f"verified; {config.rounds} rounds, H={config.inner_steps}"
             )
-            averager = swarm.Averager(node, averager_config(config))
+            averager = swarm.Averager(
+                node, averager_config(config, coordinator, options.cheat_reduce)
+            )
             runtime.start(averager.run)
             server = StateServer(node, config.run_id)
             runtime.call_sync(server.install)
@@ -304,6 +316,7 @@ def _train(
         averager,
         expected=lambda r: elastic_box[0].expected_peers(r),
         exclude=verification.excluded if verification is not None else None,
+        check=verification.check_aggregation if verification is not None else None,
     )
     diloco = DiLoCo(
         model,

@@ -9,27 +9,46 @@ owner's data shard of that round, H steps. The ruling goes into the coordinator'
 under ``run/<id>/verdicts``, which volunteers read before averaging: the loser's contribution is
 left out of the round and the loser is banned from the run.
 
-One dispute at a time, each bounded by the referee's per-answer deadline; a round is watched
-until peers publish claims two rounds later.
+It also audits aggregations (issue 5, point 9): after a verified round, every member publishes
+a ``swarm.AuditRecord`` under ``run/<id>/aggregate/<r>`` (each part's reducer; for the parts it
+reduced, each input's hash and weight and the output's hash). For every part drawn at the run's
+rate (``swarm.audited``) the referee fetches the inputs from their contributors (the averager's
+slice protocol, which serves the coordinator only), checks them against the reducer's claims and
+recomputes the sum (``swarm.recheck``). The ruling goes into the signed list under
+``run/<id>/audits``, which members wait for before applying the round: a wrong sum fails the
+round everywhere and bans the reducer (a verdict with ``op_name`` "aggregation"), as does a
+reducer that published no claim about a drawn part within half the verify timeout.
+
+One dispute or audit at a time, each bounded by deadlines; a round is watched until peers
+publish claims two rounds later.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
+from typing import TypeVar
 
+import numpy as np
 import trio
 
+import swarm
 from diloco import Corpus, load_stdlib_corpus
-from p2p import Node, P2PError, PeerID, subkey_values
+from p2p import Node, P2PError, PeerID, call_stream, subkey_values
 from swarmtrain.runspec import RunConfig
 from swarmtrain.verified_task import DATA_LABELS, Task, make_task, model_shape
 from swarmtrain.verify_plan import (
+    AGGREGATION,
     VERDICTS_TTL_S,
+    AuditResult,
     RoundClaims,
     Verdict,
+    aggregate_key,
+    audits_key,
     disputes,
+    encode_audit_results,
     encode_verdicts,
     majority_start,
     verdicts_key,
@@ -46,6 +65,8 @@ log = logging.getLogger(__name__)
 POLL_S = 1.0
 WATCH_ROUNDS = 3  # rounds read per poll, from the oldest still watched
 REACH_TIMEOUT_S = 10.0
+SLICE_TIMEOUT_S = 15.0
+T = TypeVar("T")
 
 
 class RefereeService:
@@ -57,6 +78,9 @@ class RefereeService:
         self.run_seed = run_seed
         self.emit = emit
         self.verdicts: list[Verdict] = []
+        self.audit_results: list[AuditResult] = []
+        self._audited: set[tuple[int, bytes, int]] = set()
+        self._first_seen: dict[tuple[int, bytes], float] = {}
         self._refereed: set[tuple[int, bytes, bytes]] = set()
         self._corpus: Corpus | None = None
         self._oldest = 0
@@ -66,7 +90,9 @@ class RefereeService:
         while True:
             newest = self._oldest
             for r in range(self._oldest, self._oldest + WATCH_ROUNDS):
-                records = await self._read_claims(r)
+                records = await self._read(
+                    verify_key(self.config.run_id, r), RoundClaims.from_bytes
+                )
                 if not records:
                     continue
                 newest = r
@@ -76,6 +102,8 @@ class RefereeService:
                         start = majority_start(records.values())
                         assert start is not None
                         await self.referee(r, owner, other, start)
+            for r in range(max(0, self._oldest - 1), self._oldest + WATCH_ROUNDS):
+                await self._audit_round(r)
             # Peers of round r + 2 have settled round r: nothing about it can still matter.
             self._oldest = max(self._oldest, newest - 1)
             await trio.sleep(POLL_S)
@@ -133,26 +161,123 @@ class RefereeService:
         params = init_params(model_shape(self.config))
         return make_task(self.config, self._corpus, self.run_seed, r, owner, params)
 
-    async def _publish(self) -> None:
-        data = encode_verdicts(self.verdicts)
-        try:
-            await self.node.dht.store(
-                verdicts_key(self.config.run_id), data, time.time() + VERDICTS_TTL_S
-            )
-        except P2PError as exc:
-            log.warning("could not publish the verdicts: %s", exc)
+    async def _audit_round(self, r: int) -> None:
+        """Audit the drawn parts of every group of round ``r`` whose records are in."""
+        records = await self._read(aggregate_key(self.config.run_id, r), swarm.decode_audits)
+        groups: dict[bytes, dict[bytes, swarm.AuditRecord]] = {}
+        for member, record in records.items():
+            if record.round == r:
+                groups.setdefault(record.group_id, {})[member] = record
+        grace_s = self.config.verify_timeout_s / 2
+        for gid, members in sorted(groups.items()):
+            seen = self._first_seen.setdefault((r, gid), trio.current_time())
+            votes = Counter(rec.reducers for rec in members.values())
+            reducers = max(votes, key=lambda v: (votes[v], v))
+            for p, reducer in enumerate(reducers):
+                key = (r, gid, p)
+                if key in self._audited:
+                    continue
+                if not swarm.audited(self.config.run_id, r, gid, p, self.config.verify_rate):
+                    continue
+                own = members.get(reducer)
+                claim = next((a for a in own.audits if a.part == p), None) if own else None
+                if claim is None:
+                    if trio.current_time() - seen < grace_s:
+                        continue
+                    result = AuditResult(
+                        r, gid, p, reducer, False, f"the reducer published no claim about part {p}"
+                    )
+                else:
+                    result = await self._recheck(r, gid, reducer, claim)
+                self._audited.add(key)
+                await self._rule(result)
 
-    async def _read_claims(self, r: int) -> dict[bytes, RoundClaims]:
-        try:
-            records = await self.node.dht.get_records(
-                verify_key(self.config.run_id, r), latest=True
+    async def _recheck(
+        self, r: int, gid: bytes, reducer: bytes, claim: swarm.PartAudit
+    ) -> AuditResult:
+        slices: dict[bytes, np.ndarray] = {}
+
+        async def fetch(peer: bytes) -> None:
+            found = await self._fetch_slice(peer, r, gid, claim)
+            if found is not None:
+                slices[peer] = found
+
+        async with trio.open_nursery() as nursery:
+            for peer, _, _ in claim.inputs:
+                nursery.start_soon(fetch, peer)
+        ok, why = await trio.to_thread.run_sync(swarm.recheck, claim, slices)
+        return AuditResult(r, gid, claim.part, reducer, ok, why)
+
+    async def _fetch_slice(
+        self, peer: bytes, r: int, gid: bytes, claim: swarm.PartAudit
+    ) -> np.ndarray | None:
+        length = claim.stop - claim.start
+        if length == 0:
+            return np.zeros(0, np.float32)
+        request = swarm.SliceRequest(r, gid, claim.start, claim.stop)
+        with trio.move_on_after(SLICE_TIMEOUT_S):
+            try:
+                await self.node.reach(PeerID(peer))
+                items = await call_stream(
+                    self.node.host,
+                    PeerID(peer),
+                    swarm.SLICE_PROTOCOL,
+                    request,
+                    (),
+                    deadline_s=SLICE_TIMEOUT_S,
+                    max_tensor_bytes=4 * length,
+                )
+            except Exception as exc:  # P2PError, and libp2p's own stream errors
+                log.info("no slice of part %d from %s: %s", claim.part, PeerID(peer), exc)
+                return None
+            ok = len(items) == 1 and isinstance(items[0], np.ndarray)
+            if ok and items[0].dtype == np.float32 and items[0].shape == (length,):
+                return items[0]
+            log.info("a malformed slice of part %d from %s", claim.part, PeerID(peer))
+        return None
+
+    async def _rule(self, result: AuditResult) -> None:
+        reducer = str(PeerID(result.reducer))[-8:]
+        outcome = {True: "correct", False: "WRONG", None: "not attributable"}[result.ok]
+        self.emit(
+            f"round {result.round}: audit of part {result.part} reduced by {reducer}: "
+            f"{outcome} ({result.reason})"
+        )
+        self.audit_results.append(result)
+        if result.ok is False:
+            ruling = Verdict(
+                result.round,
+                result.reducer,
+                result.reducer,
+                result.reducer,
+                None,
+                result.part,
+                AGGREGATION,
+                result.reason,
             )
+            self.verdicts.append(ruling)
+            await self._publish()
+        await self._store(audits_key(self.config.run_id), encode_audit_results(self.audit_results))
+
+    async def _publish(self) -> None:
+        await self._store(verdicts_key(self.config.run_id), encode_verdicts(self.verdicts))
+
+    async def _store(self, key: str, data: bytes) -> None:
+        try:
+            await self.node.dht.store(key, data, time.time() + VERDICTS_TTL_S)
         except P2PError as exc:
-            log.info("could not read round %d's commitments: %s", r, exc)
+            log.warning("could not publish %s: %s", key, exc)
+
+    async def _read(self, key: str, decode: Callable[[bytes], T | None]) -> dict[bytes, T]:
+        """``{signer: decoded value}`` of ``key``'s records; malformed values skipped."""
+        try:
+            records = await self.node.dht.get_records(key, latest=True)
+        except P2PError as exc:
+            log.info("could not read %s: %s", key, exc)
             return {}
         out = {}
         for subkey, value in subkey_values(records, now=time.time()).items():
-            claims = RoundClaims.from_bytes(value)
-            if claims is not None:
-                out[records[subkey].owner] = claims
+            decoded = decode(value)
+            if decoded is not None:
+                out[records[subkey].owner] = decoded
         return out

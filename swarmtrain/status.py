@@ -23,7 +23,7 @@ from swarmtrain.coordinator import coordinator_of, fetch_spec
 from swarmtrain.pipeline_progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.progress import Progress, agreed_state, decode_all, progress_key
 from swarmtrain.runspec import RunSpec
-from swarmtrain.verify_plan import Verdict, banned, decode_verdicts, verdicts_key
+from swarmtrain.verify_plan import AGGREGATION, Verdict, banned, decode_verdicts, verdicts_key
 
 # A peer whose latest record is older than this is shown as silent (it may have left).
 SILENT_AFTER_S = 120.0
@@ -136,11 +136,13 @@ class StatusReport:
             cheater = "nobody named"
             if v.cheater is not None:
                 cheater = f"{str(PeerID(v.cheater))[-12:]} banned"
-            lines.append(
-                f"verdict round {v.round}: task of {str(PeerID(v.owner))[-12:]} disputed by "
-                f"{str(PeerID(v.verifier))[-12:]}: {cheater} (step {v.step}, operator {v.op} "
-                f"{v.op_name}: {v.reason})"
+            what = (
+                f"part {v.op} of the all-reduce, reduced by {str(PeerID(v.owner))[-12:]}"
+                if v.op_name == AGGREGATION
+                else f"task of {str(PeerID(v.owner))[-12:]}, disputed by "
+                f"{str(PeerID(v.verifier))[-12:]}"
             )
+            lines.append(f"verdict: {v.describe()}: {what}: {cheater} ({v.reason})")
         if not self.records:
             lines.append("no node has finished a round yet")
             return "\n".join(lines)

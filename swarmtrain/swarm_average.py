@@ -15,7 +15,8 @@ The averager runs in the node's trio loop (``swarmtrain.runtime.PeerRuntime``); 
 the torch thread. ``expected`` (optional) names the peers matchmaking should wait for in a round,
 which is how an announced joiner gets into its first round (``swarmtrain.elastic``); ``exclude``
 (optional) names the peers a round must leave out (banned, or whose task failed verification:
-``swarmtrain.verification``).
+``swarmtrain.verification``); ``check`` (optional) may still fail a finished all-reduce by
+raising ``AveragingFailed`` before DiLoCo applies it (a verified run's aggregation audit).
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ class SwarmAverage:
         averager: swarm.Averager,
         expected: Callable[[int], Iterable[bytes] | None] | None = None,
         exclude: Callable[[int], Iterable[bytes]] | None = None,
+        check: Callable[[swarm.AveragingResult], None] | None = None,
     ) -> None:
         self._runtime = runtime
         self._averager = averager
         self._expected = expected
         self._exclude = exclude
+        self._check = check
         self.last: RoundReport | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -90,6 +93,12 @@ class SwarmAverage:
         except Exception as exc:
             self.last = RoundReport(round, ok=False, error=f"{type(exc).__name__}: {exc}")
             raise
+        if self._check is not None:
+            try:
+                self._check(result)
+            except AveragingFailed as exc:
+                self.last = RoundReport(round, ok=False, error=str(exc))
+                raise
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
         self.last = RoundReport(

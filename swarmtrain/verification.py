@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from diloco import Corpus
+import swarm
+from diloco import AveragingFailed, Corpus
 from p2p import Message, PeerID
 from swarmtrain.runspec import RunConfig
 from swarmtrain.runtime import PeerRuntime
@@ -34,13 +35,17 @@ from swarmtrain.verified_task import Task, make_task, run_fast, run_traced
 from swarmtrain.verify_plan import (
     CLAIMS_TTL_S,
     Assignment,
+    AuditResult,
     Claim,
     Decision,
     RoundClaims,
     Verdict,
+    aggregate_key,
     assignments,
+    audits_key,
     banned,
     decide,
+    decode_audit_results,
     decode_verdicts,
     selected,
     verdicts_key,
@@ -59,10 +64,7 @@ class Banned(RuntimeError):
     """The coordinator's verdict named this peer as a cheater."""
 
     def __init__(self, verdict: Verdict) -> None:
-        super().__init__(
-            f"banned from the run: round {verdict.round}, step {verdict.step}, operator "
-            f"{verdict.op} ({verdict.op_name}): {verdict.reason}"
-        )
+        super().__init__(f"banned from the run: {verdict.describe()}: {verdict.reason}")
         self.verdict = verdict
 
 
@@ -213,6 +215,68 @@ class Verification:
         self._excluded[r] = excluded
         return excluded
 
+    def check_aggregation(self, result: swarm.AveragingResult) -> None:
+        """After the round's all-reduce, before its outer step: publish what we reduced
+        (``swarm.AuditRecord``), then wait for the referee's audits of the round's drawn parts.
+        Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong (every
+        member of the group reads the same ruling, so all of them skip the round)."""
+        r, gid, rate = result.round, result.group_id_bytes, self.config.verify_rate
+        record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
+        try:
+            data = swarm.encode_audits(record)
+            self.runtime.store(aggregate_key(self.config.run_id, r), data, CLAIMS_TTL_S)
+        except Exception as exc:  # the referee then rules on our parts without our claims
+            log.warning("round %d: could not publish what we reduced: %s", r, exc)
+        drawn = [
+            p
+            for p in range(len(result.parts))
+            if swarm.audited(self.config.run_id, r, gid, p, rate)
+        ]
+        deadline = time.monotonic() + self.config.verify_timeout_s
+        ruled: dict[int, AuditResult] = {}
+        while drawn:
+            ruled = {
+                a.part: a
+                for a in self._read_audit_results()
+                if a.round == r and a.group_id == gid and a.part in drawn
+            }
+            wrong = [a for a in ruled.values() if a.ok is False]
+            if wrong:
+                a = wrong[0]
+                raise AveragingFailed(
+                    f"round {r}: the referee found part {a.part} reduced by "
+                    f"{str(PeerID(a.reducer))[-8:]} wrong: {a.reason}"
+                )
+            if len(ruled) == len(drawn) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        if drawn:
+            unsure = [a for a in ruled.values() if a.ok is None]
+            for a in unsure:
+                log.warning("round %d: part %d not attributable: %s", r, a.part, a.reason)
+            if len(ruled) < len(drawn):
+                log.warning(
+                    "round %d: %d of %d drawn parts not audited in time; applying the round",
+                    r, len(drawn) - len(ruled), len(drawn),
+                )  # fmt: skip
+            checked = sum(1 for a in ruled.values() if a.ok)
+            self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(drawn)}"
+
+    def _read_audit_results(self) -> list[AuditResult]:
+        try:
+            values = self.runtime.read(audits_key(self.config.run_id))
+        except Exception as exc:
+            log.info("could not read the audits: %s", exc)
+            return []
+        data = values.get(str(self.coordinator))
+        if data is None:
+            return []
+        try:
+            return decode_audit_results(data)
+        except ValueError as exc:
+            log.warning("the coordinator's audit record is malformed: %s", exc)
+            return []
+
     def note(self, round_number: int) -> str:
         """For the round's progress line: `` verified K/N`` (tasks whose two commitments
         agreed, of those assigned) and how many owners were left out; empty when none."""
@@ -242,8 +306,8 @@ class Verification:
                 self.verdicts.append(v)
                 if v.cheater is not None:
                     self.emit(
-                        f"verdict: peer {str(PeerID(v.cheater))[-8:]} cheated in round {v.round} "
-                        f"(step {v.step}, operator {v.op} {v.op_name}): banned"
+                        f"verdict: peer {str(PeerID(v.cheater))[-8:]} cheated in "
+                        f"{v.describe()}: banned"
                     )
 
     def _read_claims(self, r: int) -> dict[bytes, RoundClaims]:

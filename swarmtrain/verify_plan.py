@@ -42,6 +42,7 @@ MAX_VERDICTS_BYTES = 14 * 1024  # under p2p's 16 KiB record value limit
 MAX_REASON_CHARS = 200
 PEER_ID_MAX_BYTES = 64
 CLAIMS_TTL_S = 600.0
+AGGREGATION = "aggregation"  # a Verdict's op_name when it names a reducer (op: the part)
 VERDICTS_TTL_S = 7 * 24 * 3600.0
 
 
@@ -187,6 +188,13 @@ class Verdict:
     op_name: str
     reason: str
 
+    def describe(self) -> str:
+        """Where the cheating was: ``round r, step s, operator o (name)``, or the part a reducer
+        got wrong."""
+        if self.op_name == AGGREGATION:
+            return f"round {self.round}, part {self.op} of the all-reduce (reduced wrong)"
+        return f"round {self.round}, step {self.step}, operator {self.op} ({self.op_name})"
+
     def to_wire(self) -> list[object]:
         return [
             self.round, self.owner, self.verifier, self.cheater,
@@ -194,14 +202,20 @@ class Verdict:
         ]  # fmt: skip
 
 
-def encode_verdicts(verdicts: Iterable[Verdict]) -> bytes:
-    """The newest ``MAX_VERDICTS`` verdicts, shortened reasons first if still over the limit."""
-    kept = list(verdicts)[-MAX_VERDICTS:]
-    data = msgpack.packb([VERSION, [v.to_wire() for v in kept]], use_bin_type=True)
+def _newest_that_fit(items: list[list[object]], most: int) -> bytes:
+    """The newest ``most`` items (older ones dropped while over the record size limit)."""
+    kept = items[-most:]
+    data = msgpack.packb([VERSION, kept], use_bin_type=True)
     while len(data) > MAX_VERDICTS_BYTES and kept:
         kept = kept[1:]
-        data = msgpack.packb([VERSION, [v.to_wire() for v in kept]], use_bin_type=True)
+        data = msgpack.packb([VERSION, kept], use_bin_type=True)
     return data
+
+
+def encode_verdicts(verdicts: Iterable[Verdict]) -> bytes:
+    """The newest verdicts that fit (the cheaters they name stay banned by the peers that read
+    them; a peer reading later sees only these)."""
+    return _newest_that_fit([v.to_wire() for v in verdicts], MAX_VERDICTS)
 
 
 def decode_verdicts(data: bytes) -> list[Verdict]:
@@ -266,7 +280,7 @@ def decide(
     """
     owner, verifier = assignment.owner, assignment.verifier
     for v in verdicts:
-        if v.round == round_number and v.owner == owner:
+        if v.round == round_number and v.owner == owner and v.op_name != AGGREGATION:
             if v.cheater is not None and v.cheater == verifier:
                 return Decision.ACCEPT, "the verifier was found cheating"
             return Decision.EXCLUDE, f"referee: {v.reason}"
@@ -299,4 +313,67 @@ def disputes(records: Mapping[bytes, RoundClaims]) -> list[tuple[bytes, bytes]]:
             claim = theirs.claims.get(owner)
             if other != owner and claim is not None and claim != mine:
                 out.append((owner, other))
+    return out
+
+
+# -- aggregation audits (issue 5, point 9) --------------------------------------------------------
+
+
+def aggregate_key(run_id: str, round_number: int) -> str:
+    """Where members publish their ``swarm.AuditRecord`` after a verified round."""
+    return f"run/{run_id}/aggregate/{round_number}"
+
+
+def audits_key(run_id: str) -> str:
+    """The coordinator's signed list of ``AuditResult``."""
+    return f"run/{run_id}/audits"
+
+
+MAX_AUDIT_RESULTS = 64
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """The referee's ruling on one part of one group's round: ``ok`` True (recomputed, equal),
+    False (the reducer is named a cheater) or None (could not tell: a slice differed from the
+    reducer's claim, or a contributor did not serve it)."""
+
+    round: int
+    group_id: bytes
+    part: int
+    reducer: bytes
+    ok: bool | None
+    reason: str
+
+    def to_wire(self) -> list[object]:
+        return [
+            self.round, self.group_id, self.part, self.reducer, self.ok,
+            self.reason[:MAX_REASON_CHARS],
+        ]  # fmt: skip
+
+
+def encode_audit_results(results: Iterable[AuditResult]) -> bytes:
+    """The newest results that fit: members wait only for their current round's."""
+    return _newest_that_fit([r.to_wire() for r in results], MAX_AUDIT_RESULTS)
+
+
+def decode_audit_results(data: bytes) -> list[AuditResult]:
+    """Raises ValueError for a malformed list (it is the coordinator's signed record)."""
+    if len(data) > MAX_VERDICTS_BYTES:
+        raise ValueError(f"audit list of {len(data)} bytes is over {MAX_VERDICTS_BYTES}")
+    try:
+        version, body = msgpack.unpackb(data, raw=False)
+        if version != VERSION or not isinstance(body, list) or len(body) > MAX_AUDIT_RESULTS:
+            raise ValueError("unknown audit list version or layout")
+        out = []
+        for r, group_id, part, reducer, ok, reason in body:
+            if not (type(r) is int and type(part) is int and isinstance(group_id, bytes)):
+                raise ValueError("bad audit round, group or part")
+            if not (isinstance(reducer, bytes) and isinstance(ok, bool | None)):
+                raise ValueError("bad audit reducer or outcome")
+            if not isinstance(reason, str):
+                raise ValueError("bad audit reason")
+            out.append(AuditResult(r, group_id, part, reducer, ok, reason))
+    except (TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"malformed audit list: {exc}") from None
     return out

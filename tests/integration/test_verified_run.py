@@ -2,11 +2,16 @@
 peers train on.
 
 Three volunteers and a coordinator on loopback, ``verify.rate = 1`` (every task from round 1 on is
-re-executed by a second peer) and a small model of the default architecture so RepOps rounds
-take a second. Node 2 tampers with one operator's output (one bit) at one inner step of its task
-in round 1, consistently, as a cheater who committed would. Its verifier's commitment differs,
-the coordinator plays the dispute game and names it; the honest peers leave its contribution out
-of round 1 and it stops banned; ``swarmtrain status`` shows the verdict.
+re-executed by a second peer, every part of every all-reduce audited) and a small model of the
+default architecture so RepOps rounds take a second.
+
+* A cheating trainer tampers with one operator's output (one bit) at one inner step of its task
+  in round 1, consistently, as a cheater who committed would. Its verifier's commitment differs,
+  the coordinator plays the dispute game and names it; the honest peers leave its contribution
+  out of round 1 and it stops banned; ``swarmtrain status`` shows the verdict.
+* A lying reducer adds 1.0 to the first value of the part it reduces in round 1 (and claims
+  that output). The coordinator's audit recomputes the part from the contributors' slices and
+  finds it wrong: round 1 fails on every peer, the reducer is banned, the others go on.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from peerproc import SWARMTRAIN
+from peerproc import SWARMTRAIN, PeerProcess
 from runproc import node, round_lines, start_coordinator, wait_exit
 
 SMALL_VERIFIED = {
@@ -30,23 +35,54 @@ SMALL_VERIFIED = {
 CHEAT_ROUND, CHEAT_STEP, CHEAT_OP = 1, 2, 10  # record 10 of a step is a linear layer's output
 
 
-def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on(
-    tmp_path: Path,
-) -> None:
-    rounds = 4
+ROUNDS = 4
+
+
+def _run(tmp_path: Path, *cheat: str) -> tuple[PeerProcess, str, list[PeerProcess], PeerProcess]:
+    """Coordinator, two honest nodes and one started with ``cheat``; waits for every node's
+    exit (the cheater's: status 3, banned)."""
     coordinator, join = start_coordinator(
-        tmp_path, rounds=rounds, inner_steps=4, matchmaking_timeout_s=6.0, settings=SMALL_VERIFIED
+        tmp_path, rounds=ROUNDS, inner_steps=4, matchmaking_timeout_s=6.0, settings=SMALL_VERIFIED
     )
     honest = [node(join, tmp_path / f"n{i}") for i in range(2)]
-    cheat = f"{CHEAT_ROUND}:{CHEAT_STEP}:{CHEAT_OP}"
-    cheater = node(join, tmp_path / "cheater", "--cheat", cheat)
-    peers = [*honest, cheater]
+    cheater = node(join, tmp_path / "cheater", *cheat)
     try:
         assert wait_exit(cheater, 90) == 3, cheater.stderr[-3000:]
         for peer in honest:
             assert wait_exit(peer, 60) == 0, peer.stderr[-3000:]
-        cheater_id = json.loads((tmp_path / "cheater" / "summary.json").read_text())["peer_id"]
-        summaries = [json.loads((tmp_path / f"n{i}" / "summary.json").read_text()) for i in (0, 1)]
+    except BaseException:
+        for peer in [*honest, cheater, coordinator]:
+            peer.stop()
+        raise
+    return coordinator, join, honest, cheater
+
+
+def _status(join: str) -> dict:
+    status = subprocess.run(
+        [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert status.returncode == 0, status.stderr[-2000:]
+    return json.loads(status.stdout.strip().splitlines()[-1])
+
+
+def _summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on(
+    tmp_path: Path,
+) -> None:
+    rounds = ROUNDS
+    cheat = f"{CHEAT_ROUND}:{CHEAT_STEP}:{CHEAT_OP}"
+    coordinator, join, honest, cheater = _run(tmp_path, "--cheat", cheat)
+    peers = [*honest, cheater]
+    try:
+        cheater_id = _summary(tmp_path / "cheater")["peer_id"]
+        summaries = [_summary(tmp_path / f"n{i}") for i in (0, 1)]
 
         # The cheater: named at the round and operator it tampered with, and stopped.
         banned = next(line for line in cheater.lines if line.startswith("this peer was banned"))
@@ -63,8 +99,8 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
                 assert "peers 2" in lines[r] and "agree yes (2/2)" in lines[r], lines[r]
             # Round 1: the cheater's task left out, the other two agreed with their verifiers
             # (the cheater re-executed one of them honestly); then each verifies the other.
-            assert lines[1].endswith(" verified 2/3 excluded 1"), lines[1]
-            assert lines[2].endswith(" verified 2/2"), lines[2]
+            assert lines[1].endswith(" verified 2/3 excluded 1 audited 2/2"), lines[1]
+            assert lines[2].endswith(" verified 2/2 audited 2/2"), lines[2]
             assert summary["rounds_contributed"] == rounds and summary["banned"] == ""
             assert any(
                 line.startswith("verdict: peer " + cheater_id[-8:]) for line in peer.lines
@@ -78,15 +114,7 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
         ruled = [line for line in coordinator.lines if "verdict on the task of" in line]
         assert len(ruled) == 1 and f"cheater {cheater_id[-8:]}" in ruled[0], coordinator.lines
 
-        status = subprocess.run(
-            [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert status.returncode == 0, status.stderr[-2000:]
-        report = json.loads(status.stdout.strip().splitlines()[-1])
+        report = _status(join)
         assert report["banned"] == [cheater_id], report
         (verdict,) = report["verdicts"]
         assert verdict["cheater"] == cheater_id and verdict["round"] == CHEAT_ROUND
@@ -95,3 +123,38 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
         for peer in peers:
             peer.stop()
         coordinator.stop()
+
+
+def test_a_reducer_whose_sum_is_wrong_fails_the_round_everywhere_and_is_banned(
+    tmp_path: Path,
+) -> None:
+    coordinator, join, honest, cheater = _run(tmp_path, "--cheat-reduce", "1")
+    try:
+        cheater_id = _summary(tmp_path / "cheater")["peer_id"]
+        summaries = [_summary(tmp_path / f"n{i}") for i in (0, 1)]
+        banned = next(line for line in cheater.lines if line.startswith("this peer was banned"))
+        assert "round 1, part " in banned and "of the all-reduce (reduced wrong)" in banned
+
+        for peer, summary in zip(honest, summaries, strict=True):
+            lines = round_lines(peer)
+            assert sorted(lines) == list(range(ROUNDS)), peer.lines
+            # Every part of round 0 audited and equal; round 1's wrong part fails the round
+            # before its outer step; then the two honest peers go on without the reducer.
+            assert "peers 3" in lines[0] and lines[0].endswith(" audited 3/3"), lines[0]
+            assert "FAILED (round 1: the referee found part" in lines[1], lines[1]
+            assert cheater_id[-8:] in lines[1], lines[1]
+            for r in (2, 3):
+                assert "peers 2" in lines[r] and "agree yes (2/2)" in lines[r], lines[r]
+                assert lines[r].endswith(" audited 2/2"), lines[r]
+            assert summary["rounds_contributed"] == ROUNDS - 1 and summary["rounds_failed"] == 1
+        assert summaries[0]["state_hash"] == summaries[1]["state_hash"]
+
+        wrong = [line for line in coordinator.lines if "WRONG" in line]
+        assert len(wrong) == 1 and f"reduced by {cheater_id[-8:]}" in wrong[0], coordinator.lines
+        report = _status(join)
+        assert report["banned"] == [cheater_id], report
+        (verdict,) = report["verdicts"]
+        assert verdict["op_name"] == "aggregation" and verdict["round"] == 1, verdict
+    finally:
+        for peer in [*honest, cheater, coordinator]:
+            peer.stop()

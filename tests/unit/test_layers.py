@@ -57,6 +57,7 @@ SANS_IO = [
     "swarm/payload.py",
     "swarm/matchmaking.py",
     "swarm/allreduce.py",
+    "swarm/aggregation_audit.py",
     "swarm/bandwidth.py",
     "swarm/pipeline_records.py",
     "swarm/pipeline_routing.py",
@@ -67,6 +68,7 @@ SANS_IO = [
     "verify/dispute_wire.py",
     "swarmtrain/state_sync_plan.py",
     "swarmtrain/progress.py",
+    "swarmtrain/verify_plan.py",
 ]
 FORBIDDEN_IN_SANS_IO = {"trio", "libp2p", "socket", "time", "random", "asyncio", "threading"}
 

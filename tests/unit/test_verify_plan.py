@@ -10,9 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from swarmtrain.verify_plan import (
+    AGGREGATION,
+    MAX_AUDIT_RESULTS,
     MAX_CLAIMS,
     MAX_VERDICTS_BYTES,
     Assignment,
+    AuditResult,
     Claim,
     Decision,
     RoundClaims,
@@ -20,8 +23,10 @@ from swarmtrain.verify_plan import (
     assignments,
     banned,
     decide,
+    decode_audit_results,
     decode_verdicts,
     disputes,
+    encode_audit_results,
     encode_verdicts,
     majority_start,
     selected,
@@ -168,3 +173,29 @@ def test_a_verdict_settles_the_task_whatever_the_claims_say() -> None:
     assert decide(a, records, ruling(None), 3, timed_out=False)[0] is Decision.EXCLUDE
     # A verdict about another round does not decide this one.
     assert decide(a, records, ruling(a.owner, 2), 3, timed_out=False)[0] is Decision.WAIT
+
+
+def test_audit_results_round_trip_and_a_malformed_list_is_refused() -> None:
+    results = [
+        AuditResult(r, b"g" * 32, r % 3, PEERS[r % 4], [True, False, None][r % 3], "why" * 100)
+        for r in range(100)
+    ]
+    data = encode_audit_results(results)
+    assert len(data) <= MAX_VERDICTS_BYTES
+    decoded = decode_audit_results(data)
+    assert 40 < len(decoded) <= MAX_AUDIT_RESULTS and decoded[-1].round == 99
+    assert [d.ok for d in decoded[-3:]] == [False, None, True]  # rounds 97, 98, 99
+    assert decoded[-1].reason == ("why" * 100)[:200]
+    with pytest.raises(ValueError):
+        decode_audit_results(msgpack.packb([1, [[0, b"g", 0, PEERS[0], "yes", ""]]]))
+    with pytest.raises(ValueError):
+        decode_audit_results(b"\xc1")
+
+
+def test_an_aggregation_verdict_does_not_settle_the_reducers_task() -> None:
+    a = Assignment(PEERS[0], PEERS[1])
+    ruling = Verdict(3, a.owner, a.owner, a.owner, None, 2, AGGREGATION, "sum wrong")
+    assert "part 2 of the all-reduce" in ruling.describe()
+    agreeing = _records(_claim(1), _claim(1))
+    assert decide(a, agreeing, [ruling], 3, timed_out=False)[0] is Decision.ACCEPT
+    assert set(banned([ruling])) == {a.owner}  # banned all the same

@@ -1,0 +1,163 @@
+"""Auditable aggregation: what a reducer says it summed, and a referee's recomputation of a part.
+
+With exact (lossless) averaging, a reduced part is a pure function of its inputs
+(``allreduce.reduce_part``: contributors' slices and weights, summed in sorted peer order in
+float64). So a reducer can commit to a part by publishing, per part it reduced, each input's
+SHA-256 with its weight and the output's SHA-256 (``PartAudit``, from ``audits_of`` after the
+round). A referee that fetches the slices from their contributors checks them against the input
+hashes and recomputes the part (``recheck``):
+
+* inputs match, output differs: the reducer cheated (its sum is wrong) - attributable;
+* an input differs from the reducer's claim: the reducer or that contributor lies about what was
+  sent, which the referee cannot tell apart (slices are not signed by their senders): reported as
+  such, nobody named.
+
+``audited`` draws which parts a referee checks: SHA-256 of (run, round, group, part) under a
+rate, so every member knows which results to wait for. ``encode_audits``/``decode_audits`` are
+a member's published ``AuditRecord`` (sizes bounded; garbage decodes to None).
+
+Pure: no IO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from swarm.allreduce import AllReduce, reduce_part
+
+VERSION = 1
+MAX_AUDIT_RECORD_BYTES = 14 * 1024
+MAX_PARTS = 256
+MAX_INPUTS = 256
+_SLICE_TAG = b"swarmtrain/slice/1"
+
+
+def slice_hash(values: np.ndarray) -> bytes:
+    """SHA-256 of a float32 slice's little-endian bytes (tagged)."""
+    data = np.ascontiguousarray(values, dtype="<f4")
+    return hashlib.sha256(_SLICE_TAG + memoryview(data).cast("B")).digest()
+
+
+@dataclass(frozen=True)
+class PartAudit:
+    """A reducer's claim about one part: its range, each input (peer, weight, slice hash) in
+    sorted peer order, and the output's hash."""
+
+    part: int
+    start: int
+    stop: int
+    inputs: tuple[tuple[bytes, float, bytes], ...]
+    output: bytes
+
+    def to_wire(self) -> list[object]:
+        return [self.part, self.start, self.stop, [list(i) for i in self.inputs], self.output]
+
+
+def audits_of(machine: AllReduce) -> list[PartAudit]:
+    """The parts ``machine`` reduced itself over the round's final contributor set (call after
+    it finished; the driver must have averaged losslessly, so a part's held values are the
+    reduction itself). Hashing costs one pass over the parts this peer reduced, times the group
+    size."""
+    members = frozenset(machine.members)
+    out = []
+    for p, over in sorted(machine.reduced_here.items()):
+        held = machine.held[p]
+        if held is None or held[1] != over or over != members:
+            continue  # re-reduced elsewhere over another set: not what we hold
+        _, start, stop = machine.parts[p]
+        inputs = tuple((q, machine.weights[q], slice_hash(machine.raw[p][q])) for q in sorted(over))
+        out.append(PartAudit(p, start, stop, inputs, slice_hash(held[0])))
+    return out
+
+
+def recheck(audit: PartAudit, slices: Mapping[bytes, np.ndarray]) -> tuple[bool | None, str]:
+    """The referee's ruling on one part from each contributor's slice: ``(True, why)`` the output
+    is the reduction of the claimed inputs; ``(False, why)`` it is not (the reducer cheated);
+    ``(None, why)`` a slice is missing or differs from the claimed input (nobody can be named)."""
+    contributions = {}
+    for peer, weight, digest in audit.inputs:
+        values = slices.get(peer)
+        if values is None:
+            return None, f"no slice from {peer.hex()[-8:]}"
+        if len(values) != audit.stop - audit.start or slice_hash(values) != digest:
+            return None, f"{peer.hex()[-8:]}'s slice differs from the reducer's claimed input"
+        contributions[peer] = (np.asarray(values, np.float32), weight)
+    if slice_hash(reduce_part(contributions)) != audit.output:
+        return False, f"part {audit.part}: the reducer's output is not the mean of its inputs"
+    return True, f"part {audit.part}: output recomputed, equal"
+
+
+def audited(run_id: str, round_number: int, group_id: bytes, part: int, rate: float) -> bool:
+    """Whether a referee audits ``part`` of this round's group (probability ``rate``)."""
+    if rate <= 0:
+        return False
+    digest = hashlib.sha256(
+        b"swarmtrain/audit/select"
+        + len(run_id).to_bytes(4, "little")
+        + run_id.encode()
+        + round_number.to_bytes(8, "little")
+        + group_id
+        + part.to_bytes(4, "little")
+    ).digest()
+    return int.from_bytes(digest[:8], "little") < rate * 2**64
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """What a member publishes after a round: the round, its group, every part's reducer (as
+    this member saw the round end) and its claims about the parts it reduced itself."""
+
+    round: int
+    group_id: bytes
+    reducers: tuple[bytes, ...]
+    audits: tuple[PartAudit, ...]
+
+
+def encode_audits(record: AuditRecord) -> bytes:
+    """Raises ValueError when over the record limit."""
+    body = [a.to_wire() for a in record.audits]
+    data = msgpack.packb(
+        [VERSION, record.round, record.group_id, list(record.reducers), body], use_bin_type=True
+    )
+    if len(data) > MAX_AUDIT_RECORD_BYTES:
+        raise ValueError(f"{len(body)} part audits are {len(data)} bytes, over the limit")
+    return data
+
+
+def decode_audits(data: bytes) -> AuditRecord | None:
+    """None for anything malformed."""
+    if len(data) > MAX_AUDIT_RECORD_BYTES:
+        return None
+    try:
+        version, round_number, group_id, reducers, body = msgpack.unpackb(data, raw=False)
+        if version != VERSION or type(round_number) is not int or not isinstance(group_id, bytes):
+            return None
+        if not isinstance(body, list) or len(body) > MAX_PARTS:
+            return None
+        if not isinstance(reducers, list) or len(reducers) > MAX_PARTS:
+            return None
+        if not all(isinstance(r, bytes) and 0 < len(r) <= 64 for r in reducers):
+            return None
+        audits = []
+        for part, start, stop, inputs, output in body:
+            if not all(type(x) is int for x in (part, start, stop)) or not 0 <= start <= stop:
+                return None
+            if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS:
+                return None
+            checked = []
+            for peer, weight, digest in inputs:
+                ok = isinstance(peer, bytes) and isinstance(weight, float) and weight > 0
+                if not (ok and isinstance(digest, bytes) and len(digest) == 32):
+                    return None
+                checked.append((peer, weight, digest))
+            if not (isinstance(output, bytes) and len(output) == 32):
+                return None
+            audits.append(PartAudit(part, start, stop, tuple(checked), output))
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return AuditRecord(round_number, group_id, tuple(reducers), tuple(audits))
