@@ -22,7 +22,7 @@ Pure: no IO.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -110,20 +110,37 @@ def audited(run_id: str, round_number: int, group_id: bytes, part: int, rate: fl
 @dataclass(frozen=True)
 class AuditRecord:
     """What a member publishes after a round: the round, its group, every part's reducer (as
-    this member saw the round end) and its claims about the parts it reduced itself."""
+    this member saw the round end), its claims about the parts it reduced itself, and the parts
+    it disputes (asks a referee to audit, drawn or not)."""
 
     round: int
     group_id: bytes
     reducers: tuple[bytes, ...]
     audits: tuple[PartAudit, ...]
+    disputed: tuple[int, ...] = ()
+
+
+def contested(record: AuditRecord, me: bytes, mine: Sequence[bytes]) -> list[int]:
+    """Parts whose claim in ``record`` lists an input from ``me`` whose hash is not that of our
+    slice (``mine[part]``): the reducer says it summed something we did not send."""
+    out = []
+    for audit in record.audits:
+        for peer, _, digest in audit.inputs:
+            if peer == me and 0 <= audit.part < len(mine) and digest != mine[audit.part]:
+                out.append(audit.part)
+    return out
 
 
 def encode_audits(record: AuditRecord) -> bytes:
     """Raises ValueError when over the record limit."""
     body = [a.to_wire() for a in record.audits]
     data = msgpack.packb(
-        [VERSION, record.round, record.group_id, list(record.reducers), body], use_bin_type=True
-    )
+        [
+            VERSION, record.round, record.group_id, list(record.reducers), body,
+            list(record.disputed),
+        ],
+        use_bin_type=True,
+    )  # fmt: skip
     if len(data) > MAX_AUDIT_RECORD_BYTES:
         raise ValueError(f"{len(body)} part audits are {len(data)} bytes, over the limit")
     return data
@@ -134,7 +151,11 @@ def decode_audits(data: bytes) -> AuditRecord | None:
     if len(data) > MAX_AUDIT_RECORD_BYTES:
         return None
     try:
-        version, round_number, group_id, reducers, body = msgpack.unpackb(data, raw=False)
+        version, round_number, group_id, reducers, body, disputed = msgpack.unpackb(data, raw=False)
+        if not isinstance(disputed, list) or len(disputed) > MAX_PARTS:
+            return None
+        if not all(type(p) is int and p >= 0 for p in disputed):
+            return None
         if version != VERSION or type(round_number) is not int or not isinstance(group_id, bytes):
             return None
         if not isinstance(body, list) or len(body) > MAX_PARTS:
@@ -160,4 +181,4 @@ def decode_audits(data: bytes) -> AuditRecord | None:
             audits.append(PartAudit(part, start, stop, tuple(checked), output))
     except (ValueError, TypeError, msgpack.UnpackException):
         return None
-    return AuditRecord(round_number, group_id, tuple(reducers), tuple(audits))
+    return AuditRecord(round_number, group_id, tuple(reducers), tuple(audits), tuple(disputed))

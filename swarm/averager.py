@@ -53,7 +53,7 @@ from p2p import (
     open_node,
     serve_stream,
 )
-from swarm.aggregation_audit import PartAudit, audits_of
+from swarm.aggregation_audit import PartAudit, audits_of, slice_hash
 from swarm.allreduce_session import (
     PROTOCOL,
     AveragingFailed,
@@ -146,6 +146,7 @@ class AveragingResult:
     parts: tuple[tuple[int, int], ...] = ()  # every part's [start, stop) in the vector
     group_id_bytes: bytes = b""
     reducers: tuple[bytes, ...] = ()  # each part's reducer as the round ended here
+    slice_hashes: tuple[bytes, ...] = ()  # with config.audit: our slice of each part, hashed
 
     @functools.cached_property
     def digest(self) -> str:
@@ -309,8 +310,13 @@ class Averager:
             self._bandwidth.observe(session.upload_bps)
         averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
         audits: list[PartAudit] = []
+        mine: list[bytes] = []
         if self.config.audit:
             audits = await trio.to_thread.run_sync(audits_of, session.machine)
+            local = session.machine.local
+            mine = await trio.to_thread.run_sync(
+                lambda: [slice_hash(local[a:b]) for _, a, b in session.parts]
+            )
             self._contributed[(r, group.group_id)] = session.machine.local
             for key in sorted(self._contributed)[:-KEEP_CONTRIBUTIONS]:
                 del self._contributed[key]
@@ -330,6 +336,7 @@ class Averager:
             parts=tuple((start, stop) for _, start, stop in session.parts),
             group_id_bytes=group.group_id,
             reducers=tuple(session.machine.reducer_of),
+            slice_hashes=tuple(mine),
         )
 
     async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:

@@ -17,7 +17,9 @@ slice protocol, which serves the coordinator only), checks them against the redu
 recomputes the sum (``swarm.recheck``). The ruling goes into the signed list under
 ``run/<id>/audits``, which members wait for before applying the round: a wrong sum fails the
 round everywhere and bans the reducer (a verdict with ``op_name`` "aggregation"), as does a
-reducer that published no claim about a drawn part within half the verify timeout.
+reducer that published no claim about a drawn part within half the verify timeout. A member may
+also dispute a part (``AuditRecord.disputed``: it does so when the reducer's claim lists an
+input from it that is not its slice); disputed parts are audited whether drawn or not.
 
 One dispute or audit at a time, each bounded by deadlines; a round is watched until peers
 publish claims two rounds later.
@@ -177,7 +179,8 @@ class RefereeService:
                 key = (r, gid, p)
                 if key in self._audited:
                     continue
-                if not swarm.audited(self.config.run_id, r, gid, p, self.config.verify_rate):
+                drawn = swarm.audited(self.config.run_id, r, gid, p, self.config.verify_rate)
+                if not drawn and not any(p in rec.disputed for rec in members.values()):
                     continue
                 own = members.get(reducer)
                 claim = next((a for a in own.audits if a.part == p), None) if own else None

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -217,28 +217,33 @@ class Verification:
 
     def check_aggregation(self, result: swarm.AveragingResult) -> None:
         """After the round's all-reduce, before its outer step: publish what we reduced
-        (``swarm.AuditRecord``), then wait for the referee's audits of the round's drawn parts.
-        Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong (every
-        member of the group reads the same ruling, so all of them skip the round)."""
+        (``swarm.AuditRecord``); dispute every part whose reducer claims an input from us that
+        is not our slice; wait for the referee's audits of the round's drawn parts and of those
+        we dispute. Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong
+        (every member waits for the drawn parts, so all of them skip the round)."""
         r, gid, rate = result.round, result.group_id_bytes, self.config.verify_rate
         record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
-        try:
-            data = swarm.encode_audits(record)
-            self.runtime.store(aggregate_key(self.config.run_id, r), data, CLAIMS_TTL_S)
-        except Exception as exc:  # the referee then rules on our parts without our claims
-            log.warning("round %d: could not publish what we reduced: %s", r, exc)
-        drawn = [
-            p
-            for p in range(len(result.parts))
-            if swarm.audited(self.config.run_id, r, gid, p, rate)
-        ]
+        self._publish_audits(record)
+        run = self.config.run_id
+        drawn = {p for p in range(len(result.parts)) if swarm.audited(run, r, gid, p, rate)}
+        disputed: set[int] = set()
         deadline = time.monotonic() + self.config.verify_timeout_s
         ruled: dict[int, AuditResult] = {}
-        while drawn:
+        while True:
+            for other in self._read_group_records(r, gid):
+                new = set(swarm.contested(other, self.me, result.slice_hashes)) - disputed
+                if new:
+                    disputed |= new
+                    self.emit(
+                        f"round {r}: disputing part(s) {sorted(new)}: their reducer claims an "
+                        "input from us that we did not send"
+                    )
+                    self._publish_audits(replace(record, disputed=tuple(sorted(disputed))))
+            awaited = drawn | disputed
             ruled = {
                 a.part: a
                 for a in self._read_audit_results()
-                if a.round == r and a.group_id == gid and a.part in drawn
+                if a.round == r and a.group_id == gid and a.part in awaited
             }
             wrong = [a for a in ruled.values() if a.ok is False]
             if wrong:
@@ -247,20 +252,37 @@ class Verification:
                     f"round {r}: the referee found part {a.part} reduced by "
                     f"{str(PeerID(a.reducer))[-8:]} wrong: {a.reason}"
                 )
-            if len(ruled) == len(drawn) or time.monotonic() >= deadline:
+            if len(ruled) == len(awaited) or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
-        if drawn:
-            unsure = [a for a in ruled.values() if a.ok is None]
-            for a in unsure:
+        for a in ruled.values():
+            if a.ok is None:
                 log.warning("round %d: part %d not attributable: %s", r, a.part, a.reason)
-            if len(ruled) < len(drawn):
-                log.warning(
-                    "round %d: %d of %d drawn parts not audited in time; applying the round",
-                    r, len(drawn) - len(ruled), len(drawn),
-                )  # fmt: skip
+        if len(ruled) < len(awaited):
+            log.warning(
+                "round %d: %d of %d awaited parts not audited in time; applying the round",
+                r, len(awaited) - len(ruled), len(awaited),
+            )  # fmt: skip
+        if awaited:
             checked = sum(1 for a in ruled.values() if a.ok)
-            self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(drawn)}"
+            self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(awaited)}"
+
+    def _publish_audits(self, record: swarm.AuditRecord) -> None:
+        try:
+            data = swarm.encode_audits(record)
+            key = aggregate_key(self.config.run_id, record.round)
+            self.runtime.store(key, data, CLAIMS_TTL_S)
+        except Exception as exc:  # the referee then rules on our parts without our claims
+            log.warning("round %d: could not publish what we reduced: %s", record.round, exc)
+
+    def _read_group_records(self, r: int, gid: bytes) -> list[swarm.AuditRecord]:
+        try:
+            values = self.runtime.read(aggregate_key(self.config.run_id, r))
+        except Exception as exc:
+            log.info("round %d: could not read the reducers' claims: %s", r, exc)
+            return []
+        found = (swarm.decode_audits(data) for data in values.values())
+        return [rec for rec in found if rec is not None and rec.round == r and rec.group_id == gid]
 
     def _read_audit_results(self) -> list[AuditResult]:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import msgpack
 import numpy as np
@@ -17,6 +18,7 @@ from swarm.aggregation_audit import (
     PartAudit,
     audited,
     audits_of,
+    contested,
     decode_audits,
     encode_audits,
     recheck,
@@ -121,3 +123,20 @@ def test_the_audit_draw_follows_the_rate() -> None:
     assert 0.24 < sum(draws) / len(draws) < 0.36
     assert not audited("run", 0, b"g", 0, 0.0)
     assert all(audited("run", r, b"g", 1, 1.0) for r in range(20))
+
+
+def test_a_contributor_contests_a_claim_that_lists_an_input_it_did_not_send() -> None:
+    net, audit = _one_claim()
+    me, other = net.ids[1], net.ids[2]
+
+    def hashes(peer: bytes) -> list[bytes]:
+        return [slice_hash(net.vectors[peer][a:b]) for _, a, b in net.machines[peer].parts]
+
+    mine = hashes(me)
+    honest = AuditRecord(0, b"g", tuple(net.ids), (audit,))
+    assert contested(honest, me, mine) == []
+    forged = tuple((p, w, slice_hash(np.zeros(3)) if p == me else h) for p, w, h in audit.inputs)
+    lying = AuditRecord(0, b"g", tuple(net.ids), (replace(audit, inputs=forged),), (2,))
+    assert contested(lying, me, mine) == [audit.part]
+    assert contested(lying, other, hashes(other)) == []  # its input is claimed right
+    assert decode_audits(encode_audits(lying)) == lying  # the disputed parts travel too
