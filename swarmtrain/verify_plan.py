@@ -218,15 +218,24 @@ def encode_verdicts(verdicts: Iterable[Verdict]) -> bytes:
     return _newest_that_fit([v.to_wire() for v in verdicts], MAX_VERDICTS)
 
 
-def decode_verdicts(data: bytes) -> list[Verdict]:
-    """Raises ValueError for a malformed list (it comes from the coordinator's signed record,
-    so a malformed one is a bug or an attack worth a loud error)."""
+def _list_body(data: bytes, what: str, most: int) -> list[object]:
+    """The items of one of the coordinator's signed lists. Raises ValueError when it is malformed
+    (a bug or an attack worth a loud error, not a value to skip)."""
     if len(data) > MAX_VERDICTS_BYTES:
-        raise ValueError(f"verdict list of {len(data)} bytes is over {MAX_VERDICTS_BYTES}")
+        raise ValueError(f"{what} list of {len(data)} bytes is over {MAX_VERDICTS_BYTES}")
     try:
         version, body = msgpack.unpackb(data, raw=False)
-        if version != VERSION or not isinstance(body, list) or len(body) > MAX_VERDICTS:
-            raise ValueError("unknown verdict list version or layout")
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"malformed {what} list: {exc}") from None
+    if version != VERSION or not isinstance(body, list) or len(body) > most:
+        raise ValueError(f"unknown {what} list version or layout")
+    return body
+
+
+def decode_verdicts(data: bytes) -> list[Verdict]:
+    """Raises ValueError for a malformed list."""
+    body = _list_body(data, "verdict", MAX_VERDICTS)
+    try:
         out = []
         for r, owner, verifier, cheater, step, op, op_name, reason in body:
             if not (type(r) is int and r >= 0 and isinstance(owner, bytes)):
@@ -238,7 +247,7 @@ def decode_verdicts(data: bytes) -> list[Verdict]:
             if not (isinstance(op_name, str) and isinstance(reason, str)):
                 raise ValueError("bad verdict text")
             out.append(Verdict(r, owner, verifier, cheater, step, op, op_name, reason))
-    except (TypeError, msgpack.UnpackException) as exc:
+    except TypeError as exc:  # an item that is not a list of the right length
         raise ValueError(f"malformed verdict list: {exc}") from None
     return out
 
@@ -358,13 +367,9 @@ def encode_audit_results(results: Iterable[AuditResult]) -> bytes:
 
 
 def decode_audit_results(data: bytes) -> list[AuditResult]:
-    """Raises ValueError for a malformed list (it is the coordinator's signed record)."""
-    if len(data) > MAX_VERDICTS_BYTES:
-        raise ValueError(f"audit list of {len(data)} bytes is over {MAX_VERDICTS_BYTES}")
+    """Raises ValueError for a malformed list."""
+    body = _list_body(data, "audit", MAX_AUDIT_RESULTS)
     try:
-        version, body = msgpack.unpackb(data, raw=False)
-        if version != VERSION or not isinstance(body, list) or len(body) > MAX_AUDIT_RESULTS:
-            raise ValueError("unknown audit list version or layout")
         out = []
         for r, group_id, part, reducer, ok, reason in body:
             if not (type(r) is int and type(part) is int and isinstance(group_id, bytes)):
@@ -374,6 +379,6 @@ def decode_audit_results(data: bytes) -> list[AuditResult]:
             if not isinstance(reason, str):
                 raise ValueError("bad audit reason")
             out.append(AuditResult(r, group_id, part, reducer, ok, reason))
-    except (TypeError, msgpack.UnpackException) as exc:
+    except TypeError as exc:
         raise ValueError(f"malformed audit list: {exc}") from None
     return out

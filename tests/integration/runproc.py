@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -78,6 +79,19 @@ def node(join: str, state_dir: Path, *extra: str) -> PeerProcess:
             *extra,
         ]
     )
+
+
+def status_json(join: str) -> dict:
+    """``swarmtrain status --json`` of the run behind ``join``, as a dict."""
+    status = subprocess.run(
+        [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert status.returncode == 0, status.stderr[-2000:]
+    return json.loads(status.stdout.strip().splitlines()[-1])
 
 
 def round_lines(peer: PeerProcess) -> dict[int, str]:

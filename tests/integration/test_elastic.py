@@ -8,15 +8,13 @@ stop the run. Waits are keyed on printed lines and bounded; nothing sleeps to sy
 
 from __future__ import annotations
 
-import json
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
-from peerproc import ROOT, SWARMTRAIN, PeerProcess
-from runproc import ROUND_LINE, node, round_lines, start_coordinator, wait_exit
+from peerproc import ROOT, PeerProcess
+from runproc import ROUND_LINE, node, round_lines, start_coordinator, status_json, wait_exit
 
 
 def _state_of(line: str) -> str:
@@ -58,15 +56,7 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
             theirs = peer.wait_line(lambda s: s.startswith(f"round {first} "), timeout_s=30)
             assert _state_of(theirs) == _state_of(line), (theirs, line)
 
-        status = subprocess.run(
-            [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert status.returncode == 0, status.stderr[-2000:]
-        report = json.loads(status.stdout.strip().splitlines()[-1])
+        report = status_json(join)
         assert report["rounds"] == rounds and report["peers"] == 4, report
         assert report["round"] >= first and report["loss"] > 0 and report["tokens_per_s"] > 0
         assert report["state_holders"] >= 3, report

@@ -17,11 +17,10 @@ default architecture so RepOps rounds take a second.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
-from peerproc import SWARMTRAIN, PeerProcess
-from runproc import node, round_lines, start_coordinator, wait_exit
+from peerproc import PeerProcess
+from runproc import node, round_lines, start_coordinator, status_json, wait_exit
 
 SMALL_VERIFIED = {
     "d_model": "32",
@@ -55,18 +54,6 @@ def _run(tmp_path: Path, *cheat: str) -> tuple[PeerProcess, str, list[PeerProces
             peer.stop()
         raise
     return coordinator, join, honest, cheater
-
-
-def _status(join: str) -> dict:
-    status = subprocess.run(
-        [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert status.returncode == 0, status.stderr[-2000:]
-    return json.loads(status.stdout.strip().splitlines()[-1])
 
 
 def _summary(path: Path) -> dict:
@@ -114,7 +101,7 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
         ruled = [line for line in coordinator.lines if "verdict on the task of" in line]
         assert len(ruled) == 1 and f"cheater {cheater_id[-8:]}" in ruled[0], coordinator.lines
 
-        report = _status(join)
+        report = status_json(join)
         assert report["banned"] == [cheater_id], report
         (verdict,) = report["verdicts"]
         assert verdict["cheater"] == cheater_id and verdict["round"] == CHEAT_ROUND
@@ -151,7 +138,7 @@ def test_a_reducer_whose_sum_is_wrong_fails_the_round_everywhere_and_is_banned(
 
         wrong = [line for line in coordinator.lines if "WRONG" in line]
         assert len(wrong) == 1 and f"reduced by {cheater_id[-8:]}" in wrong[0], coordinator.lines
-        report = _status(join)
+        report = status_json(join)
         assert report["banned"] == [cheater_id], report
         (verdict,) = report["verdicts"]
         assert verdict["op_name"] == "aggregation" and verdict["round"] == 1, verdict
