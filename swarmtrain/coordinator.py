@@ -8,7 +8,8 @@ to demand; ``fetch_spec`` is that check, on the volunteer's side.
 
 Output on stdout, nothing else there: the run line, then the exact command volunteers run; for
 a pipeline run (``pipeline.stages > 0``) two commands: a stage server's, then a trainer's
-(``--role trainer``).
+(``--role trainer``). A verified run (``verify.rate > 0``) also prints each dispute and verdict
+and each audit that found a part wrong (``swarmtrain.referee_service``).
 """
 
 from __future__ import annotations

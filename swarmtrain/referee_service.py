@@ -242,10 +242,14 @@ class RefereeService:
     async def _rule(self, result: AuditResult) -> None:
         reducer = str(PeerID(result.reducer))[-8:]
         outcome = {True: "correct", False: "WRONG", None: "not attributable"}[result.ok]
-        self.emit(
+        line = (
             f"round {result.round}: audit of part {result.part} reduced by {reducer}: "
             f"{outcome} ({result.reason})"
         )
+        if result.ok:
+            log.info("%s", line)  # every round's routine: the log, not the console
+        else:
+            self.emit(line)
         self.audit_results.append(result)
         if result.ok is False:
             ruling = Verdict(

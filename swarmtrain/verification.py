@@ -10,6 +10,9 @@ Each round, before averaging:
    banned peer are the round's exclusion set, which matchmaking ignores (``swarm.Averager``'s
    ``exclude``): a contribution that failed verification never reaches the all-reduce. Raises
    ``Banned`` when a verdict names us.
+3. ``check_aggregation`` (after the all-reduce, before the outer step): publish what we reduced
+   (``swarm.AuditRecord``), dispute a part whose reducer claims an input from us we did not
+   send, and wait for the coordinator's audits of the drawn parts; a wrong sum fails the round.
 
 The providers of the last two rounds stay in memory and answer the referee's dispute queries
 (only the coordinator's: an operator opening costs a step of compute). Their memory is H + 1
@@ -23,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,6 +37,7 @@ from swarmtrain.runspec import RunConfig
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.verified_task import Task, make_task, run_fast, run_traced
 from swarmtrain.verify_plan import (
+    AGREE,
     CLAIMS_TTL_S,
     Assignment,
     AuditResult,
@@ -55,6 +60,7 @@ from verify.dispute_driver import serve_provider
 from verify.provider import Provider
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.5
 KEEP_ROUNDS = 2
@@ -70,12 +76,10 @@ class Banned(RuntimeError):
 
 @dataclass
 class RoundWork:
-    """Our own task's outcome: the final parameters, its losses, and what we verified."""
+    """Our own task's outcome: the final parameters and the loss of each step."""
 
     params: dict[str, np.ndarray]
     losses: list[float]
-    traced: bool
-    verified: list[bytes]  # owners whose task we re-executed
 
 
 def peer_bytes(peer_id: str) -> bytes:
@@ -136,6 +140,8 @@ class Verification:
             self._members[round_number + 1] = frozenset(peer_bytes(p) for p in contributors)
         for old in [r for r in self._members if r <= round_number]:
             del self._members[old]
+        for old in [r for r in self._excluded if r <= round_number]:
+            del self._excluded[old]
 
     def _plan(self, round_number: int) -> list[Assignment]:
         """The round's assignments; none when we do not know its members (the first round, or
@@ -154,27 +160,24 @@ class Verification:
         tamper = None
         if self.cheat is not None and self.cheat[0] == r:
             tamper = (self.cheat[1], self.cheat[2])
-        traced = selected(self.config.run_id, r, self.me, rate)
-        if traced:
+        if selected(self.config.run_id, r, self.me, rate):
             provider = run_traced(own, tamper)
             self._keep(r, provider)
             claims[self.me] = _claim(provider)
             final = provider.final_state
         else:
             final = run_fast(own)
-        verified = []
         for a in self._plan(r):
             if a.verifier == self.me:
                 provider = run_traced(self._task(r, a.owner, params))
                 self._keep(r, provider)
                 claims[a.owner] = _claim(provider)
-                verified.append(a.owner)
         record = RoundClaims(own.spec.start_state_hash, claims)
         try:
             self.runtime.store(verify_key(self.config.run_id, r), record.to_bytes(), CLAIMS_TTL_S)
         except Exception as exc:  # the gate then leaves our task out: logged, not fatal
             log.warning("round %d: could not publish our commitments: %s", r, exc)
-        return RoundWork({n: final[n] for n in params}, own.losses, traced, verified)
+        return RoundWork({n: final[n] for n in params}, own.losses)
 
     def _task(self, r: int, owner: bytes, params: dict[str, np.ndarray]) -> Task:
         return make_task(self.config, self.corpus, self.run_seed, r, owner, params)
@@ -200,12 +203,12 @@ class Verification:
             time.sleep(POLL_S)
         left_out = {a.owner for a, d, _ in decisions if d is Decision.EXCLUDE}
         for a, d, why in decisions:
-            if d is Decision.EXCLUDE or why != "commitments agree":
+            if why != AGREE:
                 self.emit(
                     f"round {r} verification: task of {str(PeerID(a.owner))[-8:]} "
                     f"(verifier {str(PeerID(a.verifier))[-8:]}): {d.value}, {why}"
                 )
-        checked = sum(1 for _, d, why in decisions if why == "commitments agree")
+        checked = sum(1 for _, _, why in decisions if why == AGREE)
         if plan:
             log.info("round %d: %d of %d verified tasks agree", r, checked, len(plan))
             self._notes[r] = f" verified {checked}/{len(plan)}" + (
@@ -285,19 +288,19 @@ class Verification:
         return [rec for rec in found if rec is not None and rec.round == r and rec.group_id == gid]
 
     def _read_audit_results(self) -> list[AuditResult]:
+        return self._coordinators_list(audits_key(self.config.run_id), decode_audit_results)
+
+    def _coordinators_list(self, key: str, decode: Callable[[bytes], list[T]]) -> list[T]:
+        """The coordinator's signed entry under ``key``, decoded (entries others wrote there
+        are ignored); empty when there is none or it cannot be read."""
         try:
-            values = self.runtime.read(audits_key(self.config.run_id))
-        except Exception as exc:
-            log.info("could not read the audits: %s", exc)
-            return []
-        data = values.get(str(self.coordinator))
-        if data is None:
-            return []
-        try:
-            return decode_audit_results(data)
+            data = self.runtime.read(key).get(str(self.coordinator))
+            return [] if data is None else decode(data)
         except ValueError as exc:
-            log.warning("the coordinator's audit record is malformed: %s", exc)
-            return []
+            log.warning("the coordinator's %s is malformed: %s", key, exc)
+        except Exception as exc:
+            log.info("could not read %s: %s", key, exc)
+        return []
 
     def note(self, round_number: int) -> str:
         """For the round's progress line: `` verified K/N`` (tasks whose two commitments
@@ -310,20 +313,7 @@ class Verification:
         return found if found is not None else frozenset(banned(self.verdicts))
 
     def _read_verdicts(self) -> None:
-        try:
-            values = self.runtime.read(verdicts_key(self.config.run_id))
-        except Exception as exc:
-            log.info("could not read the verdicts: %s", exc)
-            return
-        data = values.get(str(self.coordinator))  # only the coordinator's signed entry counts
-        if data is None:
-            return
-        try:
-            verdicts = decode_verdicts(data)
-        except ValueError as exc:
-            log.warning("the coordinator's verdict record is malformed: %s", exc)
-            return
-        for v in verdicts:
+        for v in self._coordinators_list(verdicts_key(self.config.run_id), decode_verdicts):
             if v not in self.verdicts:
                 self.verdicts.append(v)
                 if v.cheater is not None:

@@ -43,6 +43,7 @@ MAX_REASON_CHARS = 200
 PEER_ID_MAX_BYTES = 64
 CLAIMS_TTL_S = 600.0
 AGGREGATION = "aggregation"  # a Verdict's op_name when it names a reducer (op: the part)
+AGREE = "commitments agree"  # decide's reason when the owner's and verifier's claims are equal
 VERDICTS_TTL_S = 7 * 24 * 3600.0
 
 
@@ -299,7 +300,7 @@ def decide(
     theirs = check.claims.get(owner) if check is not None else None
     if mine is not None and theirs is not None:
         if mine == theirs:
-            return Decision.ACCEPT, "commitments agree"
+            return Decision.ACCEPT, AGREE
         if timed_out:
             return Decision.EXCLUDE, "commitments differ and no verdict came in time"
         return Decision.WAIT, "commitments differ; waiting for the coordinator's verdict"
