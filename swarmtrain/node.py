@@ -19,6 +19,11 @@ H and the number of rounds all come from the spec. Around its rounds, ``swarmtra
 catches up with a swarm that is ahead (download of the agreed state from several peers), serves
 our state to joiners, re-syncs when our hash disagrees with the majority, and publishes the
 progress records ``swarmtrain status`` reads.
+
+In a verified run (``[verify] rate > 0``, docs/verification.md) the inner phase is a RepOps task
+on the CPU instead (``swarmtrain.verification``): re-executed for other peers when drawn, gated
+on the verifiers' agreement and the coordinator's verdicts before averaging, and the all-reduce's
+drawn parts audited before the outer step.
 """
 
 from __future__ import annotations
