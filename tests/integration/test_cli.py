@@ -157,3 +157,21 @@ def test_node_refuses_a_device_it_does_not_have_before_joining(tmp_path: Path) -
     assert result.returncode == 1, result
     assert "--device cuda: torch sees no CUDA device here" in result.stderr, result.stderr
     assert not (tmp_path / "identity.key").exists()  # refused before anything started
+
+
+def test_verify_settings_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    rate = _run("local", "--verify-rate", "1.5", "--workdir", str(tmp_path / "a"))
+    assert rate.returncode == 1 and "--verify-rate must be in [0, 1], got 1.5" in rate.stderr
+    piped = _run("local", "--verify-rate", "0.5", "--pipeline-stages", "2")
+    assert piped.returncode == 2 and "needs a DiLoCo run" in piped.stderr
+    config = tmp_path / "run.toml"
+    assert _run("init", str(config)).returncode == 0
+    text = config.read_text()
+    assert "[verify]" in text and "rate = 0.0" in text
+    key = str(tmp_path / "k")
+    config.write_text(text.replace("rate = 0.0", "rate = 0.5").replace("stages = 0", "stages = 2"))
+    both = _run("coordinator", "--identity", key, "--config", str(config))
+    assert both.returncode == 1 and "verify.rate (0.5) needs a DiLoCo run" in both.stderr
+    config.write_text(text.replace("rate = 0.0", "rate = 2"))
+    bad = _run("coordinator", "--identity", key, "--config", str(config))
+    assert bad.returncode == 1 and "verify.rate must be a number in [0, 1], got 2" in bad.stderr
