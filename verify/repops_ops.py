@@ -116,17 +116,25 @@ def scratch(
     transpose of a contiguous tensor the buffer is laid out the same way, so that elementwise
     passes between the two read and write memory in order (GEMM takes either layout)."""
     transposed = like.dim() >= 2 and not like.is_contiguous() and like.mT.is_contiguous()
-    shape = like.mT.shape if transposed else like.shape
-    numel, device = like.numel(), like.device if device is None else device
-    if numel > SCRATCH_MAX:
-        out = torch.empty(shape, dtype=dtype, device=device)
-    else:
-        key = (slot, dtype, device)
-        buffer = _SCRATCH.buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = _SCRATCH.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        out = buffer[:numel].view(shape)
+    out = _buffer(
+        slot,
+        like.mT.shape if transposed else like.shape,
+        dtype,
+        like.device if device is None else device,
+    )
     return out.mT if transposed else out
+
+
+def _buffer(slot: str, shape: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous per-thread scratch tensor of ``shape`` (see ``scratch``)."""
+    numel = math.prod(shape)
+    if numel > SCRATCH_MAX:
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (slot, dtype, device)
+    buffer = _SCRATCH.buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffer[:numel].view(shape)
 
 
 def _grid(x: torch.Tensor, dim: int, bits: int, slot: str | None = None) -> torch.Tensor:
@@ -145,7 +153,9 @@ def _grid(x: torch.Tensor, dim: int, bits: int, slot: str | None = None) -> torc
     # Both branches round to the same grid, so choosing by the data changes no bit; the float32
     # one is cheaper but its constant would overflow for magnitudes near float32's maximum.
     if bits <= 22 and int(e.max()) <= 100:
-        magic = pow2_f64(e + (23 - bits)).mul_(1.5).to(F32)
+        # 1.5 * 2**(e + 23 - bits) built from its float32 fields: biased exponent
+        # e + 23 - bits + 127 (in [28, 249] here, a normal number) and the top mantissa bit.
+        magic = e.add_(150 - bits).bitwise_left_shift_(23).bitwise_or_(1 << 22).view(F32)
         shifted = torch.add(x, magic, out=scratch("grid32", x, F32)).sub_(magic)
         return out.copy_(shifted)
     magic = pow2_f64(e + (52 - bits)).mul_(1.5)
@@ -176,13 +186,18 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
         bits_a, bits_b = a_bits, 53 - ceil_log2(min(k, MAX_CHUNK)) - a_bits
     qa = _grid(a, -1, bits_a, "matmul.a")
     qb = _grid(b, -2, bits_b, "matmul.b")
-    lead = torch.broadcast_shapes(qa.shape[:-2], qb.shape[:-2])
-    like = torch.empty((*lead, qa.shape[-2], qb.shape[-1]), device="meta")
-    out = scratch("mm", like, F64, a.device)
-    torch.matmul(qa[..., :MAX_CHUNK], qb[..., :MAX_CHUNK, :], out=out)
+    lead = qa.shape[:-2]
+    if lead != qb.shape[:-2]:
+        lead = torch.broadcast_shapes(lead, qb.shape[:-2])
+    shape = (*lead, qa.shape[-2], qb.shape[-1])
+    out = _buffer("mm", shape, F64, a.device)
+    if k <= MAX_CHUNK:
+        torch.matmul(qa, qb, out=out)
+    else:
+        torch.matmul(qa[..., :MAX_CHUNK], qb[..., :MAX_CHUNK, :], out=out)
     for start in range(MAX_CHUNK, k, MAX_CHUNK):
         chunk = slice(start, start + MAX_CHUNK)
-        part = scratch("mm.part", like, F64, a.device)
+        part = _buffer("mm.part", shape, F64, a.device)
         out.add_(torch.matmul(qa[..., chunk], qb[..., chunk, :], out=part))
     return _to_f32_no_negative_zero(out)
 
