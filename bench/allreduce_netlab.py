@@ -358,6 +358,8 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 argv.append("--trace")
             if args.verbose:
                 argv.append("-v")
+            if args.no_pace:
+                argv.append("--no-pace")
             workers.append(Proc(f"peer{k}", ns, argv, log_dir))
         procs.extend(workers)
         ids, addrs, deadline = [], [], time.monotonic() + START_TIMEOUT_S
@@ -517,6 +519,11 @@ def main() -> int:
         "is dropped)",
     )
     parser.add_argument("--trace", action="store_true", help="time every item in the workers")
+    parser.add_argument(
+        "--no-pace",
+        action="store_true",
+        help="do not pace the data channels (each at its share of the link: the default)",
+    )
     parser.add_argument(
         "--tcp-baseline",
         action="store_true",

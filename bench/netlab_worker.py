@@ -170,6 +170,8 @@ def blast_main(ip: str, targets: list[str], per_target: int, chunk: int, port: i
         left = per_target
         if not chunk:
             with socket.create_connection((target, port)) as conn:
+                if pacing := int(os.environ.get("BLAST_PACING_BPS", "0")):
+                    conn.setsockopt(socket.SOL_SOCKET, 47, pacing // 8)  # SO_MAX_PACING_RATE
                 while left:
                     n = min(left, len(payload))
                     conn.sendall(payload[:n])
@@ -312,6 +314,7 @@ async def peer_main(args: argparse.Namespace) -> None:
                 allreduce_timeout_s=args.allreduce_timeout,
                 peer_timeout_s=args.peer_timeout,
                 bandwidth_bps=args.bandwidth_bps,
+                pace=not args.no_pace,
             ),
         )
         await nursery.start(averager.run)
@@ -384,6 +387,7 @@ def main() -> int:
     peer.add_argument("--allreduce-timeout", type=float, default=120.0)
     peer.add_argument("--peer-timeout", type=float, default=3.0)
     peer.add_argument("--bandwidth-bps", type=float, default=1e9)
+    peer.add_argument("--no-pace", action="store_true", help="unpaced data channels")
     peer.add_argument("--trace", action="store_true")
     peer.add_argument("-v", action="store_true", help="INFO logging on stderr")
     delay = sub.add_parser("delay")

@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -75,6 +76,8 @@ from p2p.wire import decode, encode
 log = logging.getLogger(__name__)
 
 PROTOCOL = "/swarmtrain/bulk/1"
+# Linux's SO_MAX_PACING_RATE (include/uapi/asm-generic/socket.h); Python does not name it.
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +294,21 @@ class BulkChannel:
             except (OSError, trio.TooSlowError) as exc:
                 raise _io_failure("receiving on the bulk channel", exc) from None
         self._broken = False
+
+    def limit_rate(self, bytes_per_s: float) -> bool:
+        """Cap this channel's sending rate (the kernel paces the TCP connection: Linux's
+        ``SO_MAX_PACING_RATE``). Several senders into one receiver each paced at their share of
+        its link never overflow its queue, where unpaced flows lose packets and back off (TCP
+        incast). Returns False where it cannot pace (a relayed channel rides the libp2p stream;
+        a platform without the option)."""
+        if self._sock is None or not bytes_per_s > 0:
+            return False
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(bytes_per_s))
+        except OSError as exc:
+            log.debug("cannot pace the bulk channel: %s", exc)
+            return False
+        return True
 
     def _check(self) -> None:
         if self._broken:

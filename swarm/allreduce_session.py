@@ -77,6 +77,9 @@ log = logging.getLogger(__name__)
 PROTOCOL = "/swarmtrain/allreduce/1"
 KIND_SLICE, KIND_REDUCED = 0, 1
 INLINE_MAX_BYTES = 256 * 1024
+# Paced channels together take this share of our link: just under it, so the flows meeting at a
+# receiver stay below its rate and its queue drains between bursts.
+PACING_SHARE = 0.97
 # Below this many elements the machine runs on the event loop: a thread hop costs more.
 THREAD_MIN_NUMEL = 1 << 16
 # Each peer's share is cut into chunks, so that a reducer reduces and sends chunk k while chunk
@@ -166,6 +169,10 @@ class SessionConfig:
     heartbeat_s: float = 0.5
     bulk: BulkConfig = field(default_factory=BulkConfig)
     cheat_reduce: bool = False  # tests of the aggregation audit: our reduced parts are wrong
+    # Our upload link's rate, when known (configured, not measured): each pair's channel is then
+    # paced at its share, rate x PACING_SHARE / (N - 1), so the N - 1 flows into a receiver fit
+    # its link (equal links) instead of overflowing its queue and backing off (TCP incast).
+    pace_bps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -548,6 +555,9 @@ class Session:
                         listener=self.node.bulk_listener,
                         config=self._bulk,
                     )
+                    if self.config.pace_bps and len(self.peers) > 1:
+                        share = self.config.pace_bps * PACING_SHARE / (len(self.peers) - 1)
+                        channel.limit_rate(share / 8)
                 with self._uploading():
                     await channel.send(payload)
                 self._bulk_sent += len(payload)

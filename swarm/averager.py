@@ -110,6 +110,9 @@ class AveragerConfig:
     # recheck; needs lossless averaging (``compression`` NONE).
     audit: bool = False
     auditor: bytes | None = None
+    # Pace each pair's data channel at its share of ``bandwidth_bps`` (only when that is set:
+    # pacing below a link's real rate would waste it; ``swarm.allreduce_session.PACING_SHARE``).
+    pace: bool = True
     # A lying reducer, for tests and demos of the audit: in this round every part we reduce is
     # sent (and claimed) with 1.0 added to its first value.
     cheat_reduce_round: int | None = None
@@ -286,6 +289,7 @@ class Averager:
                 heartbeat_s=self.config.heartbeat_s,
                 bulk=self.config.bulk,
                 cheat_reduce=self.config.cheat_reduce_round == r,
+                pace_bps=self.config.bandwidth_bps if self.config.pace else None,
             ),
         )
         self._sessions[group.group_id] = session

@@ -520,3 +520,44 @@ async def test_channel_payload_of_the_wrong_length_is_refused() -> None:
             received, sent = await exchange(peers, receive, send)
     received.unwrap()
     sent.unwrap()
+
+
+async def test_a_rate_limited_channel_is_paced_and_a_relayed_one_says_it_cannot() -> None:
+    """``limit_rate`` caps what the kernel sends: 3 MiB at 2 MiB/s cannot arrive in under a
+    second (unpaced, loopback moves it in milliseconds). A channel riding the libp2p stream
+    cannot be paced and says so."""
+    payload = os.urandom(3 * MiB)
+
+    async def send(stream: Any, direct: bool) -> bool:
+        channel = await open_channel(stream, direct=direct)
+        try:
+            paced = channel.limit_rate(2 * MiB)
+            await channel.send(payload)
+            await trio.sleep(0.5 if direct else 0)  # the receiver reads what is in flight
+        finally:
+            channel.close()
+        return paced
+
+    async def receive(stream: Any, direct: bool) -> float:
+        listener = peers.receiver_listener if direct else None
+        channel = await accept_channel(stream, direct=direct, listener=listener)
+        try:
+            buffer = bytearray(len(payload))
+            started = trio.current_time()
+            await channel.receive(buffer)
+            assert buffer == payload
+            return trio.current_time() - started
+        finally:
+            channel.close()
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(
+                peers, lambda s: receive(s, True), lambda s: send(s, True)
+            )
+            assert sent.unwrap() is True
+            assert received.unwrap() > 1.0
+            received, sent = await exchange(
+                peers, lambda s: receive(s, False), lambda s: send(s, False)
+            )
+            assert sent.unwrap() is False
