@@ -31,8 +31,11 @@ import numpy as np
 from swarm.allreduce import AllReduce, reduce_part
 
 VERSION = 1
-MAX_AUDIT_RECORD_BYTES = 14 * 1024
+MAX_AUDIT_RECORD_BYTES = 15872  # under p2p.records.MAX_VALUE_BYTES (16 KiB)
 MAX_PARTS = 256
+# Parts per round the audit covers: a member's record lists every part's reducer (~40 bytes) and
+# each of its own parts' inputs (~85 bytes each): under 15.5 KiB with 64 members.
+MAX_AUDITED_PARTS = 96
 MAX_INPUTS = 256
 _SLICE_TAG = b"swarmtrain/slice/1"
 
@@ -92,9 +95,13 @@ def recheck(audit: PartAudit, slices: Mapping[bytes, np.ndarray]) -> tuple[bool 
     return True, f"part {audit.part}: output recomputed, equal"
 
 
-def audited(run_id: str, round_number: int, group_id: bytes, part: int, rate: float) -> bool:
-    """Whether a referee audits ``part`` of this round's group (probability ``rate``)."""
-    if rate <= 0:
+def audited(
+    run_id: str, round_number: int, group_id: bytes, part: int, rate: float, parts: int
+) -> bool:
+    """Whether a referee audits ``part`` of this round's group (probability ``rate``), which has
+    ``parts`` parts in all. A round of more than ``MAX_AUDITED_PARTS`` parts is not audited: a
+    member's record (every part's reducer, and its claims) would outgrow one DHT value."""
+    if rate <= 0 or parts > MAX_AUDITED_PARTS:
         return False
     digest = hashlib.sha256(
         b"swarmtrain/audit/select"

@@ -179,7 +179,8 @@ class RefereeService:
                 key = (r, gid, p)
                 if key in self._audited:
                     continue
-                drawn = swarm.audited(self.config.run_id, r, gid, p, self.config.verify_rate)
+                rate, n = self.config.verify_rate, len(reducers)
+                drawn = swarm.audited(self.config.run_id, r, gid, p, rate, n)
                 if not drawn and not any(p in rec.disputed for rec in members.values()):
                     continue
                 own = members.get(reducer)
@@ -187,9 +188,10 @@ class RefereeService:
                 if claim is None:
                     if trio.current_time() - seen < grace_s:
                         continue
-                    result = AuditResult(
-                        r, gid, p, reducer, False, f"the reducer published no claim about part {p}"
-                    )
+                    # Owed for a drawn part only: a disputed part of a round too big to audit
+                    # may have no claim through no fault of its reducer.
+                    why = f"the reducer published no claim about part {p}"
+                    result = AuditResult(r, gid, p, reducer, False if drawn else None, why)
                 else:
                     result = await self._recheck(r, gid, reducer, claim)
                 self._audited.add(key)

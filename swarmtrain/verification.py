@@ -228,7 +228,8 @@ class Verification:
         record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
         self._publish_audits(record)
         run = self.config.run_id
-        drawn = {p for p in range(len(result.parts)) if swarm.audited(run, r, gid, p, rate)}
+        n = len(result.parts)
+        drawn = {p for p in range(n) if swarm.audited(run, r, gid, p, rate, n)}
         disputed: set[int] = set()
         deadline = time.monotonic() + self.config.verify_timeout_s
         ruled: dict[int, AuditResult] = {}

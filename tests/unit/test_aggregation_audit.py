@@ -14,6 +14,7 @@ from test_allreduce import FakeNetwork, build, make_vectors, round_setup
 
 from swarm.aggregation_audit import (
     MAX_AUDIT_RECORD_BYTES,
+    MAX_AUDITED_PARTS,
     AuditRecord,
     PartAudit,
     audited,
@@ -119,10 +120,23 @@ def test_the_record_decoder_never_raises(data: bytes) -> None:
 
 
 def test_the_audit_draw_follows_the_rate() -> None:
-    draws = [audited("run", r, b"g", p, 0.3) for r in range(100) for p in range(10)]
+    draws = [audited("run", r, b"g", p, 0.3, 10) for r in range(100) for p in range(10)]
     assert 0.24 < sum(draws) / len(draws) < 0.36
-    assert not audited("run", 0, b"g", 0, 0.0)
-    assert all(audited("run", r, b"g", 1, 1.0) for r in range(20))
+    assert not audited("run", 0, b"g", 0, 0.0, 10)
+    assert all(audited("run", r, b"g", 1, 1.0, 10) for r in range(20))
+    # A round cut into more parts than one record can describe is not audited at all.
+    assert not any(audited("run", r, b"g", 1, 1.0, MAX_AUDITED_PARTS + 1) for r in range(20))
+
+
+def test_a_member_record_at_the_audited_limit_fits_one_dht_value() -> None:
+    """The worst ordinary case: MAX_AUDITED_PARTS parts among 64 members, a member reducing its
+    share of them (two parts) with 64 inputs each, peer ids of libp2p's 38 bytes."""
+    members = [bytes([i]) * 38 for i in range(64)]
+    inputs = tuple((m, 1.0, b"h" * 32) for m in members)
+    claims = tuple(PartAudit(p, 0, 10, inputs, b"o" * 32) for p in range(2))
+    record = AuditRecord(7, b"g" * 32, tuple(members[p % 64] for p in range(MAX_AUDITED_PARTS)),
+                         claims, tuple(range(8)))  # fmt: skip
+    assert len(encode_audits(record)) <= MAX_AUDIT_RECORD_BYTES
 
 
 def test_a_contributor_contests_a_claim_that_lists_an_input_it_did_not_send() -> None:
