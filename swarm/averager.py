@@ -70,6 +70,8 @@ from swarm.payload import Layout
 log = logging.getLogger(__name__)
 
 STATE_HASH_TTL_S = 3600.0
+HELLO_TIMEOUT_S = 10.0
+MAX_NUMEL = 1 << 30
 SLICE_PROTOCOL = "/swarmtrain/slice/1"
 KEEP_CONTRIBUTIONS = 2  # rounds whose contribution an auditing peer keeps
 
@@ -82,10 +84,6 @@ class SliceRequest(Message):
     group_id: bytes
     start: int
     stop: int
-
-
-HELLO_TIMEOUT_S = 10.0
-MAX_NUMEL = 1 << 30
 
 
 @dataclass(frozen=True)
