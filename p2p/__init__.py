@@ -55,6 +55,7 @@ from p2p.records import (
     peer_id_from_public_key,
     subkey_values,
     validate_record,
+    verify_peer_signature,
 )
 from p2p.rpc import (
     RpcStream,
@@ -131,4 +132,5 @@ __all__ = [
     "subkey_values",
     "upnp_status",
     "validate_record",
+    "verify_peer_signature",
 ]

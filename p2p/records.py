@@ -79,6 +79,19 @@ def peer_id_from_public_key(public_key: bytes) -> bytes:
     return _ED25519_PEER_ID_PREFIX + public_key
 
 
+def verify_peer_signature(peer_id: bytes, message: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is the Ed25519 signature over ``message`` by the key inside
+    ``peer_id`` (an identity-multihash Ed25519 peer id; any other form is False)."""
+    if len(peer_id) != PEER_ID_BYTES or not peer_id.startswith(_ED25519_PEER_ID_PREFIX):
+        return False
+    try:
+        key = Ed25519PublicKey.from_public_bytes(peer_id[len(_ED25519_PEER_ID_PREFIX) :])
+        key.verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True
+
+
 def subkey_owner(subkey: bytes) -> bytes | None:
     """The peer id a subkey is bound to, or None if the subkey is not of an owner-bound form."""
     owner = subkey[:PEER_ID_BYTES]
@@ -155,6 +168,11 @@ class RecordSigner:
         self._private_key = Ed25519PrivateKey.from_private_bytes(seed)
         self.public_key = self._private_key.public_key().public_bytes_raw()
         self.peer_id = peer_id_from_public_key(self.public_key)
+
+    def sign_message(self, message: bytes) -> bytes:
+        """An Ed25519 signature over ``message`` (callers domain-separate it themselves), which
+        anyone checks against our peer id with ``verify_peer_signature``."""
+        return self._private_key.sign(message)
 
     def subkey(self, tag: bytes = b"") -> bytes:
         """This identity's own subkey, optionally with a tag (``peer_id/tag``)."""

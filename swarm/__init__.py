@@ -24,7 +24,10 @@ from swarm.aggregation_audit import (
     contested,
     decode_audits,
     encode_audits,
+    merge_records,
+    proof_message,
     recheck,
+    split_record,
 )
 from swarm.allreduce import AllReduce, AllReduceState, partition, reduce_part
 from swarm.allreduce_session import AveragingFailed
@@ -88,15 +91,18 @@ __all__ = [
     "derive_groups",
     "encode_audits",
     "matchmaking",
+    "merge_records",
     "param_digest",
     "partition",
     "pipeline_routing",
     "plan_move",
+    "proof_message",
     "rebalance",
     "recheck",
     "reduce_part",
     "round_key",
     "servers_key",
+    "split_record",
     "stage_status",
     "target_round",
 ]

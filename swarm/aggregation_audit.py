@@ -7,10 +7,12 @@ SHA-256 with its weight and the output's SHA-256 (``PartAudit``, from ``audits_o
 round). A referee that fetches the slices from their contributors checks them against the input
 hashes and recomputes the part (``recheck``):
 
-* inputs match, output differs: the reducer cheated (its sum is wrong) - attributable;
-* an input differs from the reducer's claim: the reducer or that contributor lies about what was
-  sent, which the referee cannot tell apart (slices are not signed by their senders): reported as
-  such, nobody named.
+* inputs match, output differs: the reducer cheated (its sum is wrong);
+* an input's claimed hash carries no valid signature of its contributor: the reducer claims to
+  have summed something nobody sent (every slice travels with its sender's Ed25519 signature over
+  ``proof_message``: run, round, group, part, weight, slice hash, and the reducer checked it on
+  receipt);
+* a contributor serves the referee a slice other than the one it signed: that contributor lies.
 
 ``audited`` draws which parts a referee checks: SHA-256 of (run, round, group, part) under a
 rate, so every member knows which results to wait for. ``encode_audits``/``decode_audits`` are
@@ -22,8 +24,8 @@ Pure: no IO.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import msgpack
 import numpy as np
@@ -34,10 +36,33 @@ VERSION = 1
 MAX_AUDIT_RECORD_BYTES = 15872  # under p2p.records.MAX_VALUE_BYTES (16 KiB)
 MAX_PARTS = 256
 # Parts per round the audit covers: a member's record lists every part's reducer (~40 bytes) and
-# each of its own parts' inputs (~85 bytes each): under 15.5 KiB with 64 members.
-MAX_AUDITED_PARTS = 96
+# each of its own parts' inputs (~150 bytes each, a signature included): under 15.5 KiB with 64
+# members.
+MAX_AUDITED_PARTS = 64
 MAX_INPUTS = 256
 _SLICE_TAG = b"swarmtrain/slice/1"
+_PROOF_TAG = b"swarmtrain/slice-proof/1"
+MAX_PROOF_BYTES = 128
+
+
+def proof_message(
+    run_id: str, round_number: int, group_id: bytes, part: int, weight: float, digest: bytes
+) -> bytes:
+    """What a contributor signs for its slice of ``part``: a reducer cannot claim to have summed
+    other bytes, or another weight, from it without this signature."""
+    return b"".join(
+        [
+            _PROOF_TAG,
+            len(run_id).to_bytes(4, "little"),
+            run_id.encode(),
+            round_number.to_bytes(8, "little"),
+            len(group_id).to_bytes(4, "little"),
+            group_id,
+            part.to_bytes(4, "little"),
+            np.float64(weight).tobytes(),
+            digest,
+        ]
+    )
 
 
 def slice_hash(values: np.ndarray) -> bytes:
@@ -48,24 +73,24 @@ def slice_hash(values: np.ndarray) -> bytes:
 
 @dataclass(frozen=True)
 class PartAudit:
-    """A reducer's claim about one part: its range, each input (peer, weight, slice hash) in
-    sorted peer order, and the output's hash."""
+    """A reducer's claim about one part: its range, each input (peer, weight, slice hash, the
+    peer's signature over them) in sorted peer order, and the output's hash."""
 
     part: int
     start: int
     stop: int
-    inputs: tuple[tuple[bytes, float, bytes], ...]
+    inputs: tuple[tuple[bytes, float, bytes, bytes], ...]
     output: bytes
 
     def to_wire(self) -> list[object]:
         return [self.part, self.start, self.stop, [list(i) for i in self.inputs], self.output]
 
 
-def audits_of(machine: AllReduce) -> list[PartAudit]:
+def audits_of(machine: AllReduce, proofs: Mapping[tuple[int, bytes], bytes]) -> list[PartAudit]:
     """The parts ``machine`` reduced itself over the round's final contributor set (call after
     it finished; the driver must have averaged losslessly, so a part's held values are the
-    reduction itself). Hashing costs one pass over the parts this peer reduced, times the group
-    size."""
+    reduction itself), with each input's signature from ``proofs[(part, peer)]``. Hashing costs
+    one pass over the parts this peer reduced, times the group size."""
     members = frozenset(machine.members)
     out = []
     for p, over in sorted(machine.reduced_here.items()):
@@ -73,26 +98,45 @@ def audits_of(machine: AllReduce) -> list[PartAudit]:
         if held is None or held[1] != over or over != members:
             continue  # re-reduced elsewhere over another set: not what we hold
         _, start, stop = machine.parts[p]
-        inputs = tuple((q, machine.weights[q], slice_hash(machine.raw[p][q])) for q in sorted(over))
+        inputs = tuple(
+            (q, machine.weights[q], slice_hash(machine.raw[p][q]), proofs.get((p, q), b""))
+            for q in sorted(over)
+        )
         out.append(PartAudit(p, start, stop, inputs, slice_hash(held[0])))
     return out
 
 
-def recheck(audit: PartAudit, slices: Mapping[bytes, np.ndarray]) -> tuple[bool | None, str]:
-    """The referee's ruling on one part from each contributor's slice: ``(True, why)`` the output
-    is the reduction of the claimed inputs; ``(False, why)`` it is not (the reducer cheated);
-    ``(None, why)`` a slice is missing or differs from the claimed input (nobody can be named)."""
+@dataclass(frozen=True)
+class Ruling:
+    """``ok`` True: the output is the reduction of the claimed inputs. False: someone cheated:
+    ``contributor`` (it serves other bytes than it signed), else the reducer. None: cannot tell
+    (a contributor did not serve its slice)."""
+
+    ok: bool | None
+    reason: str
+    contributor: bytes | None = None
+
+
+ProofCheck = Callable[[bytes, float, bytes, bytes], bool]  # (peer, weight, digest, proof)
+
+
+def recheck(audit: PartAudit, slices: Mapping[bytes, np.ndarray], valid: ProofCheck) -> Ruling:
+    """The referee's ruling on one part, from each contributor's slice as it serves it and
+    ``valid(peer, weight, digest, proof)`` (the signature check of ``proof_message``)."""
     contributions = {}
-    for peer, weight, digest in audit.inputs:
+    for peer, weight, digest, proof in audit.inputs:
+        if not valid(peer, weight, digest, proof):
+            return Ruling(False, f"part {audit.part}: an input {peer.hex()[-8:]} never signed")
         values = slices.get(peer)
         if values is None:
-            return None, f"no slice from {peer.hex()[-8:]}"
+            return Ruling(None, f"part {audit.part}: no slice from {peer.hex()[-8:]}")
         if len(values) != audit.stop - audit.start or slice_hash(values) != digest:
-            return None, f"{peer.hex()[-8:]}'s slice differs from the reducer's claimed input"
+            why = f"part {audit.part}: {peer.hex()[-8:]} serves other bytes than it signed"
+            return Ruling(False, why, contributor=peer)
         contributions[peer] = (np.asarray(values, np.float32), weight)
     if slice_hash(reduce_part(contributions)) != audit.output:
-        return False, f"part {audit.part}: the reducer's output is not the mean of its inputs"
-    return True, f"part {audit.part}: output recomputed, equal"
+        return Ruling(False, f"part {audit.part}: the output is not the mean of its inputs")
+    return Ruling(True, f"part {audit.part}: output recomputed, equal")
 
 
 def audited(
@@ -127,12 +171,43 @@ class AuditRecord:
     disputed: tuple[int, ...] = ()
 
 
+def split_record(record: AuditRecord) -> list[bytes]:
+    """``record`` encoded as one value, or as several (each with the reducers and disputed parts,
+    and a share of the claims) when one would outgrow a DHT value: a member that took over lost
+    peers' parts may claim many. Raises ValueError only if a single claim is too big."""
+    try:
+        return [encode_audits(record)]
+    except ValueError:
+        if len(record.audits) <= 1:
+            raise
+    half = len(record.audits) // 2
+    return [
+        *split_record(replace(record, audits=record.audits[:half])),
+        *split_record(replace(record, audits=record.audits[half:])),
+    ]
+
+
+def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:
+    """One member's values (``split_record``) joined again: claims by part, disputes united.
+    None when they disagree on the round or group."""
+    if not records:
+        return None
+    first = records[0]
+    if any(r.round != first.round or r.group_id != first.group_id for r in records):
+        return None
+    claims = {a.part: a for r in records for a in r.audits}
+    disputed = sorted({p for r in records for p in r.disputed})
+    return AuditRecord(
+        first.round, first.group_id, first.reducers, tuple(claims.values()), tuple(disputed)
+    )
+
+
 def contested(record: AuditRecord, me: bytes, mine: Sequence[bytes]) -> list[int]:
     """Parts whose claim in ``record`` lists an input from ``me`` whose hash is not that of our
     slice (``mine[part]``): the reducer says it summed something we did not send."""
     out = []
     for audit in record.audits:
-        for peer, _, digest in audit.inputs:
+        for peer, _, digest, _ in audit.inputs:
             if peer == me and 0 <= audit.part < len(mine) and digest != mine[audit.part]:
                 out.append(audit.part)
     return out
@@ -178,11 +253,13 @@ def decode_audits(data: bytes) -> AuditRecord | None:
             if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS:
                 return None
             checked = []
-            for peer, weight, digest in inputs:
+            for peer, weight, digest, proof in inputs:
                 ok = isinstance(peer, bytes) and isinstance(weight, float) and weight > 0
                 if not (ok and isinstance(digest, bytes) and len(digest) == 32):
                     return None
-                checked.append((peer, weight, digest))
+                if not (isinstance(proof, bytes) and len(proof) <= MAX_PROOF_BYTES):
+                    return None
+                checked.append((peer, weight, digest, proof))
             if not (isinstance(output, bytes) and len(output) == 32):
                 return None
             audits.append(PartAudit(part, start, stop, tuple(checked), output))

@@ -3,7 +3,7 @@
 Wire, per ordered pair of group members (sender -> receiver), one libp2p stream on ``PROTOCOL``:
 
     Hello(run_id, group_id, layout digest)
-    ( Item(kind, part, weight, contributors, nbytes, inline)  [payload over the bulk plane] )*
+    ( Item(kind, part, weight, contributors, nbytes, inline, proof)  [payload, bulk plane] )*
     Done()                       -- the sender finished; it may still forward parts after this
 
 An item's payload rides inline when small, else on the pair's ``p2p.BulkChannel``, negotiated on
@@ -52,7 +52,9 @@ from p2p import (
     message,
     open_channel,
     stream_kind,
+    verify_peer_signature,
 )
+from swarm.aggregation_audit import MAX_PROOF_BYTES, proof_message, slice_hash
 from swarm.allreduce import (
     AllReduce,
     DeadlineReached,
@@ -151,6 +153,9 @@ class Item(Message):
     weights: tuple[float, ...]
     nbytes: int
     inline: bytes
+    # A slice's sender signs (run, round, group, part, weight, SHA-256 of the slice) when the
+    # round is audited (``SessionConfig.sign``): its reducer can then prove what it summed.
+    proof: bytes = b""
 
 
 @message(102, max_bytes=128)
@@ -173,6 +178,9 @@ class SessionConfig:
     # paced at its share, rate x PACING_SHARE / (N - 1), so the N - 1 flows into a receiver fit
     # its link (equal links) instead of overflowing its queue and backing off (TCP incast).
     pace_bps: float | None = None
+    # An audited round (``swarm.aggregation_audit``): sign our slices with this (our identity's
+    # ``RecordSigner.sign_message``) and refuse a slice whose proof does not verify.
+    sign: Callable[[bytes], bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -224,6 +232,7 @@ class Session:
         self._out = np.empty(len(local), np.float32)
         self._landed: set[int] = set()
         self._landing: set[int] = set()
+        self.proofs: dict[tuple[int, bytes], bytes] = {}  # (part, sender) -> slice proof
         self.machine = AllReduce(
             self.me,
             self.peers,
@@ -457,6 +466,43 @@ class Session:
             out[start:stop] = self.layout.round_trip(local[start:stop], start)
         return out
 
+    async def _own_proof(self, part: int) -> bytes:
+        """Our signature over our slice of ``part`` (as the wire carries it), made once."""
+        proof = self.proofs.get((part, self.me))
+        if proof is None:
+            _, start, stop = self.parts[part]
+            values = self.machine.local[start:stop]
+            digest = await self._hash(values)
+            assert self.config.sign is not None
+            message = self._proof_message(part, self.machine.weight, digest)
+            proof = self.proofs[(part, self.me)] = self.config.sign(message)
+        return proof
+
+    async def _check_proof(self, peer: bytes, item: Item, values: np.ndarray) -> None:
+        """Refuse a slice its sender did not sign as it is: its reducer could not prove it."""
+        if len(item.proof) > MAX_PROOF_BYTES:
+            raise RemoteProtocolError("slice proof over its size limit")
+        digest = await self._hash(values)
+        message = self._proof_message(item.part_index, item.weight, digest)
+        if not verify_peer_signature(peer, message, item.proof):
+            raise RemoteProtocolError(f"slice of part {item.part_index}: its proof does not verify")
+        self.proofs[(item.part_index, peer)] = item.proof
+
+    def _proof_message(self, part: int, weight: float, digest: bytes) -> bytes:
+        return proof_message(self.run_id, self.group.round, self.group_id, part, weight, digest)
+
+    async def _hash(self, values: np.ndarray) -> bytes:
+        if len(values) >= THREAD_MIN_NUMEL:
+            return await trio.to_thread.run_sync(slice_hash, values)
+        return slice_hash(values)
+
+    async def audit_proofs(self) -> dict[tuple[int, bytes], bytes]:
+        """Every slice proof of the round: ours (made now for the parts we reduced) and those
+        received; ``swarm.aggregation_audit.audits_of`` puts them in our claims."""
+        for part in self.machine.reduced_here:
+            await self._own_proof(part)
+        return dict(self.proofs)
+
     def _finalizer(
         self, layout: Layout, cheat: bool
     ) -> Callable[[int, np.ndarray], np.ndarray] | None:
@@ -530,8 +576,9 @@ class Session:
             payload = self._payload(order)
         inline = len(payload) <= INLINE_MAX_BYTES
         if isinstance(order, SendPart):
+            proof = await self._own_proof(order.part_index) if self.config.sign else b""
             item = Item(
-                KIND_SLICE, order.part_index, self.machine.weight, (), (), len(payload), b""
+                KIND_SLICE, order.part_index, self.machine.weight, (), (), len(payload), b"", proof
             )
         else:
             item = Item(
@@ -544,7 +591,7 @@ class Session:
                 b"",
             )
         if inline:
-            item = Item(*item.to_wire()[:-1], bytes(payload))
+            item = replace(item, inline=bytes(payload))
         await rpc.send(item)
         if not inline:
             with self._transfer(order.peer):
@@ -649,6 +696,8 @@ class Session:
         else:
             values = self.layout.decode(data, start, stop)
         if item.kind == KIND_SLICE:
+            if self.config.sign is not None:
+                await self._check_proof(peer, item, values)
             return PartReceived(peer, item.part_index, values, item.weight)
         if not self.layout.lossless():
             self._encoded[id(values)] = (values, bytes(data))

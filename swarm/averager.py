@@ -18,10 +18,12 @@ State parity (issue 3, point 6): ``publish_state_hash(r, digest)`` stores the di
 subkey under ``run/<id>/state/<r>``; ``state_agreement(r)`` reads them back and says whether we
 agree with the majority.
 
-Auditable aggregation (issue 5, point 9; ``AveragerConfig.audit``): a lossless round's result
-also lists what this peer reduced (``swarm.aggregation_audit.PartAudit``: each input's hash and
-weight, the output's hash), and the peer keeps its contribution of the last rounds to serve its
-slices (``/swarmtrain/slice/1``, to ``config.auditor`` only) to a referee rechecking a part.
+Auditable aggregation (issue 5, point 9; ``AveragerConfig.audit``): every slice travels signed by
+its sender (a slice whose signature does not verify drops the sender); a lossless round's result
+also lists what this peer reduced (``swarm.aggregation_audit.PartAudit``: each input's hash,
+weight and signature, the output's hash), and the peer keeps its contribution of the last rounds
+to serve its slices (``/swarmtrain/slice/1``, to ``config.auditor`` only) to a referee
+rechecking a part.
 """
 
 from __future__ import annotations
@@ -288,6 +290,7 @@ class Averager:
                 bulk=self.config.bulk,
                 cheat_reduce=self.config.cheat_reduce_round == r,
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
+                sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),
         )
         self._sessions[group.group_id] = session
@@ -314,7 +317,8 @@ class Averager:
         audits: list[PartAudit] = []
         mine: list[bytes] = []
         if self.config.audit:
-            audits = await trio.to_thread.run_sync(audits_of, session.machine)
+            proofs = await session.audit_proofs()
+            audits = await trio.to_thread.run_sync(audits_of, session.machine, proofs)
             local = session.machine.local
             mine = await trio.to_thread.run_sync(
                 lambda: [slice_hash(local[a:b]) for _, a, b in session.parts]

@@ -38,7 +38,7 @@ import trio
 
 import swarm
 from diloco import Corpus, load_stdlib_corpus
-from p2p import Node, P2PError, PeerID, call_stream, subkey_values
+from p2p import Node, P2PError, PeerID, call_stream, subkey_values, verify_peer_signature
 from swarmtrain.runspec import RunConfig
 from swarmtrain.verified_task import DATA_LABELS, Task, make_task, model_shape
 from swarmtrain.verify_plan import (
@@ -165,11 +165,16 @@ class RefereeService:
 
     async def _audit_round(self, r: int) -> None:
         """Audit the drawn parts of every group of round ``r`` whose records are in."""
-        records = await self._read(aggregate_key(self.config.run_id, r), swarm.decode_audits)
-        groups: dict[bytes, dict[bytes, swarm.AuditRecord]] = {}
-        for member, record in records.items():
+        values = await self._read_all(aggregate_key(self.config.run_id, r), swarm.decode_audits)
+        parts: dict[tuple[bytes, bytes], list[swarm.AuditRecord]] = {}
+        for member, record in values:
             if record.round == r:
-                groups.setdefault(record.group_id, {})[member] = record
+                parts.setdefault((record.group_id, member), []).append(record)
+        groups: dict[bytes, dict[bytes, swarm.AuditRecord]] = {}
+        for (gid, member), split in parts.items():
+            merged = swarm.merge_records(split)
+            if merged is not None:
+                groups.setdefault(gid, {})[member] = merged
         grace_s = self.config.verify_timeout_s / 2
         for gid, members in sorted(groups.items()):
             seen = self._first_seen.setdefault((r, gid), trio.current_time())
@@ -191,7 +196,8 @@ class RefereeService:
                     # Owed for a drawn part only: a disputed part of a round too big to audit
                     # may have no claim through no fault of its reducer.
                     why = f"the reducer published no claim about part {p}"
-                    result = AuditResult(r, gid, p, reducer, False if drawn else None, why)
+                    ok = False if drawn else None
+                    result = AuditResult(r, gid, p, reducer, ok, why, reducer if drawn else None)
                 else:
                     result = await self._recheck(r, gid, reducer, claim)
                 self._audited.add(key)
@@ -207,11 +213,18 @@ class RefereeService:
             if found is not None:
                 slices[peer] = found
 
+        def signed(peer: bytes, weight: float, digest: bytes, proof: bytes) -> bool:
+            message = swarm.proof_message(self.config.run_id, r, gid, claim.part, weight, digest)
+            return verify_peer_signature(peer, message, proof)
+
         async with trio.open_nursery() as nursery:
-            for peer, _, _ in claim.inputs:
+            for peer, *_ in claim.inputs:
                 nursery.start_soon(fetch, peer)
-        ok, why = await trio.to_thread.run_sync(swarm.recheck, claim, slices)
-        return AuditResult(r, gid, claim.part, reducer, ok, why)
+        ruling = await trio.to_thread.run_sync(swarm.recheck, claim, slices, signed)
+        cheater = None
+        if ruling.ok is False:
+            cheater = ruling.contributor if ruling.contributor is not None else reducer
+        return AuditResult(r, gid, claim.part, reducer, ruling.ok, ruling.reason, cheater)
 
     async def _fetch_slice(
         self, peer: bytes, r: int, gid: bytes, claim: swarm.PartAudit
@@ -253,12 +266,12 @@ class RefereeService:
         else:
             self.emit(line)
         self.audit_results.append(result)
-        if result.ok is False:
+        if result.cheater is not None:
             ruling = Verdict(
                 result.round,
                 result.reducer,
                 result.reducer,
-                result.reducer,
+                result.cheater,
                 None,
                 result.part,
                 AGGREGATION,
@@ -278,15 +291,23 @@ class RefereeService:
             log.warning("could not publish %s: %s", key, exc)
 
     async def _read(self, key: str, decode: Callable[[bytes], T | None]) -> dict[bytes, T]:
-        """``{signer: decoded value}`` of ``key``'s records; malformed values skipped."""
+        """``{signer: decoded value}`` of ``key``'s records (one per signer); malformed values
+        skipped."""
+        return dict(await self._read_all(key, decode))
+
+    async def _read_all(
+        self, key: str, decode: Callable[[bytes], T | None]
+    ) -> list[tuple[bytes, T]]:
+        """``(signer, decoded value)`` of every record of ``key`` (a signer's tagged subkeys
+        too); malformed values skipped."""
         try:
             records = await self.node.dht.get_records(key, latest=True)
         except P2PError as exc:
             log.info("could not read %s: %s", key, exc)
-            return {}
-        out = {}
-        for subkey, value in subkey_values(records, now=time.time()).items():
+            return []
+        out = []
+        for subkey, value in sorted(subkey_values(records, now=time.time()).items()):
             decoded = decode(value)
             if decoded is not None:
-                out[records[subkey].owner] = decoded
+                out.append((records[subkey].owner, decoded))
         return out

@@ -93,13 +93,16 @@ class PeerRuntime:
 
     # -- DHT conveniences ----------------------------------------------------------------------
 
-    def store(self, key: str, value: bytes, ttl_s: float, *, version: int = 0) -> int:
-        """Store ``value`` as our signed subkey of ``key``; returns how many peers hold it."""
+    def store(
+        self, key: str, value: bytes, ttl_s: float, *, version: int = 0, tag: bytes = b""
+    ) -> int:
+        """Store ``value`` as our signed subkey of ``key`` (``tag``: one of several subkeys of
+        ours, ``peer_id/tag``); returns how many peers hold it."""
         assert self.node is not None
         dht = self.node.dht
 
         async def store() -> int:
-            return await dht.store(key, value, time.time() + ttl_s, version=version)
+            return await dht.store(key, value, time.time() + ttl_s, version=version, tag=tag)
 
         return self.call(store)
 
@@ -113,6 +116,19 @@ class PeerRuntime:
             records = await dht.get_records(key, latest=True)
             values = subkey_values(records, now=time.time())
             return {str(PeerID(records[s].owner)): v for s, v in values.items() if s in records}
+
+        return self.call(read)
+
+    def read_all(self, key: str) -> list[tuple[str, bytes]]:
+        """``(owner peer id, value)`` of every unexpired signed entry of ``key``: all of an
+        owner's tagged subkeys, where ``read`` keeps one per owner."""
+        assert self.node is not None
+        dht = self.node.dht
+
+        async def read() -> list[tuple[str, bytes]]:
+            records = await dht.get_records(key, latest=True)
+            values = subkey_values(records, now=time.time())
+            return [(str(PeerID(records[s].owner)), v) for s, v in sorted(values.items())]
 
         return self.call(read)
 

@@ -249,7 +249,7 @@ class Verification:
                 for a in self._read_audit_results()
                 if a.round == r and a.group_id == gid and a.part in awaited
             }
-            wrong = [a for a in ruled.values() if a.ok is False]
+            wrong = [a for a in ruled.values() if a.sum_wrong]
             if wrong:
                 a = wrong[0]
                 raise AveragingFailed(
@@ -260,8 +260,8 @@ class Verification:
                 break
             time.sleep(POLL_S)
         for a in ruled.values():
-            if a.ok is None:
-                log.warning("round %d: part %d not attributable: %s", r, a.part, a.reason)
+            if not a.ok:  # a contributor that lied to the referee is banned; the sum stands
+                log.warning("round %d: part %d: %s", r, a.part, a.reason)
         if len(ruled) < len(awaited):
             log.warning(
                 "round %d: %d of %d awaited parts not audited in time; applying the round",
@@ -272,21 +272,27 @@ class Verification:
             self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(awaited)}"
 
     def _publish_audits(self, record: swarm.AuditRecord) -> None:
+        key = aggregate_key(self.config.run_id, record.round)
         try:
-            data = swarm.encode_audits(record)
-            key = aggregate_key(self.config.run_id, record.round)
-            self.runtime.store(key, data, CLAIMS_TTL_S)
+            for i, data in enumerate(swarm.split_record(record)):
+                self.runtime.store(key, data, CLAIMS_TTL_S, tag=b"a%d" % i)
         except Exception as exc:  # the referee then rules on our parts without our claims
             log.warning("round %d: could not publish what we reduced: %s", record.round, exc)
 
     def _read_group_records(self, r: int, gid: bytes) -> list[swarm.AuditRecord]:
+        """Each member's record of round ``r`` in group ``gid`` (its values merged)."""
         try:
-            values = self.runtime.read(aggregate_key(self.config.run_id, r))
+            values = self.runtime.read_all(aggregate_key(self.config.run_id, r))
         except Exception as exc:
             log.info("round %d: could not read the reducers' claims: %s", r, exc)
             return []
-        found = (swarm.decode_audits(data) for data in values.values())
-        return [rec for rec in found if rec is not None and rec.round == r and rec.group_id == gid]
+        by_member: dict[str, list[swarm.AuditRecord]] = {}
+        for member, data in values:
+            rec = swarm.decode_audits(data)
+            if rec is not None and rec.round == r and rec.group_id == gid:
+                by_member.setdefault(member, []).append(rec)
+        merged = (swarm.merge_records(recs) for recs in by_member.values())
+        return [rec for rec in merged if rec is not None]
 
     def _read_audit_results(self) -> list[AuditResult]:
         return self._coordinators_list(audits_key(self.config.run_id), decode_audit_results)

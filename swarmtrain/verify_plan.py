@@ -345,8 +345,9 @@ MAX_AUDIT_RESULTS = 64
 @dataclass(frozen=True)
 class AuditResult:
     """The referee's ruling on one part of one group's round: ``ok`` True (recomputed, equal),
-    False (the reducer is named a cheater) or None (could not tell: a slice differed from the
-    reducer's claim, or a contributor did not serve it)."""
+    False (``cheater`` named: the reducer, whose sum is wrong or claims an input nobody signed,
+    or a contributor serving other bytes than it signed) or None (could not tell: a contributor
+    did not serve its slice)."""
 
     round: int
     group_id: bytes
@@ -354,11 +355,17 @@ class AuditResult:
     reducer: bytes
     ok: bool | None
     reason: str
+    cheater: bytes | None = None
+
+    @property
+    def sum_wrong(self) -> bool:
+        """The part everyone received is not what its inputs sum to: the round must not apply."""
+        return self.ok is False and self.cheater == self.reducer
 
     def to_wire(self) -> list[object]:
         return [
             self.round, self.group_id, self.part, self.reducer, self.ok,
-            self.reason[:MAX_REASON_CHARS],
+            self.reason[:MAX_REASON_CHARS], self.cheater,
         ]  # fmt: skip
 
 
@@ -372,14 +379,14 @@ def decode_audit_results(data: bytes) -> list[AuditResult]:
     body = _list_body(data, "audit", MAX_AUDIT_RESULTS)
     try:
         out = []
-        for r, group_id, part, reducer, ok, reason in body:
+        for r, group_id, part, reducer, ok, reason, cheater in body:
             if not (type(r) is int and type(part) is int and isinstance(group_id, bytes)):
                 raise ValueError("bad audit round, group or part")
             if not (isinstance(reducer, bytes) and isinstance(ok, bool | None)):
                 raise ValueError("bad audit reducer or outcome")
-            if not isinstance(reason, str):
-                raise ValueError("bad audit reason")
-            out.append(AuditResult(r, group_id, part, reducer, ok, reason))
+            if not (isinstance(reason, str) and isinstance(cheater, bytes | None)):
+                raise ValueError("bad audit reason or cheater")
+            out.append(AuditResult(r, group_id, part, reducer, ok, reason, cheater))
     except TypeError as exc:
         raise ValueError(f"malformed audit list: {exc}") from None
     return out

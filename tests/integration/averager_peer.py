@@ -97,8 +97,17 @@ def install_fault(spec: str | None) -> None:
                 index = len(self.parts) + 5
             payload = values.astype(np.float32).tobytes()
             inline = payload if len(payload) <= session_module.INLINE_MAX_BYTES else b""
+            # "proof": the right bytes under a signature that is not ours (an audited round)
+            proof = b"\x01" * 64 if arg == "proof" else b""
             item = session_module.Item(
-                session_module.KIND_SLICE, index, self.machine.weight, (), (), len(payload), inline
+                session_module.KIND_SLICE,
+                index,
+                self.machine.weight,
+                (),
+                (),
+                len(payload),
+                inline,
+                proof,
             )
             await rpc.send(item)
             if not inline:
@@ -201,6 +210,7 @@ async def main(args: argparse.Namespace) -> None:
                 allreduce_timeout_s=args.allreduce_timeout,
                 peer_timeout_s=args.peer_timeout,
                 max_group_size=args.max_group_size,
+                audit=args.audit,
             ),
         )
         await nursery.start(averager.run)
@@ -222,6 +232,7 @@ if __name__ == "__main__":
     parser.add_argument("--peer-timeout", type=float, default=5.0)
     parser.add_argument("--max-group-size", type=int, default=64)
     parser.add_argument("--fault")
+    parser.add_argument("--audit", action="store_true", help="sign slices, check their proofs")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.INFO if arguments.v else logging.WARNING, stream=sys.stderr)

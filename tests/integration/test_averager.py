@@ -259,6 +259,21 @@ def test_bad_input_drops_the_sender_with_a_reason(swarm: Swarm, kind: str, reaso
     assert not liar.reply()["ok"]
 
 
+def test_in_an_audited_round_a_slice_without_its_senders_signature_drops_the_sender(
+    swarm: Swarm,
+) -> None:
+    """Audited rounds sign every slice (its reducer must be able to prove what it summed): the
+    right bytes under a signature that is not the sender's are refused like bad bytes."""
+    peers = swarm.start(3, {2: "garbage:proof"}, "--run-id", "garbage-proof", "--audit")
+    liar, honest = peers[2], peers[:2]
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in honest]
+    swarm.check(replies, honest)
+    reasons = [r["dropped"].get(liar.id, "") for r in replies]
+    assert any("proof does not verify" in why for why in reasons), reasons
+    assert not liar.reply()["ok"]
+
+
 def test_state_hashes_show_who_agrees(swarm: Swarm) -> None:
     peers = swarm.start(3, None, "--run-id", "parity")
     swarm.average(peers, 0)

@@ -199,3 +199,16 @@ def test_an_aggregation_verdict_does_not_settle_the_reducers_task() -> None:
     agreeing = _records(_claim(1), _claim(1))
     assert decide(a, agreeing, [ruling], 3, timed_out=False)[0] is Decision.ACCEPT
     assert set(banned([ruling])) == {a.owner}  # banned all the same
+
+
+def test_only_a_reducer_named_by_an_audit_makes_the_sum_wrong() -> None:
+    reducer, liar = PEERS[0], PEERS[1]
+
+    def result(ok: bool | None, cheater: bytes | None) -> AuditResult:
+        return AuditResult(3, b"g" * 32, 1, reducer, ok, "why", cheater)
+
+    assert result(False, reducer).sum_wrong
+    assert not result(False, liar).sum_wrong  # a contributor lied to the referee: sum stands
+    assert not result(None, None).sum_wrong and not result(True, None).sum_wrong
+    (back,) = decode_audit_results(encode_audit_results([result(False, liar)]))
+    assert back.cheater == liar
