@@ -23,6 +23,7 @@ from p2p.records import (
     subkey_values,
     valid_records,
     validate_record,
+    verify_peer_signature,
 )
 
 NOW = 1_700_000_000.0
@@ -262,3 +263,13 @@ def test_merging_value_store_keeps_every_owner_and_drops_expired() -> None:
     assert store.records(key, far + 0.5) == {BOB.peer_id: bob}
     store.prune(far + 2)
     assert store.get(key) is None
+
+
+def test_a_signed_message_verifies_against_the_signers_peer_id_only() -> None:
+    alice, bob = RecordSigner(b"\x01" * 32), RecordSigner(b"\x02" * 32)
+    signature = alice.sign_message(b"domain/message")
+    assert verify_peer_signature(alice.peer_id, b"domain/message", signature)
+    assert not verify_peer_signature(alice.peer_id, b"domain/other", signature)
+    assert not verify_peer_signature(bob.peer_id, b"domain/message", signature)
+    assert not verify_peer_signature(alice.peer_id, b"domain/message", signature[:-1])
+    assert not verify_peer_signature(b"not a peer id", b"domain/message", signature)
