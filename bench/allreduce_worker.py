@@ -58,8 +58,8 @@ async def _main(args: argparse.Namespace) -> None:
     class TimedAverager(Averager):
         """Announces the moment the group forms (swarm has no hook for it; the bench needs it)."""
 
-        async def _form_group(self, r: int, weight: float, expected_peers: Any) -> Any:
-            group = await super()._form_group(r, weight, expected_peers)
+        async def _form_group(self, r: int, *args: Any) -> Any:
+            group = await super()._form_group(r, *args)
             self.matched_at = time.time()
             _emit({"event": "matched", "round": r, "t": self.matched_at})
             return group
