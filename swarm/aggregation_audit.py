@@ -86,11 +86,16 @@ class PartAudit:
         return [self.part, self.start, self.stop, [list(i) for i in self.inputs], self.output]
 
 
-def audits_of(machine: AllReduce, proofs: Mapping[tuple[int, bytes], bytes]) -> list[PartAudit]:
+def audits_of(
+    machine: AllReduce,
+    proofs: Mapping[tuple[int, bytes], bytes],
+    digests: Mapping[tuple[int, bytes], bytes] | None = None,
+) -> list[PartAudit]:
     """The parts ``machine`` reduced itself over the round's final contributor set (call after
     it finished; the driver must have averaged losslessly, so a part's held values are the
-    reduction itself), with each input's signature from ``proofs[(part, peer)]``. Hashing costs
-    one pass over the parts this peer reduced, times the group size."""
+    reduction itself), with each input's signature from ``proofs[(part, peer)]`` and its hash
+    from ``digests`` (the driver hashed the slices it checked; any other is hashed here)."""
+    digests = digests or {}
     members = frozenset(machine.members)
     out = []
     for p, over in sorted(machine.reduced_here.items()):
@@ -99,7 +104,12 @@ def audits_of(machine: AllReduce, proofs: Mapping[tuple[int, bytes], bytes]) -> 
             continue  # re-reduced elsewhere over another set: not what we hold
         _, start, stop = machine.parts[p]
         inputs = tuple(
-            (q, machine.weights[q], slice_hash(machine.raw[p][q]), proofs.get((p, q), b""))
+            (
+                q,
+                machine.weights[q],
+                digests.get((p, q)) or slice_hash(machine.raw[p][q]),
+                proofs.get((p, q), b""),
+            )
             for q in sorted(over)
         )
         out.append(PartAudit(p, start, stop, inputs, slice_hash(held[0])))

@@ -232,7 +232,10 @@ class Session:
         self._out = np.empty(len(local), np.float32)
         self._landed: set[int] = set()
         self._landing: set[int] = set()
-        self.proofs: dict[tuple[int, bytes], bytes] = {}  # (part, sender) -> slice proof
+        # An audited round's evidence, (part, sender) -> the slice's signature and SHA-256: made
+        # for our slices as we send them, checked for the others' as they arrive.
+        self.proofs: dict[tuple[int, bytes], bytes] = {}
+        self.digests: dict[tuple[int, bytes], bytes] = {}
         self.machine = AllReduce(
             self.me,
             self.peers,
@@ -472,7 +475,7 @@ class Session:
         if proof is None:
             _, start, stop = self.parts[part]
             values = self.machine.local[start:stop]
-            digest = await self._hash(values)
+            digest = self.digests[(part, self.me)] = await self._hash(values)
             assert self.config.sign is not None
             message = self._proof_message(part, self.machine.weight, digest)
             proof = self.proofs[(part, self.me)] = self.config.sign(message)
@@ -487,6 +490,7 @@ class Session:
         if not verify_peer_signature(peer, message, item.proof):
             raise RemoteProtocolError(f"slice of part {item.part_index}: its proof does not verify")
         self.proofs[(item.part_index, peer)] = item.proof
+        self.digests[(item.part_index, peer)] = digest
 
     def _proof_message(self, part: int, weight: float, digest: bytes) -> bytes:
         return proof_message(self.run_id, self.group.round, self.group_id, part, weight, digest)
@@ -496,12 +500,15 @@ class Session:
             return await trio.to_thread.run_sync(slice_hash, values)
         return slice_hash(values)
 
-    async def audit_proofs(self) -> dict[tuple[int, bytes], bytes]:
-        """Every slice proof of the round: ours (made now for the parts we reduced) and those
-        received; ``swarm.aggregation_audit.audits_of`` puts them in our claims."""
-        for part in self.machine.reduced_here:
+    async def audit_evidence(
+        self,
+    ) -> tuple[dict[tuple[int, bytes], bytes], dict[tuple[int, bytes], bytes]]:
+        """Every slice's signature and hash of the round, ours for every part included (made
+        now for the parts we did not send: those we reduced); what
+        ``swarm.aggregation_audit.audits_of`` puts in our claims, each slice hashed once."""
+        for part in range(len(self.parts)):
             await self._own_proof(part)
-        return dict(self.proofs)
+        return dict(self.proofs), dict(self.digests)
 
     def _finalizer(
         self, layout: Layout, cheat: bool

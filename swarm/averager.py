@@ -55,7 +55,7 @@ from p2p import (
     open_node,
     serve_stream,
 )
-from swarm.aggregation_audit import PartAudit, audits_of, slice_hash
+from swarm.aggregation_audit import PartAudit, audits_of
 from swarm.allreduce_session import (
     PROTOCOL,
     AveragingFailed,
@@ -147,7 +147,6 @@ class AveragingResult:
     upload_bps: float | None = None  # what our bulk sends achieved, None if too few to tell
     audits: tuple[PartAudit, ...] = ()  # with config.audit: the parts we reduced
     parts: tuple[tuple[int, int], ...] = ()  # every part's [start, stop) in the vector
-    group_id_bytes: bytes = b""
     reducers: tuple[bytes, ...] = ()  # each part's reducer as the round ended here
     slice_hashes: tuple[bytes, ...] = ()  # with config.audit: our slice of each part, hashed
 
@@ -317,12 +316,9 @@ class Averager:
         audits: list[PartAudit] = []
         mine: list[bytes] = []
         if self.config.audit:
-            proofs = await session.audit_proofs()
-            audits = await trio.to_thread.run_sync(audits_of, session.machine, proofs)
-            local = session.machine.local
-            mine = await trio.to_thread.run_sync(
-                lambda: [slice_hash(local[a:b]) for _, a, b in session.parts]
-            )
+            proofs, digests = await session.audit_evidence()
+            audits = await trio.to_thread.run_sync(audits_of, session.machine, proofs, digests)
+            mine = [digests[(p, self.me)] for p in range(len(session.parts))]
             self._contributed[(r, group.group_id)] = session.machine.local
             for key in sorted(self._contributed)[:-KEEP_CONTRIBUTIONS]:
                 del self._contributed[key]
@@ -340,7 +336,6 @@ class Averager:
             upload_bps=session.upload_bps,
             audits=tuple(audits),
             parts=tuple((start, stop) for _, start, stop in session.parts),
-            group_id_bytes=group.group_id,
             reducers=tuple(session.machine.reducer_of),
             slice_hashes=tuple(mine),
         )

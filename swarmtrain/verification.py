@@ -224,7 +224,7 @@ class Verification:
         is not our slice; wait for the referee's audits of the round's drawn parts and of those
         we dispute. Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong
         (every member waits for the drawn parts, so all of them skip the round)."""
-        r, gid, rate = result.round, result.group_id_bytes, self.config.verify_rate
+        r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify_rate
         record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
         self._publish_audits(record)
         run = self.config.run_id
