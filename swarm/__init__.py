@@ -27,6 +27,7 @@ from swarm.aggregation_audit import (
     merge_records,
     proof_message,
     recheck,
+    records_by_group,
     split_record,
 )
 from swarm.allreduce import AllReduce, AllReduceState, partition, reduce_part
@@ -99,6 +100,7 @@ __all__ = [
     "proof_message",
     "rebalance",
     "recheck",
+    "records_by_group",
     "reduce_part",
     "round_key",
     "servers_key",

@@ -24,8 +24,9 @@ Pure: no IO.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import msgpack
 import numpy as np
@@ -210,6 +211,26 @@ def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:
     return AuditRecord(
         first.round, first.group_id, first.reducers, tuple(claims.values()), tuple(disputed)
     )
+
+
+K = TypeVar("K")
+
+
+def records_by_group(
+    values: Iterable[tuple[K, AuditRecord]], round_number: int
+) -> dict[bytes, dict[K, AuditRecord]]:
+    """A read of a round's records, ``(member, record)``, as group id -> member -> its record
+    (each member's values merged: ``split_record``); other rounds' records are left out."""
+    split: dict[tuple[bytes, K], list[AuditRecord]] = {}
+    for member, record in values:
+        if record.round == round_number:
+            split.setdefault((record.group_id, member), []).append(record)
+    groups: dict[bytes, dict[K, AuditRecord]] = {}
+    for (group_id, member), records in split.items():
+        merged = merge_records(records)
+        if merged is not None:
+            groups.setdefault(group_id, {})[member] = merged
+    return groups
 
 
 def contested(record: AuditRecord, me: bytes, mine: Sequence[bytes]) -> list[int]:

@@ -166,15 +166,7 @@ class RefereeService:
     async def _audit_round(self, r: int) -> None:
         """Audit the drawn parts of every group of round ``r`` whose records are in."""
         values = await self._read_all(aggregate_key(self.config.run_id, r), swarm.decode_audits)
-        parts: dict[tuple[bytes, bytes], list[swarm.AuditRecord]] = {}
-        for member, record in values:
-            if record.round == r:
-                parts.setdefault((record.group_id, member), []).append(record)
-        groups: dict[bytes, dict[bytes, swarm.AuditRecord]] = {}
-        for (gid, member), split in parts.items():
-            merged = swarm.merge_records(split)
-            if merged is not None:
-                groups.setdefault(gid, {})[member] = merged
+        groups = swarm.records_by_group(values, r)
         grace_s = self.config.verify_timeout_s / 2
         for gid, members in sorted(groups.items()):
             seen = self._first_seen.setdefault((r, gid), trio.current_time())

@@ -108,16 +108,8 @@ class PeerRuntime:
 
     def read(self, key: str) -> dict[str, bytes]:
         """``{owner peer id: value}`` of the unexpired signed entries of ``key`` (every replica
-        asked, so a store that is still spreading is seen)."""
-        assert self.node is not None
-        dht = self.node.dht
-
-        async def read() -> dict[str, bytes]:
-            records = await dht.get_records(key, latest=True)
-            values = subkey_values(records, now=time.time())
-            return {str(PeerID(records[s].owner)): v for s, v in values.items() if s in records}
-
-        return self.call(read)
+        asked, so a store that is still spreading is seen); one per owner (its last subkey)."""
+        return dict(self.read_all(key))
 
     def read_all(self, key: str) -> list[tuple[str, bytes]]:
         """``(owner peer id, value)`` of every unexpired signed entry of ``key``: all of an

@@ -286,13 +286,9 @@ class Verification:
         except Exception as exc:
             log.info("round %d: could not read the reducers' claims: %s", r, exc)
             return []
-        by_member: dict[str, list[swarm.AuditRecord]] = {}
-        for member, data in values:
-            rec = swarm.decode_audits(data)
-            if rec is not None and rec.round == r and rec.group_id == gid:
-                by_member.setdefault(member, []).append(rec)
-        merged = (swarm.merge_records(recs) for recs in by_member.values())
-        return [rec for rec in merged if rec is not None]
+        decoded = ((m, swarm.decode_audits(data)) for m, data in values)
+        found = [(m, rec) for m, rec in decoded if rec is not None]
+        return list(swarm.records_by_group(found, r).get(gid, {}).values())
 
     def _read_audit_results(self) -> list[AuditResult]:
         return self._coordinators_list(audits_key(self.config.run_id), decode_audit_results)

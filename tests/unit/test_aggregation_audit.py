@@ -27,6 +27,7 @@ from swarm.aggregation_audit import (
     merge_records,
     proof_message,
     recheck,
+    records_by_group,
     slice_hash,
     split_record,
 )
@@ -215,3 +216,16 @@ def test_the_audit_draw_follows_the_rate() -> None:
     assert all(audited("run", r, b"g", 1, 1.0, 10) for r in range(20))
     # A round cut into more parts than one record can describe is not audited at all.
     assert not any(audited("run", r, b"g", 1, 1.0, MAX_AUDITED_PARTS + 1) for r in range(20))
+
+
+def test_a_rounds_records_group_by_group_with_each_members_values_merged() -> None:
+    net, _, audit = _one_claim()
+    a, b = net.ids[0], net.ids[1]
+    first = AuditRecord(5, b"g1", tuple(net.ids), (audit,))
+    second = AuditRecord(5, b"g1", tuple(net.ids), (replace(audit, part=1),), (2,))
+    other = AuditRecord(5, b"g2", tuple(net.ids), ())
+    stale = AuditRecord(4, b"g1", tuple(net.ids), ())
+    groups = records_by_group([(a, first), (a, second), (b, other), (b, stale)], 5)
+    assert set(groups) == {b"g1", b"g2"} and set(groups[b"g1"]) == {a}
+    assert groups[b"g1"][a] == merge_records([first, second])
+    assert groups[b"g2"] == {b: other}
