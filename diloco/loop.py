@@ -121,6 +121,7 @@ class DiLoCo:
         if not named:
             raise ValueError("the model has no trainable parameters")
         self._params = [p for _, p in named]
+        self._names = [n for n, _ in named]
         layout = layout_digest([(n, tuple(p.shape)) for n, p in named])
         self.fingerprint = _fingerprint(layout, schedule, self.outer, overlap, run_id)
 
@@ -211,6 +212,12 @@ class DiLoCo:
     def global_state(self) -> GlobalState:
         """A copy of the global state (params, outer momentum, number of completed rounds)."""
         return self._state.clone()
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """The global parameters by name (a copy, shaped like the model's): where a round's
+        inner phase starts."""
+        flat = self._state.params.clone()
+        return dict(zip(self._names, self._split(flat), strict=True))
 
     def state_hash(self) -> str:
         return self._state.state_hash()

@@ -405,18 +405,12 @@ def _verified_inner_phase(
     """Our RepOps task (and those we verify), the verification gate, then the round.
     Raises ``Banned`` when the coordinator named us a cheater."""
     r = diloco.round
-    named = [(n, p) for n, p in diloco.model.named_parameters() if p.requires_grad]
-    flat = diloco.global_state.params
-    params = {}
-    offset = 0
-    for name, param in named:
-        params[name] = flat[offset : offset + param.numel()].view(param.shape).numpy().copy()
-        offset += param.numel()
+    params = {n: t.numpy() for n, t in diloco.global_parameters().items()}
     started = time.perf_counter()
     work = verification.run_tasks(r, params)
     inner_s = time.perf_counter() - started
     verification.settle(r)
-    local = torch.cat([torch.from_numpy(work.params[n]).reshape(-1) for n, _ in named])
+    local = torch.cat([torch.from_numpy(work.params[n]).reshape(-1) for n in params])
     tokens = config.inner_steps * config.batch_size * config.sequence_length
     diloco.finish_inner_phase(local, samples=tokens)
     return work.losses, tokens, inner_s

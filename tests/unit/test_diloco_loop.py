@@ -396,3 +396,17 @@ def test_finish_inner_phase_refuses_a_vector_of_another_size() -> None:
     diloco, _ = _peer(LocalAverage(1).member("solo"), inner_steps=2)
     with diloco, pytest.raises(ValueError, match="flat float32"):
         diloco.finish_inner_phase(torch.zeros(3), samples=1.0)
+
+
+def test_global_parameters_are_a_named_copy_of_the_global_state() -> None:
+    diloco, model = _peer(LocalAverage(1).member("solo"), inner_steps=2)
+    with diloco:
+        named = diloco.global_parameters()
+        assert list(named) == [n for n, p in model.named_parameters() if p.requires_grad]
+        flat = torch.cat([t.reshape(-1) for t in named.values()])
+        assert torch.equal(flat, diloco.global_state.params)
+        assert all(named[n].shape == p.shape for n, p in model.named_parameters())
+        next(iter(named.values())).add_(1.0)  # a copy: the global state does not move
+        assert not torch.equal(
+            torch.cat([t.reshape(-1) for t in named.values()]), diloco.global_state.params
+        )
