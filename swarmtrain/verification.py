@@ -41,7 +41,6 @@ from swarmtrain.verify_plan import (
     CLAIMS_TTL_S,
     Assignment,
     AuditResult,
-    Claim,
     Decision,
     RoundClaims,
     Verdict,
@@ -56,6 +55,7 @@ from swarmtrain.verify_plan import (
     verdicts_key,
     verify_key,
 )
+from verify.commit import Commitment
 from verify.dispute_driver import serve_provider
 from verify.provider import Provider
 
@@ -156,14 +156,14 @@ class Verification:
         global parameters by name."""
         r, rate = round_number, self.config.verify_rate
         own = self._task(r, self.me, params)
-        claims: dict[bytes, Claim] = {}
+        claims: dict[bytes, Commitment] = {}
         tamper = None
         if self.cheat is not None and self.cheat[0] == r:
             tamper = (self.cheat[1], self.cheat[2])
         if selected(self.config.run_id, r, self.me, rate):
             provider = run_traced(own, tamper)
             self._keep(r, provider)
-            claims[self.me] = _claim(provider)
+            claims[self.me] = provider.commitment
             final = provider.final_state
         else:
             final = run_fast(own)
@@ -171,7 +171,7 @@ class Verification:
             if a.verifier == self.me:
                 provider = run_traced(self._task(r, a.owner, params))
                 self._keep(r, provider)
-                claims[a.owner] = _claim(provider)
+                claims[a.owner] = provider.commitment
         record = RoundClaims(own.spec.start_state_hash, claims)
         try:
             self.runtime.store(verify_key(self.config.run_id, r), record.to_bytes(), CLAIMS_TTL_S)
@@ -337,8 +337,3 @@ class Verification:
             if claims is not None:
                 out[peer_bytes(peer)] = claims
         return out
-
-
-def _claim(provider: Provider) -> Claim:
-    c = provider.commitment
-    return Claim(c.steps, c.task_root, c.final_state_hash, provider.task.start_state_hash)

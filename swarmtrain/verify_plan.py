@@ -12,8 +12,9 @@ parameters with a fresh optimizer state, on that peer's data shard of that round
   it), so all of them name the same verifier. The first round, and a peer's first round after
   joining, have no such set and are not verified.
 * ``RoundClaims``: what a peer publishes under ``run/<id>/verify/<r>`` (its own signed subkey):
-  the hash of the RepOps start state it computed from, and a ``Claim`` (steps, task root, final
-  state hash) for every task it executed (its own, when selected, and those it verifies).
+  the hash of the RepOps start state it computed from, and a ``verify.commit.Commitment``
+  (steps, task root, final state hash) for every task it executed (its own, when selected, and
+  those it verifies).
 * ``Verdict``: what the coordinator publishes under ``run/<id>/verdicts`` after refereeing a
   difference; ``banned`` reads the cheaters off them.
 * ``decide``: a peer's decision about one assignment before the round's averaging: accept the
@@ -32,6 +33,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgpack
+
+from verify.commit import Commitment
 
 VERSION = 1
 HASH_BYTES = 32
@@ -114,25 +117,17 @@ def assignments(
 
 
 @dataclass(frozen=True)
-class Claim:
-    """A commitment to one task: ``verify.commit.Commitment`` plus the start state it used."""
-
-    steps: int
-    task_root: bytes
-    final_state_hash: bytes
-    start_state_hash: bytes
-
-
-@dataclass(frozen=True)
 class RoundClaims:
-    """One peer's record for a round: its start state hash and a claim per task (by owner)."""
+    """One peer's record for a round: the start state hash its tasks began from (every task of
+    a round starts from the global state) and its commitment per task (by owner). Two
+    commitments to a task that started elsewhere differ in their roots already."""
 
     start_state_hash: bytes
-    claims: Mapping[bytes, Claim]
+    claims: Mapping[bytes, Commitment]
 
     def to_bytes(self) -> bytes:
         body = [
-            [owner, c.steps, c.task_root, c.final_state_hash, c.start_state_hash]
+            [owner, c.steps, c.task_root, c.final_state_hash]
             for owner, c in sorted(self.claims.items())
         ]
         data = msgpack.packb([VERSION, self.start_state_hash, body], use_bin_type=True)
@@ -152,13 +147,13 @@ class RoundClaims:
                 return None
             if len(body) > MAX_CLAIMS:
                 return None
-            claims: dict[bytes, Claim] = {}
-            for owner, steps, root, final, task_start in body:
+            claims: dict[bytes, Commitment] = {}
+            for owner, steps, root, final in body:
                 ok = isinstance(owner, bytes) and 0 < len(owner) <= PEER_ID_MAX_BYTES
                 ok = ok and type(steps) is int and steps > 0
-                if not (ok and _is_hash(root) and _is_hash(final) and _is_hash(task_start)):
+                if not (ok and _is_hash(root) and _is_hash(final)):
                     return None
-                claims[owner] = Claim(steps, root, final, task_start)
+                claims[owner] = Commitment(steps, root, final)
         except (ValueError, TypeError, msgpack.UnpackException):
             return None
         return cls(start, claims)

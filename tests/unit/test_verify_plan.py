@@ -16,7 +16,6 @@ from swarmtrain.verify_plan import (
     MAX_VERDICTS_BYTES,
     Assignment,
     AuditResult,
-    Claim,
     Decision,
     RoundClaims,
     Verdict,
@@ -33,13 +32,14 @@ from swarmtrain.verify_plan import (
     task_seed,
     verifier_of,
 )
+from verify.commit import Commitment
 
 PEERS = [hashlib.sha256(bytes([i])).digest()[:20] + bytes([i]) for i in range(8)]
 H = [hashlib.sha256(b"h%d" % i).digest() for i in range(6)]
 
 
-def _claim(i: int, start: int = 0) -> Claim:
-    return Claim(4, H[i], H[i + 1], H[start])
+def _claim(i: int) -> Commitment:
+    return Commitment(4, H[i], H[i + 1])
 
 
 def test_selection_follows_the_rate_and_does_not_depend_on_who_asks() -> None:
@@ -83,9 +83,9 @@ def test_claims_round_trip_and_garbage_claims_nothing() -> None:
         b"\xc1",
         msgpack.packb([2, H[0], []]),
         msgpack.packb([1, b"short", []]),
-        msgpack.packb([1, H[0], [[PEERS[0], 0, H[1], H[2], H[0]]]]),  # zero steps
-        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1][:5], H[2], H[0]]]]),
-        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1], H[2]]]]),
+        msgpack.packb([1, H[0], [[PEERS[0], 0, H[1], H[2]]]]),  # zero steps
+        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1][:5], H[2]]]]),
+        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1]]]]),  # no final state hash
         msgpack.packb([1, H[0], "x"]),
         b"\x00" * 10_000,
     ):
@@ -128,7 +128,9 @@ def test_majority_start_and_disputes() -> None:
     assert majority_start([]) is None
 
 
-def _records(owner_claim: Claim | None, verifier_claim: Claim | None) -> dict[bytes, RoundClaims]:
+def _records(
+    owner_claim: Commitment | None, verifier_claim: Commitment | None
+) -> dict[bytes, RoundClaims]:
     owner, verifier = PEERS[0], PEERS[1]
     out = {}
     if owner_claim is not None:
@@ -150,8 +152,8 @@ def _records(owner_claim: Claim | None, verifier_claim: Claim | None) -> dict[by
     ],
 )
 def test_decide_without_a_verdict(
-    owner_claim: Claim | None,
-    verifier_claim: Claim | None,
+    owner_claim: Commitment | None,
+    verifier_claim: Commitment | None,
     timed_out: bool,
     expected: Decision,
     why: str,
