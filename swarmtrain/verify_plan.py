@@ -185,10 +185,12 @@ class Verdict:
     reason: str
 
     def describe(self) -> str:
-        """Where the cheating was: ``round r, step s, operator o (name)``, or the part a reducer
-        got wrong."""
+        """Where the cheating was: ``round r, step s, operator o (name)``, or an all-reduce part
+        (its reducer, ``owner``, got it wrong, or a contributor served other bytes than it
+        signed)."""
         if self.op_name == AGGREGATION:
-            return f"round {self.round}, part {self.op} of the all-reduce (reduced wrong)"
+            how = "reduced wrong" if self.cheater == self.owner else "its slice misstated"
+            return f"round {self.round}, part {self.op} of the all-reduce ({how})"
         return f"round {self.round}, step {self.step}, operator {self.op} ({self.op_name})"
 
     def to_wire(self) -> list[object]:

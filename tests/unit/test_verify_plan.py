@@ -197,7 +197,9 @@ def test_audit_results_round_trip_and_a_malformed_list_is_refused() -> None:
 def test_an_aggregation_verdict_does_not_settle_the_reducers_task() -> None:
     a = Assignment(PEERS[0], PEERS[1])
     ruling = Verdict(3, a.owner, a.owner, a.owner, None, 2, AGGREGATION, "sum wrong")
-    assert "part 2 of the all-reduce" in ruling.describe()
+    assert "part 2 of the all-reduce (reduced wrong)" in ruling.describe()
+    liar = Verdict(3, a.owner, a.owner, a.verifier, None, 2, AGGREGATION, "other bytes")
+    assert "part 2 of the all-reduce (its slice misstated)" in liar.describe()
     agreeing = _records(_claim(1), _claim(1))
     assert decide(a, agreeing, [ruling], 3, timed_out=False)[0] is Decision.ACCEPT
     assert set(banned([ruling])) == {a.owner}  # banned all the same
