@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from verify import repops_native
 from verify.repops_graph import OpFn, pow_int
 
 F32, F64 = torch.float32, torch.float64
@@ -53,6 +54,12 @@ SQRT_HALF = 0.7071067811865476
 LN2 = 0.6931471805599453
 # log(f) = 2 atanh(u), u = (f - 1) / (f + 1): coefficients 1/(2k+1), highest degree first.
 LOG_SERIES = tuple(1.0 / (2 * k + 1) for k in range(8, -1, -1))
+# The constants above as float32, in the order verify/repops_native.c's kernels read them.
+NATIVE_CONSTANTS = torch.tensor(
+    [EXP_LO, EXP_HI, LOG2E, EXP_C1, EXP_C2, *EXP_POLY, *ERF_NUM, *ERF_DEN, INV_SQRT2,
+     INV_SQRT_2PI],
+    dtype=torch.float32,
+)  # fmt: skip
 
 
 def ceil_log2(n: int) -> int:
@@ -147,6 +154,9 @@ def _grid(x: torch.Tensor, dim: int, bits: int, slot: str | None = None) -> torc
     if not 0 < bits <= 51:
         raise ValueError("grid bits must be in [1, 51]")
     out = torch.empty_like(x, dtype=F64) if slot is None else scratch(slot, x, F64)
+    work = _buffer("grid.bound", (2 * max(x.shape[-2:], default=0),), F32, x.device)
+    if repops_native.grid_into(x, dim, bits, out, work):
+        return out
     # max(amax, -amin) is max |x| without writing an |x| temporary (half the memory traffic).
     bound = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
     e = torch.frexp(bound).exponent.clamp_(min=E_MIN)
@@ -162,14 +172,21 @@ def _grid(x: torch.Tensor, dim: int, bits: int, slot: str | None = None) -> torc
     return out.copy_(x).add_(magic).sub_(magic)
 
 
-def _to_f32_no_negative_zero(x: torch.Tensor) -> torch.Tensor:
-    """float32(x) + 0.0: + 0.0 turns -0 into +0, because whether a sum of signed zeros is -0
-    differs between BLAS libraries. (Rounding before or after adding 0 is the same.)"""
+def _to_f32_no_negative_zero(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32(x) + 0.0 (then + ``bias``): + 0.0 turns -0 into +0, because whether a sum of
+    signed zeros is -0 differs between BLAS libraries. (Rounding before or after adding 0 is the
+    same.)"""
+    out = torch.empty(x.shape, dtype=F32, device=x.device)
+    if repops_native.to_f32_into(x, out, bias):
+        return out
     # Two plain passes beat one add with a float32 output: that mixed-dtype loop is not vectorized.
-    return torch.empty(x.shape, dtype=F32, device=x.device).copy_(x).add_(0.0)
+    out.copy_(x).add_(0.0)
+    return out if bias is None else out.add_(bias)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch.Tensor:
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``a @ b`` for float32 ``(..., M, K) @ (..., K, N)``, bit-reproducible.
 
     Rows of ``a`` and columns of ``b`` are rounded to ``matmul_bits(K)`` significant bits relative
@@ -177,7 +194,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
     for operands known to be small integers such as a one-hot matrix. Every product is then an
     integer multiple of its (row, column) unit and every partial sum stays below 2**53 units, so
     float64 GEMM computes each chunk exactly in any order. K above ``MAX_CHUNK`` is split into
-    chunks whose results are added in chunk order. One rounding to float32 at the end.
+    chunks whose results are added in chunk order. One rounding to float32 at the end, then
+    ``+ bias`` (a float32 addition) when given.
     """
     k = a.shape[-1]
     if a_bits is None:
@@ -199,7 +217,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, a_bits: int | None = None) -> torch
         chunk = slice(start, start + MAX_CHUNK)
         part = _buffer("mm.part", shape, F64, a.device)
         out.add_(torch.matmul(qa[..., chunk], qb[..., chunk, :], out=part))
-    return _to_f32_no_negative_zero(out)
+    return _to_f32_no_negative_zero(out, bias)
 
 
 def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -344,8 +362,12 @@ def _attention_probs(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch
     (qkv,) = inputs
     q, k, _ = _heads(qkv, attrs["heads"], attrs["batch"])
     length, hd = q.shape[-2], q.shape[-1]
+    scores = matmul(q, k.transpose(-1, -2))
+    fused = repops_native.softmax_rows(scores, NATIVE_CONSTANTS, _scale(hd), causal=length)
+    if fused is not None:
+        return fused
     causal = torch.ones(length, length, dtype=torch.bool, device=qkv.device).triu_(1)
-    scores = matmul(q, k.transpose(-1, -2)).mul_(_scale(hd)).masked_fill_(causal, -math.inf)
+    scores.mul_(_scale(hd)).masked_fill_(causal, -math.inf)
     return rowwise(softmax_rows, scores.view(-1, length)).view(scores.shape)
 
 
@@ -372,6 +394,9 @@ def _attention_scores_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]
     q, _, v = _heads(qkv, attrs["heads"], probs.shape[0])
     dp = matmul(_dout_heads(dout, q), v.transpose(-1, -2))
     length, scale = probs.shape[-1], _scale(q.shape[-1])
+    fused = repops_native.scores_grad_rows(dp, probs, scale)
+    if fused is not None:
+        return fused
     grad = rowwise(
         lambda d, p: _scores_grad_rows(d, p, scale), dp.view(-1, length), probs.view(-1, length)
     )
@@ -445,13 +470,18 @@ def _cross_entropy_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -
     """(softmax(logits) - onehot(target)) / rows."""
     logits, targets = inputs
     flat, tgt = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1, 1)
-    probs = rowwise(softmax_rows, flat)
+    probs = repops_native.softmax_rows(flat.contiguous(), NATIVE_CONSTANTS)
+    if probs is None:
+        probs = rowwise(softmax_rows, flat)
     probs.scatter_(1, tgt, probs.gather(1, tgt).sub_(1.0))
     return probs.div_(_c(float(flat.shape[0]), flat)).reshape(logits.shape)
 
 
 def _gelu_cdf(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     """Phi(x) = (1 + erf(x / sqrt 2)) / 2, the exact GELU's gate (torch's default GELU)."""
+    fused = repops_native.gelu_cdf(inputs[0], NATIVE_CONSTANTS)
+    if fused is not None:
+        return fused
     return flat_blocks(lambda x: erf(torch.mul(x, INV_SQRT2)).mul_(0.5).add_(0.5), inputs[0])
 
 
@@ -462,6 +492,9 @@ def _gelu_grad_rows(x: torch.Tensor, cdf: torch.Tensor, dy: torch.Tensor) -> tor
 
 def _gelu_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     """dy * (Phi(x) + x * phi(x)) with phi(x) = exp(-x^2 / 2) / sqrt(2 pi)."""
+    fused = repops_native.gelu_backward(*inputs, NATIVE_CONSTANTS)
+    if fused is not None:
+        return fused
     return flat_blocks(_gelu_grad_rows, *inputs)
 
 
@@ -555,7 +588,7 @@ OPS: dict[str, OpFn] = {
     "matmul": _binary(matmul),
     "matmul_nt": lambda i, a: matmul(i[0], i[1].transpose(-1, -2)),
     "matmul_tn": lambda i, a: matmul(i[0].transpose(-1, -2), i[1]),
-    "linear": lambda i, a: matmul(i[0], i[1].transpose(-1, -2)).add_(i[2]),
+    "linear": lambda i, a: matmul(i[0], i[1].transpose(-1, -2), bias=i[2]),
     "sum_rows": lambda i, a: sum_tree(i[0], 0),
     "embed": _embed,
     "layernorm_stats": _layernorm_stats,

@@ -1,0 +1,210 @@
+"""The compiled RepOps kernels (verify/repops_native.c) give exactly the bits of the eager torch
+kernels they replace, on every layout and value the step can produce, and fall back to them on
+values the C code leaves alone (NaN, infinity) or when no compiler is there."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from verify import repops_native as native
+from verify import repops_ops as ops
+from verify.repops import RepOpsStep, init_params
+from verify.repops_graph import ModelShape
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CORPUS = bytes(range(256)) * 4 + b"reproducible operators, fused\n" * 30
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def test_the_kernels_are_built_where_a_compiler_exists() -> None:
+    # CI installs gcc, so there the kernels must load; a machine without one runs eager torch.
+    if os.environ.get("CI") == "true" or shutil.which("cc") or shutil.which("gcc"):
+        assert native.library() is not None
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes()
+
+
+def _both(fn, *args):  # type: ignore[no-untyped-def]
+    """fn(*args) with the compiled kernels, then with eager torch only: (fused, eager)."""
+    fused = fn(*args)
+    with native.disabled():
+        eager = fn(*args)
+    return fused, eager
+
+
+def _values(rng: np.random.Generator, shape: tuple[int, ...], spread: int) -> np.ndarray:
+    """float32 with exponents spread over 2**±spread, some exact zeros, -0 and subnormals."""
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-spread, spread + 1, size=shape))
+    x = x.astype(np.float32)
+    flat = x.reshape(-1)
+    picks = rng.integers(0, flat.size, size=max(1, flat.size // 10))
+    flat[picks[0::3]] = 0.0
+    flat[picks[1::3]] = -0.0
+    flat[picks[2::3]] *= np.float32(1e-39)
+    return x
+
+
+@st.composite
+def _layouts(draw: st.DrawFn) -> tuple[torch.Tensor, int, int]:
+    """A float32 tensor of 2 to 4 dims, maybe a transposed or sliced view, a dim, grid bits."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    dims = draw(st.lists(st.integers(1, 24), min_size=2, max_size=4))
+    spread = draw(st.sampled_from([3, 30, 126]))  # 126: rows near float32's largest exponents
+    x = torch.from_numpy(_values(rng, tuple(dims), spread))
+    layout = draw(st.sampled_from(["contiguous", "transposed", "sliced", "permuted"]))
+    if layout == "transposed":
+        x = x.mT.contiguous().mT  # the transpose of a contiguous tensor, as matmul's b often is
+    elif layout == "sliced":
+        x = torch.cat([x, x], dim=-1)[..., 1 : 1 + dims[-1]]
+    elif layout == "permuted" and x.dim() == 4:
+        x = x.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)  # attention's head views
+    dim = draw(st.sampled_from([-1, -2]))
+    bits = draw(st.sampled_from([1, 7, 16, 21, 22, 23, 40, 51]))
+    return x, dim, bits
+
+
+@FAST
+@given(layout=_layouts())
+def test_grid_rounding_equals_eager_on_every_layout(layout: tuple[torch.Tensor, int, int]) -> None:
+    x, dim, bits = layout
+    fused, eager = _both(lambda: ops._grid(x, dim, bits).clone())
+    assert fused.stride() == eager.stride() or fused.is_contiguous()
+    assert _bits(fused) == _bits(eager)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_grid_leaves_non_finite_values_to_eager_torch(bad: float) -> None:
+    x = torch.randn(5, 9)
+    x[3, 4] = bad
+    for dim in (-1, -2):
+        out = torch.empty(5, 9, dtype=torch.float64)
+        assert not native.grid_into(x, dim, 22, out, torch.empty(32))
+        fused, eager = _both(lambda dim=dim: ops._grid(x, dim, 22).clone())
+        assert _bits(fused) == _bits(eager)
+
+
+@FAST
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 200),
+    n=st.integers(1, 40),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_matmul_with_bias_equals_eager(m: int, k: int, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    a, w = (torch.from_numpy(_values(rng, s, 20)) for s in ((m, k), (n, k)))
+    bias = torch.from_numpy(_values(rng, (n,), 4))
+    bias[0] = -0.0
+    fused, eager = _both(lambda: ops.OPS["linear"]([a, w, bias], {}))
+    assert _bits(fused) == _bits(eager)
+    zero = torch.zeros(m, k)
+    fused, eager = _both(lambda: ops.matmul(zero, -w.abs().mT))
+    assert _bits(fused) == _bits(eager)
+    assert not torch.signbit(fused).any()  # sums of -0 still come out +0
+
+
+def _activations(rng: np.random.Generator, n: int) -> torch.Tensor:
+    x = (rng.standard_normal(n) * rng.choice([0.01, 1.0, 3.0, 30.0], n)).astype(np.float32)
+    edges = np.array([0.0, -0.0, 1e-40, 90.0, -90.0, 1e30, -1e30, 4.0], np.float32)
+    x[: min(n, 8)] = edges[:n]
+    return torch.from_numpy(x)
+
+
+@FAST
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
+def test_gelu_kernels_equal_eager(n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    x, dy = _activations(rng, n), torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    cdf, cdf_eager = _both(lambda: ops.OPS["gelu_cdf"]([x], {}))
+    assert _bits(cdf) == _bits(cdf_eager)
+    grad, grad_eager = _both(lambda: ops.OPS["gelu_backward"]([x, cdf, dy], {}))
+    assert _bits(grad) == _bits(grad_eager)
+
+
+@FAST
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    length=st.integers(1, 40),
+    head_dim=st.integers(1, 12),
+    spread=st.sampled_from([0.1, 3.0, 300.0]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_attention_and_loss_kernels_equal_eager(
+    batch: int, heads: int, length: int, head_dim: int, spread: float, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    width = heads * head_dim
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.from_numpy((rng.standard_normal(shape) * spread).astype(np.float32))
+
+    qkv, dout = rand(batch * length, 3 * width), rand(batch * length, width)
+    attrs = {"heads": heads, "batch": batch}
+    probs, probs_eager = _both(lambda: ops.OPS["attention_probs"]([qkv], attrs))
+    assert _bits(probs) == _bits(probs_eager)
+    grad, grad_eager = _both(
+        lambda: ops.OPS["attention_scores_backward"]([probs, qkv, dout], attrs)
+    )
+    assert _bits(grad) == _bits(grad_eager)
+    logits = rand(batch, length, 7)
+    targets = torch.from_numpy(rng.integers(0, 7, (batch, length)))
+    dlogits, dlogits_eager = _both(lambda: ops.OPS["cross_entropy_backward"]([logits, targets], {}))
+    assert _bits(dlogits) == _bits(dlogits_eager)
+
+
+def test_a_nan_input_takes_the_eager_path_and_gives_its_bits() -> None:
+    x = torch.randn(64)
+    x[5] = float("nan")
+    for name, inputs in (
+        ("gelu_cdf", [x]),
+        ("gelu_backward", [x, torch.rand(64), torch.randn(64)]),
+        ("cross_entropy_backward", [x.view(8, 8), torch.zeros(8, dtype=torch.int64)]),
+    ):
+        fused, eager = _both(lambda name=name, inputs=inputs: ops.OPS[name](inputs, {}))
+        assert _bits(fused) == _bits(eager), name
+
+
+def test_two_training_steps_give_the_same_records_with_and_without_the_kernels() -> None:
+    shape = ModelShape(d_model=32, n_layers=2, n_heads=2, context=24)
+    stepper = RepOpsStep(CORPUS, 7, shape=shape, batch_size=3)
+    state = stepper.initial_state(init_params(shape, 5))
+
+    def two_steps() -> list[object]:
+        first = stepper(state, 0)
+        return [*first.records, *stepper(first.state, 1).records]
+
+    fused, eager = _both(two_steps)
+    assert fused == eager
+
+
+def test_without_a_compiler_the_eager_kernels_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(native, "_loaded", native._Loaded())
+    assert native.library() is None
+    assert "could not build the RepOps C kernels" in caplog.text
+    x = torch.randn(6, 10)
+    assert not native.grid_into(x, -1, 22, torch.empty(6, 10, dtype=torch.float64), torch.empty(20))
+    assert native.gelu_cdf(x, ops.NATIVE_CONSTANTS) is None
+    ops.matmul(x, x.mT)  # runs, eagerly
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWARMTRAIN_REPOPS_NATIVE", "0")
+    assert native.library() is None
