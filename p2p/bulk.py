@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import logging
 import os
+import select
 import socket
 import sys
 from collections.abc import Callable
@@ -228,6 +229,7 @@ async def receive_bulk(
 
 CHANNEL_META = b"swarmtrain/bulk-channel/1"
 _READY = b"\x01"
+_POLLRDHUP = getattr(select, "POLLRDHUP", 0)  # Linux: the peer shut its side down
 
 
 class BulkChannel:
@@ -244,11 +246,18 @@ class BulkChannel:
     There is no per-payload confirmation: the caller's own protocol says when the receiver has
     what it needs. ``send``/``receive`` must each be called from one task at a time. Raises as
     ``send_bulk`` / ``receive_bulk`` do; after any error the channel is unusable (close it).
+
+    A channel over a data connection outlives the stream it was negotiated on, so a caller may
+    keep it for later payloads (``swarm``'s all-reduce keeps one per pair across rounds): both
+    ends know it by ``channel_id`` and count its payloads (``payloads_sent``,
+    ``payloads_received``); the next payload's key follows from that count, so the two ends must
+    agree on it before using a kept channel, and ``reusable`` says whether this end is intact.
     """
 
     def __init__(self, stream: ByteStream, link: _Link, config: BulkConfig) -> None:
         self.stream = stream
         self.mode = link.mode
+        self.channel_id = link.transfer_id
         self._key = link.key
         self._sock = None if link.socks is None else link.socks[0]
         self._config = config
@@ -309,6 +318,31 @@ class BulkChannel:
             log.debug("cannot pace the bulk channel: %s", exc)
             return False
         return True
+
+    @property
+    def closed(self) -> bool:
+        """``close`` was called (or the channel rides a stream and failed)."""
+        return self._sock is None and self._broken
+
+    @property
+    def payloads_sent(self) -> int:
+        return self._sent
+
+    @property
+    def payloads_received(self) -> int:
+        return self._received
+
+    def reusable(self) -> bool:
+        """Whether a later payload may use this channel: it has a data connection of its own
+        (a relayed channel rides the stream it was negotiated on), no payload failed or stopped
+        halfway, and the connection holds nothing unread, no end and no error. Between payloads
+        neither side writes (the acceptor's ready byte comes before the first one), so anything
+        readable means the peer closed it or something is left over: either way not reusable."""
+        if self._broken or self._sock is None:
+            return False
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN | select.POLLPRI | _POLLRDHUP)
+        return not poller.poll(0)
 
     def _check(self) -> None:
         if self._broken:
@@ -399,6 +433,7 @@ class _Link:
     layout: TransferLayout
     mode: DataMode
     socks: list[trio.socket.SocketType | None] | None
+    transfer_id: bytes = b""
 
 
 async def _connect_as_sender(
@@ -491,7 +526,9 @@ async def _connect_as_sender(
                 layout,
                 config,
             )
-    return _Link(key, layout, mode if socks is not None else DataMode.STREAM, socks)
+    return _Link(
+        key, layout, mode if socks is not None else DataMode.STREAM, socks, offer.transfer_id
+    )
 
 
 async def _connect_as_receiver(
@@ -580,7 +617,9 @@ async def _connect_as_receiver(
             socks = await _dial_or_fall_back(
                 stream, remote_ip, offer.listen_port, key, offer.transfer_id, layout, config
             )
-    return _Link(key, layout, mode if socks is not None else DataMode.STREAM, socks)
+    return _Link(
+        key, layout, mode if socks is not None else DataMode.STREAM, socks, offer.transfer_id
+    )
 
 
 # ---------------------------------------------------------------------------------------------

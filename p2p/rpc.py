@@ -42,6 +42,7 @@ from p2p.wire import (
     message,
     read_exactly,
     read_frame,
+    read_frame_or_end,
     write_frame,
 )
 
@@ -89,6 +90,12 @@ class RpcStream:
     async def receive(self, *expected: type[M]) -> M:
         limit = max(t.MAX_BYTES for t in expected)
         return decode(await read_frame(self.stream, limit), *expected)
+
+    async def receive_or_end(self, *expected: type[M]) -> M | None:
+        """``receive``, or None when the peer closed its side of the stream between messages."""
+        limit = max(t.MAX_BYTES for t in expected)
+        frame = await read_frame_or_end(self.stream, limit)
+        return None if frame is None else decode(frame, *expected)
 
     async def receive_item(self, *expected: type[Message]) -> Item:
         """A message of the expected types, or a tensor if TensorHeader is among them."""

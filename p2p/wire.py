@@ -263,6 +263,27 @@ async def read_frame(stream: ByteStream, max_frame_bytes: int) -> bytes:
     return await read_exactly(stream, length) if length else b""
 
 
+async def read_frame_or_end(stream: ByteStream, max_frame_bytes: int) -> bytes | None:
+    """``read_frame``, or None when the stream ends cleanly before the frame's first byte (the
+    writer closed its side between frames); an end inside a frame is ``StreamEnded``."""
+    try:
+        first = await stream.read(FRAME_HEADER.size)
+    except Exception as exc:
+        if _is_eof(exc):
+            return None
+        if _broken(exc):
+            raise StreamEnded(f"stream broke before a frame: {exc}") from exc
+        raise
+    if not first:
+        return None
+    if len(first) < FRAME_HEADER.size:
+        first += await read_exactly(stream, FRAME_HEADER.size - len(first))
+    (length,) = FRAME_HEADER.unpack(first)
+    if length > max_frame_bytes:
+        raise RemoteProtocolError(f"frame of {length} bytes exceeds limit {max_frame_bytes}")
+    return await read_exactly(stream, length) if length else b""
+
+
 async def write_frame(stream: ByteStream, payload: bytes) -> None:
     """Write one frame; a stream that broke under us is ``StreamEnded``."""
     try:

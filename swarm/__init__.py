@@ -42,6 +42,7 @@ from swarm.averager import (
     StateAgreement,
 )
 from swarm.bandwidth import BandwidthEstimate
+from swarm.channel_pool import PoolStatistics
 from swarm.compression import Compression
 from swarm.matchmaking import (
     Declaration,
@@ -77,6 +78,7 @@ __all__ = [
     "MicrobatchRoute",
     "Move",
     "PartAudit",
+    "PoolStatistics",
     "RebalanceConfig",
     "Router",
     "RoutingConfig",

@@ -2,16 +2,32 @@
 
 Wire, per ordered pair of group members (sender -> receiver), one libp2p stream on ``PROTOCOL``:
 
-    Hello(run_id, group_id, layout digest)
+    Hello(run_id, group_id, layout digest, kept channel id, its payloads sent)
+                                 <- Resumed(ok)   only when the Hello named a kept channel
     ( Item(kind, part, weight, contributors, nbytes, inline, proof)  [payload, bulk plane] )*
     Done()                       -- the sender finished; it may still forward parts after this
+    (end of stream)              -- the sender will send nothing more this round
 
-An item's payload rides inline when small, else on the pair's ``p2p.BulkChannel``, negotiated on
-the stream at the first big payload (a TCP data connection when the libp2p connection is direct,
-the stream itself when relayed) and reused for every later one: no handshake, dial or slow start
-per payload, and the next payload follows without waiting for a confirmation. One stream per
-pair keeps each pair's messages in order, which the machine's forwarding rule relies on (a forwarded
-reduced part arrives before the forwarder's own slice).
+An item's payload rides inline when small, else on the pair's ``p2p.BulkChannel``: the one the
+pair kept from an earlier round (``swarm.channel_pool``), else one negotiated on the stream at the
+first big payload (a TCP data connection when the libp2p connection is direct, the stream itself
+when relayed). It carries every later payload: no handshake, dial or slow start per payload, and
+the next payload follows without waiting for a confirmation. One stream per pair keeps each
+pair's messages in order, which the machine's forwarding rule relies on (a forwarded reduced part
+arrives before the forwarder's own slice).
+
+Keeping channels across rounds. A channel's payloads are keyed by their index, so both ends must
+have counted the same payloads before a kept channel carries the next one: a payload cut off
+halfway, or sent but never read, would otherwise be read as the next round's. So the sender's
+Hello names the channel it kept and how many payloads it sent on it; the receiver answers
+``Resumed(True)`` only if it kept that channel with as many payloads received, else
+``Resumed(False)`` (and the sender opens a new one). The sender reads the answer before its
+first big payload: one round trip, where opening a channel costs three and a new connection's
+slow start. A channel is kept only when its round succeeded here, the peer was neither lost nor
+dropped, and the pair's traffic ended clean: on the sender, every payload went out whole and its
+send loop ended normally; on the receiver, the stream ended between messages after the peer's
+``Done`` (so every item announced was read with its payload). A session waits up to ``FLUSH_S``
+for those ends before it closes; every other channel it used is closed.
 
 The machine is fed from one task (``Session.run``) and runs in a worker thread when the vector is
 large, so reducing never stalls heartbeats. Receivers and senders are separate tasks per peer;
@@ -71,12 +87,13 @@ from swarm.allreduce import (
     partition,
 )
 from swarm.bandwidth import share_weights
+from swarm.channel_pool import ChannelPool, Direction
 from swarm.matchmaking import Group
 from swarm.payload import Layout
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/swarmtrain/allreduce/1"
+PROTOCOL = "/swarmtrain/allreduce/2"  # 2: kept data channels (Hello, Resumed)
 KIND_SLICE, KIND_REDUCED = 0, 1
 INLINE_MAX_BYTES = 256 * 1024
 # Paced channels together take this share of our link: just under it, so the flows meeting at a
@@ -142,6 +159,14 @@ class Hello(Message):
     run_id: str
     group_id: bytes
     layout: bytes
+    # The data channel to the receiver the sender kept from an earlier round (b"": none), and
+    # how many payloads it sent on it: the receiver uses it only if it counted as many.
+    channel: bytes = b""
+    channel_payloads: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.channel) > 64 or self.channel_payloads < 0:
+            raise ValueError("bad kept-channel fields")
 
 
 @message(101, max_bytes=INLINE_MAX_BYTES + 64 * 1024)
@@ -161,6 +186,14 @@ class Item(Message):
 @message(102, max_bytes=128)
 class Done(Message):
     """The sender holds its result (no digest: hashing 100 MB costs a third of a second)."""
+
+
+@message(103, max_bytes=64)
+class Resumed(Message):
+    """The receiver's answer to a Hello naming a kept channel: True, it carries this round's
+    payloads; False, the sender opens a new one (and closes the one it kept)."""
+
+    ok: bool
 
 
 class AveragingFailed(Exception):
@@ -209,8 +242,13 @@ class Session:
         weight: float,
         layout: Layout,
         config: SessionConfig,
+        *,
+        channels: ChannelPool | None = None,
     ) -> None:
+        """``channels``: where data channels kept from earlier rounds are borrowed and given
+        back (the Averager's pool); None opens new ones and closes them at the end."""
         self.node = node
+        self._pool = channels
         self.run_id = run_id
         self.group = group
         self.layout = layout
@@ -273,6 +311,13 @@ class Session:
         )
         self._reported_lost: set[bytes] = set()
         self._handler_scopes: set[trio.CancelScope] = set()
+        # Kept channels: ours proposed in a Hello, the answer not read yet; peers' lent to us
+        # when we answered yes; channels whose traffic ended clean, given back at the end if the
+        # round succeeded with that peer. Peers whose incoming stream is still being read.
+        self._proposed: dict[bytes, BulkChannel] = {}
+        self._clean: dict[tuple[bytes, Direction], BulkChannel] = {}
+        self._receiving: set[bytes] = set()
+        self._receivers_changed = trio.Event()
         self._finished = trio.Event()
         self._result: RoundResult | None = None
         self._error: str | None = None
@@ -328,10 +373,12 @@ class Session:
                         await self._drive(deadline)
                         self._flush(senders.cancel_scope)
                     nursery.cancel_scope.cancel()
+                await self._wait_incoming_ends()
         finally:
             self._closed = True
             for scope in list(self._handler_scopes):
                 scope.cancel()
+            self._release_channels()
             if not self._finished.is_set():
                 timed_out = trio.current_time() >= self._scope.deadline
                 self._error = self._error or (
@@ -339,14 +386,17 @@ class Session:
                 )
                 self._finished.set()
 
-    async def serve_incoming(self, peer: bytes, rpc: RpcStream) -> None:
-        """Read ``peer``'s items from its stream (after its Hello) until it ends or we close."""
+    async def serve_incoming(self, peer: bytes, rpc: RpcStream, hello: Hello) -> None:
+        """Answer ``peer``'s ``hello`` (if it names a kept channel), then read its items from its
+        stream until it ends or we close."""
         with trio.CancelScope() as scope:
             self._handler_scopes.add(scope)
+            self._receiving.add(peer)
             try:
                 if self._closed:
                     return
-                await self._receive_loop(peer, rpc)
+                resumed = await self._resume_incoming(peer, rpc, hello)
+                await self._receive_loop(peer, rpc, resumed)
             except StreamEnded as exc:
                 self._peer_gone(peer, f"its stream ended: {exc}")
             except RemoteProtocolError as exc:
@@ -358,6 +408,8 @@ class Session:
                 self._peer_gone(peer, f"stream from it ended: {exc!r}")
             finally:
                 self._handler_scopes.discard(scope)
+                self._receiving.discard(peer)
+                self._receivers_changed.set()
 
     def _flush(self, senders: trio.CancelScope) -> None:
         """Take no more orders, but let each sender finish the payload it is on and deliver the
@@ -367,6 +419,56 @@ class Session:
         for send, _ in self._outboxes.values():
             send.close()
         senders.deadline = min(senders.deadline, trio.current_time() + FLUSH_S)
+
+    async def _wait_incoming_ends(self) -> None:
+        """After a successful round, wait (at most ``FLUSH_S``) for the live peers' streams to
+        end: a stream that ends between messages leaves its channel in a known state, to keep."""
+        if self._result is None or self._pool is None:
+            return
+        with trio.move_on_after(FLUSH_S):
+            while self._receiving & (self.alive - self._reported_lost - set(self.dropped)):
+                self._receivers_changed = trio.Event()
+                await self._receivers_changed.wait()
+
+    def _keep(self, peer: bytes, direction: Direction, channel: BulkChannel) -> None:
+        """``channel``'s traffic with ``peer`` this round ended clean: give it back now if the
+        round already succeeded here with that peer, else decide when the session ends."""
+        if self._closed or self._pool is None or (peer, direction) in self._clean:
+            self._retire(peer, direction, channel)
+        elif self._keeps(peer):
+            self._pool.give_back(peer, direction, channel)
+        else:
+            self._clean[(peer, direction)] = channel
+
+    def _keeps(self, peer: bytes) -> bool:
+        """A channel with ``peer`` that ended clean may be kept: the round succeeded here and
+        the peer was neither lost nor dropped."""
+        return (
+            self._result is not None
+            and self._error is None
+            and peer in self.alive
+            and peer not in self._reported_lost
+            and peer not in self.dropped
+        )
+
+    def _retire(self, peer: bytes, direction: Direction, channel: BulkChannel) -> None:
+        if self._pool is not None:
+            self._pool.retire(peer, direction, channel)
+        else:
+            channel.close()
+
+    def _release_channels(self) -> None:
+        """The session ends: give back the channels that ended clean, if the round succeeded
+        with their peer; retire every other; forget the kept channels of peers it lost."""
+        for (peer, direction), channel in self._clean.items():
+            if self._pool is not None and self._keeps(peer):
+                self._pool.give_back(peer, direction, channel)
+            else:
+                self._retire(peer, direction, channel)
+        self._clean.clear()
+        if self._pool is not None:
+            for peer in self._reported_lost | set(self.dropped):
+                self._pool.discard(peer)
 
     async def _connect_all(self) -> None:
         """Connect to every member before any stream opens, the lower peer id dialing.
@@ -541,13 +643,19 @@ class Session:
         outbox = self._outboxes[peer][1]
         stream: Stream | None = None
         channel: BulkChannel | None = None
+        clean = False
         try:
             peer_id = PeerID(peer)
             await self.node.reach(peer_id)
             stream = await self.node.host.open_stream(peer_id, PROTOCOL)
             rpc = RpcStream(stream)
             direct = stream_kind(stream) == "direct"
-            await rpc.send(Hello(self.run_id, self.group_id, self.layout.digest))
+            kept = await self._pool.lend_out(peer) if self._pool is not None else None
+            hello = Hello(self.run_id, self.group_id, self.layout.digest)
+            if kept is not None:
+                self._proposed[peer] = kept
+                hello = replace(hello, channel=kept.channel_id, channel_payloads=kept.payloads_sent)
+            await rpc.send(hello)
             async for order in outbox:
                 if isinstance(order, Done):
                     await rpc.send(order)
@@ -555,13 +663,20 @@ class Session:
                 if self._flushing:
                     continue  # everyone has its result: nobody needs this forward any more
                 channel = await self._send_item(rpc, direct, channel, order)
+            clean = True
         except (P2PError, OSError, BulkTransferFailed, trio.BrokenResourceError) as exc:
             self._peer_gone(peer, f"sending to it failed: {exc!r}")
         except Exception as exc:  # libp2p stream errors are not all P2PError
             self._peer_gone(peer, f"sending to it failed: {exc!r}")
         finally:
+            # A kept channel proposed but never needed: unchanged, so it may be kept again.
+            channel = channel or self._proposed.pop(peer, None)
+            self._proposed.pop(peer, None)
             if channel is not None:
-                channel.close()
+                if clean:
+                    self._keep(peer, Direction.OUT, channel)
+                else:
+                    self._retire(peer, Direction.OUT, channel)
             if stream is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(1):
                     try:
@@ -603,15 +718,7 @@ class Session:
         if not inline:
             with self._transfer(order.peer):
                 if channel is None:
-                    channel = await open_channel(
-                        rpc.stream,
-                        direct=direct,
-                        listener=self.node.bulk_listener,
-                        config=self._bulk,
-                    )
-                    if self.config.pace_bps and len(self.peers) > 1:
-                        share = self.config.pace_bps * PACING_SHARE / (len(self.peers) - 1)
-                        channel.limit_rate(share / 8)
+                    channel = await self.sending_channel(order.peer, rpc, direct)
                 with self._uploading():
                     await channel.send(payload)
                 self._bulk_sent += len(payload)
@@ -619,17 +726,76 @@ class Session:
         self.bytes_sent += len(payload)
         return channel
 
+    async def sending_channel(self, peer: bytes, rpc: RpcStream, direct: bool) -> BulkChannel:
+        """The channel for our payloads to ``peer`` this round: the one we kept, if the peer's
+        ``Resumed`` says it kept its end too, else a new one negotiated on ``rpc``; paced at its
+        share of our link when that is configured."""
+        kept = self._proposed.pop(peer, None)
+        channel = None
+        if kept is not None:
+            try:
+                with trio.fail_after(self._bulk.control_timeout_s):
+                    answer = await rpc.receive(Resumed)
+            except BaseException:
+                self._retire(peer, Direction.OUT, kept)
+                raise
+            if answer.ok:
+                channel = kept
+                if self._pool is not None:
+                    self._pool.reused()
+            else:
+                log.debug("%s did not keep our channel; opening a new one", _short(peer))
+                self._retire(peer, Direction.OUT, kept)
+        if channel is None:
+            channel = await open_channel(
+                rpc.stream, direct=direct, listener=self.node.bulk_listener, config=self._bulk
+            )
+            if self._pool is not None:
+                self._pool.opened(peer, Direction.OUT, channel)
+        if self.config.pace_bps and len(self.peers) > 1:
+            share = self.config.pace_bps * PACING_SHARE / (len(self.peers) - 1)
+            channel.limit_rate(share / 8)
+        return channel
+
     # -- receivers -------------------------------------------------------------------------------
 
-    async def _receive_loop(self, peer: bytes, rpc: RpcStream) -> None:
+    async def _resume_incoming(
+        self, peer: bytes, rpc: RpcStream, hello: Hello
+    ) -> BulkChannel | None:
+        """Answer a Hello that names a kept channel: lend our end if we kept it with as many
+        payloads as the sender sent. A Hello naming none makes our kept ends from it stale."""
+        if not hello.channel:
+            if self._pool is not None:
+                self._pool.drop_in(peer)
+            return None
+        kept = None
+        if self._pool is not None:
+            kept = await self._pool.lend_in(peer, hello.channel, hello.channel_payloads)
+        try:
+            with trio.fail_after(self._bulk.control_timeout_s):
+                await rpc.send(Resumed(kept is not None))
+        except BaseException:
+            if kept is not None:
+                self._retire(peer, Direction.IN, kept)
+            raise
+        return kept
+
+    async def _receive_loop(
+        self, peer: bytes, rpc: RpcStream, resumed: BulkChannel | None = None
+    ) -> None:
         direct = stream_kind(rpc.stream) == "direct"
         # Honest peers send each part's slice once, reduced parts a few times when reducers are
         # lost; anything beyond this bound is a flood.
         limit = 4 * len(self.parts) + 4
-        channel: list[BulkChannel] = []  # the pair's bulk channel, accepted at the first payload
+        # the pair's bulk channel: kept from an earlier round, else accepted at the first payload
+        channel: list[BulkChannel] = [resumed] if resumed is not None else []
+        ended = False  # the stream ended between messages after Done: every payload was read
         try:
             for _ in range(limit):
-                msg = await rpc.receive(Item, Done)
+                msg = await rpc.receive_or_end(Item, Done)
+                if msg is None:
+                    ended = peer in self._done_from
+                    raise StreamEnded("the stream ended")
                 self._last_heard[peer] = trio.current_time()
                 if isinstance(msg, Done):
                     self._done_from.add(peer)
@@ -639,7 +805,10 @@ class Session:
                 self._inbox_send.send_nowait(event)
         finally:
             for opened in channel:
-                opened.close()
+                if ended:
+                    self._keep(peer, Direction.IN, opened)
+                else:
+                    self._retire(peer, Direction.IN, opened)
         raise RemoteProtocolError(f"more than {limit} items in one round")
 
     async def _receive_item(
@@ -690,6 +859,8 @@ class Session:
                                 config=self._bulk,
                             )
                         )
+                        if self._pool is not None:
+                            self._pool.opened(peer, Direction.IN, channel[0])
                     await channel[0].receive(data)
             finally:
                 if landing:

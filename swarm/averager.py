@@ -64,6 +64,7 @@ from swarm.allreduce_session import (
     SessionConfig,
 )
 from swarm.bandwidth import BandwidthEstimate
+from swarm.channel_pool import ChannelPool, PoolStatistics
 from swarm.compression import Compression
 from swarm.dht_matchmaking import MatchmakingFailed, form_group, read_declarations
 from swarm.matchmaking import Declaration, Group, MatchmakingConfig
@@ -224,6 +225,8 @@ class Averager:
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
         )
         self._sessions: dict[bytes, Session] = {}
+        # Each pair's data channel, kept between rounds (``swarm.channel_pool``).
+        self._channels = ChannelPool()
         self._ended: deque[bytes] = deque(maxlen=256)
         self._changed = trio.Event()
         self._survivors: frozenset[bytes] | None = None
@@ -232,13 +235,16 @@ class Averager:
         self._contributed: dict[tuple[int, bytes], np.ndarray] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            self.node.host.set_handler(PROTOCOL, self._serve)
-            if self.config.audit:
-                serve_stream(self.node.host, SLICE_PROTOCOL, SliceRequest, self._serve_slice)
-            task_status.started()
-            await trio.sleep_forever()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.node.host.set_handler(PROTOCOL, self._serve)
+                if self.config.audit:
+                    serve_stream(self.node.host, SLICE_PROTOCOL, SliceRequest, self._serve_slice)
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._channels.close()
 
     async def average(
         self,
@@ -291,6 +297,7 @@ class Averager:
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),
+            channels=self._channels,
         )
         self._sessions[group.group_id] = session
         self._notify()
@@ -359,6 +366,10 @@ class Averager:
         the next round's matchmaking should not wait a request timeout on each of them."""
         for peer in peers:
             self.node.dht.suspect(PeerID(peer))
+
+    def channel_statistics(self) -> PoolStatistics:
+        """Data channels opened and reused by our rounds so far, and how many are kept now."""
+        return self._channels.statistics()
 
     @property
     def bandwidth_bps(self) -> float:
@@ -466,7 +477,7 @@ class Averager:
                 raise RemoteProtocolError("not a member of this round's group")
             if hello.layout != session.layout.digest:
                 raise RemoteProtocolError("tensor layout or codecs differ from ours")
-            await session.serve_incoming(peer, rpc)
+            await session.serve_incoming(peer, rpc, hello)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.info("refused an all-reduce stream from %s: %s", str(rpc.peer_id)[-8:], exc)
             await stream.reset()

@@ -10,6 +10,7 @@ Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prin
             digests, one per twelfth of the vector]}  or {"ok": false, "error": ..}
     {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
     {"cmd": "agreement", "round": R}                    -> {"agrees": .., "peers": .., ...}
+    {"cmd": "channels"}  -> {"opened": n, "reused": n, "idle": n, "closed": n}  (data channels)
 
 The vector of a peer is ``vector(seed, numel)``, so the test can compute the exact mean.
 
@@ -25,6 +26,7 @@ or stalls for real; nothing is simulated on the other peers):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,7 +38,7 @@ import numpy as np
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, NodeConfig, PeerID, open_channel, open_node
+from p2p import HostConfig, NodeConfig, PeerID, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression
 from swarm import allreduce_session as session_module
 from swarm.allreduce import SendPart, SendReduced
@@ -112,9 +114,7 @@ def install_fault(spec: str | None) -> None:
             await rpc.send(item)
             if not inline:
                 if channel is None:
-                    channel = await open_channel(
-                        rpc.stream, direct=direct, listener=self.node.bulk_listener
-                    )
+                    channel = await self.sending_channel(order.peer, rpc, direct)
                 await channel.send(payload)
             return channel
 
@@ -176,6 +176,8 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 for piece in np.array_split(result.vector, 12)
             ],
         }
+    if cmd == "channels":
+        return dataclasses.asdict(averager.channel_statistics())
     if cmd == "publish_hash":
         return {
             "stored": await averager.publish_state_hash(

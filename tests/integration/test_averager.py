@@ -166,6 +166,46 @@ def test_rounds_are_bit_identical_exact_and_start_at_once(swarm: Swarm) -> None:
         assert all(r["bytes_sent"] > 0 for r in replies)
 
 
+def channels(peer: Peer) -> dict:
+    """The peer's data-channel counters (``Averager.channel_statistics``)."""
+    peer.send(cmd="channels")
+    return peer.reply()
+
+
+def test_each_pairs_data_channel_opens_once_and_carries_every_later_round(swarm: Swarm) -> None:
+    """Opening a data channel costs round trips and a fresh connection's slow start: a pair's
+    channel is kept between rounds. 3 peers, 3 rounds, every pair with payloads both ways over
+    the bulk plane: 2 channels out and 2 in per peer, opened in round 0 and reused twice."""
+    peers = swarm.start(3, None, "--run-id", "kept")
+    for round_number in range(3):
+        swarm.average(peers, round_number)
+        swarm.check([p.reply() for p in peers], peers)
+    counts = [channels(p) for p in peers]
+    assert all(c["opened"] == 4 and c["reused"] == 8 for c in counts), counts
+
+
+def test_the_channels_of_a_cancelled_round_are_never_reused(swarm: Swarm) -> None:
+    """A round that fails may leave a payload cut off halfway on a channel, which the next
+    round would read as its own: the peer that cancelled opens all its channels anew, its
+    peers open new ones with it, and keep those among themselves. The next round is exact."""
+    peers = swarm.start(4, {3: "slow-sending:3"}, "--run-id", "kept-cancel")
+    victim, survivors = peers[3], peers[:3]
+    swarm.average(peers, 0)
+    swarm.check([p.reply() for p in peers], peers)
+    # Round 1: the victim's channels are lent to the round (its Hellos go out at once, then it
+    # holds its slices back 3 s) when it cancels.
+    swarm.average(peers, 1, **{victim.id: {"cancel_after": 1.5}})
+    swarm.check([p.reply() for p in survivors], survivors)
+    assert victim.reply() == {"ok": False, "error": "cancelled"}
+    before = [channels(p) for p in peers]
+    swarm.average(peers, 2)
+    swarm.check([p.reply() for p in peers], peers)
+    after = [channels(p) for p in peers]
+    opened = [a["opened"] - b["opened"] for a, b in zip(after, before, strict=True)]
+    reused = [a["reused"] - b["reused"] for a, b in zip(after, before, strict=True)]
+    assert opened == [2, 2, 2, 6] and reused == [4, 4, 4, 0], (before, after)
+
+
 @pytest.mark.parametrize("codec", ["fp16", "int8", "auto"])
 def test_compressed_rounds_agree_bit_for_bit_and_are_close(swarm: Swarm, codec: str) -> None:
     peers = swarm.start(3, None, "--run-id", f"codec-{codec}", "--compression", codec)

@@ -561,3 +561,54 @@ async def test_a_rate_limited_channel_is_paced_and_a_relayed_one_says_it_cannot(
                 peers, lambda s: receive(s, False), lambda s: send(s, False)
             )
             assert sent.unwrap() is False
+
+
+async def test_a_kept_channel_outlives_its_stream_and_is_not_reusable_once_cut() -> None:
+    """A channel outlives the stream it was negotiated on (the all-reduce keeps each pair's
+    between rounds): after clean payloads both ends count them alike, are reusable and carry the
+    next one. A payload cut off halfway leaves neither end reusable: its rest would otherwise
+    be read as the next payload."""
+    first, second, big = os.urandom(MiB + 3), os.urandom(300_001), os.urandom(32 * MiB)
+    ends: dict[str, Any] = {}
+
+    async def send(stream: Any) -> None:
+        ends["out"] = await open_channel(stream, direct=True)
+        await ends["out"].send(first)
+
+    async def receive(stream: Any) -> bytes:
+        ends["in"] = await accept_channel(stream, direct=True, listener=peers.receiver_listener)
+        buffer = bytearray(len(first))
+        await ends["in"].receive(buffer)
+        return bytes(buffer)
+
+    with trio.fail_after(TEST_DEADLINE_S):
+        async with two_peers() as peers:
+            received, sent = await exchange(peers, receive, send)
+            sent.unwrap()
+            assert received.unwrap() == first
+            out, into = ends["out"], ends["in"]
+            try:
+                assert out.channel_id == into.channel_id
+                assert out.payloads_sent == into.payloads_received == 1
+                assert out.reusable() and into.reusable()
+                buffer = bytearray(len(second))
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(out.send, second)
+                    await into.receive(buffer)
+                assert buffer == second and out.reusable() and into.reusable()
+
+                async def cut_send() -> None:
+                    with trio.move_on_after(0.5):
+                        await out.send(big)
+
+                out.limit_rate(MiB)  # 32 MiB cannot leave in a second
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(cut_send)
+                    with trio.move_on_after(1.0):
+                        await into.receive(bytearray(len(big)))
+                assert out.payloads_sent == into.payloads_received == 3
+                assert not out.reusable() and not into.reusable()
+            finally:
+                out.close()
+                into.close()
+            assert out.closed and into.closed
