@@ -102,17 +102,18 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(target))
     i64p, int_ = ctypes.POINTER(ctypes.c_int64), ctypes.c_int
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.grid_rows.argtypes = [ptr, i64p, ptr, i64p, i64, i64, i64, i64, int_, ptr, ptr]
-    lib.grid_rows.restype = int_
-    lib.to_f32.argtypes = [ptr, ptr, i64, i64, ptr]
     f32 = ctypes.c_float
-    lib.gelu_cdf.argtypes = [ptr, ptr, i64, ptr]
-    lib.gelu_backward.argtypes = [ptr, ptr, ptr, ptr, i64, ptr]
-    lib.softmax_rows.argtypes = [ptr, ptr, i64, i64, f32, i64, ptr, ptr]
-    lib.scores_grad_rows.argtypes = [ptr, ptr, ptr, i64, i64, f32, ptr]
-    for kernel in (lib.to_f32, lib.gelu_cdf, lib.gelu_backward, lib.softmax_rows):
-        kernel.restype = int_
-    lib.scores_grad_rows.restype = int_
+    signatures = {
+        "grid_rows": [ptr, i64p, ptr, i64p, i64, i64, i64, i64, int_, ptr, ptr],
+        "to_f32": [ptr, ptr, i64, i64, ptr],
+        "gelu_cdf": [ptr, ptr, i64, ptr],
+        "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
+        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
+        "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
+    }
+    for name, argtypes in signatures.items():
+        kernel = getattr(lib, name)
+        kernel.argtypes, kernel.restype = argtypes, int_
     return lib
 
 
@@ -148,6 +149,8 @@ def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor, bound: to
         lib is None
         or x.device.type != "cpu"
         or x.dtype != F32
+        or out.dtype != F64
+        or out.shape != x.shape
         or not 2 <= x.dim() <= 4
         or dim not in (-1, -2, x.dim() - 1, x.dim() - 2)
     ):
