@@ -184,6 +184,9 @@ def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = 
     if (
         lib is None
         or x.device.type != "cpu"
+        or x.dtype != F64
+        or out.dtype != F32
+        or out.shape != x.shape
         or not x.is_contiguous()
         or not out.is_contiguous()
         or x.dim() == 0
