@@ -17,7 +17,9 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p.bulk import (
+    PACED_CONGESTION_CONTROL,
     PROTOCOL,
+    TCP_CONGESTION,
     BulkConfig,
     BulkListener,
     BulkTransferFailed,
@@ -524,14 +526,17 @@ async def test_channel_payload_of_the_wrong_length_is_refused() -> None:
 
 async def test_a_rate_limited_channel_is_paced_and_a_relayed_one_says_it_cannot() -> None:
     """``limit_rate`` caps what the kernel sends: 3 MiB at 2 MiB/s cannot arrive in under a
-    second (unpaced, loopback moves it in milliseconds). A channel riding the libp2p stream
-    cannot be paced and says so."""
+    second (unpaced, loopback moves it in milliseconds), under a loss-based congestion control.
+    A channel riding the libp2p stream cannot be paced and says so."""
     payload = os.urandom(3 * MiB)
 
     async def send(stream: Any, direct: bool) -> bool:
         channel = await open_channel(stream, direct=direct)
         try:
             paced = channel.limit_rate(2 * MiB)
+            if paced:  # and left BBR, which cycles below the cap, for a loss-based control
+                name = channel._sock.getsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, 16)
+                assert name.rstrip(b"\0").decode() in PACED_CONGESTION_CONTROL
             await channel.send(payload)
             await trio.sleep(0.5 if direct else 0)  # the receiver reads what is in flight
         finally:
