@@ -87,6 +87,7 @@ from swarm.allreduce import (
     partition,
 )
 from swarm.bandwidth import share_weights
+from swarm.buffers import BufferPool
 from swarm.channel_pool import ChannelPool, Direction
 from swarm.matchmaking import Group
 from swarm.payload import Layout
@@ -244,11 +245,15 @@ class Session:
         config: SessionConfig,
         *,
         channels: ChannelPool | None = None,
+        buffers: BufferPool | None = None,
     ) -> None:
         """``channels``: where data channels kept from earlier rounds are borrowed and given
-        back (the Averager's pool); None opens new ones and closes them at the end."""
+        back (the Averager's pool); None opens new ones and closes them at the end.
+        ``buffers``: where the result vector, received slices and reduced parts are taken from
+        (the Averager's, so that rounds reuse memory the kernel has already zeroed)."""
         self.node = node
         self._pool = channels
+        self._buffers = buffers if buffers is not None else BufferPool(limit_bytes=0)
         self.run_id = run_id
         self.group = group
         self.layout = layout
@@ -267,7 +272,7 @@ class Session:
         # place in it (the first copy of each part only: a later one may replace a part the
         # machine holds, and one arriving while we reduce the part ourselves must not race our
         # write), so the result is assembled without copying 2(N-1)/N of the vector again.
-        self._out = np.empty(len(local), np.float32)
+        self._out = self._buffers.take(len(local))
         self._landed: set[int] = set()
         self._landing: set[int] = set()
         # An audited round's evidence, (part, sender) -> the slice's signature and SHA-256: made
@@ -284,6 +289,7 @@ class Session:
             finalize=self._finalizer(layout, config.cheat_reduce),
             chunks=self.chunks,
             out=self._out,
+            allocate=self._buffers.take,
         )
         self.parts = self.machine.parts
         self.alive: frozenset[bytes] = frozenset(self.peers)
@@ -845,8 +851,8 @@ class Session:
                     self._landed.add(item.part_index)
                     self._landing.add(item.part_index)
                     raw = self._out[start:stop]
-                else:  # numpy's allocation: no zero fill, huge pages
-                    raw = np.empty(stop - start, np.float32)
+                else:
+                    raw = self._buffers.take(stop - start)
             data = bytearray(expected) if raw is None else memoryview(raw).cast("B")
             try:
                 with self._transfer(peer):

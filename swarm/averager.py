@@ -32,6 +32,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -64,6 +65,7 @@ from swarm.allreduce_session import (
     SessionConfig,
 )
 from swarm.bandwidth import BandwidthEstimate
+from swarm.buffers import BufferPool
 from swarm.channel_pool import ChannelPool, PoolStatistics
 from swarm.compression import Compression
 from swarm.dht_matchmaking import MatchmakingFailed, form_group, read_declarations
@@ -173,8 +175,11 @@ class StateAgreement:
         return self.ours is not None and self.ours == self.majority
 
 
-def _flatten(tensors: Sequence[Any]) -> tuple[np.ndarray, list[tuple[tuple[int, ...], Any]]]:
-    """Concatenate the tensors as float32; remember each one's shape and type to undo it."""
+def _flatten(
+    tensors: Sequence[Any], allocate: Callable[[int], np.ndarray] | None = None
+) -> tuple[np.ndarray, list[tuple[tuple[int, ...], Any]]]:
+    """Concatenate the tensors as float32 (into ``allocate(total)`` when given); remember each
+    one's shape and type to undo it."""
     arrays, specs = [], []
     for tensor in tensors:
         if hasattr(tensor, "detach"):  # a torch tensor, without importing torch here
@@ -189,10 +194,13 @@ def _flatten(tensors: Sequence[Any]) -> tuple[np.ndarray, list[tuple[tuple[int, 
     total = sum(a.size for a in arrays)
     if total > MAX_NUMEL:
         raise ValueError(f"{total} elements is over the {MAX_NUMEL} limit")
-    vector = np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
-    if not np.isfinite(vector).all():
+    vector = np.empty(total, np.float32) if allocate is None else allocate(total)
+    if arrays:
+        np.concatenate(arrays, out=vector)
+    # NaN or inf anywhere makes the extremes NaN or infinite (no full-size boolean temporary).
+    if total and not (math.isfinite(vector.max()) and math.isfinite(vector.min())):
         raise ValueError("the tensors hold NaN or inf; refusing to send them")
-    return vector.astype(np.float32, copy=False), specs
+    return vector, specs
 
 
 def _unflatten(vector: np.ndarray, specs: list[tuple[tuple[int, ...], Any]]) -> list[Any]:
@@ -227,6 +235,7 @@ class Averager:
         self._sessions: dict[bytes, Session] = {}
         # Each pair's data channel, kept between rounds (``swarm.channel_pool``).
         self._channels = ChannelPool()
+        self._buffers = BufferPool()
         self._ended: deque[bytes] = deque(maxlen=256)
         self._changed = trio.Event()
         self._survivors: frozenset[bytes] | None = None
@@ -269,7 +278,7 @@ class Averager:
             raise ValueError(f"weight must be positive and finite, got {weight!r}")
         r = self.next_round if round_number is None else round_number
         self.next_round = r + 1
-        vector, specs = await trio.to_thread.run_sync(_flatten, tensors)
+        vector, specs = await trio.to_thread.run_sync(_flatten, tensors, self._buffers.take)
         layout = Layout.for_sizes(
             [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs], self.config.compression
         )
@@ -298,6 +307,7 @@ class Averager:
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),
             channels=self._channels,
+            buffers=self._buffers,
         )
         self._sessions[group.group_id] = session
         self._notify()

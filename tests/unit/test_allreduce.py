@@ -28,6 +28,7 @@ from swarm.allreduce import (
     partition,
     reduce_part,
 )
+from swarm.buffers import BufferPool
 
 
 def peer_ids(n: int) -> list[bytes]:
@@ -44,8 +45,9 @@ class FakeNetwork:
     """
 
     def __init__(
-        self, vectors, weights, bandwidths, rng: random.Random, finalize=None, chunks=1
-    ) -> None:
+        self, vectors, weights, bandwidths, rng: random.Random, finalize=None, chunks=1,
+        pooled=False,
+    ) -> None:  # fmt: skip
         self.ids = peer_ids(len(vectors))
         self.vectors = dict(zip(self.ids, vectors, strict=True))
         self.weights = dict(zip(self.ids, weights, strict=True))
@@ -59,6 +61,8 @@ class FakeNetwork:
                 100.0,
                 finalize,
                 chunks,
+                # Reduced parts written into a pool's buffers, reused once nothing holds them.
+                allocate=BufferPool().take if pooled else None,
             )
             for me in self.ids
         }
@@ -172,7 +176,9 @@ def build(setup, weights=None) -> FakeNetwork:
     weights = weights or [rng.choice([1.0, 0.5, 3.0, rng.uniform(0.1, 10)]) for _ in range(n)]
     # Several chunks per peer: the reducer of part p is then the owner of chunk group p // chunks.
     chunks = rng.choice([1, 1, 2, 3])
-    return FakeNetwork(make_vectors(rng, n, numel), weights, bandwidths, rng, chunks=chunks)
+    pooled = rng.random() < 0.5
+    vectors = make_vectors(rng, n, numel)
+    return FakeNetwork(vectors, weights, bandwidths, rng, chunks=chunks, pooled=pooled)
 
 
 # ---- partition and reducer ---------------------------------------------------------------------
