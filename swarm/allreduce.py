@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,7 @@ __all__ = [
     "ReducedPartReceived",
     "SendPart",
     "SendReduced",
+    "all_finite",
     "is_view_at",
     "partition",
     "reduce_part",
@@ -259,11 +261,29 @@ def _finite_float32(data: object, length: int) -> str | None:
         return "data is not a 1-D float32 array"
     if len(data) != length:
         return f"length {len(data)} != {length}"
-    # The extremes are NaN if any value is, and infinite if any value is: two reductions
-    # without the full-size boolean temporary of isfinite(data).all().
-    if len(data) and not (math.isfinite(data.max()) and math.isfinite(data.min())):
+    if not all_finite(data):
         return "NaN or inf values"
     return None
+
+
+_FINITE_BLOCK = 1 << 16
+_finite_scratch = threading.local()
+
+
+def all_finite(data: np.ndarray) -> bool:
+    """No NaN or inf in the 1-D ``data``: ``np.isfinite(data).all()`` block by block into a
+    small per-thread buffer, not a full-size boolean temporary (fresh memory the kernel must
+    zero, and a second pass)."""
+    scratch = getattr(_finite_scratch, "buffer", None)
+    if scratch is None:
+        scratch = _finite_scratch.buffer = np.empty(_FINITE_BLOCK, np.bool_)
+    for start in range(0, len(data), _FINITE_BLOCK):
+        block = data[start : start + _FINITE_BLOCK]
+        flags = scratch[: len(block)]
+        np.isfinite(block, out=flags)
+        if not flags.all():
+            return False
+    return True
 
 
 def is_view_at(piece: np.ndarray, vector: np.ndarray, start: int) -> bool:

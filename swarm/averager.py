@@ -32,7 +32,6 @@ import contextlib
 import functools
 import hashlib
 import logging
-import math
 import threading
 import time
 from collections import Counter, deque
@@ -57,6 +56,7 @@ from p2p import (
     serve_stream,
 )
 from swarm.aggregation_audit import PartAudit, audits_of
+from swarm.allreduce import all_finite
 from swarm.allreduce_session import (
     PROTOCOL,
     AveragingFailed,
@@ -197,8 +197,7 @@ def _flatten(
     vector = np.empty(total, np.float32) if allocate is None else allocate(total)
     if arrays:
         np.concatenate(arrays, out=vector)
-    # NaN or inf anywhere makes the extremes NaN or infinite (no full-size boolean temporary).
-    if total and not (math.isfinite(vector.max()) and math.isfinite(vector.min())):
+    if not all_finite(vector):
         raise ValueError("the tensors hold NaN or inf; refusing to send them")
     return vector, specs
 

@@ -25,6 +25,7 @@ from swarm.allreduce import (
     ReducedPartReceived,
     SendPart,
     SendReduced,
+    all_finite,
     partition,
     reduce_part,
 )
@@ -487,3 +488,12 @@ def test_finalize_is_what_every_survivor_holds(setup, crash_after, victim):
     first = net.finished[survivors[0]]
     exact = expected_mean(net, first.contributors)
     assert first.result.tobytes() == _to_fp16(0, exact).tobytes()
+
+
+@pytest.mark.parametrize("index", [0, 65535, 65536, 199_999])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_all_finite_finds_a_bad_value_in_any_block(index: int, bad: float) -> None:
+    data = np.random.default_rng(index).standard_normal(200_000).astype(np.float32)
+    assert all_finite(data) and all_finite(data[:0])
+    data[index] = bad
+    assert not all_finite(data)
