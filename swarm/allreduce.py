@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import enum
 import math
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -267,21 +266,17 @@ def _finite_float32(data: object, length: int) -> str | None:
 
 
 _FINITE_BLOCK = 1 << 16
-_finite_scratch = threading.local()
 
 
 def all_finite(data: np.ndarray) -> bool:
     """No NaN or inf in the 1-D ``data``: ``np.isfinite(data).all()`` block by block into a
-    small per-thread buffer, not a full-size boolean temporary (fresh memory the kernel must
-    zero, and a second pass)."""
-    scratch = getattr(_finite_scratch, "buffer", None)
-    if scratch is None:
-        scratch = _finite_scratch.buffer = np.empty(_FINITE_BLOCK, np.bool_)
+    small buffer, not a full-size boolean temporary (fresh memory the kernel must zero, and a
+    second pass)."""
+    flags = np.empty(min(len(data), _FINITE_BLOCK), np.bool_)
     for start in range(0, len(data), _FINITE_BLOCK):
         block = data[start : start + _FINITE_BLOCK]
-        flags = scratch[: len(block)]
-        np.isfinite(block, out=flags)
-        if not flags.all():
+        np.isfinite(block, out=flags[: len(block)])
+        if not flags[: len(block)].all():
             return False
     return True
 
