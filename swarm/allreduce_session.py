@@ -37,6 +37,11 @@ when it leaves a ping unanswered for ``peer_timeout_s`` while nothing is in flig
 frozen process keeps its sockets open); bytes that break the protocol (a wrong length, NaN, an
 unknown part) drop it with the reason. After ``Finish`` the session keeps serving forwards until
 every live peer said ``Done`` or the deadline passes; the caller already has its result.
+
+Longer than our usual 400 lines: the send and receive loops, the channel keeping and the fault
+handling all act on one session's state (its machine, outboxes, landings and channels), and
+split apart they would pass most of that state back and forth; the wire messages and the pure
+helpers (``chunks_for``, ``settle_landings``) are the candidates to move out first.
 """
 
 from __future__ import annotations
