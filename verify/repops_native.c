@@ -4,8 +4,9 @@
  * bit for bit: the same IEEE float32/float64 operations in the same order, one at a time. Built
  * with -ffp-contract=off (GCC's default for C fuses a * b + c into an FMA, which rounds once
  * instead of twice) and without -ffast-math; on x86-64 float arithmetic has no excess precision.
- * Vectorizing these loops changes no bit: no loop here reduces in floating point (the maxima
- * are exact in any order).
+ * Vectorizing these loops changes no bit: no loop reduces in floating point in an order a
+ * compiler could change (maxima are exact in any order; sums follow sum_tree's fixed levels,
+ * each level an elementwise loop).
  *
  * A kernel returns 0 on success, or 1 when an input holds a value it leaves to torch (a NaN or
  * an infinity among the values a grid is bounded by), so that the caller runs the eager code.
@@ -161,7 +162,7 @@ int to_f32(const double *x, float *out, int64_t rows, int64_t cols, const float 
 
 /* ---- elementwise chains and row kernels (repops_ops.exp, erf, softmax_rows, GELU) ----------
  *
- * `k` holds the float32 constants of repops_ops, in repops_native.CONSTANTS's order (passed in,
+ * `k` holds the float32 constants of repops_ops, in repops_ops.NATIVE_CONSTANTS's order (passed in,
  * so that both paths round the same Python floats the same way). These kernels return 1 on a
  * NaN input: float-to-int conversion of a NaN differs between torch and C. */
 enum { EXP_LO, EXP_HI, LOG2E, EXP_C1, EXP_C2, EXP_P, ERF_N = EXP_P + 6, ERF_D = ERF_N + 7,
