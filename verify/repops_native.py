@@ -140,10 +140,10 @@ def _strides(t: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
     return (ctypes.c_int64 * 4)(*([0] * (4 - t.dim()) + list(t.stride())))
 
 
-def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor, bound: torch.Tensor) -> bool:
+def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
     """Write ``repops_ops._grid(x, dim, bits)`` into float64 ``out`` (x's shape); False when the
     kernels do not apply (not built, not a 2-4 dim float32 CPU tensor, a non-finite value) and
-    the caller must run the eager code. ``bound`` is scratch of at least 2 x rows float32."""
+    the caller must run the eager code."""
     lib = library()
     if (
         lib is None
@@ -159,8 +159,7 @@ def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor, bound: to
         x, out = x.transpose(-1, -2), out.transpose(-1, -2)
     shape = [1] * (4 - x.dim()) + list(x.shape)
     rows = shape[2]
-    if bound.numel() < 2 * rows or bound.dtype != F32:
-        raise ValueError("grid_into needs 2 x rows float32 of scratch")
+    work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
     rc = lib.grid_rows(
         x.data_ptr(),
         _strides(x),
@@ -171,8 +170,8 @@ def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor, bound: to
         rows,
         shape[3],
         bits,
-        bound.data_ptr(),
-        bound.data_ptr() + 4 * rows,
+        work.data_ptr(),
+        work.data_ptr() + 4 * rows,
     )
     return rc == 0
 

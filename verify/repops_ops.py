@@ -154,8 +154,7 @@ def _grid(x: torch.Tensor, dim: int, bits: int, slot: str | None = None) -> torc
     if not 0 < bits <= 51:
         raise ValueError("grid bits must be in [1, 51]")
     out = torch.empty_like(x, dtype=F64) if slot is None else scratch(slot, x, F64)
-    work = _buffer("grid.bound", (2 * max(x.shape[-2:], default=0),), F32, x.device)
-    if repops_native.grid_into(x, dim, bits, out, work):
+    if repops_native.grid_into(x, dim, bits, out):
         return out
     # max(amax, -amin) is max |x| without writing an |x| temporary (half the memory traffic).
     bound = torch.maximum(x.amax(dim=dim, keepdim=True), x.amin(dim=dim, keepdim=True).neg_())
