@@ -16,6 +16,7 @@ down when the enclosing scope exits or is cancelled (cancellation is the shutdow
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class HostConfig:
 class HostStatistics:
     handler_failures: int = 0
     connections_refused_over_limit: int = 0
+    connections_closed: int = 0
 
 
 def is_relayed(conn: Any) -> bool:
@@ -91,12 +93,14 @@ def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
 
 
 class _LimitNotifee(INotifee):
-    """Closes connections beyond the limit as soon as they are established."""
+    """Closes connections beyond the limit as soon as they are established, and logs every
+    connection that ends: a peer whose connections vanish mid-round is otherwise a mystery."""
 
     def __init__(self, host: Host) -> None:
         self._host = host
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
+        log.debug("connection to %s opened (%s)", conn.muxed_conn.peer_id, _direction(conn))
         total = sum(len(conns) for conns in network.get_connections_map().values())
         if total > self._host.config.max_connections:
             self._host.statistics.connections_refused_over_limit += 1
@@ -109,7 +113,16 @@ class _LimitNotifee(INotifee):
             self._host._nursery.start_soon(_close_quietly, conn)
 
     async def disconnected(self, network: INetwork, conn: INetConn) -> None:
-        pass
+        self._host.statistics.connections_closed += 1
+        created = getattr(conn, "_created_at", None)
+        age = f"{time.time() - created:.1f} s" if isinstance(created, float) else "?"
+        log.info(
+            "connection to %s closed (%s, open %s, %d left to it)",
+            conn.muxed_conn.peer_id,
+            _direction(conn),
+            age,
+            len(network.get_connections(conn.muxed_conn.peer_id)),
+        )
 
     async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
         pass
@@ -122,6 +135,10 @@ class _LimitNotifee(INotifee):
 
     async def listen_close(self, network: INetwork, multiaddr: multiaddr.Multiaddr) -> None:
         pass
+
+
+def _direction(conn: INetConn) -> str:
+    return str(getattr(conn, "direction", "unknown"))
 
 
 async def _close_quietly(conn: INetConn) -> None:

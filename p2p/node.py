@@ -30,6 +30,7 @@ from p2p.bulk import BulkConfig, BulkListener, receive_bulk, send_bulk
 from p2p.dht import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import Host, HostConfig, open_host, reset_quietly
+from p2p.loop_lag import watch_loop_lag
 from p2p.nat import (
     NatConfig,
     NatService,
@@ -273,6 +274,7 @@ async def _serve_ping(peer: ID, request: PingRequest) -> PingReply:
 @asynccontextmanager
 async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
     async with open_host(config.host) as host, trio.open_nursery() as nursery:
+        nursery.start_soon(watch_loop_lag)
         nat = NatService(host, config.nat or NatConfig(relay_hop=config.role == "relay"))
         await nursery.start(nat.run)
         dht = Dht(host, config.dht)

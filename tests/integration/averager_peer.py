@@ -176,6 +176,11 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 for piece in np.array_split(result.vector, 12)
             ],
         }
+    if cmd == "connections":
+        network = averager.node.host.libp2p.get_network()
+        return {
+            _hex(str(peer)): len(conns) for peer, conns in network.get_connections_map().items()
+        }
     if cmd == "channels":
         return dataclasses.asdict(averager.channel_statistics())
     if cmd == "publish_hash":
@@ -237,7 +242,11 @@ if __name__ == "__main__":
     parser.add_argument("--audit", action="store_true", help="sign slices, check their proofs")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()
-    logging.basicConfig(level=logging.INFO if arguments.v else logging.WARNING, stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO if arguments.v else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s:%(name)s:%(message)s",
+    )
     install_fault(arguments.fault)
     try:
         trio.run(main, arguments)

@@ -114,12 +114,14 @@ class Swarm:
         return first
 
     def logs(self) -> str:
-        """The peers' round logs (what they dropped and why), for a failure message."""
+        """The peers' logs (what they dropped and why, lost connections, stalls), for a failure
+        message."""
         return "\n".join(
             f"[{i}] {line}"
             for i, peer in enumerate(self.peers)
             for line in peer.process.stderr.splitlines()
-            if "swarm" in line
+            # rounds, connections that closed, stalls, and every warning
+            if "swarm" in line or "p2p" in line or "WARNING" in line or "ERROR" in line
         )
 
     def stop(self) -> None:

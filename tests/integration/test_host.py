@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import statistics
 import time
 
 import multiaddr
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, open_host
+from p2p.loop_lag import watch_loop_lag
 
 
 def _port(addr: multiaddr.Multiaddr) -> int:
@@ -67,3 +70,38 @@ async def test_exception_in_the_block_propagates_as_itself() -> None:
         except Boom:
             raised = True
     assert raised
+
+
+async def test_a_closed_connection_is_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    # When a peer's connections vanish mid-round, this line says which, whose side and how old.
+    caplog.set_level(logging.INFO, logger="p2p.host")
+    with trio.fail_after(30):
+        async with (
+            open_host(HostConfig(create_new_key_pair())) as server,
+            open_host(HostConfig(create_new_key_pair())) as client,
+        ):
+            await client.connect(server.peer_id, server.addrs())
+            (conn,) = client.libp2p.get_network().get_connections(server.peer_id)
+            await conn.close()
+            with trio.fail_after(5):
+                while server.statistics.connections_closed < 1:
+                    await trio.sleep(0.02)
+            assert client.statistics.connections_closed == 1
+    lines = [r.getMessage() for r in caplog.records if "closed (" in r.getMessage()]
+    assert any(f"connection to {server.peer_id} closed (outbound" in line for line in lines), lines
+    assert any(f"connection to {client.peer_id} closed (inbound" in line for line in lines), lines
+
+
+async def test_a_stalled_event_loop_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="p2p.loop_lag")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_loop_lag, 0.5, 0.05)
+            await trio.sleep(0.2)
+            time.sleep(1.0)  # blocks the loop, as a synchronous call on it would
+            await trio.sleep(0.2)
+            nursery.cancel_scope.cancel()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "p2p.loop_lag"]
+    assert len(warnings) == 1 and "stalled for" in warnings[0], warnings
+    stalled = float(warnings[0].split("stalled for ")[1].split()[0])
+    assert 0.5 < stalled < 1.5, warnings
