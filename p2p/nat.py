@@ -310,11 +310,14 @@ class NatService:
         async with trio.open_nursery() as nursery:
 
             async def dial_direct() -> None:
-                with trio.move_on_after(self.config.direct_dial_timeout_s):
+                timeout_s = self.config.direct_dial_timeout_s
+                with trio.move_on_after(timeout_s) as dial:
                     try:
                         await self.host.libp2p.connect(PeerInfo(peer_id, direct))
                     except Exception as exc:
                         errors.append(f"direct: {exc}")
+                if dial.cancelled_caught:
+                    errors.append(f"direct: no answer in {timeout_s} s")
                 if network.get_connections(peer_id):
                     nursery.cancel_scope.cancel()
 
@@ -339,7 +342,10 @@ class NatService:
             # Forget the plain addresses that did not answer: DCUtR's first step re-dials every
             # plain address in the peerstore (10 s budget, swarm retries with backoff), which
             # measured 8+ s here and used up the whole hole-punch window.
-            errors.append(f"direct: no answer in {self.config.direct_head_start_s} s")
+            if not any(e.startswith("direct:") for e in errors):
+                errors.append(
+                    "direct: no connection (the relayed one came first, or it closed at once)"
+                )
             self.host.libp2p.get_peerstore().clear_addrs(peer_id)
 
     async def upgrade(self, peer_id: ID) -> bool:

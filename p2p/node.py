@@ -49,6 +49,7 @@ PING_PROTOCOL = "/swarmtrain/ping/1"
 BULK_PROBE_PROTOCOL = "/swarmtrain/bulk-probe/1"
 MAX_BULK_PROBE_BYTES = 64 << 20
 ADDR_RECORD_TTL_S = 600.0
+REACH_RETRY_S = 0.25  # between the attempts of Node.reach(keep_trying_s=...)
 
 
 @message(20, max_bytes=128)
@@ -169,11 +170,31 @@ class Node:
         found = await self.dht.find_addrs(peer_id)
         return list(dict.fromkeys([*found, *known]))
 
-    async def reach(self, peer_id: ID) -> None:
+    async def reach(self, peer_id: ID, *, keep_trying_s: float = 0.0) -> None:
         """Connect to ``peer_id``: direct, else through a relay, then a DCUtR upgrade.
 
-        Raises ``PeerUnreachable`` naming what was tried.
+        With ``keep_trying_s``, a failed attempt is tried again (a fresh address lookup each
+        time) until that many seconds have passed since the call: a peer that stalled for a
+        moment, or whose connections just closed, is not given up at its first silent dial.
+        An attempt already running when the time is up finishes. Raises ``PeerUnreachable``
+        naming what the last attempt tried.
         """
+        give_up = trio.current_time() + keep_trying_s
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                await self._reach_once(peer_id)
+                return
+            except PeerUnreachable as exc:
+                if trio.current_time() + REACH_RETRY_S >= give_up:
+                    if attempts > 1:
+                        raise PeerUnreachable(f"{exc} (attempt {attempts})") from None
+                    raise
+                log.info("%s not reached yet (%s); trying again", peer_id, exc)
+            await trio.sleep(REACH_RETRY_S)
+
+    async def _reach_once(self, peer_id: ID) -> None:
         if self.host.connection_kind(peer_id) is not None:
             return
         addrs = await self.find(peer_id)
@@ -228,9 +249,10 @@ class Node:
         self.bulk_listener = listener
 
     async def ping(self, peer_id: ID, *, rounds: int = 3, deadline_s: float = 10.0) -> PingResult:
-        """Reach the peer and measure the best of ``rounds`` request/response round trips."""
+        """Reach the peer (trying again for up to ``deadline_s``) and measure the best of
+        ``rounds`` request/response round trips, each answered within ``deadline_s``."""
         try:
-            await self.reach(peer_id)
+            await self.reach(peer_id, keep_trying_s=deadline_s)
             best = float("inf")
             for _ in range(rounds):
                 nonce = os.urandom(8)

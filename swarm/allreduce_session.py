@@ -32,9 +32,10 @@ for those ends before it closes; every other channel it used is closed.
 The machine is fed from one task (``Session.run``) and runs in a worker thread when the vector is
 large, so reducing never stalls heartbeats. Receivers and senders are separate tasks per peer;
 they report what happened as events into one inbox. A peer is lost when its stream breaks before
-its ``Done``, when a transfer with it makes no progress for ``peer_timeout_s`` (at least 5 s), or
-when it leaves a ping unanswered for ``peer_timeout_s`` while nothing is in flight with it (a
-frozen process keeps its sockets open); bytes that break the protocol (a wrong length, NaN, an
+its ``Done``, when a transfer with it makes no progress for ``peer_timeout_s`` (at least 5 s),
+when it cannot be reached (dialed, or found) for ``peer_timeout_s``, or when it leaves a ping
+unanswered for ``peer_timeout_s`` while nothing is in flight with it (a frozen process keeps its
+sockets open); bytes that break the protocol (a wrong length, NaN, an
 unknown part) drop it with the reason. After ``Finish`` the session keeps serving forwards until
 every live peer said ``Done`` or the deadline passes; the caller already has its result.
 
@@ -497,7 +498,7 @@ class Session:
                     while self.node.host.connection_kind(peer_id) is None:
                         await trio.sleep(0.02)
             try:
-                await self.node.reach(peer_id)
+                await self.node.reach(peer_id, keep_trying_s=self.config.peer_timeout_s)
             except P2PError as exc:
                 log.debug("connecting to %s: %s", _short(peer), exc)  # its sender will report it
 
@@ -657,7 +658,10 @@ class Session:
         clean = False
         try:
             peer_id = PeerID(peer)
-            await self.node.reach(peer_id)
+            # A member whose dial fails is tried again for the peer timeout, the same time a
+            # member that stops answering gets: it may have stalled for a moment, or its
+            # connections to us just closed; it declared for this round.
+            await self.node.reach(peer_id, keep_trying_s=self.config.peer_timeout_s)
             stream = await self.node.host.open_stream(peer_id, PROTOCOL)
             rpc = RpcStream(stream)
             direct = stream_kind(stream) == "direct"

@@ -4,13 +4,16 @@ Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prin
 ``READY <peer id hex>``; then each JSON command line gets one JSON line back:
 
     {"cmd": "average", "round": R, "numel": N, "seed": S, "weight": W,
-     "expected": [hex, ...] | null, "cancel_after": seconds after the group formed | null}
+     "expected": [hex, ...] | null, "cancel_after": seconds after the group formed | null,
+     "stall": seconds to block the event loop once the group formed | null}
         -> {"ok": true, "digest": hex, "contributors": {hex: w}, "dropped": {hex: why},
             "allreduce_s": .., "matchmaking_s": .., "bytes_sent": .., "regions": [12 short
             digests, one per twelfth of the vector]}  or {"ok": false, "error": ..}
     {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
     {"cmd": "agreement", "round": R}                    -> {"agrees": .., "peers": .., ...}
     {"cmd": "channels"}  -> {"opened": n, "reused": n, "idle": n, "closed": n}  (data channels)
+    {"cmd": "connections"} -> {peer hex: libp2p connections to it}
+    {"cmd": "disconnect"}  -> {"closed": n}  (closes every libp2p connection)
 
 The vector of a peer is ``vector(seed, numel)``, so the test can compute the exact mean.
 
@@ -32,6 +35,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -139,6 +143,21 @@ def _cancel_in_allreduce(averager: Averager, scope: trio.CancelScope, seconds: f
     averager._form_group = then_arm  # type: ignore[method-assign]
 
 
+def _stall_in_allreduce(averager: Averager, seconds: float) -> None:
+    """Block this process's event loop ``seconds`` right after our group formed: a stall (a long
+    GC pause, a blocking call, no CPU) that the others must wait out, not read as a death."""
+    form_group = averager._form_group
+
+    async def then_stall(*args: Any) -> Any:
+        try:
+            return await form_group(*args)
+        finally:
+            averager._form_group = form_group  # type: ignore[method-assign]
+            time.sleep(seconds)
+
+    averager._form_group = then_stall  # type: ignore[method-assign]
+
+
 async def command(averager: Averager, line: str) -> dict[str, Any]:
     request = json.loads(line)
     cmd = request["cmd"]
@@ -150,6 +169,8 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 cancel_after = request.get("cancel_after")
                 if cancel_after is not None:
                     _cancel_in_allreduce(averager, scope, cancel_after)
+                if request.get("stall") is not None:
+                    _stall_in_allreduce(averager, request["stall"])
                 result = await averager.average(
                     [local],
                     request.get("weight", 1.0),
@@ -176,6 +197,12 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 for piece in np.array_split(result.vector, 12)
             ],
         }
+    if cmd == "disconnect":  # close every libp2p connection we have
+        network = averager.node.host.libp2p.get_network()
+        conns = [c for group in network.get_connections_map().values() for c in group]
+        for conn in conns:
+            await conn.close()
+        return {"closed": len(conns)}
     if cmd == "connections":
         network = averager.node.host.libp2p.get_network()
         return {

@@ -208,6 +208,21 @@ def test_the_channels_of_a_cancelled_round_are_never_reused(swarm: Swarm) -> Non
     assert opened == [2, 2, 2, 6] and reused == [4, 4, 4, 0], (before, after)
 
 
+def test_a_peer_unreachable_for_a_moment_is_waited_for(swarm: Swarm) -> None:
+    """A peer that closed all its connections before the round and stalls 3.5 s (its event loop
+    blocked, longer than a direct dial's 3 s) once its group formed: within the peer timeout (5 s)
+    the others wait for it, whether their dial reached it before the stall or they have to try
+    again after (tests/integration/test_reach.py), and it is in the result."""
+    peers = swarm.start(4, None, "--run-id", "unreachable-moment")
+    victim = peers[3]
+    swarm.average(peers, 0)
+    swarm.check([p.reply() for p in peers], peers)
+    victim.send(cmd="disconnect")
+    assert victim.reply()["closed"] >= 3
+    swarm.average(peers, 1, **{victim.id: {"stall": 3.5}})
+    swarm.check([p.reply() for p in peers], peers)
+
+
 @pytest.mark.parametrize("codec", ["fp16", "int8", "auto"])
 def test_compressed_rounds_agree_bit_for_bit_and_are_close(swarm: Swarm, codec: str) -> None:
     peers = swarm.start(3, None, "--run-id", f"codec-{codec}", "--compression", codec)

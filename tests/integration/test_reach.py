@@ -1,0 +1,82 @@
+"""``Node.reach`` against a real peer process that stalls (SIGSTOP) with no connection to us.
+
+A stopped process's kernel still accepts the TCP connection, so the dial hangs in the handshake
+until the direct dial's 3 s run out. One attempt gives up then; with ``keep_trying_s`` the node
+looks the peer up again and dials again until the peer answers or the time is over.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from peerproc import PeerProcess, start_relay
+
+from p2p import HostConfig, NodeConfig, PeerID, PeerUnreachable, open_node
+
+PEER = Path(__file__).with_name("averager_peer.py")
+
+
+@pytest.fixture
+def stalled_peer(tmp_path: Path) -> Iterator[tuple[str, PeerProcess]]:
+    relay, join = start_relay(tmp_path / "relay.key")
+    peer = PeerProcess([sys.executable, str(PEER), "--join", join])
+    try:
+        peer.wait_line(lambda line: line.startswith("READY"), timeout_s=60)
+        yield join, peer
+    finally:
+        peer.proc.send_signal(signal.SIGCONT)
+        peer.proc.stdin.close()  # type: ignore[union-attr]
+        peer.stop()
+        relay.stop()
+
+
+async def test_reach_keeps_trying_a_peer_that_stalled(
+    stalled_peer: tuple[str, PeerProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="p2p.node")
+    join, peer = stalled_peer
+    target = PeerID(bytes.fromhex(peer.lines[0].split()[1]))
+    config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(join,))
+    with trio.fail_after(60):
+        async with open_node(config) as node:
+            for conn in node.host.libp2p.get_network().get_connections(target):
+                await conn.close()  # joining may have connected us to it
+            peer.proc.send_signal(signal.SIGSTOP)
+
+            async def wake_after_a_failed_attempt() -> None:
+                while not any("trying again" in r.getMessage() for r in caplog.records):
+                    await trio.sleep(0.05)
+                peer.proc.send_signal(signal.SIGCONT)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wake_after_a_failed_attempt)
+                await node.reach(target, keep_trying_s=30)
+            assert node.host.connection_kind(target) == "direct"
+    failed = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
+    assert failed and "no answer in 3.0 s" in failed[0], failed
+
+
+async def test_reach_gives_up_when_the_time_to_keep_trying_is_over(
+    stalled_peer: tuple[str, PeerProcess],
+) -> None:
+    join, peer = stalled_peer
+    target = PeerID(bytes.fromhex(peer.lines[0].split()[1]))
+    config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(join,))
+    with trio.fail_after(60):
+        async with open_node(config) as node:
+            for conn in node.host.libp2p.get_network().get_connections(target):
+                await conn.close()
+            peer.proc.send_signal(signal.SIGSTOP)
+            started = trio.current_time()
+            with pytest.raises(PeerUnreachable, match=r"\(attempt [2-9]\)"):
+                await node.reach(target, keep_trying_s=12)
+            # An attempt takes 3-9 s here: the address lookup may wait for the stopped peer (it
+            # is in our routing table), then the dial's 3 s. The last one started within 12 s.
+            assert 12 <= trio.current_time() - started < 26
