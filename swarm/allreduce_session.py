@@ -33,11 +33,12 @@ The machine is fed from one task (``Session.run``) and runs in a worker thread w
 large, so reducing never stalls heartbeats. Receivers and senders are separate tasks per peer;
 they report what happened as events into one inbox. A peer is lost when its stream breaks before
 its ``Done``, when a transfer with it makes no progress for ``peer_timeout_s`` (at least 5 s),
-when it cannot be reached (dialed, or found) for ``peer_timeout_s``, or when it leaves a ping
-unanswered for ``peer_timeout_s`` while nothing is in flight with it (a frozen process keeps its
-sockets open); bytes that break the protocol (a wrong length, NaN, an
-unknown part) drop it with the reason. After ``Finish`` the session keeps serving forwards until
-every live peer said ``Done`` or the deadline passes; the caller already has its result.
+when it cannot be reached (found and dialed) within ``peer_timeout_s`` of the round's start
+(dials are tried again until then), or when it leaves a ping unanswered for ``peer_timeout_s``
+while nothing is in flight with it (a frozen process keeps its sockets open); bytes that break
+the protocol (a wrong length, NaN, an unknown part) drop it with the reason. After ``Finish``
+the session keeps serving forwards until every live peer said ``Done`` or the deadline passes;
+the caller already has its result.
 
 Longer than our usual 400 lines: the send and receive loops, the channel keeping and the fault
 handling all act on one session's state (its machine, outboxes, landings and channels), and
@@ -307,6 +308,7 @@ class Session:
         self._uploads = 0
         self._upload_since = 0.0
         self._upload_busy = 0.0
+        self._reach_until = math.inf  # members are dialed again until then (run() sets it)
         self._inbox_send, self._inbox = trio.open_memory_channel[Any](math.inf)
         self._outboxes = {
             peer: trio.open_memory_channel[Any](math.inf) for peer in self.peers if peer != self.me
@@ -376,6 +378,7 @@ class Session:
         try:
             with self._scope:
                 self._scope.deadline = deadline + self.config.peer_timeout_s
+                self._reach_until = trio.current_time() + self.config.peer_timeout_s
                 await self._connect_all()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_liveness)
@@ -498,9 +501,9 @@ class Session:
                     while self.node.host.connection_kind(peer_id) is None:
                         await trio.sleep(0.02)
             try:
-                await self.node.reach(peer_id, keep_trying_s=self.config.peer_timeout_s)
+                await self.node.reach(peer_id)
             except P2PError as exc:
-                log.debug("connecting to %s: %s", _short(peer), exc)  # its sender will report it
+                log.debug("connecting to %s: %s", _short(peer), exc)  # its sender tries again
 
         with trio.move_on_after(self.config.peer_timeout_s + CONNECT_WAIT_S):
             async with trio.open_nursery() as nursery:
@@ -658,10 +661,11 @@ class Session:
         clean = False
         try:
             peer_id = PeerID(peer)
-            # A member whose dial fails is tried again for the peer timeout, the same time a
-            # member that stops answering gets: it may have stalled for a moment, or its
-            # connections to us just closed; it declared for this round.
-            await self.node.reach(peer_id, keep_trying_s=self.config.peer_timeout_s)
+            # A member whose dial fails is tried again until the peer timeout from the round's
+            # start, the time a member that stops answering gets: it declared for this round,
+            # it may have stalled for a moment, or its connections to us just closed.
+            keep_trying_s = max(0.0, self._reach_until - trio.current_time())
+            await self.node.reach(peer_id, keep_trying_s=keep_trying_s)
             stream = await self.node.host.open_stream(peer_id, PROTOCOL)
             rpc = RpcStream(stream)
             direct = stream_kind(stream) == "direct"

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from peerproc import PeerProcess, start_relay
 
-from p2p import HostConfig, NodeConfig, PeerID, PeerUnreachable, open_node
+from p2p import HostConfig, Node, NodeConfig, PeerID, PeerUnreachable, open_node
 
 PEER = Path(__file__).with_name("averager_peer.py")
 
@@ -37,24 +38,33 @@ def stalled_peer(tmp_path: Path) -> Iterator[tuple[str, PeerProcess]]:
         relay.stop()
 
 
+@asynccontextmanager
+async def stopped_and_unconnected(
+    join: str, peer: PeerProcess
+) -> AsyncIterator[tuple[Node, PeerID]]:
+    """A node of our own joined through ``join``, no connection to ``peer``, ``peer`` stopped."""
+    target = PeerID(bytes.fromhex(peer.lines[0].split()[1]))
+    config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(join,))
+    async with open_node(config) as node:
+        for conn in node.host.libp2p.get_network().get_connections(target):
+            await conn.close()  # joining may have connected us to it
+        peer.proc.send_signal(signal.SIGSTOP)
+        yield node, target
+
+
 async def test_reach_keeps_trying_a_peer_that_stalled(
     stalled_peer: tuple[str, PeerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="p2p.node")
-    join, peer = stalled_peer
-    target = PeerID(bytes.fromhex(peer.lines[0].split()[1]))
-    config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(join,))
+    peer = stalled_peer[1]
+
+    async def wake_after_a_failed_attempt() -> None:
+        while not any("trying again" in r.getMessage() for r in caplog.records):
+            await trio.sleep(0.05)
+        peer.proc.send_signal(signal.SIGCONT)
+
     with trio.fail_after(60):
-        async with open_node(config) as node:
-            for conn in node.host.libp2p.get_network().get_connections(target):
-                await conn.close()  # joining may have connected us to it
-            peer.proc.send_signal(signal.SIGSTOP)
-
-            async def wake_after_a_failed_attempt() -> None:
-                while not any("trying again" in r.getMessage() for r in caplog.records):
-                    await trio.sleep(0.05)
-                peer.proc.send_signal(signal.SIGCONT)
-
+        async with stopped_and_unconnected(*stalled_peer) as (node, target):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(wake_after_a_failed_attempt)
                 await node.reach(target, keep_trying_s=30)
@@ -66,14 +76,8 @@ async def test_reach_keeps_trying_a_peer_that_stalled(
 async def test_reach_gives_up_when_the_time_to_keep_trying_is_over(
     stalled_peer: tuple[str, PeerProcess],
 ) -> None:
-    join, peer = stalled_peer
-    target = PeerID(bytes.fromhex(peer.lines[0].split()[1]))
-    config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(join,))
     with trio.fail_after(60):
-        async with open_node(config) as node:
-            for conn in node.host.libp2p.get_network().get_connections(target):
-                await conn.close()
-            peer.proc.send_signal(signal.SIGSTOP)
+        async with stopped_and_unconnected(*stalled_peer) as (node, target):
             started = trio.current_time()
             with pytest.raises(PeerUnreachable, match=r"\(attempt [2-9]\)"):
                 await node.reach(target, keep_trying_s=12)
