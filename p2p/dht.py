@@ -18,7 +18,9 @@ What 0.8.1 gives and where this layer departs from it (read ``libp2p/kad_dht/kad
   one stream), and walks closer peers named in the answers only when they beat what it asked.
 * **Joining.** The DHT does not add connected peers to its routing table by itself. ``bootstrap``
   connects, asks the bootstrap peers for our own id (FIND_NODE), then asks every peer returned;
-  each peer we ask adds us (its handler does), and we add each one that answers.
+  each peer we ask adds us (its handler does), and we add each one that answers. ``run`` repeats
+  that self-lookup 1, 3, 7, ... s after the start, then every ``refresh_interval_s``: peers
+  joining together miss each other in the bootstrap peer's table.
 * **Limits.** 0.8.1 caps concurrent inbound Kad streams at 12 and resets the rest; pooled streams
   each hold one slot while idle, so the cap is raised to ``DhtConfig.max_inbound_streams``.
 
@@ -88,6 +90,7 @@ _KEY_PREFIX = f"/{NAMESPACE}/".encode()
 ADDRS_KEY_PREFIX = "addrs/"
 _MAX_ADDRS = 32
 _MAX_KAD_KEY_BYTES = 128
+FIRST_REFRESH_S = 1.0  # then doubling up to DhtConfig.refresh_interval_s
 
 
 @dataclass(frozen=True)
@@ -238,11 +241,19 @@ class Dht:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve and keep the routing table fresh until cancelled."""
+        """Serve and keep the routing table fresh until cancelled.
+
+        The first refreshes come soon (1, 2, 4, ... s, then every ``refresh_interval_s``): peers
+        that join at the same moment each get the bootstrap peer's table before the others are
+        in it (measured: one of 4 peers joining within 40 ms knew only the relay, and its first
+        round split), and islands that merge later learn each other only through a refresh.
+        """
         task_status.started()
+        delay = FIRST_REFRESH_S
         try:
             while True:
-                await trio.sleep(self.config.refresh_interval_s)
+                await trio.sleep(min(delay, self.config.refresh_interval_s))
+                delay *= 2
                 self.store_local.prune(time.time())
                 if self._kad.routing_table.size():
                     await self._self_lookup(

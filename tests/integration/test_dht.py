@@ -199,3 +199,29 @@ def test_a_frozen_peer_named_suspect_is_skipped_by_lookups(swarm: list[Peer]) ->
         victim.proc.send_signal(signal.SIGCONT)
     assert waited >= timeout_s * 0.9, waited  # it did wait for the frozen peer
     assert skipped < timeout_s / 2, skipped
+
+
+def test_islands_that_meet_learn_each_other_within_seconds() -> None:
+    # X joined through R1 and Y through R2; then R2 joins R1. Nobody asks Y about X or X about
+    # Y: only a refresh of the routing table does, and the first ones come 1, 2, 4, ... s after
+    # the start (peers that join at one moment miss each other the same way).
+    peers = [Peer() for _ in range(4)]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for peer in peers:
+            peer.wait_ready(deadline)
+        r1, r2, x, y = peers
+        assert x.ask("join", r1.addr)["routing_table_size"] == 1
+        assert y.ask("join", r2.addr)["routing_table_size"] == 1
+        r2.ask("join", r1.addr)
+        met = time.monotonic()
+        sizes: list[int] = []
+        while time.monotonic() - met < 40:  # the steady refresh comes every 60 s
+            sizes = [p.ask("peers")["routing_table_size"] for p in (x, y)]
+            if sizes == [3, 3]:
+                break
+            time.sleep(0.5)
+        assert sizes == [3, 3], sizes
+    finally:
+        for peer in peers:
+            peer.stop()
