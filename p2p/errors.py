@@ -37,7 +37,12 @@ class RemoteError(P2PError):
 
 
 class PeerUnreachable(P2PError):
-    """No direct or relayed connection to the peer could be made."""
+    """No direct or relayed connection to the peer could be made. ``refused``: every address
+    tried answered with an error (a closed port: the process is gone), none stayed silent."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class IdentityError(P2PError):

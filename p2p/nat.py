@@ -151,6 +151,19 @@ class _DialerDrivenDCUtR(DCUtRProtocol):
 # --------------------------------------------------------------------------- the service
 
 
+@dataclass
+class _DialReport:
+    """What the dials of one ``connect`` met: an error per address tried, and whether any of
+    them stayed silent (a timeout) rather than answering with a refusal."""
+
+    errors: list[str] = field(default_factory=list)
+    silent: bool = False
+
+    def no_answer(self, error: str) -> None:
+        self.errors.append(error)
+        self.silent = True
+
+
 class NatService:
     """Reachability, relaying and hole punching for one host. Run with ``nursery.start(run)``."""
 
@@ -280,15 +293,16 @@ class NatService:
         Returns the kind of connection we end up with. Raises ``PeerUnreachable``.
         """
         kind = connection_kind(self.host.libp2p, peer_id)
-        errors: list[str] = []
+        report = _DialReport()
         if kind is None:
-            await self._race_direct_and_relayed(peer_id, addrs, errors)
+            await self._race_direct_and_relayed(peer_id, addrs, report)
             kind = connection_kind(self.host.libp2p, peer_id)
         if kind is None:
             raise PeerUnreachable(
-                f"cannot reach {peer_id}: " + ("; ".join(errors) or "no addresses")
+                f"cannot reach {peer_id}: " + ("; ".join(report.errors) or "no addresses"),
+                refused=bool(report.errors) and not report.silent,
             )
-        log.debug("connected to %s: %s (%s)", peer_id, kind, "; ".join(errors))
+        log.debug("connected to %s: %s (%s)", peer_id, kind, "; ".join(report.errors))
         if kind == "relayed" and self._dcutr is not None:
             if wait_direct:
                 await self.upgrade(peer_id)
@@ -297,7 +311,7 @@ class NatService:
         return connection_kind(self.host.libp2p, peer_id) or kind
 
     async def _race_direct_and_relayed(
-        self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr], errors: list[str]
+        self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr], report: _DialReport
     ) -> None:
         """Dial the plain addresses; after ``direct_head_start_s`` without a connection, also
         dial the circuit addresses (happy-eyeballs style). The first connection cancels the
@@ -315,9 +329,9 @@ class NatService:
                     try:
                         await self.host.libp2p.connect(PeerInfo(peer_id, direct))
                     except Exception as exc:
-                        errors.append(f"direct: {exc}")
+                        report.errors.append(f"direct: {exc}")
                 if dial.cancelled_caught:
-                    errors.append(f"direct: no answer in {timeout_s} s")
+                    report.no_answer(f"direct: no answer in {timeout_s} s")
                 if network.get_connections(peer_id):
                     nursery.cancel_scope.cancel()
 
@@ -325,11 +339,14 @@ class NatService:
                 if direct:
                     await trio.sleep(self.config.direct_head_start_s)
                 for circuit in circuits:
-                    with trio.move_on_after(self.config.relay_dial_timeout_s):
+                    timeout_s = self.config.relay_dial_timeout_s
+                    with trio.move_on_after(timeout_s) as dial:
                         try:
                             await self._transport.dial(circuit)
                         except Exception as exc:
-                            errors.append(f"relay {circuit}: {exc}")
+                            report.errors.append(f"relay {circuit}: {exc}")
+                    if dial.cancelled_caught:
+                        report.no_answer(f"relay {circuit}: no answer in {timeout_s} s")
                     if network.get_connections(peer_id):
                         nursery.cancel_scope.cancel()
                         return
@@ -342,8 +359,8 @@ class NatService:
             # Forget the plain addresses that did not answer: DCUtR's first step re-dials every
             # plain address in the peerstore (10 s budget, swarm retries with backoff), which
             # measured 8+ s here and used up the whole hole-punch window.
-            if not any(e.startswith("direct:") for e in errors):
-                errors.append(
+            if not any(e.startswith("direct:") for e in report.errors):
+                report.no_answer(
                     "direct: no connection (the relayed one came first, or it closed at once)"
                 )
             self.host.libp2p.get_peerstore().clear_addrs(peer_id)

@@ -173,11 +173,12 @@ class Node:
     async def reach(self, peer_id: ID, *, keep_trying_s: float = 0.0) -> None:
         """Connect to ``peer_id``: direct, else through a relay, then a DCUtR upgrade.
 
-        With ``keep_trying_s``, a failed attempt is tried again (a fresh address lookup each
-        time) until that many seconds have passed since the call: a peer that stalled for a
-        moment, or whose connections just closed, is not given up at its first silent dial.
-        An attempt already running when the time is up finishes. Raises ``PeerUnreachable``
-        naming what the last attempt tried.
+        With ``keep_trying_s``, an attempt that met silence (a dial that timed out, no address
+        found) is tried again, with a fresh address lookup, until that many seconds have passed
+        since the call: a peer that stalled for a moment, or whose connections just closed, is
+        not given up at its first silent dial. One whose every address refused (its process is
+        gone) is. An attempt already running when the time is up finishes. Raises
+        ``PeerUnreachable`` naming what the last attempt tried.
         """
         give_up = trio.current_time() + keep_trying_s
         attempts = 0
@@ -187,9 +188,11 @@ class Node:
                 await self._reach_once(peer_id)
                 return
             except PeerUnreachable as exc:
-                if trio.current_time() + REACH_RETRY_S >= give_up:
+                if exc.refused or trio.current_time() + REACH_RETRY_S >= give_up:
                     if attempts > 1:
-                        raise PeerUnreachable(f"{exc} (attempt {attempts})") from None
+                        raise PeerUnreachable(
+                            f"{exc} (attempt {attempts})", refused=exc.refused
+                        ) from None
                     raise
                 log.info("%s not reached yet (%s); trying again", peer_id, exc)
             await trio.sleep(REACH_RETRY_S)

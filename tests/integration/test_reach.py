@@ -40,15 +40,18 @@ def stalled_peer(tmp_path: Path) -> Iterator[tuple[str, PeerProcess]]:
 
 @asynccontextmanager
 async def stopped_and_unconnected(
-    join: str, peer: PeerProcess
+    join: str, peer: PeerProcess, how: signal.Signals = signal.SIGSTOP
 ) -> AsyncIterator[tuple[Node, PeerID]]:
-    """A node of our own joined through ``join``, no connection to ``peer``, ``peer`` stopped."""
+    """A node of our own joined through ``join``, no connection to ``peer``, ``peer`` stopped
+    (or killed: ``how``)."""
     target = PeerID(bytes.fromhex(peer.lines[0].split()[1]))
     config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(join,))
     async with open_node(config) as node:
         for conn in node.host.libp2p.get_network().get_connections(target):
             await conn.close()  # joining may have connected us to it
-        peer.proc.send_signal(signal.SIGSTOP)
+        peer.proc.send_signal(how)
+        if how == signal.SIGKILL:
+            peer.proc.wait(10)
         yield node, target
 
 
@@ -84,3 +87,16 @@ async def test_reach_gives_up_when_the_time_to_keep_trying_is_over(
             # An attempt takes 3-9 s here: the address lookup may wait for the stopped peer (it
             # is in our routing table), then the dial's 3 s. The last one started within 12 s.
             assert 12 <= trio.current_time() - started < 26
+
+
+async def test_reach_gives_up_at_once_on_a_peer_whose_process_is_gone(
+    stalled_peer: tuple[str, PeerProcess],
+) -> None:
+    # Its port refuses: that is an answer, not silence, so there is nothing to wait for.
+    with trio.fail_after(60):
+        async with stopped_and_unconnected(*stalled_peer, signal.SIGKILL) as (node, target):
+            started = trio.current_time()
+            with pytest.raises(PeerUnreachable) as caught:
+                await node.reach(target, keep_trying_s=30)
+            assert caught.value.refused, caught.value
+            assert trio.current_time() - started < 8
