@@ -34,11 +34,11 @@ large, so reducing never stalls heartbeats. Receivers and senders are separate t
 they report what happened as events into one inbox. A peer is lost when its stream breaks before
 its ``Done``, when a transfer with it makes no progress for ``peer_timeout_s`` (at least 5 s),
 when it cannot be reached (found and dialed) within ``peer_timeout_s`` of the round's start
-(dials are tried again until then), or when it leaves a ping unanswered for ``peer_timeout_s``
-while nothing is in flight with it (a frozen process keeps its sockets open); bytes that break
-the protocol (a wrong length, NaN, an unknown part) drop it with the reason. After ``Finish``
-the session keeps serving forwards until every live peer said ``Done`` or the deadline passes;
-the caller already has its result.
+(silent dials are tried again until then, refused ones are final), or when it leaves a ping
+unanswered for ``peer_timeout_s`` while nothing is in flight with it (a frozen process keeps its
+sockets open); bytes that break the protocol (a wrong length, NaN, an unknown part) drop it with
+the reason. After ``Finish`` the session keeps serving forwards until every live peer said
+``Done`` or the deadline passes; the caller already has its result.
 
 Longer than our usual 400 lines: the send and receive loops, the channel keeping and the fault
 handling all act on one session's state (its machine, outboxes, landings and channels), and
