@@ -18,9 +18,11 @@ What 0.8.1 gives and where this layer departs from it (read ``libp2p/kad_dht/kad
   one stream), and walks closer peers named in the answers only when they beat what it asked.
 * **Joining.** The DHT does not add connected peers to its routing table by itself. ``bootstrap``
   connects, asks the bootstrap peers for our own id (FIND_NODE), then asks every peer returned;
-  each peer we ask adds us (its handler does), and we add each one that answers. ``run`` repeats
-  that self-lookup 1, 3, 7, ... s after the start, then every ``refresh_interval_s``: peers
-  joining together miss each other in the bootstrap peer's table.
+  each peer we ask adds us (its handler does), and we add each one that answers. Peers joining
+  in one instant miss each other in the bootstrap peer's table (measured: one of 4 knew only the
+  relay, and its first round split), so ``refresh`` repeats that self-lookup: ``open_node`` once
+  after the reachability check, ``run`` 1, 3, 7, ... s after the start, then every
+  ``refresh_interval_s``.
 * **Limits.** 0.8.1 caps concurrent inbound Kad streams at 12 and resets the rest; pooled streams
   each hold one slot while idle, so the cap is raised to ``DhtConfig.max_inbound_streams``.
 
@@ -243,10 +245,9 @@ class Dht:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Serve and keep the routing table fresh until cancelled.
 
-        The first refreshes come soon (1, 2, 4, ... s, then every ``refresh_interval_s``): peers
-        that join at the same moment each get the bootstrap peer's table before the others are
-        in it (measured: one of 4 peers joining within 40 ms knew only the relay, and its first
-        round split), and islands that merge later learn each other only through a refresh.
+        The first refreshes come soon (1, 2, 4, ... s apart, then every ``refresh_interval_s``):
+        peers that joined together, and islands that merge later, learn each other only through
+        a refresh.
         """
         task_status.started()
         delay = FIRST_REFRESH_S
@@ -255,12 +256,7 @@ class Dht:
                 await trio.sleep(min(delay, self.config.refresh_interval_s))
                 delay *= 2
                 self.store_local.prune(time.time())
-                if self._kad.routing_table.size():
-                    await self._self_lookup(
-                        self._kad.routing_table.find_local_closest_peers(
-                            self.peer_id.to_bytes(), BUCKET_SIZE
-                        )
-                    )
+                await self.refresh()
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for streams in self._idle.values():
@@ -280,6 +276,17 @@ class Dht:
         if not connected:
             raise P2PError("no bootstrap peer could be reached")
         await self._self_lookup(connected)
+        return self._kad.routing_table.size()
+
+    async def refresh(self) -> int:
+        """Look ourselves up again at the peers we know: every peer asked learns us, and we learn
+        whom they know. Returns the routing table size."""
+        if self._kad.routing_table.size():
+            await self._self_lookup(
+                self._kad.routing_table.find_local_closest_peers(
+                    self.peer_id.to_bytes(), BUCKET_SIZE
+                )
+            )
         return self._kad.routing_table.size()
 
     def statistics(self) -> DhtStatistics:

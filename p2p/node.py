@@ -309,6 +309,9 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
         if config.bootstrap:
             await node._join()
             await node.check_reachability(node.bootstrap_peers)
+            # Peers that joined in the same instant as us were not yet in the bootstrap peer's
+            # table when it answered; they are now (the dial-back took a round trip or more).
+            await node.dht.refresh()
         await node._start_bulk_listener(nursery)
         await node.publish_addrs()
         nursery.start_soon(node._republish_forever)

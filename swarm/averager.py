@@ -284,6 +284,7 @@ class Averager:
         started = time.perf_counter()
         group = await self._form_group(r, weight, expected_peers, frozenset(exclude))
         matched = time.perf_counter()
+        log.info("round %d: group of %d formed in %.2f s", r, len(group.members), matched - started)
         if len(group.members) < 2:
             # Our own vector back is no average; a peer cut off from the swarm must not take an
             # outer step alone and drift from everyone else's state.

@@ -281,7 +281,9 @@ def test_a_frozen_peer_is_dropped_refused_later_and_welcome_next_round(swarm: Sw
     peers = swarm.start(4, {3: "slow-sending:2"}, "--run-id", "frozen", "--peer-timeout", "1.5")
     victim, survivors = peers[3], peers[:3]
     swarm.average(peers, 0)
-    time.sleep(1.0)  # the victim is in the round, its first slice still held back
+    # Frozen once its group formed, while its first slice is held back (2 s): in the round.
+    victim.process.wait_stderr("round 0: group of", timeout_s=30)
+    time.sleep(0.3)
     victim.signal(signal.SIGSTOP)
     started = time.monotonic()
     swarm.check([p.reply() for p in survivors], survivors)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 from peerproc import ROOT, PeerProcess
@@ -57,6 +58,12 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
             assert _state_of(theirs) == _state_of(line), (theirs, line)
 
         report = status_json(join)
+        deadline = time.monotonic() + 20
+        while report["state_holders"] < 3 and time.monotonic() < deadline:
+            # The newest round may be caught while its records are still being published (one
+            # of 4 seen once): its holders are counted once the others' records are in.
+            time.sleep(1.0)
+            report = status_json(join)
         assert report["rounds"] == rounds and report["peers"] == 4, report
         assert report["round"] >= first and report["loss"] > 0 and report["tokens_per_s"] > 0
         assert report["state_holders"] >= 3, report
