@@ -36,6 +36,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -127,35 +128,21 @@ def install_fault(spec: str | None) -> None:
         raise SystemExit(f"unknown fault {spec!r}")
 
 
-def _cancel_in_allreduce(averager: Averager, scope: trio.CancelScope, seconds: float) -> None:
-    """Cancel ``seconds`` after our group formed: in the all-reduce, whatever matchmaking took
-    (a cancel during matchmaking is another case: a half-published declaration)."""
+def _after_group_forms(averager: Averager, then: Callable[[], None]) -> None:
+    """Call ``then()`` once our next group formed, whatever matchmaking took: so a fault lands
+    in the all-reduce (a cancel during matchmaking is another case: a half-published
+    declaration)."""
     form_group = averager._form_group
 
-    async def then_arm(*args: Any) -> Any:
+    async def form_then(*args: Any) -> Any:
         try:
             group = await form_group(*args)
         finally:
             averager._form_group = form_group  # type: ignore[method-assign]
-        scope.deadline = trio.current_time() + seconds
+        then()
         return group
 
-    averager._form_group = then_arm  # type: ignore[method-assign]
-
-
-def _stall_in_allreduce(averager: Averager, seconds: float) -> None:
-    """Block this process's event loop ``seconds`` right after our group formed: a stall (a long
-    GC pause, a blocking call, no CPU) that the others must wait out, not read as a death."""
-    form_group = averager._form_group
-
-    async def then_stall(*args: Any) -> Any:
-        try:
-            return await form_group(*args)
-        finally:
-            averager._form_group = form_group  # type: ignore[method-assign]
-            time.sleep(seconds)
-
-    averager._form_group = then_stall  # type: ignore[method-assign]
+    averager._form_group = form_then  # type: ignore[method-assign]
 
 
 async def command(averager: Averager, line: str) -> dict[str, Any]:
@@ -168,9 +155,16 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
             with trio.CancelScope() as scope:
                 cancel_after = request.get("cancel_after")
                 if cancel_after is not None:
-                    _cancel_in_allreduce(averager, scope, cancel_after)
-                if request.get("stall") is not None:
-                    _stall_in_allreduce(averager, request["stall"])
+
+                    def arm(seconds: float = cancel_after) -> None:
+                        scope.deadline = trio.current_time() + seconds
+
+                    _after_group_forms(averager, arm)
+                stall = request.get("stall")
+                if stall is not None:
+                    # Blocks the event loop: a stall (a long GC pause, a blocking call, no CPU)
+                    # that the others must wait out, not read as a death.
+                    _after_group_forms(averager, lambda: time.sleep(stall))
                 result = await averager.average(
                     [local],
                     request.get("weight", 1.0),
