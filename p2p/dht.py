@@ -250,11 +250,11 @@ class Dht:
         a refresh.
         """
         task_status.started()
-        delay = FIRST_REFRESH_S
+        delay = min(FIRST_REFRESH_S, self.config.refresh_interval_s)
         try:
             while True:
-                await trio.sleep(min(delay, self.config.refresh_interval_s))
-                delay *= 2
+                await trio.sleep(delay)
+                delay = min(2 * delay, self.config.refresh_interval_s)
                 self.store_local.prune(time.time())
                 await self.refresh()
         finally:

@@ -92,7 +92,7 @@ def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
     return "relayed" if all(is_relayed(c) for c in conns) else "direct"
 
 
-class _LimitNotifee(INotifee):
+class _ConnectionNotifee(INotifee):
     """Closes connections beyond the limit as soon as they are established, and logs every
     connection that ends: a peer whose connections vanish mid-round is otherwise a mystery."""
 
@@ -299,7 +299,7 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
             try:
                 async with libp2p_host.run(listen):
                     host = Host(config, libp2p_host, nursery)
-                    libp2p_host.get_network().register_notifee(_LimitNotifee(host))
+                    libp2p_host.get_network().register_notifee(_ConnectionNotifee(host))
                     yield host
             finally:
                 nursery.cancel_scope.cancel()
