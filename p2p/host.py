@@ -35,6 +35,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.utils.address_validation import expand_wildcard_address
 
 from p2p.errors import PeerUnreachable
+from p2p.muxer import use_cancel_safe_yamux
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +259,7 @@ def build_libp2p_host(config: HostConfig) -> IHost:
     async def no_auto_dials() -> None:
         return None
 
+    use_cancel_safe_yamux(libp2p_host)
     network = libp2p_host.get_network()
     network.auto_connector.maybe_connect = no_auto_dials  # type: ignore[method-assign]
 

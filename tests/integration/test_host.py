@@ -10,6 +10,8 @@ import time
 import multiaddr
 import pytest
 import trio
+import trio.testing
+from libp2p.abc import INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, open_host
@@ -105,3 +107,47 @@ async def test_a_stalled_event_loop_is_reported(caplog: pytest.LogCaptureFixture
     assert len(warnings) == 1 and "stalled for" in warnings[0], warnings
     stalled = float(warnings[0].split("stalled for ")[1].split()[0])
     assert 0.5 < stalled < 1.5, warnings
+
+
+async def test_a_write_cancelled_as_it_gets_the_connection_leaves_the_connection_working() -> None:
+    """A stream write whose deadline passes just as it gets the connection's write lock (what
+    every write waiting on a stalled event loop meets when it wakes) must not break the
+    connection. In py-libp2p the Noise layer encrypts the frame (spending a nonce) before its
+    first checkpoint, so a Cancelled there left the peer unable to authenticate the next frame:
+    it closed the connection, and every stream on it ended at once."""
+    with trio.fail_after(30):
+        async with (
+            open_host(HostConfig(create_new_key_pair())) as server,
+            open_host(HostConfig(create_new_key_pair())) as client,
+        ):
+            async def echo(stream: INetStream) -> None:
+                while data := await stream.read(1024):
+                    await stream.write(data)
+
+            server.set_handler("/test/echo/1", echo)
+            await client.connect(server.peer_id, server.addrs())
+            stream = await client.open_stream(server.peer_id, "/test/echo/1")
+            await stream.write(b"a")
+            assert await stream.read(1024) == b"a"
+            (conn,) = client.libp2p.get_network().get_connections(server.peer_id)
+            write_lock = conn.muxed_conn._write_lock  # the yamux connection's frame lock
+            written = trio.Event()
+
+            async def late_writer() -> None:
+                with trio.move_on_after(0.05):
+                    await stream.write(b"b")
+                written.set()
+
+            await write_lock.acquire()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(late_writer)
+                await trio.testing.wait_all_tasks_blocked()  # the writer waits for the lock
+                write_lock.release()  # handed to the writer, which has not run yet
+                time.sleep(0.1)  # the loop stalls: the writer's deadline passes meanwhile
+            assert written.is_set()
+            await stream.write(b"c")
+            with trio.fail_after(5):
+                echoed = b""
+                while not echoed.endswith(b"c"):
+                    echoed += await stream.read(1024)
+            assert echoed == b"bc"  # the cancelled write went out whole, its Cancelled after
