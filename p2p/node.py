@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import multiaddr
 import trio
@@ -50,6 +50,7 @@ BULK_PROBE_PROTOCOL = "/swarmtrain/bulk-probe/1"
 MAX_BULK_PROBE_BYTES = 64 << 20
 ADDR_RECORD_TTL_S = 600.0
 REACH_RETRY_S = 0.25  # between the attempts of Node.reach(keep_trying_s=...)
+T = TypeVar("T")
 
 
 @message(20, max_bytes=128)
@@ -180,13 +181,30 @@ class Node:
         gone) is. An attempt already running when the time is up finishes. Raises
         ``PeerUnreachable`` naming what the last attempt tried.
         """
+        await self._keep_trying(peer_id, keep_trying_s, lambda: self._reach_once(peer_id))
+
+    async def open_stream(
+        self, peer_id: ID, protocol: str, *, keep_trying_s: float = 0.0
+    ) -> INetStream:
+        """Reach ``peer_id`` and open a ``protocol`` stream to it, trying again as ``reach``
+        does, also when the connection turns out dead at the stream's first frame (its peer
+        closed it while our event loop was not running). Raises ``PeerUnreachable``."""
+
+        async def attempt() -> INetStream:
+            await self._reach_once(peer_id)
+            return await self.host.open_stream(peer_id, protocol)
+
+        return await self._keep_trying(peer_id, keep_trying_s, attempt)
+
+    async def _keep_trying(
+        self, peer_id: ID, keep_trying_s: float, attempt: Callable[[], Awaitable[T]]
+    ) -> T:
         give_up = trio.current_time() + keep_trying_s
         attempts = 0
         while True:
             attempts += 1
             try:
-                await self._reach_once(peer_id)
-                return
+                return await attempt()
             except PeerUnreachable as exc:
                 if exc.refused or trio.current_time() + REACH_RETRY_S >= give_up:
                     if attempts > 1:
@@ -251,25 +269,38 @@ class Node:
         await nursery.start(listener.run)
         self.bulk_listener = listener
 
-    async def ping(self, peer_id: ID, *, rounds: int = 3, deadline_s: float = 10.0) -> PingResult:
-        """Reach the peer and measure the best of ``rounds`` request/response round trips."""
+    async def ping(
+        self,
+        peer_id: ID,
+        *,
+        rounds: int = 3,
+        deadline_s: float = 10.0,
+        keep_trying_s: float = 0.0,
+    ) -> PingResult:
+        """Reach the peer and measure the best of ``rounds`` request/response round trips.
+        ``keep_trying_s`` as in ``open_stream``, for the first round: a reply that does not come
+        within ``deadline_s`` is never tried again."""
+
+        async def one_round() -> float:
+            await self._reach_once(peer_id)
+            nonce = os.urandom(8)
+            start = time.perf_counter()
+            reply = await call_unary(
+                self.host,
+                peer_id,
+                PING_PROTOCOL,
+                PingRequest(nonce),
+                PingReply,
+                deadline_s=deadline_s,
+            )
+            if reply.nonce != nonce:
+                raise P2PError("ping reply carried the wrong nonce")
+            return time.perf_counter() - start
+
         try:
-            await self.reach(peer_id)
-            best = float("inf")
-            for _ in range(rounds):
-                nonce = os.urandom(8)
-                start = time.perf_counter()
-                reply = await call_unary(
-                    self.host,
-                    peer_id,
-                    PING_PROTOCOL,
-                    PingRequest(nonce),
-                    PingReply,
-                    deadline_s=deadline_s,
-                )
-                if reply.nonce != nonce:
-                    raise P2PError("ping reply carried the wrong nonce")
-                best = min(best, time.perf_counter() - start)
+            best = await self._keep_trying(peer_id, keep_trying_s, one_round)
+            for _ in range(rounds - 1):
+                best = min(best, await one_round())
         except P2PError as exc:
             return PingResult(str(peer_id), False, None, None, str(exc))
         kind = self.host.connection_kind(peer_id)

@@ -664,9 +664,9 @@ class Session:
             # A member whose dial fails is tried again until the peer timeout from the round's
             # start, the time a member that stops answering gets: it declared for this round,
             # it may have stalled for a moment, or its connections to us just closed.
-            keep_trying_s = max(0.0, self._reach_until - trio.current_time())
-            await self.node.reach(peer_id, keep_trying_s=keep_trying_s)
-            stream = await self.node.host.open_stream(peer_id, PROTOCOL)
+            stream = await self.node.open_stream(
+                peer_id, PROTOCOL, keep_trying_s=self._keep_trying_s()
+            )
             rpc = RpcStream(stream)
             direct = stream_kind(stream) == "direct"
             kept = await self._pool.lend_out(peer) if self._pool is not None else None
@@ -949,9 +949,19 @@ class Session:
                     nursery.start_soon(self._ping, peer)
 
     async def _ping(self, peer: bytes) -> None:
-        result = await self.node.ping(PeerID(peer), rounds=1, deadline_s=self.config.peer_timeout_s)
+        # Reached (or not) like its sender: a member without a connection yet is tried again
+        # until the peer timeout from the round's start, not dropped by a ping's first dial.
+        result = await self.node.ping(
+            PeerID(peer),
+            rounds=1,
+            deadline_s=self.config.peer_timeout_s,
+            keep_trying_s=self._keep_trying_s(),
+        )
         if not result.ok:
-            self._peer_gone(peer, f"no answer to a ping within {self.config.peer_timeout_s} s")
+            self._peer_gone(peer, f"no answer to a ping: {result.error}")
+
+    def _keep_trying_s(self) -> float:
+        return max(0.0, self._reach_until - trio.current_time())
 
 
 def _short(peer: bytes) -> str:

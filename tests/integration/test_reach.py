@@ -1,4 +1,4 @@
-"""``Node.reach`` against a real peer process that stalls (SIGSTOP) with no connection to us.
+"""``Node.reach`` and ``Node.ping`` against a real peer process that stalls (SIGSTOP) unconnected.
 
 A stopped process's kernel still accepts the TCP connection, so the dial hangs in the handshake
 until the direct dial's 3 s run out. One attempt gives up then; with ``keep_trying_s`` the node
@@ -100,3 +100,24 @@ async def test_reach_gives_up_at_once_on_a_peer_whose_process_is_gone(
                 await node.reach(target, keep_trying_s=30)
             assert caught.value.refused, caught.value
             assert trio.current_time() - started < 8
+
+
+async def test_a_ping_keeps_trying_to_reach_a_peer_that_stalled(
+    stalled_peer: tuple[str, PeerProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The all-reduce pings a member it has not heard from: a ping whose first dial met a stall
+    # dropped a member its sender was still (rightly) trying to reach.
+    caplog.set_level(logging.INFO, logger="p2p.node")
+    peer = stalled_peer[1]
+
+    async def wake_after_a_failed_attempt() -> None:
+        while not any("trying again" in r.getMessage() for r in caplog.records):
+            await trio.sleep(0.05)
+        peer.proc.send_signal(signal.SIGCONT)
+
+    with trio.fail_after(60):
+        async with stopped_and_unconnected(*stalled_peer) as (node, target):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wake_after_a_failed_attempt)
+                result = await node.ping(target, rounds=1, deadline_s=5, keep_trying_s=30)
+            assert result.ok, result.error
