@@ -120,6 +120,7 @@ async def test_a_write_cancelled_as_it_gets_the_connection_leaves_the_connection
             open_host(HostConfig(create_new_key_pair())) as server,
             open_host(HostConfig(create_new_key_pair())) as client,
         ):
+
             async def echo(stream: INetStream) -> None:
                 while data := await stream.read(1024):
                     await stream.write(data)

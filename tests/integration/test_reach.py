@@ -55,9 +55,12 @@ async def stopped_and_unconnected(
         yield node, target
 
 
-async def test_reach_keeps_trying_a_peer_that_stalled(
-    stalled_peer: tuple[str, PeerProcess], caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("call", ["reach", "ping"])
+async def test_reach_and_ping_keep_trying_a_peer_that_stalled(
+    stalled_peer: tuple[str, PeerProcess], caplog: pytest.LogCaptureFixture, call: str
 ) -> None:
+    # The all-reduce pings a member it has not heard from: a ping that gave up at its first
+    # dial dropped a stalled member its sender was still (rightly) trying to reach.
     caplog.set_level(logging.INFO, logger="p2p.node")
     peer = stalled_peer[1]
 
@@ -70,7 +73,11 @@ async def test_reach_keeps_trying_a_peer_that_stalled(
         async with stopped_and_unconnected(*stalled_peer) as (node, target):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(wake_after_a_failed_attempt)
-                await node.reach(target, keep_trying_s=30)
+                if call == "reach":
+                    await node.reach(target, keep_trying_s=30)
+                else:
+                    result = await node.ping(target, rounds=1, deadline_s=5, keep_trying_s=30)
+                    assert result.ok, result.error
             assert node.host.connection_kind(target) == "direct"
     failed = [r.getMessage() for r in caplog.records if "trying again" in r.getMessage()]
     assert failed and "no answer in 3.0 s" in failed[0], failed
@@ -100,24 +107,3 @@ async def test_reach_gives_up_at_once_on_a_peer_whose_process_is_gone(
                 await node.reach(target, keep_trying_s=30)
             assert caught.value.refused, caught.value
             assert trio.current_time() - started < 8
-
-
-async def test_a_ping_keeps_trying_to_reach_a_peer_that_stalled(
-    stalled_peer: tuple[str, PeerProcess], caplog: pytest.LogCaptureFixture
-) -> None:
-    # The all-reduce pings a member it has not heard from: a ping whose first dial met a stall
-    # dropped a member its sender was still (rightly) trying to reach.
-    caplog.set_level(logging.INFO, logger="p2p.node")
-    peer = stalled_peer[1]
-
-    async def wake_after_a_failed_attempt() -> None:
-        while not any("trying again" in r.getMessage() for r in caplog.records):
-            await trio.sleep(0.05)
-        peer.proc.send_signal(signal.SIGCONT)
-
-    with trio.fail_after(60):
-        async with stopped_and_unconnected(*stalled_peer) as (node, target):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(wake_after_a_failed_attempt)
-                result = await node.ping(target, rounds=1, deadline_s=5, keep_trying_s=30)
-            assert result.ok, result.error
