@@ -331,6 +331,8 @@ class Session:
         self._proposed: dict[bytes, BulkChannel] = {}
         self._clean: dict[tuple[bytes, Direction], BulkChannel] = {}
         self._receiving: set[bytes] = set()
+        self._opened_to_us: set[bytes] = set()  # members whose stream reached us this round
+        self._streams_due = math.inf  # ... by then (run() sets it)
         self._receivers_changed = trio.Event()
         self._finished = trio.Event()
         self._result: RoundResult | None = None
@@ -379,6 +381,9 @@ class Session:
             with self._scope:
                 self._scope.deadline = deadline + self.config.peer_timeout_s
                 self._reach_until = trio.current_time() + self.config.peer_timeout_s
+                # A member still in the round opens its stream to us once its connect pass is
+                # over (at most the peer timeout + CONNECT_WAIT_S), within one more peer timeout.
+                self._streams_due = self._reach_until + CONNECT_WAIT_S + self.config.peer_timeout_s
                 await self._connect_all()
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._watch_liveness)
@@ -407,6 +412,7 @@ class Session:
         with trio.CancelScope() as scope:
             self._handler_scopes.add(scope)
             self._receiving.add(peer)
+            self._opened_to_us.add(peer)
             try:
                 if self._closed:
                     return
@@ -934,9 +940,16 @@ class Session:
 
     async def _watch_liveness(self) -> None:
         """Ping every live peer that still owes us something and has been quiet for a while; a
-        frozen one stops answering."""
+        frozen one stops answering. A member that answers pings but never opened its stream to
+        us (it left the round before its senders started, or never meant to take part) is lost
+        once its stream is overdue: otherwise the parts waiting for its slices would hold
+        everyone until the deadline."""
         while True:
             await trio.sleep(self.config.heartbeat_s)
+            if trio.current_time() >= self._streams_due:
+                waited = self._streams_due - (self._reach_until - self.config.peer_timeout_s)
+                for peer in sorted(self.alive - {self.me} - self._opened_to_us):
+                    self._peer_gone(peer, f"opened no stream to us within {waited:.0f} s")
             quiet_since = trio.current_time() - self.config.heartbeat_s
             targets = sorted(
                 peer

@@ -69,6 +69,12 @@ def install_fault(spec: str | None) -> None:
             return channel
 
         Session._send_item = exit_after_first
+    elif kind == "mute":  # in the group, answers pings and takes our slices, sends nothing
+
+        async def mute(self, peer):  # type: ignore[no-untyped-def]
+            await trio.sleep_forever()
+
+        Session._send_loop = mute
     elif kind == "slow-sending":
 
         async def slow(self, rpc, direct, channel, order):  # type: ignore[no-untyped-def]

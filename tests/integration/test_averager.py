@@ -303,6 +303,20 @@ def test_a_peer_that_cancels_is_left_out(swarm: Swarm) -> None:
     assert victim.reply() == {"ok": False, "error": "cancelled"}
 
 
+def test_a_member_that_never_opens_its_streams_is_left_out(swarm: Swarm) -> None:
+    # Alive (it answers pings) but silent: what a peer that cancels before its senders start
+    # looks like (seen once in CI: the round then waited for its 30 s deadline).
+    peers = swarm.start(4, {3: "mute"}, "--run-id", "mute")
+    mute, others = peers[3], peers[:3]
+    started = time.monotonic()
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in others]
+    swarm.check(replies, others)
+    assert time.monotonic() - started < 20  # the 5 s peer timeout twice, plus 1 s, not 30 s
+    assert all(mute.id in r["dropped"] for r in replies), replies
+    assert "opened no stream to us within 11 s" in swarm.logs()
+
+
 @pytest.mark.parametrize(
     ("kind", "reason"),
     [("nan", "NaN"), ("short", "bytes"), ("index", "out of range")],
