@@ -27,6 +27,7 @@ from p2p.bulk import (
 from p2p.bulk_frames import DataMode
 from p2p.dht import Dht, DhtConfig, DhtStatistics, dht_key
 from p2p.errors import (
+    AddressInUse,
     IdentityError,
     LocalProtocolError,
     P2PError,
@@ -69,6 +70,7 @@ from p2p.wire import Message, decode, encode, message
 
 __all__ = [
     "BULK_PROTOCOL",
+    "AddressInUse",
     "BulkChannel",
     "BulkConfig",
     "BulkListener",

@@ -45,5 +45,16 @@ class PeerUnreachable(P2PError):
         self.refused = refused
 
 
+class AddressInUse(P2PError):
+    """A listen address's port is held by another process (0.8.1 binds with SO_REUSEPORT, so
+    without this check a second service would share the port's connections with the first)."""
+
+    def __init__(self, addr: str) -> None:
+        super().__init__(
+            f"address already in use: {addr} (another swarmtrain relay or coordinator?)"
+        )
+        self.addr = addr
+
+
 class IdentityError(P2PError):
     """The identity key file is missing, malformed or unsafe."""

@@ -7,7 +7,9 @@ down when the enclosing scope exits or is cancelled (cancellation is the shutdow
 - dials without the ~250 ms happy-eyeballs wait (``max_connections_per_peer=1``, measured in
   DESIGN.md), and bounded by a deadline;
 - a connection limit that holds: libp2p's limit is passed through *and* enforced by a notifee that
-  closes any connection beyond ``max_connections`` (the resource manager's count is off by one);
+  closes any connection beyond ``max_connections`` (the resource manager's count is off by one),
+  and an inbound connection's slot comes back when it closes (``p2p.inbound``: 0.8.1 returns it
+  only when the host stops);
 - stream handlers that never let an exception escape: in 0.8.1 an exception leaving a handler
   kills the whole host, so every handler is wrapped, logged, counted and its stream reset;
 - ``connection_kind(peer)``: whether our connection to a peer is direct or through a relay.
@@ -15,7 +17,9 @@ down when the enclosing scope exits or is cancelled (cancellation is the shutdow
 
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -34,7 +38,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.utils.address_validation import expand_wildcard_address
 
-from p2p.errors import PeerUnreachable
+from p2p.errors import AddressInUse, P2PError, PeerUnreachable
+from p2p.inbound import return_slots_on_close
 from p2p.muxer import use_cancel_safe_yamux
 
 log = logging.getLogger(__name__)
@@ -261,6 +266,7 @@ def build_libp2p_host(config: HostConfig) -> IHost:
 
     use_cancel_safe_yamux(libp2p_host)
     network = libp2p_host.get_network()
+    return_slots_on_close(network)
     network.auto_connector.maybe_connect = no_auto_dials  # type: ignore[method-assign]
 
     # Every inbound stream, for every protocol (libp2p's own identify, ping, relay and kad
@@ -292,6 +298,8 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     An exception from the block propagates as itself (libp2p's nurseries would otherwise wrap it
     in nested exception groups).
     """
+    for addr in config.listen_addrs:
+        check_port_free(addr)
     libp2p_host = build_libp2p_host(config)
     listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
     try:
@@ -308,6 +316,29 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
                 await _close_listeners(libp2p_host)
     except BaseExceptionGroup as group:
         raise _sole_leaf(group) from None
+
+
+def check_port_free(addr: str) -> None:
+    """Raise ``AddressInUse`` if another socket listens on ``addr``'s TCP port.
+
+    0.8.1 binds its listeners with SO_REUSEPORT (hole punching dials out from the listening port),
+    so its own bind succeeds next to another process's listener and the kernel then splits the
+    incoming connections between the two. A probe bound without SO_REUSEPORT fails on such a
+    port; SO_REUSEADDR lets it bind over our own previous run's TIME_WAIT connections. Port 0
+    (any free port) and non-TCP addresses are never in use.
+    """
+    parts = addr.split("/")
+    if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or parts[4] == "0":
+        return
+    family = socket.AF_INET if parts[1] == "ip4" else socket.AF_INET6
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((parts[2], int(parts[4])))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise AddressInUse(addr) from None
+            raise P2PError(f"cannot listen on {addr}: {exc.strerror or exc}") from None
 
 
 async def _close_listeners(libp2p_host: IHost) -> None:

@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         "relay",
         help="run a public helper peer: bootstrap, DHT server, circuit relay, dial-back service",
     )
-    _add_common(p_relay, listen_default="/ip4/0.0.0.0/tcp/4001")
+    _add_common(p_relay, listen_default="/ip4/0.0.0.0/tcp/4002")
     p_relay.add_argument(
         "--announce",
         action="append",
@@ -434,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _main_coordinator(args, key_pair)
         if args.command == "relay":
             options = RelayOptions(
-                listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4001"]),
+                listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4002"]),
                 announce=tuple(args.announce),
                 upnp=args.upnp,
             )

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RelayOptions:
-    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/4001",)
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/4002",)
     announce: tuple[str, ...] = ()
     status_interval_s: float = 60.0
     upnp: bool = False
