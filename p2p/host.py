@@ -11,7 +11,11 @@ down when the enclosing scope exits or is cancelled (cancellation is the shutdow
   and an inbound connection's slot comes back when it closes (``p2p.inbound``: 0.8.1 returns it
   only when the host stops);
 - stream handlers that never let an exception escape: in 0.8.1 an exception leaving a handler
-  kills the whole host, so every handler is wrapped, logged, counted and its stream reset;
+  kills the whole host, so every handler is wrapped, counted and its stream reset; rejected input
+  is logged at most once per peer and kind a minute, never echoing what was sent
+  (``p2p.rejections``);
+- a read deadline on every inbound stream, libp2p's protocols included
+  (``p2p.stream_deadlines``);
 - ``connection_kind(peer)``: whether our connection to a peer is direct or through a relay.
 """
 
@@ -41,6 +45,8 @@ from libp2p.utils.address_validation import expand_wildcard_address
 from p2p.errors import AddressInUse, P2PError, PeerUnreachable
 from p2p.inbound import return_slots_on_close
 from p2p.muxer import use_cancel_safe_yamux
+from p2p.rejections import RejectionLog
+from p2p.stream_deadlines import DEFAULT_CONTROL_S, StreamDeadlineExceeded, bound_reads
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +62,8 @@ class HostConfig:
     announce_addrs: tuple[str, ...] = ()
     max_connections: int = 256
     dial_timeout_s: float = 10.0
+    # Read deadline of inbound control streams (p2p.stream_deadlines): idle and per message.
+    control_read_timeout_s: float = DEFAULT_CONTROL_S
     enable_upnp: bool = False
     extra_options: dict[str, Any] = field(default_factory=dict)
 
@@ -65,6 +73,8 @@ class HostStatistics:
     handler_failures: int = 0
     connections_refused_over_limit: int = 0
     connections_closed: int = 0
+    # Rejected inbound input by kind (the protocol, "<protocol> deadline" for read deadlines).
+    rejections: dict[str, int] = field(default_factory=dict)
 
 
 def is_relayed(conn: Any) -> bool:
@@ -158,12 +168,25 @@ async def _close_quietly(conn: INetConn) -> None:
 class Host:
     """A running libp2p host. Create it with ``open_host``."""
 
-    def __init__(self, config: HostConfig, libp2p_host: IHost, nursery: trio.Nursery) -> None:
+    def __init__(
+        self,
+        config: HostConfig,
+        libp2p_host: IHost,
+        nursery: trio.Nursery,
+        rejections: RejectionLog | None = None,
+    ) -> None:
         self.config = config
         self.libp2p = libp2p_host
         self.peer_id: ID = libp2p_host.get_id()
-        self.statistics = HostStatistics()
+        self.rejections = rejections or RejectionLog()
+        self.statistics = HostStatistics(rejections=self.rejections.counts)
         self._nursery = nursery
+
+    def reject(self, peer: object, kind: str, detail: str) -> None:
+        """Count input refused from ``peer``; logged at most once per peer and kind a minute."""
+        line = self.rejections.record(str(peer), kind, detail, trio.current_time())
+        if line is not None:
+            log.warning("%s", line)
 
     def addrs(self) -> list[multiaddr.Multiaddr]:
         """Our dialable addresses, each ending in ``/p2p/<peer id>``, loopback last.
@@ -188,10 +211,11 @@ class Host:
         async def guarded(stream: INetStream) -> None:
             try:
                 await handler(stream)
+            except StreamDeadlineExceeded:
+                await reset_quietly(stream)  # counted and logged where it was raised
             except Exception as exc:
                 self.statistics.handler_failures += 1
-                peer = stream.muxed_conn.peer_id
-                log.warning("handler %s failed for peer %s: %r", protocol, peer, exc)
+                self.reject(_peer_of(stream), f"{protocol} (handler failed)", repr(exc))
                 await reset_quietly(stream)
 
         self.libp2p.set_stream_handler(TProtocol(protocol), guarded)
@@ -238,7 +262,7 @@ async def reset_quietly(stream: INetStream) -> None:
             log.debug("stream reset failed: %r", exc)
 
 
-def build_libp2p_host(config: HostConfig) -> IHost:
+def build_libp2p_host(config: HostConfig, rejections: RejectionLog | None = None) -> IHost:
     limit = config.max_connections
     connection_config = ConnectionConfig(
         # One connection per peer is what removes the 250 ms dial wait (DESIGN.md).
@@ -273,11 +297,27 @@ def build_libp2p_host(config: HostConfig) -> IHost:
     # handlers included), passes through here: nothing a remote peer sends can raise out of it.
     dispatch = libp2p_host._swarm_stream_handler  # type: ignore[attr-defined]
 
+    rejected = rejections or RejectionLog()
+
+    async def on_deadline(stream: INetStream, protocol: str) -> None:
+        line = rejected.record(
+            str(_peer_of(stream)), f"{protocol} deadline", "read deadline", trio.current_time()
+        )
+        if line is not None:
+            log.warning("%s", line)
+
     async def guarded_dispatch(stream: INetStream) -> None:
+        bound_reads(stream, config.control_read_timeout_s, on_deadline)
         try:
             await dispatch(stream)
+        except StreamDeadlineExceeded:
+            await reset_quietly(stream)
         except Exception as exc:
-            log.info("inbound stream from %s failed: %r", _peer_of(stream), exc)
+            line = rejected.record(
+                str(_peer_of(stream)), "inbound stream", repr(exc), trio.current_time()
+            )
+            if line is not None:
+                log.info("%s", line)
             await reset_quietly(stream)
 
     network.set_stream_handler(guarded_dispatch)
@@ -300,7 +340,8 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
     """
     for addr in config.listen_addrs:
         check_port_free(addr)
-    libp2p_host = build_libp2p_host(config)
+    rejections = RejectionLog()
+    libp2p_host = build_libp2p_host(config, rejections)
     listen = [multiaddr.Multiaddr(a) for a in config.listen_addrs]
     try:
         async with trio.open_nursery() as nursery:
@@ -308,7 +349,7 @@ async def open_host(config: HostConfig) -> AsyncIterator[Host]:
             # its teardown raise Cancelled, which replaces (and so swallows) the block's error.
             try:
                 async with libp2p_host.run(listen):
-                    host = Host(config, libp2p_host, nursery)
+                    host = Host(config, libp2p_host, nursery, rejections)
                     libp2p_host.get_network().register_notifee(_ConnectionNotifee(host))
                     yield host
             finally:

@@ -33,6 +33,7 @@ from libp2p.peer.id import ID
 
 from p2p.errors import P2PError, RemoteError, RemoteProtocolError
 from p2p.host import Host, reset_quietly
+from p2p.stream_deadlines import StreamDeadlineExceeded
 from p2p.tensors import TensorHeader, as_wire_bytes, from_wire_bytes, header_for
 from p2p.wire import (
     FRAME_HEADER,
@@ -137,7 +138,7 @@ def serve_unary(host: Host, protocol: str, request_type: type[M], handler: Unary
         request = await rpc.receive(request_type)
         await rpc.send(await handler(rpc.peer_id, request))
 
-    host.set_handler(protocol, _guarded(protocol, serve))
+    host.set_handler(protocol, _guarded(host, protocol, serve))
 
 
 def serve_stream(
@@ -156,24 +157,28 @@ def serve_stream(
             count += 1
         await rpc.send(StreamEnd(count))
 
-    host.set_handler(protocol, _guarded(protocol, serve))
+    host.set_handler(protocol, _guarded(host, protocol, serve))
 
 
 def _guarded(
-    protocol: str, serve: Callable[[RpcStream], Awaitable[None]]
+    host: Host, protocol: str, serve: Callable[[RpcStream], Awaitable[None]]
 ) -> Callable[[INetStream], Awaitable[None]]:
-    """Turn every failure into a log line and, where possible, an error reply."""
+    """Turn every failure into a counted rejection and, where possible, an error reply."""
 
     async def handle(stream: INetStream) -> None:
         rpc = RpcStream(stream)
         try:
             await serve(rpc)
+        except StreamDeadlineExceeded:
+            await reset_quietly(stream)  # counted and logged where it was raised
+            return
         except RemoteProtocolError as exc:
-            log.warning("rejected %s from %s: %s", protocol, rpc.peer_id, exc)
+            host.reject(rpc.peer_id, protocol, str(exc))
             await _reply_error(rpc, "bad_request", str(exc))
             return
         except Exception as exc:
-            log.warning("handler %s failed for %s: %r", protocol, rpc.peer_id, exc)
+            host.statistics.handler_failures += 1
+            host.reject(rpc.peer_id, f"{protocol} (handler failed)", repr(exc))
             await _reply_error(rpc, "internal", f"{type(exc).__name__}: {exc}")
             return
         await rpc.close()

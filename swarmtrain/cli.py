@@ -65,6 +65,17 @@ def _add_common(parser: argparse.ArgumentParser, *, listen_default: str) -> None
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
+def _add_read_timeout(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="close an inbound control stream (DHT, ping, run spec, dial-back, identify) whose "
+        "peer sends no request, or not all of one, within S seconds [10]",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarmtrain", description="Decentralized peer-to-peer training."
@@ -79,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a public helper peer: bootstrap, DHT server, circuit relay, dial-back service",
     )
     _add_common(p_relay, listen_default="/ip4/0.0.0.0/tcp/4002")
+    _add_read_timeout(p_relay)
     p_relay.add_argument(
         "--announce",
         action="append",
@@ -174,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="create a run (signed run spec) and serve as its bootstrap, DHT server and relay",
     )
     _add_common(p_coord, listen_default="/ip4/0.0.0.0/tcp/4001")
+    _add_read_timeout(p_coord)
     p_coord.add_argument(
         "--config", type=Path, default=None, help="run config [the embedded default run]"
     )
@@ -332,6 +345,7 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
             listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4001"]),
             announce=tuple(args.announce),
             upnp=args.upnp,
+            read_timeout_s=args.read_timeout,
         ),
     )
     trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
@@ -437,6 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4002"]),
                 announce=tuple(args.announce),
                 upnp=args.upnp,
+                read_timeout_s=args.read_timeout,
             )
             trio.run(run_relay, key_pair, options)
         elif args.command == "doctor":

@@ -25,6 +25,8 @@ class RelayOptions:
     announce: tuple[str, ...] = ()
     status_interval_s: float = 60.0
     upnp: bool = False
+    # Read deadline of inbound control streams (p2p.stream_deadlines).
+    read_timeout_s: float = 10.0
 
 
 async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
@@ -44,6 +46,7 @@ def relay_node_config(key_pair: KeyPair, options: RelayOptions) -> NodeConfig:
             listen_addrs=options.listen,
             announce_addrs=options.announce,
             enable_upnp=options.upnp,
+            control_read_timeout_s=options.read_timeout_s,
         ),
         role="relay",
     )

@@ -1,15 +1,20 @@
 """Long-lived services against many strangers: real relay and coordinator processes keep accepting
-connections after thousands have come and gone, and refuse a port another service holds."""
+connections after thousands have come and gone, refuse a port another service holds, close
+streams that send nothing or a trickle, and count bad input instead of echoing it to the log."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import socket
 import subprocess
+from collections.abc import Iterator
 
 import multiaddr
 import pytest
 import trio
+from libp2p.abc import INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 from peerproc import SWARMTRAIN, PeerProcess, python_argv, start_relay
@@ -17,6 +22,7 @@ from rpc_peer import ECHO, Echo
 
 from p2p import Host, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
+from p2p.wire import frame
 
 
 def _peer_id(addr: str) -> ID:
@@ -120,3 +126,119 @@ async def test_a_second_service_on_a_busy_port_is_refused(
         assert first.proc.poll() is None
     finally:
         first.stop()
+
+
+CONTROL_PROTOCOLS = [
+    "/swarmtrain/ping/1",
+    "/swarmtrain/runspec/1",
+    "/swarmtrain/dialback/1",
+    "/ipfs/kad/1.0.0",
+]
+
+
+@pytest.fixture
+def coordinator(tmp_path: os.PathLike[str]) -> Iterator[tuple[PeerProcess, str]]:
+    proc = PeerProcess(
+        [
+            *SWARMTRAIN,
+            "coordinator",
+            "--identity",
+            os.path.join(tmp_path, "c.key"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--read-timeout",
+            "2",
+        ]
+    )
+    try:
+        line = proc.wait_line(lambda text: "/p2p/" in text, timeout_s=60)
+        yield proc, next(word for word in line.split() if "/p2p/" in word)
+    finally:
+        proc.stop()
+
+
+async def _closed_within(stream: INetStream, seconds: float, trickle_s: float | None) -> float:
+    """Seconds until the server ends ``stream`` (inf if not within ``seconds``); with
+    ``trickle_s``, one byte of a never-ending message is written every ``trickle_s``."""
+    start = trio.current_time()
+    with trio.move_on_after(seconds):
+        async with trio.open_nursery() as nursery:
+            if trickle_s is not None:
+
+                async def trickle() -> None:
+                    with contextlib.suppress(Exception):
+                        await stream.write(b"\xff\xff\xff\x7f")  # a huge length prefix...
+                        while True:
+                            await trio.sleep(trickle_s)
+                            await stream.write(b"\x00")  # ...whose body comes a byte a time
+
+                nursery.start_soon(trickle)
+            with contextlib.suppress(Exception):
+                while await stream.read(4096):
+                    pass
+            nursery.cancel_scope.cancel()
+            return trio.current_time() - start
+    return math.inf
+
+
+@pytest.mark.parametrize("trickle", [False, True], ids=["idle", "trickle"])
+async def test_a_stream_that_sends_nothing_or_a_trickle_is_closed_by_its_deadline(
+    coordinator: tuple[PeerProcess, str], trickle: bool
+) -> None:
+    proc, join = coordinator
+    peer_id = _peer_id(join)
+    with trio.fail_after(60):
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            await host.connect(peer_id, [multiaddr.Multiaddr(join)])
+            streams = [await host.open_stream(peer_id, p) for p in CONTROL_PROTOCOLS]
+            waited: dict[str, float] = {}
+
+            async def watch(protocol: str, stream: INetStream) -> None:
+                waited[protocol] = await _closed_within(stream, 12, 1.0 if trickle else None)
+
+            async with trio.open_nursery() as nursery:
+                for protocol, stream in zip(CONTROL_PROTOCOLS, streams, strict=True):
+                    nursery.start_soon(watch, protocol, stream)
+            # 2 s deadline: closed within it plus scheduling slack, never left open.
+            assert all(seconds < 8 for seconds in waited.values()), waited
+            reply = await call_unary(
+                host, peer_id, PING_PROTOCOL, PingRequest(b"after"), PingReply, deadline_s=10
+            )
+            assert reply.nonce == b"after"
+    assert proc.proc.poll() is None
+
+
+async def test_a_flood_of_bad_input_is_counted_not_echoed(
+    coordinator: tuple[PeerProcess, str],
+) -> None:
+    proc, join = coordinator
+    peer_id = _peer_id(join)
+    echo_me = b"\xa5" * 17_000  # 17 KiB that a decode error would once quote whole
+
+    async def bad_inputs(host: Host, count: int) -> None:
+        for i in range(count):
+            stream = await host.open_stream(peer_id, "/swarmtrain/runspec/1")
+            body = echo_me if i % 2 else b"\xc1" * 32
+            with contextlib.suppress(Exception):
+                await stream.write(frame(body))
+                await stream.close()
+                while await stream.read(4096):
+                    pass
+
+    with trio.fail_after(100):
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            await host.connect(peer_id, [multiaddr.Multiaddr(join)])
+            async with trio.open_nursery() as nursery:
+                for _ in range(4):
+                    nursery.start_soon(bad_inputs, host, 100)
+            reply = await call_unary(
+                host, peer_id, PING_PROTOCOL, PingRequest(b"alive"), PingReply, deadline_s=10
+            )
+            assert reply.nonce == b"alive"
+        client = str(host.peer_id)
+    stderr = await trio.to_thread.run_sync(lambda: proc.wait_stderr("rejected", timeout_s=10))
+    lines = [line for line in stderr.splitlines() if client in line]
+    assert 1 <= len(lines) <= 3, stderr[-3000:]  # 400 rejections, one line (a minute's window)
+    assert max(len(line) for line in stderr.splitlines()) < 400
+    assert "\\xa5\\xa5\\xa5\\xa5" not in stderr and "a5a5a5a5" not in stderr
+    assert proc.proc.poll() is None
