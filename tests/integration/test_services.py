@@ -22,7 +22,7 @@ from rpc_peer import ECHO, Echo
 
 from p2p import Host, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
-from p2p.wire import frame
+from p2p.wire import FRAME_HEADER, frame
 
 
 def _peer_id(addr: str) -> ID:
@@ -157,9 +157,12 @@ def coordinator(tmp_path: os.PathLike[str]) -> Iterator[tuple[PeerProcess, str]]
         proc.stop()
 
 
-async def _closed_within(stream: INetStream, seconds: float, trickle_s: float | None) -> float:
+async def _closed_within(
+    stream: INetStream, seconds: float, trickle_s: float | None, prefix: bytes
+) -> float:
     """Seconds until the server ends ``stream`` (inf if not within ``seconds``); with
-    ``trickle_s``, one byte of a never-ending message is written every ``trickle_s``."""
+    ``trickle_s``, a plausible length ``prefix`` and then one byte of its body every
+    ``trickle_s``."""
     start = trio.current_time()
     with trio.move_on_after(seconds):
         async with trio.open_nursery() as nursery:
@@ -167,10 +170,10 @@ async def _closed_within(stream: INetStream, seconds: float, trickle_s: float | 
 
                 async def trickle() -> None:
                     with contextlib.suppress(Exception):
-                        await stream.write(b"\xff\xff\xff\x7f")  # a huge length prefix...
+                        await stream.write(prefix)
                         while True:
                             await trio.sleep(trickle_s)
-                            await stream.write(b"\x00")  # ...whose body comes a byte a time
+                            await stream.write(b"\x00")
 
                 nursery.start_soon(trickle)
             with contextlib.suppress(Exception):
@@ -194,7 +197,11 @@ async def test_a_stream_that_sends_nothing_or_a_trickle_is_closed_by_its_deadlin
             waited: dict[str, float] = {}
 
             async def watch(protocol: str, stream: INetStream) -> None:
-                waited[protocol] = await _closed_within(stream, 12, 1.0 if trickle else None)
+                # 64 bytes announced, in our frames' 4-byte prefix or Kad's varint.
+                prefix = b"\x40" if "kad" in protocol else FRAME_HEADER.pack(64)
+                waited[protocol] = await _closed_within(
+                    stream, 12, 1.0 if trickle else None, prefix
+                )
 
             async with trio.open_nursery() as nursery:
                 for protocol, stream in zip(CONTROL_PROTOCOLS, streams, strict=True):
