@@ -46,6 +46,10 @@ MAX_KEY_BYTES = 256
 MAX_TAG_BYTES = 64
 MAX_VALUE_BYTES = 16 * 1024
 MAX_SUBKEYS = 1024
+# No record outlives this (the longest an honest writer asks for is 7 days, verdicts): an
+# expiration further ahead (1e300, 100 years) is refused, or it would be held and win merges
+# forever. Versions need no such bound: they only order one owner's own entries.
+MAX_RECORD_LIFETIME_S = 8 * 24 * 3600.0
 # One encoded record: value plus the fixed fields (peer id 38, key, signature 64, numbers).
 MAX_RECORD_BYTES = MAX_VALUE_BYTES + MAX_KEY_BYTES + MAX_TAG_BYTES + 256
 # A stored DHT value: well under py-libp2p's MAX_RECORD_SIZE (1 MiB) for the whole protobuf.
@@ -64,7 +68,8 @@ class RecordRejected(RemoteProtocolError):
     """A record that decodes but must not be stored or believed; ``reason`` is a short tag.
 
     Reasons: ``unsigned``, ``bad-signature``, ``forged-owner``, ``wrong-key``, ``expired``,
-    ``oversized``, ``malformed``.
+    ``lifetime`` (expires beyond ``MAX_RECORD_LIFETIME_S``), ``oversized``, ``malformed``, and
+    ``quota`` (a storing peer's per-owner limits, ``p2p.dht``).
     """
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -224,6 +229,8 @@ def validate_record(record: SignedRecord, *, key: bytes, now: float) -> None:
         raise RecordRejected("forged-owner", "subkey is not bound to the signer")
     if record.expiration_time <= now:
         raise RecordRejected("expired")
+    if record.expiration_time > now + MAX_RECORD_LIFETIME_S:
+        raise RecordRejected("lifetime", f"expires over {MAX_RECORD_LIFETIME_S:g} s ahead")
     if len(record.signature) != _SIGNATURE_BYTES:
         raise RecordRejected("bad-signature", "wrong length")
     try:

@@ -9,6 +9,7 @@ import math
 import os
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 
 import multiaddr
@@ -20,8 +21,9 @@ from libp2p.peer.id import ID
 from peerproc import SWARMTRAIN, PeerProcess, python_argv, start_relay
 from rpc_peer import ECHO, Echo
 
-from p2p import Host, HostConfig, call_unary, open_host
+from p2p import Dht, Host, HostConfig, RecordSigner, call_unary, dht_key, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
+from p2p.records import encode_record_set
 from p2p.wire import FRAME_HEADER, frame
 
 
@@ -249,3 +251,48 @@ async def test_a_flood_of_bad_input_is_counted_not_echoed(
     assert max(len(line) for line in stderr.splitlines()) < 400
     assert "\\xa5\\xa5\\xa5\\xa5" not in stderr and "a5a5a5a5" not in stderr
     assert proc.proc.poll() is None
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+async def test_dht_storage_refuses_endless_records_and_one_identitys_flood(
+    tmp_path: os.PathLike[str],
+) -> None:
+    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+    relay_id = _peer_id(addr)
+    try:
+        with trio.fail_after(100):
+            async with open_host(HostConfig(create_new_key_pair())) as host:
+                await host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+                dht = Dht(host)
+                attacker, honest = RecordSigner(os.urandom(32)), RecordSigner(os.urandom(32))
+                now = time.time()
+
+                async def put(signer: RecordSigner, name: str, values: list[bytes], expires: float):
+                    key = dht_key(name)
+                    records = [
+                        signer.sign(key, value, expires, tag=b"%d" % i)
+                        for i, value in enumerate(values)
+                    ]
+                    return await dht.put_raw(relay_id, key, encode_record_set(records))
+
+                assert await put(honest, "ok", [b"v"], now + 600)
+                assert not await put(attacker, "forever", [b"v"], now + 100 * 365 * 86400)
+                assert not await put(attacker, "forever", [b"v"], 1e300)
+                rss_before = _rss_mib(relay.proc.pid)
+                # 100 keys x 32 subkeys x 15 KiB = 47 MiB offered by one identity.
+                accepted = 0
+                for i in range(100):
+                    if await put(attacker, f"fill/{i}", [os.urandom(15 << 10)] * 32, now + 600):
+                        accepted += 1
+                assert 0 < accepted * 32 * 15 * 1024 <= 8 << 20, accepted
+                assert await put(honest, "still-ok", [b"v"], now + 600)
+                growth = _rss_mib(relay.proc.pid) - rss_before
+                assert growth < 48, growth
+        assert relay.proc.poll() is None
+    finally:
+        relay.stop()

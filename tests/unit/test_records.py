@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgpack
 import pytest
@@ -246,7 +247,7 @@ def test_merging_value_store_keeps_every_owner_and_drops_expired() -> None:
 
     store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
     key = b"/swarmtrain/members"
-    far = 4_000_000_000.0  # the store reads the real clock; these expire long after the test
+    far = time.time() + 3600  # the store reads the real clock; these expire long after the test
     alice = ALICE.sign(key, b"a", far)
     bob = BOB.sign(key, b"b", far + 1)
     store.put_record(key, Record(key=key, value=encode_record_set([alice])))
@@ -273,3 +274,52 @@ def test_a_signed_message_verifies_against_the_signers_peer_id_only() -> None:
     assert not verify_peer_signature(bob.peer_id, b"domain/message", signature)
     assert not verify_peer_signature(alice.peer_id, b"domain/message", signature[:-1])
     assert not verify_peer_signature(b"not a peer id", b"domain/message", signature)
+
+
+def test_a_record_that_expires_beyond_the_maximum_lifetime_is_refused() -> None:
+    from p2p.records import MAX_RECORD_LIFETIME_S
+
+    now = time.time()
+    key = b"/swarmtrain/k"
+    validate_record(ALICE.sign(key, b"v", now + 7 * 24 * 3600), key=key, now=now)
+    for expiration in (now + 100 * 365 * 24 * 3600, 1e300, now + MAX_RECORD_LIFETIME_S + 1):
+        with pytest.raises(RecordRejected, match="lifetime"):
+            validate_record(ALICE.sign(key, b"v", expiration), key=key, now=now)
+
+
+def test_the_store_holds_at_most_an_owners_quota_and_frees_it_when_entries_go() -> None:
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+    from p2p.dht import MergingValueStore, StorageLimits
+
+    limits = StorageLimits(max_entries_per_owner=4, max_bytes_per_owner=3 * 1400, max_bytes=10**6)
+    store = MergingValueStore(host=None, local_peer_id=None, limits=limits)  # type: ignore[arg-type]
+    soon = time.time() + 3600
+
+    def put(signer: RecordSigner, name: bytes, tag: bytes, size: int, expires: float) -> None:
+        key = b"/swarmtrain/" + name
+        record = signer.sign(key, b"x" * size, expires, tag=tag)
+        store.put_record(key, Record(key=key, value=encode_record_set([record])))
+
+    for i in range(4):
+        put(ALICE, b"k%d" % i, b"", 10, soon)
+    with pytest.raises(RecordRejected, match="quota"):
+        put(ALICE, b"k9", b"", 10, soon)  # a 5th entry
+    put(ALICE, b"k0", b"", 10, soon + 1)  # replacing an entry costs nothing more
+    put(BOB, b"k9", b"", 1000, soon)  # others are not affected
+    put(BOB, b"k9", b"t", 1000, soon)
+    put(BOB, b"k8", b"", 1000, soon)
+    with pytest.raises(RecordRejected, match="quota"):
+        put(BOB, b"k7", b"", 1000, soon)  # over BOB's bytes, under his entries
+    assert store.usage(ALICE.peer_id)[0] == 4
+    store.remove(b"/swarmtrain/k1")
+    put(ALICE, b"k9", b"", 10, soon)  # room again
+    store.remove(b"/swarmtrain/k2")
+    put(ALICE, b"k5", b"", 10, time.time() + 0.01)
+    with pytest.raises(RecordRejected, match="quota"):
+        put(ALICE, b"k6", b"", 10, soon)
+    time.sleep(0.02)
+    store.prune(time.time())  # the expired entry goes, and its share of the quota
+    put(ALICE, b"k6", b"", 10, soon)
+    assert store.usage(ALICE.peer_id)[0] == 4
+    assert store.bytes_held == sum(store.usage(s.peer_id)[1] for s in (ALICE, BOB))
