@@ -51,6 +51,7 @@ import trio
 import varint
 from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
+from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.kad_dht.common import (
     BUCKET_SIZE,
     MAX_DHT_MESSAGE_SIZE,
@@ -94,6 +95,8 @@ ADDRS_KEY_PREFIX = "addrs/"
 _MAX_ADDRS = 32
 _MAX_KAD_KEY_BYTES = 128
 FIRST_REFRESH_S = 1.0  # then doubling up to DhtConfig.refresh_interval_s
+ADMIT_WAIT_S = 3.0  # how long a peer that opened a Kad stream may take to prove it is a server
+MAX_ADMITTING = 256  # peers being looked at again at once
 
 
 @dataclass(frozen=True)
@@ -315,20 +318,30 @@ class Dht:
     Start with ``await nursery.start(dht.run)``; stop by cancelling that nursery.
     """
 
-    def __init__(self, host: Host, config: DhtConfig | None = None) -> None:
+    def __init__(self, host: Host, config: DhtConfig | None = None, *, server: bool = True) -> None:
         self.config = config or DhtConfig()
         self._host = host
         self._libp2p = host.libp2p
         self.peer_id: ID = host.peer_id
         self.signer = RecordSigner(self._libp2p.get_private_key().to_bytes())
-        self._kad = KadDHT(self._libp2p, DHTMode.SERVER, strict_validation=True)
+        self._kad = KadDHT(
+            self._libp2p, DHTMode.SERVER if server else DHTMode.CLIENT, strict_validation=True
+        )
         self._kad.register_validator(NAMESPACE, SubkeyDictValidator())
         self.store_local = MergingValueStore(self._libp2p, self.peer_id, self.config.storage)
         self._kad.value_store = self.store_local
         self._kad._inbound_limiter = trio.CapacityLimiter(self.config.max_inbound_streams)
         # Replace KadDHT's raw registration with the host's guarded one: an exception escaping a
-        # handler kills a 0.8.1 host.
-        host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
+        # handler kills a 0.8.1 host. A client serves nothing (its identify lists no Kad).
+        if server:
+            host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
+        else:
+            self._libp2p.remove_stream_handler(PROTOCOL_ID)
+        # 0.8.1 adds every peer that opens a Kad stream to us; we admit only Kad servers.
+        self._add_server = self._kad.add_peer
+        self._kad.add_peer = self._admit  # type: ignore[method-assign]
+        self._admitting: set[ID] = set()
+        self._nursery: trio.Nursery | None = None
         self._idle: dict[ID, list[INetStream]] = {}
         self._slots: dict[ID, trio.Semaphore] = {}
         self._requests_failed = 0
@@ -343,20 +356,72 @@ class Dht:
         peers that joined together, and islands that merge later, learn each other only through
         a refresh.
         """
-        task_status.started()
-        delay = min(FIRST_REFRESH_S, self.config.refresh_interval_s)
         try:
-            while True:
-                await trio.sleep(delay)
-                delay = min(2 * delay, self.config.refresh_interval_s)
-                self.store_local.prune(time.time())
-                await self.refresh()
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                delay = min(FIRST_REFRESH_S, self.config.refresh_interval_s)
+                while True:
+                    await trio.sleep(delay)
+                    delay = min(2 * delay, self.config.refresh_interval_s)
+                    self.store_local.prune(time.time())
+                    await self.refresh()
         finally:
+            self._nursery = None
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for streams in self._idle.values():
                     for stream in streams:
                         await reset_quietly(stream)
             self._idle.clear()
+
+    @property
+    def is_server(self) -> bool:
+        return self._kad.mode is DHTMode.SERVER
+
+    async def serve(self) -> None:
+        """Become a Kad server (a peer found publicly reachable): serve ``/ipfs/kad/1.0.0`` and
+        tell connected peers (identify push), so that they admit us to their tables."""
+        if self.is_server:
+            return
+        self._kad.mode = DHTMode.SERVER
+        self._host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
+        with trio.move_on_after(self.config.request_timeout_s):
+            await push_identify_to_peers(self._libp2p)
+
+    # ------------------------------------------------------------------ routing table
+
+    async def _admit(self, peer: ID, *, skip_server_mode_check: bool = False) -> bool:
+        """0.8.1's Kad handler calls this for every peer that opens a stream to us. Admit the
+        peer only if it is a server: identify lists Kad among its protocols, and it has an
+        address that is not a relay circuit. Identify may still be running (or a push
+        on its way) when its first stream arrives, so an unproven peer is looked at again
+        for ``ADMIT_WAIT_S`` in the background; the stream is served meanwhile."""
+        if self._serves_kad(peer):
+            return await self._add_server(peer, skip_server_mode_check=True)
+        nursery = self._nursery
+        pending = self._admitting
+        if nursery is not None and peer not in pending and len(pending) < MAX_ADMITTING:
+            pending.add(peer)
+            nursery.start_soon(self._admit_later, peer)
+        return False
+
+    async def _admit_later(self, peer: ID) -> None:
+        try:
+            with trio.move_on_after(ADMIT_WAIT_S):
+                while not self._serves_kad(peer):
+                    await trio.sleep(0.1)
+                await self._add_server(peer, skip_server_mode_check=True)
+        finally:
+            self._admitting.discard(peer)
+
+    def _serves_kad(self, peer: ID) -> bool:
+        peerstore = self._libp2p.get_peerstore()
+        try:
+            protocols = peerstore.get_protocols(peer) or []
+            addrs = peerstore.addrs(peer)
+        except Exception:
+            return False
+        return str(PROTOCOL_ID) in protocols and any("/p2p-circuit" not in str(a) for a in addrs)
 
     async def bootstrap(self, peers: Sequence[PeerInfo]) -> int:
         """Join through ``peers``; returns the routing table size.
@@ -702,7 +767,8 @@ class Dht:
             return
         if not maybe_consume_signed_record(response, self._libp2p, peer):
             log.info("peer %s sent an invalid signed peer record", peer)
-        await self._kad.add_peer(peer, skip_server_mode_check=True)
+        # It answered Kad: a server, whatever identify says yet.
+        await self._add_server(peer, skip_server_mode_check=True)
         named.extend(self._learn_peers(response))
         # 0.8.1's Kad handler adds the remote peer to its routing table when a stream starts,
         # before reading the signed peer record that tells it our addresses; so the first

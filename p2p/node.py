@@ -332,7 +332,9 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
         nursery.start_soon(watch_loop_lag)
         nat = NatService(host, config.nat or NatConfig(relay_hop=config.role == "relay"))
         await nursery.start(nat.run)
-        dht = Dht(host, config.dht)
+        # A peer that joins through others is a DHT client until they find it reachable: a
+        # private peer must never be handed out as a server (lookups would dial it in vain).
+        dht = Dht(host, config.dht, server=config.role == "relay" or not config.bootstrap)
         await nursery.start(dht.run)
         serve_unary(host, PING_PROTOCOL, PingRequest, _serve_ping)
         node = Node(config, host, dht, nat)
@@ -340,6 +342,8 @@ async def open_node(config: NodeConfig) -> AsyncIterator[Node]:
         if config.bootstrap:
             await node._join()
             await node.check_reachability(node.bootstrap_peers)
+            if node.reachability.status is not Reachability.PRIVATE:
+                await node.dht.serve()
             # Peers that joined in the same instant as us were not yet in the bootstrap peer's
             # table when it answered; they are now (the dial-back took a round trip or more).
             await node.dht.refresh()

@@ -17,11 +17,23 @@ import pytest
 import trio
 from libp2p.abc import INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
 from libp2p.peer.id import ID
 from peerproc import SWARMTRAIN, PeerProcess, python_argv, start_relay
 from rpc_peer import ECHO, Echo
 
-from p2p import Dht, Host, HostConfig, RecordSigner, call_unary, dht_key, open_host
+from p2p import (
+    Dht,
+    Host,
+    HostConfig,
+    NodeConfig,
+    Reachability,
+    RecordSigner,
+    call_unary,
+    dht_key,
+    open_host,
+    open_node,
+)
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
 from p2p.records import encode_record_set
 from p2p.wire import FRAME_HEADER, frame
@@ -294,5 +306,58 @@ async def test_dht_storage_refuses_endless_records_and_one_identitys_flood(
                 growth = _rss_mib(relay.proc.pid) - rss_before
                 assert growth < 48, growth
         assert relay.proc.poll() is None
+    finally:
+        relay.stop()
+
+
+async def _named_by(dht: Dht, server: ID, target: ID) -> set[ID]:
+    """The peers ``server`` names in its FIND_NODE answer for ``target``."""
+    request = KadMessage(type=KadMessage.MessageType.FIND_NODE, key=target.to_bytes())
+    response = await dht._request(server, request, fresh=True)
+    assert response is not None
+    return {ID(peer.id) for peer in response.closerPeers}
+
+
+async def test_a_relay_hands_out_only_reachable_kad_servers(tmp_path: os.PathLike[str]) -> None:
+    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+    relay_id = _peer_id(addr)
+
+    def node_config(announce: tuple[str, ...] = ()) -> NodeConfig:
+        host = HostConfig(create_new_key_pair(), announce_addrs=announce)
+        return NodeConfig(host, bootstrap=(addr,), bulk_port=None)
+
+    try:
+        with trio.fail_after(90):
+            # Private: it announces an address nobody can dial back (port 9 is closed).
+            async with (
+                open_node(node_config(("/ip4/127.0.0.1/tcp/9",))) as private,
+                open_node(node_config()) as public,
+                open_host(HostConfig(create_new_key_pair())) as client_host,
+                open_host(HostConfig(create_new_key_pair())) as asker_host,
+            ):
+                assert private.reachability.status is Reachability.PRIVATE
+                assert not private.dht.is_server and public.dht.is_server
+                # A Kad client (js-libp2p's client mode, or ours) querying the relay a lot.
+                client = Dht(client_host, server=False)
+                await client_host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+                for _ in range(5):
+                    await _named_by(client, relay_id, client_host.peer_id)
+                await private.dht.refresh()
+                asker = Dht(asker_host, server=False)
+                await asker_host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+                named: set[ID] = set()
+                with trio.move_on_after(10):
+                    while public.host.peer_id not in named:  # it proves itself in seconds
+                        await trio.sleep(0.2)
+                        named = set()
+                        # Random targets: the answer is the relay's whole (small) table. (A
+                        # FIND_NODE for a peer's own id names that peer if the relay knows its
+                        # address, server or not: that is peer routing, per the Kad spec.)
+                        for _ in range(3):
+                            target = ID.from_pubkey(create_new_key_pair().public_key)
+                            named |= await _named_by(asker, relay_id, target)
+                assert public.host.peer_id in named
+                assert client_host.peer_id not in named
+                assert private.host.peer_id not in named
     finally:
         relay.stop()
