@@ -55,6 +55,7 @@ from p2p.bulk_io import (
     BulkConfig,
     BulkTransferFailed,
     ByteStream,
+    ReceiveBudget,
     _close_all,
     _io_failure,
     _peer_ids,
@@ -68,6 +69,9 @@ from p2p.bulk_io import (
     _send_on_stream,
     _send_stripe,
     _write_control,
+    lazy_buffer,
+    progress_deadline,
+    too_slow,
 )
 from p2p.bulk_listener import BulkListener
 from p2p.errors import LocalProtocolError, RemoteError, RemoteProtocolError
@@ -166,6 +170,7 @@ async def receive_bulk(
     into: bytearray | memoryview | None = None,
     peer_ids: tuple[bytes, bytes] | None = None,
     remote_ip: str | None = None,
+    budget: ReceiveBudget | None = None,
 ) -> BulkReceived:
     """Receive one transfer that the peer at the other end of ``stream`` sends with
     ``send_bulk``. The caller owns ``stream`` and closes it.
@@ -173,7 +178,9 @@ async def receive_bulk(
     ``listener``: ours, where the sender should dial (preferred over dialing the sender's).
     ``check_meta(meta, total_bytes)`` runs before the payload is allocated; it raises
     ``RemoteProtocolError`` to refuse. ``into``: a writable byte buffer to receive into (exactly
-    ``total_bytes`` long, else the offer is refused) instead of a fresh one. Returns
+    ``total_bytes`` long, else the offer is refused) instead of a fresh one, which is mapped as
+    its bytes arrive (``lazy_buffer``). ``budget``: refuse the offer unless it fits (reserved
+    until this returns). The payload must arrive within ``progress_deadline``. Returns
     ``BulkReceived`` with every byte authenticated.
     Raises ``RemoteProtocolError`` (malformed, tampered, truncated or oversized input; the sender
     is told why), ``BulkTransferFailed`` (timeout, lost connection, failed dial).
@@ -181,6 +188,7 @@ async def receive_bulk(
     offer = await _read_control(stream, config.control_timeout_s)
     if not isinstance(offer, Offer):
         raise RemoteProtocolError(f"expected Offer, got {type(offer).__name__}")
+    peer = str(getattr(getattr(stream, "muxed_conn", None), "peer_id", "?"))
     try:
         if offer.total_bytes > config.max_bytes:
             raise RemoteProtocolError(
@@ -194,29 +202,52 @@ async def receive_bulk(
             check_meta(offer.meta, offer.total_bytes)
         if into is not None and len(into) != offer.total_bytes:
             raise RemoteProtocolError(f"offer of {offer.total_bytes} bytes, expected {len(into)}")
+        if budget is not None:
+            budget.reserve(peer, offer.total_bytes)
     except RemoteProtocolError as exc:
         await _write_control(stream, Reject(str(exc)[:200]), config.control_timeout_s)
         raise
-
-    dest = into if into is not None else bytearray(offer.total_bytes)
     try:
-        link = await _connect_as_receiver(
-            stream, offer, direct, listener, config, peer_ids, remote_ip
+        return await _receive_offered(
+            stream, offer, direct, listener, config, into, peer_ids, remote_ip
         )
-        if link.socks is not None:
-            key, layout = link.key, link.layout
+    finally:
+        if budget is not None:
+            budget.release(peer, offer.total_bytes)
 
-            async def receive_one(stripe: int, sock: trio.socket.SocketType) -> None:
-                await _receive_stripe(
-                    sock, BulkReceiver(key, layout, stripe), dest, config.idle_timeout_s
-                )
 
-            try:
-                await _run_stripes(link.socks, receive_one)
-            except (OSError, trio.TooSlowError) as exc:
-                raise _io_failure("receiving bulk data", exc) from None
-        else:
-            await _receive_on_stream(stream, dest, config)
+async def _receive_offered(
+    stream: ByteStream,
+    offer: Offer,
+    direct: bool,
+    listener: BulkListener | None,
+    config: BulkConfig,
+    into: bytearray | memoryview | None,
+    peer_ids: tuple[bytes, bytes] | None,
+    remote_ip: str | None,
+) -> BulkReceived:
+    dest = into if into is not None else lazy_buffer(offer.total_bytes)
+    try:
+        with trio.move_on_at(progress_deadline(config, offer.total_bytes)) as slow:
+            link = await _connect_as_receiver(
+                stream, offer, direct, listener, config, peer_ids, remote_ip
+            )
+            if link.socks is not None:
+                key, layout = link.key, link.layout
+
+                async def receive_one(stripe: int, sock: trio.socket.SocketType) -> None:
+                    await _receive_stripe(
+                        sock, BulkReceiver(key, layout, stripe), dest, config.idle_timeout_s
+                    )
+
+                try:
+                    await _run_stripes(link.socks, receive_one)
+                except (OSError, trio.TooSlowError) as exc:
+                    raise _io_failure("receiving bulk data", exc) from None
+            else:
+                await _receive_on_stream(stream, dest, config)
+        if slow.cancelled_caught:
+            raise too_slow(config, offer.total_bytes)
     except (RemoteProtocolError, BulkTransferFailed) as exc:
         with trio.move_on_after(config.control_timeout_s):
             try:
@@ -300,14 +331,17 @@ class BulkChannel:
         self._check()
         index, self._received = self._received, self._received + 1
         self._broken = True
-        if self._sock is None:
-            await _receive_on_stream(self.stream, dest, self._config)
-        else:
-            receiver = BulkReceiver(self._item_key(index), self._layout(len(dest)), 0)
-            try:
-                await _receive_stripe(self._sock, receiver, dest, self._config.idle_timeout_s)
-            except (OSError, trio.TooSlowError) as exc:
-                raise _io_failure("receiving on the bulk channel", exc) from None
+        with trio.move_on_at(progress_deadline(self._config, len(dest))) as slow:
+            if self._sock is None:
+                await _receive_on_stream(self.stream, dest, self._config)
+            else:
+                receiver = BulkReceiver(self._item_key(index), self._layout(len(dest)), 0)
+                try:
+                    await _receive_stripe(self._sock, receiver, dest, self._config.idle_timeout_s)
+                except (OSError, trio.TooSlowError) as exc:
+                    raise _io_failure("receiving on the bulk channel", exc) from None
+        if slow.cancelled_caught:
+            raise too_slow(self._config, len(dest))
         self._broken = False
 
     def limit_rate(self, bytes_per_s: float) -> bool:

@@ -11,10 +11,21 @@ wait is bounded: control messages by ``control_timeout_s``, dials and the arriva
 connections by ``connect_timeout_s``, each frame's progress by ``idle_timeout_s``, a connection's
 hello by the listener's ``hello_timeout_s``; at most ``max_unauthenticated`` connections may be
 waiting for their hello at once (more are closed at accept), so a flood cannot pile up sockets.
+
+Memory against any sender
+-------------------------
+A receive buffer is anonymous memory the kernel maps on first write (``lazy_buffer``): an offer
+of 64 MiB held open costs nothing until its bytes arrive (a zero-filled ``bytearray`` of the
+offered size cost the whole size at once: 16 offers held open took a process from 389 to 1413
+MiB). A trickle cannot hold a transfer open either: ``idle_timeout_s`` bounds each frame, and
+the whole payload must arrive by ``rate_grace_s + size / min_rate_bytes_per_s``
+(``progress_deadline``), which no byte resets. Callers that accept offers from anyone bound
+how many run at once and how many bytes they may take with a ``ReceiveBudget``.
 """
 
 from __future__ import annotations
 
+import mmap
 import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,6 +53,73 @@ class BulkTransferFailed(P2PError):
     """A transfer could not complete: a timeout, a lost connection, or a dial that failed."""
 
 
+class ReceiveBudget:
+    """Receptions at once and bytes they may take, per peer and in all (sans-IO accounting).
+
+    ``reserve`` raises ``RemoteProtocolError`` (the sender is told it is busy) rather than
+    queueing: a sender that is refused tries later, where a queue would hold its stream open.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int,
+        max_transfers: int,
+        max_bytes_per_peer: int,
+        max_transfers_per_peer: int = 1,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.max_transfers = max_transfers
+        self.max_bytes_per_peer = max_bytes_per_peer
+        self.max_transfers_per_peer = max_transfers_per_peer
+        self.bytes = 0
+        self.transfers = 0
+        self.refused = 0
+        self._peers: dict[str, list[int]] = {}  # peer -> [transfers, bytes]
+
+    def reserve(self, peer: str, nbytes: int) -> None:
+        held = self._peers.get(peer, [0, 0])
+        if (
+            self.transfers + 1 > self.max_transfers
+            or self.bytes + nbytes > self.max_bytes
+            or held[0] + 1 > self.max_transfers_per_peer
+            or held[1] + nbytes > self.max_bytes_per_peer
+        ):
+            self.refused += 1
+            raise RemoteProtocolError("busy: too many transfers in progress, try later")
+        self._peers[peer] = [held[0] + 1, held[1] + nbytes]
+        self.transfers += 1
+        self.bytes += nbytes
+
+    def release(self, peer: str, nbytes: int) -> None:
+        held = self._peers[peer]
+        held[0] -= 1
+        held[1] -= nbytes
+        if held[0] <= 0:
+            del self._peers[peer]
+        self.transfers -= 1
+        self.bytes -= nbytes
+
+
+def lazy_buffer(nbytes: int) -> bytearray | memoryview:
+    """A writable zeroed buffer of ``nbytes`` whose pages the kernel maps as they are written."""
+    if nbytes == 0:
+        return bytearray()
+    return memoryview(mmap.mmap(-1, nbytes))
+
+
+def progress_deadline(config: BulkConfig, nbytes: int) -> float:
+    """When a payload of ``nbytes`` that starts now must have arrived (trio time)."""
+    return trio.current_time() + config.rate_grace_s + nbytes / config.min_rate_bytes_per_s
+
+
+def too_slow(config: BulkConfig, nbytes: int) -> BulkTransferFailed:
+    return BulkTransferFailed(
+        f"{nbytes} bytes did not arrive within {config.rate_grace_s:g} s + "
+        f"{config.min_rate_bytes_per_s / 1024:g} KiB/s"
+    )
+
+
 class ByteStream(Protocol):
     """What we need of a libp2p ``INetStream``."""
 
@@ -65,6 +143,10 @@ class BulkConfig:
     punch_timeout_s: float = 3.0
     idle_timeout_s: float = 30.0
     stream_chunk_bytes: int = 1 << 20
+    # A payload arrives whole by rate_grace_s + size / min_rate_bytes_per_s (0.5 Mbit/s: a
+    # volunteer's slowest link), whatever pace its bytes keep.
+    min_rate_bytes_per_s: float = 64 << 10
+    rate_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         TransferLayout(0, self.frame_bytes, self.stripes)

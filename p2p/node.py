@@ -27,6 +27,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from p2p.bulk import BulkConfig, BulkListener, receive_bulk, send_bulk
+from p2p.bulk_io import ReceiveBudget
 from p2p.dht import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import Host, HostConfig, open_host, reset_quietly
@@ -48,6 +49,10 @@ log = logging.getLogger(__name__)
 PING_PROTOCOL = "/swarmtrain/ping/1"
 BULK_PROBE_PROTOCOL = "/swarmtrain/bulk-probe/1"
 MAX_BULK_PROBE_BYTES = 64 << 20
+# A probe measures a link: one slower than 2 Mbit/s has told what it can.
+PROBE_CONFIG = BulkConfig(
+    max_bytes=MAX_BULK_PROBE_BYTES, min_rate_bytes_per_s=256 << 10, rate_grace_s=10.0
+)
 ADDR_RECORD_TTL_S = 600.0
 REACH_RETRY_S = 0.25  # between the attempts of Node.reach(keep_trying_s=...)
 T = TypeVar("T")
@@ -117,6 +122,13 @@ class Node:
         self.bootstrap_peers: list[PeerInfo] = []
         self.reachability = ReachabilityVerdict(Reachability.UNKNOWN, "not checked yet")
         self.bulk_listener: BulkListener | None = None
+        # Anyone may offer a probe: a few at once, one per peer (each maps its bytes as they
+        # arrive, so even these cost memory only at the pace the senders pay for).
+        self.probe_budget = ReceiveBudget(
+            max_bytes=4 * MAX_BULK_PROBE_BYTES,
+            max_transfers=4,
+            max_bytes_per_peer=MAX_BULK_PROBE_BYTES,
+        )
 
     async def check_reachability(self, helpers: Sequence[PeerInfo]) -> ReachabilityVerdict:
         """Ask ``helpers`` to dial us back; if we are not public, reserve relay slots on them."""
@@ -252,7 +264,8 @@ class Node:
             stream,
             direct=stream_kind(stream) == "direct",
             listener=self.bulk_listener,
-            config=BulkConfig(max_bytes=MAX_BULK_PROBE_BYTES),
+            config=PROBE_CONFIG,
+            budget=self.probe_budget,
         )
         with trio.move_on_after(2):
             await stream.close()

@@ -31,6 +31,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
+from p2p.bulk_io import lazy_buffer
 from p2p.errors import P2PError, RemoteError, RemoteProtocolError
 from p2p.host import Host, reset_quietly
 from p2p.stream_deadlines import StreamDeadlineExceeded
@@ -108,7 +109,7 @@ class RpcStream:
     async def receive_tensor_body(self, header: TensorHeader) -> np.ndarray:
         if header.nbytes > self.max_tensor_bytes:
             raise RemoteProtocolError(f"tensor of {header.nbytes} B > {self.max_tensor_bytes}")
-        data = bytearray(header.nbytes)
+        data = lazy_buffer(header.nbytes)  # pages mapped as the chunks arrive
         view = memoryview(data)
         for index in range(header.num_chunks):
             start = index * header.chunk_bytes

@@ -34,7 +34,8 @@ from p2p import (
     open_host,
     open_node,
 )
-from p2p.node import PING_PROTOCOL, PingReply, PingRequest
+from p2p.bulk_frames import DEFAULT_FRAME_BYTES, Offer, encode_control
+from p2p.node import BULK_PROBE_PROTOCOL, PING_PROTOCOL, PingReply, PingRequest
 from p2p.records import encode_record_set
 from p2p.wire import FRAME_HEADER, frame
 
@@ -359,5 +360,59 @@ async def test_a_relay_hands_out_only_reachable_kad_servers(tmp_path: os.PathLik
                 assert public.host.peer_id in named
                 assert client_host.peer_id not in named
                 assert private.host.peer_id not in named
+    finally:
+        relay.stop()
+
+
+def _probe_offer(total_bytes: int, *, direct: bool) -> bytes:
+    offer = Offer(
+        os.urandom(16), total_bytes, DEFAULT_FRAME_BYTES, 1, os.urandom(32), direct, 0, b""
+    )
+    return encode_control(offer)
+
+
+async def test_bulk_probe_offers_held_open_cost_no_memory_and_a_trickle_is_cut(
+    tmp_path: os.PathLike[str],
+) -> None:
+    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+    relay_id = _peer_id(addr)
+    try:
+        with trio.fail_after(100):
+            async with contextlib.AsyncExitStack() as stack:
+                hosts = [
+                    await stack.enter_async_context(open_host(HostConfig(create_new_key_pair())))
+                    for _ in range(17)
+                ]
+                for host in hosts:
+                    await host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+                rss_before = _rss_mib(relay.proc.pid)
+                # 16 peers offer 64 MiB each over their libp2p stream and send nothing more.
+                streams = []
+                for host in hosts[:16]:
+                    stream = await host.open_stream(relay_id, BULK_PROBE_PROTOCOL)
+                    await stream.write(_probe_offer(64 << 20, direct=False))
+                    streams.append(stream)
+                await trio.sleep(1.5)  # let the relay act on every offer
+                growth = _rss_mib(relay.proc.pid) - rss_before
+                assert growth < 64, growth  # zero-filled buffers: 16 x 64 MiB = 1 GiB
+                for stream in streams:
+                    await stream.reset()
+                # A trickle: 1 MiB offered, a byte a second. The probe's progress deadline
+                # (10 s + 1 MiB at 256 KiB/s) ends it, although each byte beats the idle timeout.
+                stream = await hosts[16].open_stream(relay_id, BULK_PROBE_PROTOCOL)
+                await stream.write(_probe_offer(1 << 20, direct=False))
+                start = trio.current_time()
+                with trio.move_on_after(40), contextlib.suppress(Exception):
+                    while True:  # until the relay ends the stream
+                        with trio.move_on_after(1):
+                            if not await stream.read(4096):
+                                break
+                        await stream.write(b"\x00")
+                assert 10 <= trio.current_time() - start < 25
+        stderr = await trio.to_thread.run_sync(
+            lambda: relay.wait_stderr("did not arrive", timeout_s=10)
+        )
+        assert "1048576 bytes did not arrive within 10 s" in stderr, stderr[-2000:]
+        assert relay.proc.poll() is None
     finally:
         relay.stop()
