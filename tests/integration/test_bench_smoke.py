@@ -20,3 +20,15 @@ def test_the_allreduce_bench_runs_and_reports_bit_identical_results() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["bit_identical"] is True and summary["wire_bytes"] > 0, summary
+
+
+def test_the_soak_bench_runs_a_relay_and_a_coordinator_through_connections() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.soak", "--connections", "40", "--minutes", "1",
+         "--clients", "4", "--report-s", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["bench"] == "soak" and summary["targets_alive"], summary
+    assert summary["connections"] >= 40 and summary["failed"] == 0, summary
