@@ -1,0 +1,386 @@
+"""Fuzz real relay, coordinator and training node processes through every protocol they serve.
+
+    python -m bench.fuzz --inputs 100000
+
+Targets: a ``swarmtrain relay``, a ``swarmtrain coordinator`` and, while its run trains, one of
+the run's two ``swarmtrain node`` processes. The protocols of each are the ones it lists in
+identify (ours, and libp2p's: Kad, identify, ping, relay hop and stop, DCUtR). Inputs, drawn from
+``random.Random(seed)``, come in categories (``--only`` picks some):
+
+- ``random``: random bytes; ``truncated``: a well-formed frame cut short; ``oversized``: a length
+  prefix far over any limit (ours 4-byte, Kad's varint);
+- ``shape``: well-formed ``[version, code, body]`` messages of every registered type with fields
+  of the wrong type, count or size, sent to every protocol (so also the wrong message type);
+- ``slow``: a plausible prefix, then a byte now and then (the target's read deadline must end it);
+- ``streams``: many streams opened at once on one connection and left; ``connections``: many
+  connections opened and dropped.
+
+Every ``--check-every`` inputs a fresh client must connect and get a ping answered within 10 s
+(else a *hang*), and each target must still run (else a *crash*). RSS and open files are read
+from /proc after a warm-up batch and at the end. The last stdout line is one JSON object with
+``inputs``, ``crashes``, ``hangs``, ``rss_growth_mib``, ``fds_growth``. Target: 0, 0, < 50, 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import multiaddr
+import trio
+import varint
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+import swarm  # noqa: F401  (registers the wire messages of every layer)
+import swarmtrain.cli  # noqa: F401
+import verify  # noqa: F401
+from bench.common import REPO, git_sha
+from p2p import Host, HostConfig, call_unary, open_host
+from p2p.node import PING_PROTOCOL, PingReply, PingRequest
+from p2p.wire import PROTOCOL_VERSION, frame, registered_types
+
+CATEGORIES = ("random", "truncated", "oversized", "shape", "slow", "streams", "connections")
+# How often each category is drawn: the last three hold streams or connections for seconds.
+WEIGHTS = {"random": 3, "truncated": 3, "oversized": 2, "shape": 4, "slow": 1, "streams": 1,
+           "connections": 1}  # fmt: skip
+KAD = "/ipfs/kad/1.0.0"
+
+
+@dataclass
+class Target:
+    name: str
+    proc: subprocess.Popen[bytes]
+    addr: str
+    protocols: list[str] = field(default_factory=list)
+
+    @property
+    def peer_id(self) -> ID:
+        return ID.from_base58(multiaddr.Multiaddr(self.addr).value_for_protocol("p2p"))
+
+    def rss_mib(self) -> float:
+        with open(f"/proc/{self.proc.pid}/status") as status:
+            line = next(line for line in status if line.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def _junk(rng: random.Random) -> object:
+    return rng.choice(
+        [
+            lambda: rng.randbytes(rng.randrange(0, 64)),
+            lambda: "x" * rng.randrange(0, 64),
+            lambda: rng.randrange(-(2**63), 2**64),
+            lambda: rng.random() * 10 ** rng.randrange(-5, 300),
+            lambda: [rng.randrange(10)] * rng.randrange(0, 8),
+            lambda: {b"k": 1},
+            lambda: None,
+            lambda: True,
+        ]
+    )()
+
+
+def _message_bytes(rng: random.Random) -> bytes:
+    code, cls = rng.choice(sorted(registered_types().items()))
+    count = len(cls._FIELDS) + rng.choice([0, 0, 0, -1, 1])
+    body = [_junk(rng) for _ in range(max(count, 0))]
+    version = PROTOCOL_VERSION if rng.random() < 0.9 else rng.randrange(256)
+    return msgpack.packb([version, code, body], use_bin_type=True)
+
+
+def make_input(category: str, protocol: str, rng: random.Random) -> bytes:
+    """One hostile payload of ``category`` for ``protocol`` (``slow`` returns its prefix)."""
+    kad = protocol == KAD
+    if category == "random":
+        return rng.randbytes(rng.randrange(0, 4096))
+    if category == "truncated":
+        body = _message_bytes(rng) + rng.randbytes(rng.randrange(0, 256))
+        whole = varint.encode(len(body)) + body if kad else frame(body)
+        return whole[: rng.randrange(0, len(whole))]
+    if category == "oversized":
+        return (
+            varint.encode(rng.randrange(1 << 24, 1 << 40))
+            if kad
+            else struct.pack(">I", rng.randrange(1 << 24, 1 << 32)) + rng.randbytes(16)
+        )
+    if category == "shape":
+        body = _message_bytes(rng)
+        return varint.encode(len(body)) + body if kad else frame(body)
+    if category == "slow":
+        return varint.encode(64) if kad else struct.pack(">I", 64)
+    raise ValueError(category)
+
+
+# ---- driving -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Counts:
+    inputs: int = 0
+    crashes: int = 0
+    hangs: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+async def _send(host: Host, target: Target, protocol: str, payload: bytes, slow: bool) -> None:
+    stream = await host.open_stream(target.peer_id, protocol)
+    try:
+        with trio.move_on_after(3 if slow else 0.2):
+            await stream.write(payload)
+            if slow:
+                for _ in range(3):
+                    await trio.sleep(1)
+                    await stream.write(b"\x00")
+            with contextlib.suppress(Exception):
+                await stream.close()
+            while await stream.read(4096):
+                pass
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.reset()
+
+
+async def _streams(host: Host, target: Target, protocol: str) -> None:
+    streams = []
+    with trio.move_on_after(5):
+        for _ in range(32):
+            streams.append(await host.open_stream(target.peer_id, protocol))
+    for stream in streams:
+        with contextlib.suppress(Exception):
+            await stream.reset()
+
+
+async def _connections(target: Target) -> None:
+    async with open_host(HostConfig(create_new_key_pair())) as host:
+        network = host.libp2p.get_network()
+        for _ in range(4):
+            await host.connect(target.peer_id, [multiaddr.Multiaddr(target.addr)])
+            await network.close_peer(target.peer_id)
+
+
+async def alive(target: Target) -> bool:
+    """A fresh client connects and has a ping answered within 10 s."""
+    if target.proc.poll() is not None:
+        return False
+    with trio.move_on_after(10):
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            await host.connect(target.peer_id, [multiaddr.Multiaddr(target.addr)])
+            reply = await call_unary(
+                host, target.peer_id, PING_PROTOCOL, PingRequest(b"fuzz"), PingReply, deadline_s=9
+            )
+            return reply.nonce == b"fuzz"
+    return False
+
+
+async def fuzz_target(
+    target: Target,
+    inputs: int,
+    categories: tuple[str, ...],
+    rng: random.Random,
+    counts: Counts,
+    check_every: int,
+    on_progress: Callable[[str], None] = lambda line: None,
+    concurrency: int = 32,
+) -> tuple[float, int]:
+    """Send ``inputs`` hostile inputs to ``target``; returns its (RSS MiB, fds) after warm-up."""
+    warm: tuple[float, int] | None = None
+    async with open_host(HostConfig(create_new_key_pair())) as host:
+        await host.connect(target.peer_id, [multiaddr.Multiaddr(target.addr)])
+        with trio.move_on_after(5):
+            while not target.protocols:
+                target.protocols = sorted(
+                    str(p) for p in host.libp2p.get_peerstore().get_protocols(target.peer_id)
+                )
+                await trio.sleep(0.1)
+        limiter = trio.Semaphore(concurrency)
+
+        async def one(category: str, protocol: str, payload: bytes) -> None:
+            try:
+                if category == "streams":
+                    await _streams(host, target, protocol)
+                elif category == "connections":
+                    await _connections(target)
+                else:
+                    await _send(host, target, protocol, payload, category == "slow")
+            except Exception as exc:  # refusals and resets are the expected answers
+                name = type(exc).__name__
+                counts.errors[name] = counts.errors.get(name, 0) + 1
+            finally:
+                limiter.release()
+
+        done = 0
+        while done < inputs:
+            batch = min(check_every, inputs - done)
+            async with trio.open_nursery() as nursery:
+                for _ in range(batch):
+                    category = rng.choices(categories, [WEIGHTS[c] for c in categories])[0]
+                    protocol = rng.choice(target.protocols)
+                    payload = (
+                        b""
+                        if category in ("streams", "connections")
+                        else make_input(category, protocol, rng)
+                    )
+                    await limiter.acquire()
+                    nursery.start_soon(one, category, protocol, payload)
+            done += batch
+            counts.inputs += batch
+            if target.proc.poll() is not None:
+                counts.crashes += 1
+                on_progress(f"{target.name} exited with {target.proc.returncode}")
+                return warm or (0.0, 0)
+            if not await alive(target):
+                counts.hangs += 1
+            if warm is None:
+                warm = (target.rss_mib(), target.fds())
+            with contextlib.suppress(Exception):  # a node may finish its run meanwhile
+                on_progress(
+                    f"{target.name}: {done}/{inputs} inputs, crashes={counts.crashes} "
+                    f"hangs={counts.hangs} rss={target.rss_mib():.0f} MiB fds={target.fds()}"
+                )
+    return warm or (target.rss_mib(), target.fds())
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(name: str, argv: list[str], workdir: Path, want: Callable[[str], bool]) -> Target:
+    with open(workdir / f"{name}.log", "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarmtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
+            stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline().decode()
+        if not line:
+            break
+        if want(line):
+            words = line.split()
+            addr = next((w for w in words if "/p2p/" in w), None)
+            # Keep reading what it prints, or a full pipe would stall it.
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            # A node's line names its peer id: "node <id> starting at round ...".
+            return Target(name, proc, addr or (words[1] if len(words) > 1 else ""))
+    proc.kill()
+    raise RuntimeError(f"{name} did not start: see {workdir / f'{name}.log'}")
+
+
+def start_targets(workdir: Path, names: tuple[str, ...]) -> list[Target]:
+    """The targets asked for; ``node`` also starts a coordinator and a second node (its run)."""
+    listen = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+    targets: list[Target] = []
+    if "relay" in names:
+        targets.append(
+            start("relay", ["relay", "--identity", str(workdir / "r.key"), *listen], workdir,
+                  lambda line: "/p2p/" in line)
+        )  # fmt: skip
+    if "coordinator" in names or "node" in names:
+        coordinator = start(
+            "coordinator",
+            ["coordinator", "--identity", str(workdir / "c.key"), "--rounds", "1000", *listen],
+            workdir, lambda line: "/p2p/" in line,
+        )  # fmt: skip
+        targets.append(coordinator)
+    if "node" in names:
+        nodes = []
+        for i in range(2):
+            port = _free_port()
+            node = start(
+                f"node{i}",
+                ["node", "--join", coordinator.addr, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+                 "--threads", "1", "--state-dir", str(workdir / f"n{i}")],
+                workdir, lambda line: line.startswith("node "),
+            )  # fmt: skip
+            node.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.addr}"
+            nodes.append(node)
+        targets.extend(nodes)
+    return targets
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--inputs", type=int, default=100_000, help="per target")
+    parser.add_argument("--targets", default="relay,coordinator,node")
+    parser.add_argument("--only", default=",".join(CATEGORIES), help="input categories")
+    parser.add_argument("--check-every", type=int, default=500)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "CRITICAL"))
+    categories = tuple(c for c in args.only.split(",") if c)
+    names = tuple(n for n in args.targets.split(",") if n)
+    result = {"bench": "fuzz", "config": vars(args), "git_sha": git_sha()}
+    result.update(run(names, args.inputs, categories, args.check_every, args.seed))
+    print(json.dumps(result))
+
+
+def run(
+    names: tuple[str, ...], inputs: int, categories: tuple[str, ...], check_every: int, seed: int
+) -> dict[str, object]:
+    """Fuzz the ``names`` targets with ``inputs`` inputs each; the summary's figures."""
+    with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        targets = start_targets(Path(tmp), names)
+        fuzzed = [t for t in targets if t.name in names or (t.name == "node0" and "node" in names)]
+        try:
+            counts = Counts()
+            growth: dict[str, tuple[float, int]] = {}
+
+            async def drive() -> None:
+                for index, target in enumerate(fuzzed):
+                    rng = random.Random(seed * 1000 + index)
+                    rss, fds = await fuzz_target(
+                        target, inputs, categories, rng, counts, check_every,
+                        lambda line: print(line, flush=True),
+                    )  # fmt: skip
+                    if target.proc.poll() is None:
+                        growth[target.name] = (target.rss_mib() - rss, target.fds() - fds)
+
+            trio.run(drive)
+            return {
+                "inputs": counts.inputs,
+                "crashes": counts.crashes,
+                "hangs": counts.hangs,
+                "rss_growth_mib": round(max((g[0] for g in growth.values()), default=0.0), 1),
+                "fds_growth": max((g[1] for g in growth.values()), default=0),
+                "per_target": {k: {"rss_growth_mib": round(v[0], 1), "fds_growth": v[1]}
+                               for k, v in growth.items()},
+                "protocols": {t.name: t.protocols for t in fuzzed},
+                "client_errors": counts.errors,
+            }  # fmt: skip
+        finally:
+            for target in targets:
+                target.proc.terminate()
+                try:
+                    target.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    target.proc.kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""A bounded sample of ``bench.fuzz`` (``python -m bench.fuzz --inputs 100000`` is the full one):
+real relay, coordinator and training-node processes take hostile input on every protocol they
+serve and still answer, without crashing, hanging, or growing memory or open files."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.fuzz import CATEGORIES, run
+
+
+@pytest.mark.parametrize(
+    ("target", "inputs"), [("relay", 600), ("coordinator", 600), ("node", 300)]
+)
+def test_a_target_survives_a_fuzz_sample(target: str, inputs: int) -> None:
+    summary = run((target,), inputs, CATEGORIES, check_every=150, seed=1)
+    assert summary["inputs"] == inputs, summary
+    assert summary["crashes"] == 0 and summary["hangs"] == 0, summary
+    assert summary["rss_growth_mib"] < 50, summary
+    # Open files may differ by the few connections still closing when counted.
+    assert summary["fds_growth"] <= 4, summary
+    protocols = summary["protocols"]
+    assert any("/swarmtrain/" in p for names in protocols.values() for p in names), protocols
