@@ -31,11 +31,7 @@ import os
 import random
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,12 +41,12 @@ import multiaddr
 import trio
 import varint
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.id import ID
 
 import swarm  # noqa: F401  (registers the wire messages of every layer)
 import swarmtrain.cli  # noqa: F401
 import verify  # noqa: F401
-from bench.common import REPO, git_sha
+from bench.common import git_sha
+from bench.targets import Target, start, stop
 from p2p import Host, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
 from p2p.wire import PROTOCOL_VERSION, frame, registered_types
@@ -60,26 +56,6 @@ CATEGORIES = ("random", "truncated", "oversized", "shape", "slow", "streams", "c
 WEIGHTS = {"random": 3, "truncated": 3, "oversized": 2, "shape": 4, "slow": 1, "streams": 1,
            "connections": 1}  # fmt: skip
 KAD = "/ipfs/kad/1.0.0"
-
-
-@dataclass
-class Target:
-    name: str
-    proc: subprocess.Popen[bytes]
-    addr: str
-    protocols: list[str] = field(default_factory=list)
-
-    @property
-    def peer_id(self) -> ID:
-        return ID.from_base58(multiaddr.Multiaddr(self.addr).value_for_protocol("p2p"))
-
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as status:
-            line = next(line for line in status if line.startswith("VmRSS:"))
-        return int(line.split()[1]) / 1024
-
-    def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
 
 # ---- inputs ------------------------------------------------------------------------------------
@@ -269,29 +245,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(name: str, argv: list[str], workdir: Path, want: Callable[[str], bool]) -> Target:
-    with open(workdir / f"{name}.log", "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
-            stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().decode()
-        if not line:
-            break
-        if want(line):
-            words = line.split()
-            addr = next((w for w in words if "/p2p/" in w), None)
-            # Keep reading what it prints, or a full pipe would stall it.
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            # A node's line names its peer id: "node <id> starting at round ...".
-            return Target(name, proc, addr or (words[1] if len(words) > 1 else ""))
-    proc.kill()
-    raise RuntimeError(f"{name} did not start: see {workdir / f'{name}.log'}")
-
-
 def start_targets(workdir: Path, names: tuple[str, ...]) -> list[Target]:
     """The targets asked for; ``node`` also starts a coordinator and a second node (its run)."""
     listen = ["--listen", "/ip4/127.0.0.1/tcp/0"]
@@ -374,12 +327,7 @@ def run(
                 "client_errors": counts.errors,
             }  # fmt: skip
         finally:
-            for target in targets:
-                target.proc.terminate()
-                try:
-                    target.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    target.proc.kill()
+            stop(targets)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -29,31 +27,12 @@ from pathlib import Path
 import multiaddr
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.id import ID
 
-from bench.common import REPO, git_sha
+from bench.common import git_sha
+from bench.targets import Target, start, stop
 from p2p import Dht, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
 from swarmtrain.coordinator import SPEC_PROTOCOL, RunSpecReply, RunSpecRequest
-
-
-@dataclass
-class Target:
-    name: str
-    proc: subprocess.Popen[bytes]
-    addr: str
-
-    @property
-    def peer_id(self) -> ID:
-        return ID.from_base58(multiaddr.Multiaddr(self.addr).value_for_protocol("p2p"))
-
-    def rss_mib(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as status:
-            line = next(line for line in status if line.startswith("VmRSS:"))
-        return int(line.split()[1]) / 1024
-
-    def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
 
 @dataclass
@@ -68,27 +47,6 @@ class Tally:
             return 0.0
         ordered = sorted(self.answers_ms)
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-def start(name: str, argv: list[str], workdir: Path) -> Target:
-    with open(workdir / f"{name}.log", "wb") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "swarmtrain.cli", *argv,
-             "--identity", str(workdir / f"{name}.key"), "--listen", "/ip4/127.0.0.1/tcp/0"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=log_file,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().decode()
-        if not line:
-            break
-        word = next((w for w in line.split() if "/p2p/" in w), None)
-        if word is not None:
-            return Target(name, proc, word)
-    proc.kill()
-    raise RuntimeError(f"{name} did not start: see {workdir / f'{name}.log'}")
 
 
 async def one_connection(
@@ -188,6 +146,10 @@ async def soak(args: argparse.Namespace, targets: list[Target]) -> dict[str, obj
     }
 
 
+def _has_addr(line: str) -> bool:
+    return "/p2p/" in line
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--connections", type=int, default=5000)
@@ -199,9 +161,16 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "CRITICAL"))
     with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
         workdir = Path(tmp)
-        targets = [start("relay", ["relay"], workdir)]
+        listen = ["--listen", "/ip4/127.0.0.1/tcp/0"]
+        targets = [
+            start("relay", ["relay", "--identity", str(workdir / "r.key"), *listen], workdir,
+                  _has_addr)
+        ]  # fmt: skip
         try:
-            targets.append(start("coordinator", ["coordinator"], workdir))
+            targets.append(
+                start("coordinator", ["coordinator", "--identity", str(workdir / "c.key"),
+                      *listen], workdir, _has_addr)
+            )  # fmt: skip
             result: dict[str, object] = {
                 "bench": "soak",
                 "config": {
@@ -213,12 +182,7 @@ def main() -> None:
             }
             result.update(trio.run(soak, args, targets))
         finally:
-            for target in targets:
-                target.proc.terminate()
-                try:
-                    target.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    target.proc.kill()
+            stop(targets)
     print(json.dumps(result))
 
 

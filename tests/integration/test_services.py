@@ -11,6 +11,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import multiaddr
 import pytest
@@ -38,6 +39,16 @@ from p2p.bulk_frames import DEFAULT_FRAME_BYTES, Offer, encode_control
 from p2p.node import BULK_PROBE_PROTOCOL, PING_PROTOCOL, PingReply, PingRequest
 from p2p.records import encode_record_set
 from p2p.wire import FRAME_HEADER, frame
+
+
+@pytest.fixture
+def relay_at(tmp_path: Path) -> Iterator[tuple[PeerProcess, str]]:
+    """A real `swarmtrain relay` and its join address."""
+    relay, addr = start_relay(tmp_path / "relay.key")
+    try:
+        yield relay, addr
+    finally:
+        relay.stop()
 
 
 def _peer_id(addr: str) -> ID:
@@ -71,26 +82,23 @@ async def test_slots_of_closed_connections_come_back() -> None:
 
 
 async def test_a_relay_accepts_a_thousand_connections_one_after_the_other(
-    tmp_path: os.PathLike[str],
+    relay_at: tuple[PeerProcess, str],
 ) -> None:
     # 8 clients, 125 connections each, each closed before the next: never more than 8 open at
     # once, 1,000 in all against a limit of 257 (0.8.1 refused everything after the 257th).
-    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+    relay, addr = relay_at
     peer_id = _peer_id(addr)
-    try:
-        with trio.fail_after(100):
-            async with trio.open_nursery() as nursery:
-                for _ in range(8):
-                    nursery.start_soon(_client, peer_id, addr, 125)
-            async with open_host(HostConfig(create_new_key_pair())) as host:
-                await host.connect(peer_id, [multiaddr.Multiaddr(addr)])
-                reply = await call_unary(
-                    host, peer_id, PING_PROTOCOL, PingRequest(b"12345678"), PingReply, deadline_s=10
-                )
-                assert reply.nonce == b"12345678"
-        assert relay.proc.poll() is None
-    finally:
-        relay.stop()
+    with trio.fail_after(100):
+        async with trio.open_nursery() as nursery:
+            for _ in range(8):
+                nursery.start_soon(_client, peer_id, addr, 125)
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            await host.connect(peer_id, [multiaddr.Multiaddr(addr)])
+            reply = await call_unary(
+                host, peer_id, PING_PROTOCOL, PingRequest(b"12345678"), PingReply, deadline_s=10
+            )
+            assert reply.nonce == b"12345678"
+    assert relay.proc.poll() is None
 
 
 async def _client(peer_id: ID, addr: str, times: int) -> None:
@@ -273,42 +281,39 @@ def _rss_mib(pid: int) -> float:
 
 
 async def test_dht_storage_refuses_endless_records_and_one_identitys_flood(
-    tmp_path: os.PathLike[str],
+    relay_at: tuple[PeerProcess, str],
 ) -> None:
-    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+    relay, addr = relay_at
     relay_id = _peer_id(addr)
-    try:
-        with trio.fail_after(100):
-            async with open_host(HostConfig(create_new_key_pair())) as host:
-                await host.connect(relay_id, [multiaddr.Multiaddr(addr)])
-                dht = Dht(host)
-                attacker, honest = RecordSigner(os.urandom(32)), RecordSigner(os.urandom(32))
-                now = time.time()
+    with trio.fail_after(100):
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            await host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+            dht = Dht(host)
+            attacker, honest = RecordSigner(os.urandom(32)), RecordSigner(os.urandom(32))
+            now = time.time()
 
-                async def put(signer: RecordSigner, name: str, values: list[bytes], expires: float):
-                    key = dht_key(name)
-                    records = [
-                        signer.sign(key, value, expires, tag=b"%d" % i)
-                        for i, value in enumerate(values)
-                    ]
-                    return await dht.put_raw(relay_id, key, encode_record_set(records))
+            async def put(signer: RecordSigner, name: str, values: list[bytes], expires: float):
+                key = dht_key(name)
+                records = [
+                    signer.sign(key, value, expires, tag=b"%d" % i)
+                    for i, value in enumerate(values)
+                ]
+                return await dht.put_raw(relay_id, key, encode_record_set(records))
 
-                assert await put(honest, "ok", [b"v"], now + 600)
-                assert not await put(attacker, "forever", [b"v"], now + 100 * 365 * 86400)
-                assert not await put(attacker, "forever", [b"v"], 1e300)
-                rss_before = _rss_mib(relay.proc.pid)
-                # 100 keys x 32 subkeys x 15 KiB = 47 MiB offered by one identity.
-                accepted = 0
-                for i in range(100):
-                    if await put(attacker, f"fill/{i}", [os.urandom(15 << 10)] * 32, now + 600):
-                        accepted += 1
-                assert 0 < accepted * 32 * 15 * 1024 <= 8 << 20, accepted
-                assert await put(honest, "still-ok", [b"v"], now + 600)
-                growth = _rss_mib(relay.proc.pid) - rss_before
-                assert growth < 48, growth
-        assert relay.proc.poll() is None
-    finally:
-        relay.stop()
+            assert await put(honest, "ok", [b"v"], now + 600)
+            assert not await put(attacker, "forever", [b"v"], now + 100 * 365 * 86400)
+            assert not await put(attacker, "forever", [b"v"], 1e300)
+            rss_before = _rss_mib(relay.proc.pid)
+            # 100 keys x 32 subkeys x 15 KiB = 47 MiB offered by one identity.
+            accepted = 0
+            for i in range(100):
+                if await put(attacker, f"fill/{i}", [os.urandom(15 << 10)] * 32, now + 600):
+                    accepted += 1
+            assert 0 < accepted * 32 * 15 * 1024 <= 8 << 20, accepted
+            assert await put(honest, "still-ok", [b"v"], now + 600)
+            growth = _rss_mib(relay.proc.pid) - rss_before
+            assert growth < 48, growth
+    assert relay.proc.poll() is None
 
 
 async def _named_by(dht: Dht, server: ID, target: ID) -> set[ID]:
@@ -319,49 +324,48 @@ async def _named_by(dht: Dht, server: ID, target: ID) -> set[ID]:
     return {ID(peer.id) for peer in response.closerPeers}
 
 
-async def test_a_relay_hands_out_only_reachable_kad_servers(tmp_path: os.PathLike[str]) -> None:
-    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+async def test_a_relay_hands_out_only_reachable_kad_servers(
+    relay_at: tuple[PeerProcess, str],
+) -> None:
+    _, addr = relay_at
     relay_id = _peer_id(addr)
 
     def node_config(announce: tuple[str, ...] = ()) -> NodeConfig:
         host = HostConfig(create_new_key_pair(), announce_addrs=announce)
         return NodeConfig(host, bootstrap=(addr,), bulk_port=None)
 
-    try:
-        with trio.fail_after(90):
-            # Private: it announces an address nobody can dial back (port 9 is closed).
-            async with (
-                open_node(node_config(("/ip4/127.0.0.1/tcp/9",))) as private,
-                open_node(node_config()) as public,
-                open_host(HostConfig(create_new_key_pair())) as client_host,
-                open_host(HostConfig(create_new_key_pair())) as asker_host,
-            ):
-                assert private.reachability.status is Reachability.PRIVATE
-                assert not private.dht.is_server and public.dht.is_server
-                # A Kad client (js-libp2p's client mode, or ours) querying the relay a lot.
-                client = Dht(client_host, server=False)
-                await client_host.connect(relay_id, [multiaddr.Multiaddr(addr)])
-                for _ in range(5):
-                    await _named_by(client, relay_id, client_host.peer_id)
-                await private.dht.refresh()
-                asker = Dht(asker_host, server=False)
-                await asker_host.connect(relay_id, [multiaddr.Multiaddr(addr)])
-                named: set[ID] = set()
-                with trio.move_on_after(10):
-                    while public.host.peer_id not in named:  # it proves itself in seconds
-                        await trio.sleep(0.2)
-                        named = set()
-                        # Random targets: the answer is the relay's whole (small) table. (A
-                        # FIND_NODE for a peer's own id names that peer if the relay knows its
-                        # address, server or not: that is peer routing, per the Kad spec.)
-                        for _ in range(3):
-                            target = ID.from_pubkey(create_new_key_pair().public_key)
-                            named |= await _named_by(asker, relay_id, target)
-                assert public.host.peer_id in named
-                assert client_host.peer_id not in named
-                assert private.host.peer_id not in named
-    finally:
-        relay.stop()
+    with trio.fail_after(90):
+        # Private: it announces an address nobody can dial back (port 9 is closed).
+        async with (
+            open_node(node_config(("/ip4/127.0.0.1/tcp/9",))) as private,
+            open_node(node_config()) as public,
+            open_host(HostConfig(create_new_key_pair())) as client_host,
+            open_host(HostConfig(create_new_key_pair())) as asker_host,
+        ):
+            assert private.reachability.status is Reachability.PRIVATE
+            assert not private.dht.is_server and public.dht.is_server
+            # A Kad client (js-libp2p's client mode, or ours) querying the relay a lot.
+            client = Dht(client_host, server=False)
+            await client_host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+            for _ in range(5):
+                await _named_by(client, relay_id, client_host.peer_id)
+            await private.dht.refresh()
+            asker = Dht(asker_host, server=False)
+            await asker_host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+            named: set[ID] = set()
+            with trio.move_on_after(10):
+                while public.host.peer_id not in named:  # it proves itself in seconds
+                    await trio.sleep(0.2)
+                    named = set()
+                    # Random targets: the answer is the relay's whole (small) table. (A
+                    # FIND_NODE for a peer's own id names that peer if the relay knows its
+                    # address, server or not: that is peer routing, per the Kad spec.)
+                    for _ in range(3):
+                        target = ID.from_pubkey(create_new_key_pair().public_key)
+                        named |= await _named_by(asker, relay_id, target)
+            assert public.host.peer_id in named
+            assert client_host.peer_id not in named
+            assert private.host.peer_id not in named
 
 
 def _probe_offer(total_bytes: int, *, direct: bool) -> bytes:
@@ -372,47 +376,44 @@ def _probe_offer(total_bytes: int, *, direct: bool) -> bytes:
 
 
 async def test_bulk_probe_offers_held_open_cost_no_memory_and_a_trickle_is_cut(
-    tmp_path: os.PathLike[str],
+    relay_at: tuple[PeerProcess, str],
 ) -> None:
-    relay, addr = start_relay(os.path.join(tmp_path, "relay.key"))  # type: ignore[arg-type]
+    relay, addr = relay_at
     relay_id = _peer_id(addr)
-    try:
-        with trio.fail_after(100):
-            async with contextlib.AsyncExitStack() as stack:
-                hosts = [
-                    await stack.enter_async_context(open_host(HostConfig(create_new_key_pair())))
-                    for _ in range(17)
-                ]
-                for host in hosts:
-                    await host.connect(relay_id, [multiaddr.Multiaddr(addr)])
-                rss_before = _rss_mib(relay.proc.pid)
-                # 16 peers offer 64 MiB each over their libp2p stream and send nothing more.
-                streams = []
-                for host in hosts[:16]:
-                    stream = await host.open_stream(relay_id, BULK_PROBE_PROTOCOL)
-                    await stream.write(_probe_offer(64 << 20, direct=False))
-                    streams.append(stream)
-                await trio.sleep(1.5)  # let the relay act on every offer
-                growth = _rss_mib(relay.proc.pid) - rss_before
-                assert growth < 64, growth  # zero-filled buffers: 16 x 64 MiB = 1 GiB
-                for stream in streams:
-                    await stream.reset()
-                # A trickle: 1 MiB offered, a byte a second. The probe's progress deadline
-                # (10 s + 1 MiB at 256 KiB/s) ends it, although each byte beats the idle timeout.
-                stream = await hosts[16].open_stream(relay_id, BULK_PROBE_PROTOCOL)
-                await stream.write(_probe_offer(1 << 20, direct=False))
-                start = trio.current_time()
-                with trio.move_on_after(40), contextlib.suppress(Exception):
-                    while True:  # until the relay ends the stream
-                        with trio.move_on_after(1):
-                            if not await stream.read(4096):
-                                break
-                        await stream.write(b"\x00")
-                assert 10 <= trio.current_time() - start < 25
-        stderr = await trio.to_thread.run_sync(
-            lambda: relay.wait_stderr("did not arrive", timeout_s=10)
-        )
-        assert "1048576 bytes did not arrive within 10 s" in stderr, stderr[-2000:]
-        assert relay.proc.poll() is None
-    finally:
-        relay.stop()
+    with trio.fail_after(100):
+        async with contextlib.AsyncExitStack() as stack:
+            hosts = [
+                await stack.enter_async_context(open_host(HostConfig(create_new_key_pair())))
+                for _ in range(17)
+            ]
+            for host in hosts:
+                await host.connect(relay_id, [multiaddr.Multiaddr(addr)])
+            rss_before = _rss_mib(relay.proc.pid)
+            # 16 peers offer 64 MiB each over their libp2p stream and send nothing more.
+            streams = []
+            for host in hosts[:16]:
+                stream = await host.open_stream(relay_id, BULK_PROBE_PROTOCOL)
+                await stream.write(_probe_offer(64 << 20, direct=False))
+                streams.append(stream)
+            await trio.sleep(1.5)  # let the relay act on every offer
+            growth = _rss_mib(relay.proc.pid) - rss_before
+            assert growth < 64, growth  # zero-filled buffers: 16 x 64 MiB = 1 GiB
+            for stream in streams:
+                await stream.reset()
+            # A trickle: 1 MiB offered, a byte a second. The probe's progress deadline
+            # (10 s + 1 MiB at 256 KiB/s) ends it, although each byte beats the idle timeout.
+            stream = await hosts[16].open_stream(relay_id, BULK_PROBE_PROTOCOL)
+            await stream.write(_probe_offer(1 << 20, direct=False))
+            start = trio.current_time()
+            with trio.move_on_after(40), contextlib.suppress(Exception):
+                while True:  # until the relay ends the stream
+                    with trio.move_on_after(1):
+                        if not await stream.read(4096):
+                            break
+                    await stream.write(b"\x00")
+            assert 10 <= trio.current_time() - start < 25
+    stderr = await trio.to_thread.run_sync(
+        lambda: relay.wait_stderr("did not arrive", timeout_s=10)
+    )
+    assert "1048576 bytes did not arrive within 10 s" in stderr, stderr[-2000:]
+    assert relay.proc.poll() is None
