@@ -569,16 +569,26 @@ def decode_control(body: bytes) -> ControlMessage:
     try:
         obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
     except Exception as exc:  # msgpack raises a zoo of types for garbage
-        raise RemoteProtocolError(f"undecodable control message: {exc!r}") from None
+        # Not ``exc!r``: msgpack's ExtraData carries the decoded object, the sender's bytes.
+        raise RemoteProtocolError(f"undecodable control message ({type(exc).__name__})") from None
     if not isinstance(obj, list) or len(obj) < 2:
         raise RemoteProtocolError("control message is not a list")
     version, code, *fields = obj
     if version != _CONTROL_VERSION or isinstance(version, bool):
-        raise RemoteProtocolError(f"unsupported control version {version!r}")
+        raise RemoteProtocolError(f"unsupported control version {_brief(version)}")
     try:
         return _decode_body(code, fields)
     except LocalProtocolError as exc:  # a field failed its message's validation
         raise RemoteProtocolError(f"invalid control message: {exc}") from None
+
+
+def _brief(value: object) -> str:
+    """A remote value for an error message without echoing it: a small int as itself, anything
+    else as its type and length (a rejection must not copy the sender's bytes into our logs)."""
+    if type(value) is int and -(10**6) < value < 10**6:
+        return str(value)
+    size = len(value) if isinstance(value, str | bytes | list | dict) else None
+    return type(value).__name__ + ("" if size is None else f" of length {size}")
 
 
 def _typed(value: object, kind: type) -> object:
@@ -604,7 +614,7 @@ def _decode_body(code: object, fields: list[object]) -> ControlMessage:
         5: (bool, str),
     }
     if code not in shapes:
-        raise RemoteProtocolError(f"unknown control message code {code!r}")
+        raise RemoteProtocolError(f"unknown control message code {_brief(code)}")
     shape = shapes[code]
     if len(fields) != len(shape):
         raise RemoteProtocolError(f"control message {code} has {len(fields)} fields")
@@ -615,7 +625,7 @@ def _decode_body(code: object, fields: list[object]) -> ControlMessage:
     if code == 2:
         share, mode, port, ports = values
         if mode not in tuple(DataMode):
-            raise RemoteProtocolError(f"unknown data mode {mode!r}")
+            raise RemoteProtocolError(f"unknown data mode {_brief(mode)}")
         return Accept(share, DataMode(mode), port, _ports(ports))  # type: ignore[arg-type]
     if code == 3:
         return Reject(*values)  # type: ignore[arg-type]

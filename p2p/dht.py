@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -312,6 +312,56 @@ def dht_key(key: str) -> bytes:
     return kbytes
 
 
+class _AnswerFilter:
+    """The Kad handler's view of an inbound stream: answers name only routing-table peers.
+
+    0.8.1 prepends the target of a FIND_NODE to the answer whenever the peerstore has an address
+    for it (go-libp2p's FIND_PEER rule), a client-mode or private peer included; askers then
+    dial it as a DHT server. The handler writes every answer as two writes, the varint length
+    then the message; this holds the length back, drops ``closerPeers`` that ``keep`` refuses,
+    and writes both at once. Any other write goes through unchanged.
+    """
+
+    def __init__(self, stream: INetStream, keep: Callable[[bytes], bool]) -> None:
+        self._stream = stream
+        self._keep = keep
+        self._prefix: tuple[bytes, int] | None = None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+    async def read(self, n: int | None = None) -> bytes:
+        return await self._stream.read(n)
+
+    async def write(self, data: bytes) -> None:
+        if self._prefix is None and 0 < len(data) <= 10:
+            try:
+                length = varint.decode_bytes(data)
+            except Exception:
+                length = -1
+            if length >= 0 and len(varint.encode(length)) == len(data):
+                self._prefix = (data, length)
+                return
+        if self._prefix is not None:
+            prefix, length = self._prefix
+            self._prefix = None
+            data = self._filtered(data) if len(data) == length else prefix + data
+        await self._stream.write(data)
+
+    def _filtered(self, body: bytes) -> bytes:
+        message = Message()
+        try:
+            message.ParseFromString(body)
+        except Exception:  # not a Kad answer after all: pass it on as written
+            return varint.encode(len(body)) + body
+        kept = [p for p in message.closerPeers if self._keep(p.id)]
+        if len(kept) != len(message.closerPeers):
+            del message.closerPeers[:]
+            message.closerPeers.extend(kept)
+            body = message.SerializeToString()
+        return varint.encode(len(body)) + body
+
+
 class Dht:
     """Signed, subkey-dictionary DHT on a running ``p2p.host.Host``.
 
@@ -334,7 +384,7 @@ class Dht:
         # Replace KadDHT's raw registration with the host's guarded one: an exception escaping a
         # handler kills a 0.8.1 host. A client serves nothing (its identify lists no Kad).
         if server:
-            host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
+            host.set_handler(str(PROTOCOL_ID), self._serve_kad)
         else:
             self._libp2p.remove_stream_handler(PROTOCOL_ID)
         # 0.8.1 adds every peer that opens a Kad stream to us; we admit only Kad servers.
@@ -384,11 +434,23 @@ class Dht:
         if self.is_server:
             return
         self._kad.mode = DHTMode.SERVER
-        self._host.set_handler(str(PROTOCOL_ID), self._kad.handle_stream)
+        self._host.set_handler(str(PROTOCOL_ID), self._serve_kad)
         with trio.move_on_after(self.config.request_timeout_s):
             await push_identify_to_peers(self._libp2p)
 
     # ------------------------------------------------------------------ routing table
+
+    async def _serve_kad(self, stream: INetStream) -> None:
+        await self._kad.handle_stream(_AnswerFilter(stream, self._may_hand_out))  # type: ignore[arg-type]
+
+    def _may_hand_out(self, peer: bytes) -> bool:
+        """Only peers in our routing table (admitted servers) and we ourselves are named."""
+        if peer == self.peer_id.to_bytes():
+            return True
+        try:
+            return self._kad.routing_table.peer_in_table(ID(peer))
+        except Exception:
+            return False
 
     async def _admit(self, peer: ID, *, skip_server_mode_check: bool = False) -> bool:
         """0.8.1's Kad handler calls this for every peer that opens a stream to us. Admit the

@@ -357,11 +357,11 @@ async def test_a_relay_hands_out_only_reachable_kad_servers(
                 while public.host.peer_id not in named:  # it proves itself in seconds
                     await trio.sleep(0.2)
                     named = set()
-                    # Random targets: the answer is the relay's whole (small) table. (A
-                    # FIND_NODE for a peer's own id names that peer if the relay knows its
-                    # address, server or not: that is peer routing, per the Kad spec.)
-                    for _ in range(3):
-                        target = ID.from_pubkey(create_new_key_pair().public_key)
+                    # Their own ids (0.8.1 put a known target first in an answer, server or
+                    # not) and random ones (the answer is then the relay's whole table).
+                    targets = [client_host.peer_id, private.host.peer_id]
+                    targets += [ID.from_pubkey(create_new_key_pair().public_key) for _ in "ab"]
+                    for target in targets:
                         named |= await _named_by(asker, relay_id, target)
             assert public.host.peer_id in named
             assert client_host.peer_id not in named

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -423,3 +424,18 @@ def test_control_limits() -> None:
         with pytest.raises(RemoteProtocolError):
             decode_control(msgpack.packb(obj, use_bin_type=True))
     assert TAG_BYTES == 16
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        msgpack.packb([b"\xab" * 17_000, 1], use_bin_type=True),  # a version made of bytes
+        msgpack.packb([1, "x" * 17_000], use_bin_type=True),  # a code made of text
+        msgpack.packb(1, use_bin_type=True) + b"\xcc" * 17_000,  # ExtraData carries the rest
+    ],
+)
+def test_a_rejected_control_message_is_not_echoed(body: bytes) -> None:
+    """Issue 15: a 17 KiB input made one 60,053-character rejection line (repr of its bytes)."""
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_control(body[:MAX_CONTROL_BYTES])
+    assert len(str(info.value)) < 120, str(info.value)[:300]
