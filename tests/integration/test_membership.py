@@ -1,0 +1,52 @@
+"""Membership with real processes: a late or starved volunteer re-joins the others.
+
+``swarmtrain local`` as a user runs it, with one node started 10 s after the others (a slow
+torch import, a late volunteer), and again with the machine's cores kept busy by CPU hogs in
+background processes: every node must end on the same state hash (issue 16, points 2 and 5).
+Bounded by ``subprocess.run``'s timeout; nothing sleeps to synchronize.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from peerproc import SWARMTRAIN
+
+
+def _local(tmp_path: Path, *extra: str, timeout_s: float) -> dict[str, object]:
+    summary_path = tmp_path / "local.json"
+    result = subprocess.run(
+        [*SWARMTRAIN, "local", "--peers", "3", "--rounds", "5", "--inner-steps", "20",
+         "--json", str(summary_path), "--workdir", str(tmp_path / "work"), *extra],
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    (tmp_path / "stdout.txt").write_text(result.stdout)  # kept for a failure's post-mortem
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    hashes = [n["state_hash"] for n in summary["nodes"]]
+    assert summary["state_hashes_agree"] is True, (hashes, result.stdout[-4000:])
+    return summary
+
+
+def test_local_with_one_node_started_10_s_late_ends_with_equal_hashes(tmp_path: Path) -> None:
+    summary = _local(tmp_path, "--delay-node", "2:10", timeout_s=115)
+    late = summary["nodes"][2]
+    assert late["last_round"] == 4, late  # it trained to the end, on the others' state
+
+
+def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -> None:
+    hog = "import time\nend = time.monotonic() + 110\nwhile time.monotonic() < end: pass\n"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", hog], stdin=subprocess.DEVNULL)
+        for _ in range(os.cpu_count() or 1)
+    ]
+    try:
+        _local(tmp_path, timeout_s=115)
+    finally:
+        for proc in hogs:
+            proc.kill()
+            proc.wait(5)
