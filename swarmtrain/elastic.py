@@ -49,6 +49,7 @@ from p2p import PeerID
 from swarmtrain.membership_plan import (
     Verdict,
     after_failed_round,
+    past_round,
     states_newest_first,
     swarm_ahead,
     wait_budget_s,
@@ -171,6 +172,18 @@ class Elastic:
         if ahead is None:
             return None
         return f"the swarm already averaged round {ahead.round}; catching up"
+
+    def past_peers(self, round_number: int) -> set[bytes]:
+        """Peers already done with ``round_number`` (their records say so): matchmaking leaves
+        out their stale declarations for it."""
+        done = past_round(self.records(), self.me, round_number, self.rounds)
+        found: set[bytes] = set()
+        for peer in done:
+            try:
+                found.add(PeerID.from_base58(peer).to_bytes())
+            except Exception:
+                continue  # a malformed key in the DHT: nobody to leave out
+        return found
 
     # -- syncing -------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ downloads.
 * **Before our round r averages** (``swarm_ahead``): if other peers already published round r
   or later as averaged, we are behind (a late start, a slow inner phase): skip the doomed
   matchmaking and adopt their state now, while its holders are alive and before the run ends.
+  Peers whose records show them past round r are left out of its matchmaking
+  (``past_round``): their declarations for it are stale.
 * **After our round r failed** (``after_failed_round``):
 
   - ``ADOPT`` the newest agreed state at round >= r (the others averaged where we could not;
@@ -25,8 +27,9 @@ downloads.
     the majority (a tie breaks on the hash, the same on every peer) adopt the other's, so two
     live peers converge within two rounds of meeting. Only the peer ahead waits, never the one
     behind, so two peers never wait for each other.
-  - also ``WAIT`` when we failed round 0 and no other peer has published anything yet: the
-    others are still starting (torch import, corpus), and round 0's state will come from them.
+  A peer that ran ahead before anyone published (its round 0 failed alone while the others
+    were still starting) needs no rule of its own: its next round fails alone too, and by then
+    the others' records show them live and behind.
   - else ``ALONE``: no live member to meet; train on.
 * **Live holders** (``states_newest_first``): the states a joiner may adopt, newest first, each
   with only the holders not known dead. A download that fails at every holder marks them dead and
@@ -75,6 +78,17 @@ def swarm_ahead(
     return agreed_state(ahead)
 
 
+def past_round(records: Iterable[Progress], me: str, round_number: int, rounds: int) -> set[str]:
+    """Peers whose newest record is of round ``round_number`` or later: they are done with it,
+    so a matchmaking declaration of theirs for it is stale (a late starter formed a "group"
+    with such declarations and lost 8-10 s per round waiting for peers long gone)."""
+    return {
+        p.peer_id
+        for p in in_schedule(records, rounds)
+        if p.peer_id != me and p.round >= round_number
+    }
+
+
 def live_others(records: Iterable[Progress], me: str, now: float, live_s: float) -> list[Progress]:
     """Other peers' records published within ``live_s`` of ``now`` (wall-clock seconds)."""
     return [p for p in records if p.peer_id != me and now - p.published_at <= live_s]
@@ -99,8 +113,6 @@ def after_failed_round(
     behind = sorted({p.peer_id for p in others if p.round < round_number})
     if behind:
         return Rejoin(Verdict.WAIT, None, f"{len(behind)} live peer(s) behind us")
-    if round_number == 0 and not any(p.peer_id != me for p in valid):
-        return Rejoin(Verdict.WAIT, None, "no other peer has published a round yet")
     return Rejoin(Verdict.ALONE, None, "no live peer to meet")
 
 

@@ -320,7 +320,7 @@ def _train(
         runtime,
         averager,
         expected=lambda r: elastic_box[0].expected_peers(r),
-        exclude=verification.excluded if verification is not None else None,
+        exclude=lambda r: _excluded(r, elastic_box[0], verification),
         check=verification.check_aggregation if verification is not None else None,
         behind=lambda r: elastic_box[0].behind(r),
     )
@@ -367,6 +367,15 @@ def _train(
         model, eval_batches(corpus, batches=4, context=config.sequence_length)
     )
     return summary
+
+
+def _excluded(round_number: int, elastic: Elastic, verification: Verification | None) -> set[bytes]:
+    """Peers a round's matchmaking leaves out: those done with the round already (stale
+    declarations, ``Elastic.past_peers``) and, in a verified run, banned or failed ones."""
+    left_out = elastic.past_peers(round_number)
+    if verification is not None:
+        left_out |= set(verification.excluded(round_number))
+    return left_out
 
 
 def _native_inner_phase(

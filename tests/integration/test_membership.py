@@ -2,7 +2,8 @@
 
 ``swarmtrain local`` as a user runs it, with one node started 10 s after the others (a slow
 torch import, a late volunteer), and again with the machine's cores kept busy by CPU hogs in
-background processes: every node must end on the same state hash (issue 16, points 2 and 5).
+background processes: every node must end on the same state hash (issue 16, points 2 and 5);
+and two live peers at different rounds, each failing alone, meet again on one round and state.
 Bounded by ``subprocess.run``'s timeout; nothing sleeps to synchronize.
 """
 
@@ -14,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peerproc import SWARMTRAIN
+from peerproc import SWARMTRAIN, PeerProcess
+from runproc import ROUND_LINE, node, start_coordinator
 
 
 def _local(tmp_path: Path, *extra: str, timeout_s: float) -> dict[str, object]:
@@ -50,3 +52,31 @@ def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -
         for proc in hogs:
             proc.kill()
             proc.wait(5)
+
+
+def test_two_live_peers_started_at_different_rounds_converge(tmp_path: Path) -> None:
+    # A trains alone first (every round fails: nobody else declares) and is rounds ahead when
+    # B starts fresh at round 0; A's records are all failed, so B has nothing to sync to. Before
+    # issue 16 each ran on alone for good (their rounds never line up). Now A waits for B, the
+    # live peer behind it, they open a round together, and the tie on their state hashes is
+    # broken the same way on both: the one off the majority adopts the other's state.
+    coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=10)
+    a = node(join, tmp_path / "a")
+    b: PeerProcess | None = None
+    try:
+        a.wait_line(lambda s: s.startswith("round 0 "), timeout_s=90)
+        b = node(join, tmp_path / "b")
+
+        def met(s: str) -> bool:
+            return ROUND_LINE.match(s) is not None and "agree yes (2/2)" in s
+
+        line = b.wait_line(met, timeout_s=100)
+        r = int(line.split()[1])
+        theirs = a.wait_line(lambda s: s.startswith(f"round {r} "), timeout_s=30)
+        assert "agree yes (2/2)" in theirs, (theirs, a.lines[-6:])
+        assert line.split(" state ")[1][:12] == theirs.split(" state ")[1][:12], (line, theirs)
+    finally:
+        for peer in (a, b):
+            if peer is not None:
+                peer.stop()
+        coordinator.stop()
