@@ -19,11 +19,14 @@ from peerproc import SWARMTRAIN, PeerProcess
 from runproc import ROUND_LINE, node, start_coordinator
 
 
-def _local(tmp_path: Path, *extra: str, timeout_s: float) -> dict[str, object]:
+def _local(
+    tmp_path: Path, *extra: str, timeout_s: float, rounds: int = 5, inner_steps: int = 20
+) -> dict[str, object]:
     summary_path = tmp_path / "local.json"
     result = subprocess.run(
-        [*SWARMTRAIN, "local", "--peers", "3", "--rounds", "5", "--inner-steps", "20",
-         "--json", str(summary_path), "--workdir", str(tmp_path / "work"), *extra],
+        [*SWARMTRAIN, "local", "--peers", "3", "--rounds", str(rounds),
+         "--inner-steps", str(inner_steps), "--json", str(summary_path),
+         "--workdir", str(tmp_path / "work"), *extra],
         capture_output=True, text=True, timeout=timeout_s, check=False,
     )  # fmt: skip
     (tmp_path / "stdout.txt").write_text(result.stdout)  # kept for a failure's post-mortem
@@ -47,7 +50,8 @@ def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -
         for _ in range(os.cpu_count() or 1)
     ]
     try:
-        _local(tmp_path, timeout_s=115)
+        # Fewer rounds than the README's defaults: the hogs slow every step several-fold.
+        _local(tmp_path, timeout_s=110, rounds=3, inner_steps=10)
     finally:
         for proc in hogs:
             proc.kill()
@@ -60,7 +64,7 @@ def test_two_live_peers_started_at_different_rounds_converge(tmp_path: Path) -> 
     # issue 16 each ran on alone for good (their rounds never line up). Now A waits for B, the
     # live peer behind it, they open a round together, and the tie on their state hashes is
     # broken the same way on both: the one off the majority adopts the other's state.
-    coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=10)
+    coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=5)
     a = node(join, tmp_path / "a")
     b: PeerProcess | None = None
     try:
