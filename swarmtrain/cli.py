@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a verified run: every inner phase under RepOps, a fraction P of them re-executed "
         "by a second peer and disputes refereed by the coordinator [0: off]",
     )
+    p_local.add_argument(
+        "--delay-node", type=_delay_node, default=None, metavar="I:S", help=argparse.SUPPRESS
+    )  # start node I S seconds after the others (a late volunteer; membership tests)
     p_local.add_argument("-v", "--verbose", action="store_true", help="show the nodes' logs")
     pipeline_local.add_arguments(p_local)
     verify_cmd.add_parser(sub)
@@ -374,6 +377,14 @@ def _main_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _delay_node(text: str) -> tuple[int, float]:
+    index, _, seconds = text.partition(":")
+    try:
+        return int(index), float(seconds)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected INDEX:SECONDS, got {text!r}") from None
+
+
 def _main_local(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     try:
@@ -387,6 +398,7 @@ def _main_local(args: argparse.Namespace) -> int:
             json_path=args.json,
             verbose=args.verbose,
             verify_rate=args.verify_rate,
+            delay_node=args.delay_node,
         )
         summary = run_local(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:

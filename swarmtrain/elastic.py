@@ -14,6 +14,12 @@ What a node does around its DiLoCo rounds (``swarmtrain.node`` calls these in it
   the download, so that round expects us however soon it opens).
 * **Re-sync after a round**: when our round failed while the majority's succeeded, or our hash
   differs from the majority's, download the agreed state the same way and announce again.
+* **Meet again** (``swarmtrain.membership_plan``): a round that cannot meet anyone because the
+  others already averaged it is failed before matchmaking and their state adopted at once
+  (``behind``); after a failed round, a peer ahead of live members waits for them (bounded by
+  a round's time per round of gap) instead of running on alone, and records claiming rounds past
+  the run's schedule are ignored. A state is taken from live holders: a download that fails at
+  every holder of the newest state tries the next newest state held by others.
 * **Expected peers**: when a round has announced joiners (or we just joined), every member passes
   the same expected set to matchmaking: the holders of the previous round's agreed state plus the
   announced joiners. Everyone derives it from the same DHT records, so everyone forms the same
@@ -40,6 +46,14 @@ import trio
 
 from diloco import DiLoCo
 from p2p import PeerID
+from swarmtrain.membership_plan import (
+    Verdict,
+    after_failed_round,
+    past_round,
+    states_newest_first,
+    swarm_ahead,
+    wait_budget_s,
+)
 from swarmtrain.progress import (
     PROGRESS_TTL_S,
     AgreedState,
@@ -65,6 +79,9 @@ POLL_S = 0.2
 SETTLE_S = 1.0  # a round's peers publish within milliseconds; this covers a loaded machine
 SYNC_TIMEOUT_S = 120.0
 SYNC_ATTEMPTS = 3
+# After the last round, a peer behind us whose newest record is older than this counts as gone
+# (not lingered for); after a failed round the bound is the round's own wait (``_outcome``).
+LIVE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -86,11 +103,13 @@ class Elastic:
         diloco: DiLoCo,
         emit: Callable[[str], None],
         fetcher: Callable[[Any, str, bytes], Fetch] = node_fetcher,
+        rounds: int = 2**31,  # the run's schedule: records of later rounds are ignored
     ) -> None:
         self.runtime = runtime
         self._fetcher = fetcher  # how to fetch ranges from a source (injected by tests)
         self.server = server
         self.run_id = run_id
+        self.rounds = rounds
         self.diloco = diloco
         self.emit = emit
         self.me = str(runtime.peer_id)
@@ -145,6 +164,27 @@ class Elastic:
                  len(joiners), len(members))  # fmt: skip
         return {PeerID.from_base58(p).to_bytes() for p in members}
 
+    def behind(self, round_number: int) -> str | None:
+        """Why our round ``round_number`` cannot meet anyone (others already averaged it), or
+        None; ``SwarmAverage`` fails the round before matchmaking then, and ``after_round``
+        adopts their state."""
+        ahead = swarm_ahead(self.records(), self.me, round_number, self.rounds)
+        if ahead is None:
+            return None
+        return f"the swarm already averaged round {ahead.round}; catching up"
+
+    def past_peers(self, round_number: int) -> set[bytes]:
+        """Peers already done with ``round_number`` (their records say so): matchmaking leaves
+        out their stale declarations for it."""
+        done = past_round(self.records(), self.me, round_number, self.rounds)
+        found: set[bytes] = set()
+        for peer in done:
+            try:
+                found.add(PeerID.from_base58(peer).to_bytes())
+            except Exception:
+                continue  # a malformed key in the DHT: nobody to leave out
+        return found
+
     # -- syncing -------------------------------------------------------------------------------
 
     def catch_up(self, wait_s: float, rounds: int) -> SyncReport | None:
@@ -154,7 +194,8 @@ class Elastic:
         when we already hold the agreed state, the run is new, or no holder could send it (then
         we train on our own state and re-sync after a round)."""
         records = self.records()
-        agreed = agreed_state(records)
+        choices = states_newest_first(records, self.rounds)
+        agreed = choices[0] if choices else None
         if agreed is None or not self._behind(agreed):
             return None
         # Wait for a boundary only while the swarm makes progress: if the newest record is a
@@ -179,19 +220,42 @@ class Elastic:
             if newer is not None and newer.round > agreed.round:
                 agreed = self._settled(newer.round) or newer
                 break
-        for attempt in range(SYNC_ATTEMPTS):
-            try:
-                return self._adopt(agreed)
-            except StateSyncFailed as exc:
-                log.warning("state download %d failed: %s", attempt + 1, exc)
-                fresh = agreed_state(self.records())
-                agreed = fresh if fresh is not None else agreed
+        report = self._adopt_from_live(agreed)
+        if report is not None:
+            return report
         # Training on our own state is safe for the others (they apply the same average to the
         # same state whatever we send); our first round's hash check then re-syncs us.
         self.emit(
             f"could not download the agreed state of round {agreed.round + 1} from its "
             f"{len(agreed.holders)} holder(s); continuing from our own state"
         )
+        return None
+
+    def _adopt_from_live(self, agreed: AgreedState) -> SyncReport | None:
+        """Adopt ``agreed``, or when none of its holders can send it, the next newest state
+        still held by peers that did not fail us (never a fresh start while one lives)."""
+        dead: set[str] = set()
+        for attempt in range(2 * SYNC_ATTEMPTS):
+            try:
+                return self._adopt(agreed)
+            except StateSyncFailed as exc:
+                log.warning("state download %d failed: %s", attempt + 1, exc)
+                # The download gives up only once every source failed: all of them are gone.
+                dead.update(agreed.holders)
+                choices = [
+                    s
+                    for s in states_newest_first(self.records(), self.rounds, dead)
+                    if self._behind(s)
+                ]
+                if not choices:
+                    return None
+                if choices[0].round < agreed.round:
+                    self.emit(
+                        f"the holders of round {agreed.round + 1}'s state did not answer; "
+                        f"taking round {choices[0].round + 1}'s from {len(choices[0].holders)} "
+                        "live peer(s)"
+                    )
+                agreed = choices[0]
         return None
 
     def after_round(self, round_number: int, ok: bool, wait_s: float = 0.0) -> SyncReport | None:
@@ -202,10 +266,9 @@ class Elastic:
         agreed = self._settled(round_number) if ok else self._outcome(round_number, wait_s)
         if agreed is None or agreed.state_hash.hex() == self.diloco.state_hash():
             return None
-        try:
-            report = self._adopt(agreed)
-        except StateSyncFailed as exc:
-            log.warning("round %d: could not re-sync: %s", round_number, exc)
+        report = self._adopt_from_live(agreed)
+        if report is None:
+            log.warning("round %d: could not re-sync from any live holder", round_number)
             return None
         last = self._last_progress
         if last is not None and last.round == round_number == agreed.round:
@@ -220,13 +283,18 @@ class Elastic:
 
     def linger(self, round_number: int, max_s: float) -> None:
         """After the run's last round: keep serving our state while a peer of that round does
-        not hold the agreed state yet (its round failed and it is re-syncing from us), at most
-        ``max_s``; without this, the holders would all exit and leave it with nothing to fetch."""
+        not hold the agreed state yet (its round failed and it is re-syncing from us), or a live
+        peer is still behind (a late starter catching up), at most ``max_s``; without this, the
+        holders would all exit and leave it with nothing to fetch."""
         ours = bytes.fromhex(self.diloco.state_hash())
         deadline = time.monotonic() + max_s
         while time.monotonic() < deadline:
-            at_last = [p for p in self.records() if p.round == round_number]
-            if all(p.ok and p.state_hash == ours for p in at_last):
+            records = self.records()
+            at_last = [p for p in records if p.round == round_number]
+            now = time.time()
+            live = [p for p in records if now - p.published_at < LIVE_S]
+            behind = [p for p in live if p.round < round_number]
+            if all(p.ok and p.state_hash == ours for p in at_last) and not behind:
                 return
             time.sleep(POLL_S)
         log.info("left after %.0f s with peers of round %d still out of sync", max_s, round_number)
@@ -244,27 +312,33 @@ class Elastic:
         return agreed.round + 1 == ours and agreed.state_hash.hex() != self.diloco.state_hash()
 
     def _outcome(self, round_number: int, wait_s: float) -> AgreedState | None:
-        """The state to adopt after our failed round ``round_number``, or None if nobody's
-        round succeeded.
+        """The state to adopt after our failed round ``round_number``, or None to train on.
 
         Our round can fail long before the others' ends (every other peer looked lost to us on a
-        loaded machine) or long after (a frozen process): waiting only a moment for their
-        records then found none, we kept training alone a round behind, were not expected by
-        the next round's group, failed it too, and never came back. So wait, at most ``wait_s``,
-        until the peers of the previous round have all published this one; if they have moved
-        on already (their records are per peer, the newest only), adopt their newest agreed
-        state: ours is as stale, and we join at the next boundary like any joiner."""
-        deadline = time.monotonic() + wait_s
+        loaded machine), long after (a frozen process), or because we ran ahead of them (a fast
+        start on a busy box): running on alone then split the run for good. So follow
+        ``membership_plan.after_failed_round``: adopt the others' newest agreed state if they
+        averaged this round or a later one; wait while a live member is behind us (at most
+        ``wait_s`` per round of gap, see ``wait_budget_s``; one whose newest record is older than
+        ``wait_s`` counts as gone), so that we open the next round together; else train on."""
+        started = time.monotonic()
+        budget_s: float | None = None
         while True:
             records = self.records()
-            if agreed_state(records, round_number) is not None:
-                return self._settled(round_number)
-            newest = agreed_state(records)
-            if newest is not None and newest.round > round_number:
-                return newest
-            # peers of the previous round (a peer whose newest record is older left earlier)
-            others = [p for p in records if p.peer_id != self.me and p.round >= round_number - 1]
-            if all(p.round >= round_number for p in others) or time.monotonic() >= deadline:
+            plan = after_failed_round(
+                records, self.me, round_number, self.rounds, time.time(), live_s=wait_s
+            )
+            if plan.verdict is Verdict.ADOPT:
+                assert plan.target is not None
+                if plan.target.round == round_number:
+                    return self._settled(round_number)
+                return plan.target
+            if budget_s is None:
+                budget_s = wait_budget_s(records, self.me, round_number, wait_s)
+                if plan.verdict is Verdict.WAIT:
+                    log.info("round %d failed: %s; waiting up to %.0f s for them",
+                             round_number, plan.reason, budget_s)  # fmt: skip
+            if plan.verdict is Verdict.ALONE or time.monotonic() - started >= budget_s:
                 return None
             time.sleep(POLL_S)
 

@@ -56,11 +56,18 @@ class LocalOptions:
     json_path: Path | None = None
     verbose: bool = False
     verify_rate: float = 0.0  # the spec's verify.rate: a verified run (RepOps, re-executions)
+    # (node index, seconds): start that node this long after the others (``--delay-node I:S``),
+    # a late volunteer as on a busy box; the membership tests use it.
+    delay_node: tuple[int, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("peers", "rounds", "inner_steps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.delay_node is not None:
+            index, delay_s = self.delay_node
+            if not 0 <= index < self.peers or not 0 <= delay_s <= 600:
+                raise ValueError("--delay-node I:S needs 0 <= I < peers and 0 <= S <= 600")
         if not 0 <= self.verify_rate <= 1:
             raise ValueError(f"--verify-rate must be in [0, 1], got {self.verify_rate}")
 
@@ -70,7 +77,8 @@ class LocalOptions:
         step_s = 0.3 * max(1.0, self.peers / cpus)
         if self.verify_rate > 0:  # RepOps steps (about 4.5x), traced, some run twice
             step_s *= 6 * (1 + self.verify_rate)
-        return self.timeout_s or 60.0 + self.rounds * (self.inner_steps * step_s + 20.0)
+        delay_s = self.delay_node[1] if self.delay_node is not None else 0.0
+        return self.timeout_s or delay_s + 60.0 + self.rounds * (self.inner_steps * step_s + 20.0)
 
 
 @dataclass
@@ -234,7 +242,12 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
         join = _start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[Child] = []
-        for index in range(options.peers):
+        delayed, delay_s = options.delay_node or (-1, 0.0)
+        order = [i for i in range(options.peers) if i != delayed] + ([delayed] * (delayed >= 0))
+        for index in order:
+            if index == delayed:
+                emit(f"starting node {index} {delay_s:.0f} s after the others (--delay-node)")
+                time.sleep(delay_s)  # the delay is the point: a late volunteer
             node_dir = workdir / f"node{index}"
             argv = [
                 *SWARMTRAIN,
@@ -273,7 +286,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
                     f"{child.last_log_line() or 'no log'}"
                 )
         summaries = [
-            _read_summary(workdir / f"node{i}" / "summary.json") for i in range(len(nodes))
+            _read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
         ]
     summary = _combine(options, summaries, time.monotonic() - started)
     if options.json_path is not None:

@@ -320,8 +320,9 @@ def _train(
         runtime,
         averager,
         expected=lambda r: elastic_box[0].expected_peers(r),
-        exclude=verification.excluded if verification is not None else None,
+        exclude=lambda r: _excluded(r, elastic_box[0], verification),
         check=verification.check_aggregation if verification is not None else None,
+        behind=lambda r: elastic_box[0].behind(r),
     )
     diloco = DiLoCo(
         model,
@@ -334,7 +335,7 @@ def _train(
         state_dir=options.state_dir,
         run_id=config.run_id,
     )
-    elastic = Elastic(runtime, server, config.run_id, diloco, emit)
+    elastic = Elastic(runtime, server, config.run_id, diloco, emit, rounds=config.rounds)
     elastic_box.append(elastic)
     peer = runtime.peer_id
     how = "resumed from checkpoint at" if diloco.round else "starting at"
@@ -366,6 +367,15 @@ def _train(
         model, eval_batches(corpus, batches=4, context=config.sequence_length)
     )
     return summary
+
+
+def _excluded(round_number: int, elastic: Elastic, verification: Verification | None) -> set[bytes]:
+    """Peers a round's matchmaking leaves out: those done with the round already (stale
+    declarations, ``Elastic.past_peers``) and, in a verified run, banned or failed ones."""
+    left_out = elastic.past_peers(round_number)
+    if verification is not None:
+        left_out |= set(verification.excluded(round_number))
+    return left_out
 
 
 def _native_inner_phase(
@@ -474,7 +484,9 @@ def _train_round(
         )
         # The others may have succeeded: then their state is ahead of our skipped one. They may
         # still be in the round: its deadlines bound how long it can outlast ours.
-        outcome_wait_s = config.matchmaking_timeout_s + config.allreduce_timeout_s
+        # A peer ahead of live members waits for them: per round of gap, the round's own
+        # duration as we saw it plus those deadlines (membership_plan.wait_budget_s).
+        outcome_wait_s = config.matchmaking_timeout_s + config.allreduce_timeout_s + round_s
         if elastic.after_round(r, ok=False, wait_s=outcome_wait_s) is not None:
             summary.agree = True
         return

@@ -15,8 +15,10 @@ The averager runs in the node's trio loop (``swarmtrain.runtime.PeerRuntime``); 
 the torch thread. ``expected`` (optional) names the peers matchmaking should wait for in a round,
 which is how an announced joiner gets into its first round (``swarmtrain.elastic``); ``exclude``
 (optional) names the peers a round must leave out (banned, or whose task failed verification:
-``swarmtrain.verification``); ``check`` (optional) may still fail a finished all-reduce by
-raising ``AveragingFailed`` before DiLoCo applies it (a verified run's aggregation audit).
+``swarmtrain.verification``); ``behind`` (optional) returns why a round cannot meet anyone
+(the swarm already averaged it: ``swarmtrain.elastic``), failing it before matchmaking;
+``check`` (optional) may still fail a finished all-reduce by raising ``AveragingFailed``
+before DiLoCo applies it (a verified run's aggregation audit).
 """
 
 from __future__ import annotations
@@ -61,12 +63,14 @@ class SwarmAverage:
         expected: Callable[[int], Iterable[bytes] | None] | None = None,
         exclude: Callable[[int], Iterable[bytes]] | None = None,
         check: Callable[[swarm.AveragingResult], None] | None = None,
+        behind: Callable[[int], str | None] | None = None,
     ) -> None:
         self._runtime = runtime
         self._averager = averager
         self._expected = expected
         self._exclude = exclude
         self._check = check
+        self._behind = behind
         self.last: RoundReport | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -76,6 +80,10 @@ class SwarmAverage:
         round fails; ``ValueError`` (NaN/inf input, bad weight) and ``RuntimeError`` (the node
         stopped) pass through, and DiLoCo counts them as a failed round as well."""
         self.last = RoundReport(round, ok=False, error="in progress")
+        why = self._behind(round) if self._behind is not None else None
+        if why is not None:
+            self.last = RoundReport(round, ok=False, error=why)
+            raise AveragingFailed(why)
         expected = self._expected(round) if self._expected is not None else None
         exclude = frozenset(self._exclude(round)) if self._exclude is not None else frozenset()
         averager = self._averager

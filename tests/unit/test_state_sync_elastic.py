@@ -55,8 +55,12 @@ def _diloco() -> DiLoCo:
     return DiLoCo(model, inner, lambda *a: None, inner_steps=2, run_id=RUN)  # type: ignore[arg-type,return-value]
 
 
-def _record(peer: PeerID, round_number: int, ok: bool, state_hash: bytes) -> bytes:
-    return Progress(str(peer), round_number, ok, state_hash, 3.0, 100.0, 3, 0, 0, 1, 1.0).to_bytes()
+def _record(
+    peer: PeerID, round_number: int, ok: bool, state_hash: bytes, at: float | None = None
+) -> bytes:
+    """A record published ``at`` (wall clock; default now: a live peer's)."""
+    at = time.time() if at is None else at
+    return Progress(str(peer), round_number, ok, state_hash, 3.0, 100.0, 3, 0, 0, 1, at).to_bytes()
 
 
 def _world(round_number: int) -> tuple[bytes, bytes]:
@@ -212,10 +216,44 @@ def test_a_failed_peer_does_not_wait_when_everyone_failed_or_left() -> None:
         progress_key(RUN): {
             str(b): _record(b, 2, False, bytes(32)),
             str(c): _record(c, 2, False, bytes(32)),
-            str(gone): _record(gone, 0, True, bytes(32)),  # left rounds ago: not waited for
+            # left long ago (its newest record is stale): not waited for
+            str(gone): _record(gone, 0, True, bytes(32), at=time.time() - 600),
         }
     }
     elastic = _elastic(me, dht, b"", [])
     started = time.monotonic()
     assert elastic.after_round(2, ok=False, wait_s=30.0) is None
     assert time.monotonic() - started < 5
+
+
+def test_a_holder_that_died_before_the_download_does_not_send_a_joiner_back_to_round_0() -> None:
+    # The progress read names b as the only holder of round 3's state; b died before the
+    # download. c and d, alive, hold round 2's: the joiner takes that one, not a fresh start.
+    me, b, c, d = _peer(), _peer(), _peer(), _peer()
+    _newest, newest_hash = _world(3)
+    older, older_hash = _world(2)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 3, True, newest_hash),
+            str(c): _record(c, 2, True, older_hash),
+            str(d): _record(d, 2, True, older_hash),
+        }
+    }
+    asked: list[Hashable] = []
+
+    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
+        async def fetch(source: Hashable, piece: Piece) -> bytes:
+            asked.append(source)
+            if source == b:
+                raise ConnectionError("Relay connection failed with status 204")
+            return older[piece.offset : piece.end]
+
+        return fetch
+
+    elastic = _elastic(me, dht, b"", [])
+    elastic._fetcher = fetcher
+    report = elastic.catch_up(wait_s=0.0, rounds=10)
+    assert report is not None and report.round == 3, elastic.lines  # type: ignore[attr-defined]
+    assert elastic.diloco.round == 3 and elastic.diloco.state_hash() == older_hash.hex()
+    assert b in asked and set(asked) - {b} <= {c, d}
+    assert any("did not answer" in line for line in elastic.lines)  # type: ignore[attr-defined]

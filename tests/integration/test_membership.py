@@ -1,0 +1,86 @@
+"""Membership with real processes: a late or starved volunteer re-joins the others.
+
+``swarmtrain local`` as a user runs it, with one node started 10 s after the others (a slow
+torch import, a late volunteer), and again with the machine's cores kept busy by CPU hogs in
+background processes: every node must end on the same state hash (issue 16, points 2 and 5);
+and two live peers at different rounds, each failing alone, meet again on one round and state.
+Bounded by ``subprocess.run``'s timeout; nothing sleeps to synchronize.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from peerproc import SWARMTRAIN, PeerProcess
+from runproc import ROUND_LINE, node, start_coordinator
+
+
+def _local(
+    tmp_path: Path, *extra: str, timeout_s: float, rounds: int = 5, inner_steps: int = 20
+) -> dict[str, object]:
+    summary_path = tmp_path / "local.json"
+    result = subprocess.run(
+        [*SWARMTRAIN, "local", "--peers", "3", "--rounds", str(rounds),
+         "--inner-steps", str(inner_steps), "--json", str(summary_path),
+         "--workdir", str(tmp_path / "work"), *extra],
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+    (tmp_path / "stdout.txt").write_text(result.stdout)  # kept for a failure's post-mortem
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    hashes = [n["state_hash"] for n in summary["nodes"]]
+    assert summary["state_hashes_agree"] is True, (hashes, result.stdout[-4000:])
+    return summary
+
+
+def test_local_with_one_node_started_10_s_late_ends_with_equal_hashes(tmp_path: Path) -> None:
+    summary = _local(tmp_path, "--delay-node", "2:10", timeout_s=115)
+    late = summary["nodes"][2]
+    assert late["last_round"] == 4, late  # it trained to the end, on the others' state
+
+
+def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -> None:
+    hog = "import time\nend = time.monotonic() + 110\nwhile time.monotonic() < end: pass\n"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", hog], stdin=subprocess.DEVNULL)
+        for _ in range(os.cpu_count() or 1)
+    ]
+    try:
+        # Fewer rounds than the README's defaults: the hogs slow every step several-fold.
+        _local(tmp_path, timeout_s=110, rounds=3, inner_steps=10)
+    finally:
+        for proc in hogs:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_two_live_peers_started_at_different_rounds_converge(tmp_path: Path) -> None:
+    # A trains alone first (every round fails: nobody else declares) and is rounds ahead when
+    # B starts fresh at round 0; A's records are all failed, so B has nothing to sync to. Before
+    # issue 16 each ran on alone for good (their rounds never line up). Now A waits for B, the
+    # live peer behind it, they open a round together, and the tie on their state hashes is
+    # broken the same way on both: the one off the majority adopts the other's state.
+    coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=5)
+    a = node(join, tmp_path / "a")
+    b: PeerProcess | None = None
+    try:
+        a.wait_line(lambda s: s.startswith("round 0 "), timeout_s=90)
+        b = node(join, tmp_path / "b")
+
+        def met(s: str) -> bool:
+            return ROUND_LINE.match(s) is not None and "agree yes (2/2)" in s
+
+        line = b.wait_line(met, timeout_s=100)
+        r = int(line.split()[1])
+        theirs = a.wait_line(lambda s: s.startswith(f"round {r} "), timeout_s=30)
+        assert "agree yes (2/2)" in theirs, (theirs, a.lines[-6:])
+        assert line.split(" state ")[1][:12] == theirs.split(" state ")[1][:12], (line, theirs)
+    finally:
+        for peer in (a, b):
+            if peer is not None:
+                peer.stop()
+        coordinator.stop()

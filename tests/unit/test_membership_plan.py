@@ -1,0 +1,109 @@
+"""The pure membership rules (``swarmtrain.membership_plan``): whom a peer whose round failed
+alone waits for, what it adopts, the schedule bound, and the live-holder choice."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from swarmtrain.membership_plan import (
+    Verdict,
+    after_failed_round,
+    states_newest_first,
+    swarm_ahead,
+    wait_budget_s,
+)
+from swarmtrain.progress import Progress
+
+ROUNDS = 10
+NOW = 1000.0
+A, B = bytes([1]) * 32, bytes([2]) * 32
+
+
+def rec(peer: str, rnd: int, ok: bool = True, h: bytes = A, at: float = NOW) -> Progress:
+    return Progress(peer, rnd, ok, h, 3.0, 1.0, 2, 0, 0, 1, at)
+
+
+def test_a_peer_ahead_of_a_live_peer_waits_for_it() -> None:
+    plan = after_failed_round([rec("me", 5, False), rec("b", 3)], "me", 5, ROUNDS, NOW, 30.0)
+    assert plan.verdict is Verdict.WAIT
+
+
+def test_a_peer_behind_never_waits_for_one_ahead() -> None:
+    # Only the peer ahead waits: two peers never wait for each other.
+    plan = after_failed_round([rec("me", 3, False), rec("b", 5, False)], "me", 3, ROUNDS, NOW, 30.0)
+    assert plan.verdict is Verdict.ALONE
+
+
+def test_a_stale_peer_behind_is_not_waited_for() -> None:
+    records = [rec("me", 5, False), rec("b", 3, at=NOW - 31)]
+    assert after_failed_round(records, "me", 5, ROUNDS, NOW, 30.0).verdict is Verdict.ALONE
+
+
+def test_the_others_averaged_our_round_or_later_so_we_adopt_the_newest() -> None:
+    records = [rec("me", 4, False), rec("b", 4), rec("c", 6, h=B), rec("d", 6, h=B)]
+    plan = after_failed_round(records, "me", 4, ROUNDS, NOW, 30.0)
+    assert plan.verdict is Verdict.ADOPT and plan.target is not None
+    assert plan.target.round == 6 and plan.target.holders == ("c", "d")
+
+
+def test_a_round_past_the_schedule_is_ignored() -> None:
+    # A liar claiming a huge (or the run's end-plus-one) round pulls nobody forward.
+    records = [rec("me", 4, False), rec("liar", ROUNDS), rec("liar2", 10**9)]
+    assert after_failed_round(records, "me", 4, ROUNDS, NOW, 30.0).verdict is Verdict.ALONE
+    assert swarm_ahead(records, "me", 4, ROUNDS) is None
+
+
+def test_a_lone_peer_with_nobody_to_meet_trains_on() -> None:
+    assert after_failed_round([], "me", 0, ROUNDS, NOW, 30.0).verdict is Verdict.ALONE
+
+
+def test_swarm_ahead_names_the_newest_agreed_state_of_others() -> None:
+    records = [rec("me", 0, False), rec("b", 2), rec("c", 3), rec("d", 3)]
+    ahead = swarm_ahead(records, "me", 0, ROUNDS)
+    assert ahead is not None and ahead.round == 3 and ahead.holders == ("c", "d")
+    assert swarm_ahead(records, "me", 4, ROUNDS) is None  # nobody averaged round 4 yet
+
+
+def test_wait_budget_grows_with_the_gap_and_is_capped() -> None:
+    assert wait_budget_s([rec("b", 3)], "me", 5, 10.0) == 30.0
+    assert wait_budget_s([rec("b", 0)], "me", 100, 10.0) == 90.0
+    assert wait_budget_s([], "me", 0, 10.0) == 20.0
+
+
+def test_a_dead_holder_hands_the_choice_to_the_next_newest_live_state() -> None:
+    records = [rec("b", 4, h=B), rec("c", 3), rec("d", 3)]
+    assert [s.round for s in states_newest_first(records, ROUNDS)] == [4, 3]
+    live = states_newest_first(records, ROUNDS, dead={"b"})
+    assert [(s.round, s.holders) for s in live] == [(3, ("c", "d"))]
+    assert states_newest_first(records, ROUNDS, dead={"b", "c", "d"}) == []
+
+
+records_st = st.lists(
+    st.builds(
+        rec,
+        st.sampled_from(["me", "b", "c", "d", "e"]),
+        st.integers(0, 2 * ROUNDS),
+        st.booleans(),
+        st.sampled_from([A, B]),
+        st.floats(NOW - 100, NOW),
+    ),
+    max_size=12,
+    unique_by=lambda p: p.peer_id,  # the DHT key holds each peer's newest record only
+)
+
+
+@given(records_st, st.integers(0, ROUNDS - 1))
+def test_decisions_stay_in_the_schedule_and_waits_are_for_live_peers_behind(
+    records: list[Progress], rnd: int
+) -> None:
+    plan = after_failed_round(records, "me", rnd, ROUNDS, NOW, 30.0)
+    if plan.verdict is Verdict.ADOPT:
+        assert plan.target is not None and rnd <= plan.target.round < ROUNDS
+    elif plan.verdict is Verdict.WAIT:
+        behind = [
+            p for p in records if p.peer_id != "me" and p.round < rnd and NOW - p.published_at <= 30
+        ]
+        assert behind
+    for state in states_newest_first(records, ROUNDS, dead={"b"}):
+        assert state.round < ROUNDS and state.holders and "b" not in state.holders
