@@ -140,7 +140,7 @@ class Elastic:
             log.warning("round %d: could not publish progress: %s", progress.round, exc)
 
     def serve_current(self) -> None:
-        """Offer the current state to joiners (call after a successful round)."""
+        """Offer the current state to joiners (call after every round, failed or not)."""
         data = self.diloco.state_bytes()
         self.runtime.call_sync(self.server.offer, data[-32:], data)
 
@@ -194,7 +194,9 @@ class Elastic:
         when we already hold the agreed state, the run is new, or no holder could send it (then
         we train on our own state and re-sync after a round)."""
         records = self.records()
-        choices = states_newest_first(records, self.rounds)
+        # An agreed state to start from; the states of peers whose rounds failed are only a
+        # fallback of ``_adopt_from_live`` (a peer alone waits for us instead: ``_outcome``).
+        choices = [s for s in states_newest_first(records, self.rounds) if s.published]
         agreed = choices[0] if choices else None
         if agreed is None or not self._behind(agreed):
             return None
@@ -242,14 +244,22 @@ class Elastic:
                 log.warning("state download %d failed: %s", attempt + 1, exc)
                 # The download gives up only once every source failed: all of them are gone.
                 dead.update(agreed.holders)
+                records = self.records()
                 choices = [
                     s
-                    for s in states_newest_first(self.records(), self.rounds, dead)
+                    for s in states_newest_first(records, self.rounds, dead, self.me)
                     if self._behind(s)
                 ]
                 if not choices:
                     return None
-                if choices[0].round < agreed.round:
+                if not choices[0].published:
+                    self.emit(
+                        f"the holders of round {agreed.round + 1}'s state did not answer; "
+                        f"taking live peer {choices[0].holders[0][-8:]}'s state of round "
+                        f"{choices[0].round + 1} (its last round failed, nobody else holds "
+                        "an agreed state)"
+                    )
+                elif choices[0].round < agreed.round:
                     self.emit(
                         f"the holders of round {agreed.round + 1}'s state did not answer; "
                         f"taking round {choices[0].round + 1}'s from {len(choices[0].holders)} "
@@ -388,6 +398,7 @@ class Elastic:
         self.emit(
             f"synced to round {report.round} from {report.sources} peers "
             f"(pieces {'/'.join(map(str, pieces))}): {report.bytes / 2**20:.2f} MiB in "
-            f"{report.seconds:.2f} s, state {report.state_hash[:12]} (the majority's)"
+            f"{report.seconds:.2f} s, state {report.state_hash[:12]} "
+            + ("(the majority's)" if agreed.published else "(a live member's)")
         )
         return report

@@ -34,7 +34,9 @@ downloads.
 * **Live holders** (``states_newest_first``): the states a joiner may adopt, newest first, each
   with only the holders not known dead. A download that fails at every holder marks them dead and
   the next newest state held by live peers is tried, so a dead holder never sends a joiner back
-  to a fresh round 0 while another member of the run lives.
+  to a fresh round 0 while another member of the run lives: when no agreed state has a live
+  holder, the state a live member holds after a failed round is taken (every node serves its
+  state after each round, failed or not).
 
 This module imports no trio, libp2p, clock or randomness: ``now`` is passed in.
 """
@@ -125,10 +127,17 @@ def wait_budget_s(records: Iterable[Progress], me: str, round_number: int, round
 
 
 def states_newest_first(
-    records: Iterable[Progress], rounds: int, dead: Collection[str] = ()
+    records: Iterable[Progress], rounds: int, dead: Collection[str] = (), me: str = ""
 ) -> list[AgreedState]:
-    """Each round's agreed state (majority of its successful records), newest round first, with
-    only the holders not in ``dead``; a state none of whose holders lives is left out."""
+    """The states a joiner may adopt, best first, each with only the holders not in ``dead``.
+
+    First each round's agreed state (majority of its successful records), newest round first; a
+    state none of whose holders lives is left out. Then, as a last resort, the states live
+    members hold after a failed round (each peer's own, newest first): when the agreed state's
+    holders are all gone (the survivor of a pair failed its next round alone, so its newest
+    record is a failure), a joiner takes the survivor's state rather than a fresh round 0 of its
+    own and a second, diverging run (issue 16). Such a state has no round's members behind it;
+    it is only chosen while no agreed state has a live holder."""
     valid = in_schedule(records, rounds)
     found: list[AgreedState] = []
     for rnd in sorted({p.round for p in valid if p.ok}, reverse=True):
@@ -137,4 +146,7 @@ def states_newest_first(
         holders = tuple(h for h in agreed.holders if h not in dead)
         if holders:
             found.append(dataclasses.replace(agreed, holders=holders))
+    alone = [p for p in valid if not p.ok and p.peer_id not in dead and p.peer_id != me]
+    for p in sorted(alone, key=lambda p: (-p.round, p.state_hash, p.peer_id)):
+        found.append(AgreedState(p.round, p.state_hash, (p.peer_id,), 0))
     return found

@@ -455,9 +455,11 @@ def _train_round(
     summary.loss_last = mean_loss
     state_hash = diloco.state_hash()
     elastic.fresh = False  # only the first round after adopting a state needs the expected set
+    # Before the record that tells joiners to ask us for it; after a failed round as well: when
+    # the agreed state's holders are all gone, a joiner takes a live member's state from there.
+    elastic.serve_current()
     if ok:
         summary.rounds_contributed += 1
-        elastic.serve_current()  # before the record that tells joiners to ask us for it
     else:
         summary.rounds_failed += 1
     assert report is not None or not ok

@@ -79,6 +79,17 @@ def test_a_dead_holder_hands_the_choice_to_the_next_newest_live_state() -> None:
     assert states_newest_first(records, ROUNDS, dead={"b", "c", "d"}) == []
 
 
+def test_with_every_agreed_holder_dead_a_live_members_own_state_is_the_last_resort() -> None:
+    # Issue 16's NAT-lab run: a and b averaged round 1; b died; a's round 2 failed alone, so
+    # the only record of round 1's agreed state is b's. A joiner takes a's state, not round 0.
+    records = [rec("b", 1, h=B), rec("a", 2, ok=False, h=A), rec("me", 0, ok=False)]
+    choices = states_newest_first(records, ROUNDS, me="me")
+    assert [(s.round, s.holders, s.published) for s in choices] == [(1, ("b",), 1), (2, ("a",), 0)]
+    (survivor,) = states_newest_first(records, ROUNDS, dead={"b"}, me="me")
+    assert (survivor.round, survivor.state_hash, survivor.holders) == (2, A, ("a",))
+    assert states_newest_first(records, ROUNDS, dead={"a", "b"}, me="me") == []
+
+
 records_st = st.lists(
     st.builds(
         rec,
@@ -105,5 +116,10 @@ def test_decisions_stay_in_the_schedule_and_waits_are_for_live_peers_behind(
             p for p in records if p.peer_id != "me" and p.round < rnd and NOW - p.published_at <= 30
         ]
         assert behind
-    for state in states_newest_first(records, ROUNDS, dead={"b"}):
+    choices = states_newest_first(records, ROUNDS, dead={"b"}, me="me")
+    for state in choices:
         assert state.round < ROUNDS and state.holders and "b" not in state.holders
+        assert state.published or state.holders != ("me",)  # never our own failed state
+    # Agreed states first; a failed round's state only after all of them.
+    published = [bool(s.published) for s in choices]
+    assert published == sorted(published, reverse=True)
