@@ -224,6 +224,8 @@ class Elastic:
                 break
         report = self._adopt_from_live(agreed)
         if report is not None:
+            if self.diloco.round >= rounds:
+                self._hold_final(records)
             return report
         # Training on our own state is safe for the others (they apply the same average to the
         # same state whatever we send); our first round's hash check then re-syncs us.
@@ -291,11 +293,29 @@ class Elastic:
             )
         return report
 
+    def _hold_final(self, records: list[Progress]) -> None:
+        """We joined at the run's end and adopted its final state without training a round:
+        publish that we hold it (a holder's record with our id and no contribution), so the
+        peers lingering for us (``linger``: we announced ourselves) can leave."""
+        ours = bytes.fromhex(self.diloco.state_hash())
+        final = self.diloco.round - 1
+        for p in records:
+            if p.ok and p.round == final and p.state_hash == ours:
+                self.publish(
+                    dataclasses.replace(
+                        p, peer_id=self.me, peers=0, bytes_sent=0, bytes_received=0,
+                        rounds_contributed=0, published_at=time.time(),
+                    )
+                )  # fmt: skip
+                return
+
     def linger(self, round_number: int, max_s: float) -> None:
         """After the run's last round: keep serving our state while a peer of that round does
         not hold the agreed state yet (its round failed and it is re-syncing from us), or a live
         peer is still behind (a late starter catching up), at most ``max_s``; without this, the
-        holders would all exit and leave it with nothing to fetch."""
+        holders would all exit and leave it with nothing to fetch. A joiner that announced
+        itself after the last round (it waits for this boundary, then downloads the final
+        state) counts as behind until its record shows it holds the state (``_hold_final``)."""
         ours = bytes.fromhex(self.diloco.state_hash())
         deadline = time.monotonic() + max_s
         while time.monotonic() < deadline:
@@ -304,7 +324,12 @@ class Elastic:
             now = time.time()
             live = [p for p in records if now - p.published_at < LIVE_S]
             behind = [p for p in live if p.round < round_number]
-            if all(p.ok and p.state_hash == ours for p in at_last) and not behind:
+            try:
+                announced = set(self.runtime.read(join_key(self.run_id, round_number + 1)))
+            except Exception:
+                announced = set()
+            waiting = announced - {p.peer_id for p in at_last} - {self.me}
+            if all(p.ok and p.state_hash == ours for p in at_last) and not behind and not waiting:
                 return
             time.sleep(POLL_S)
         log.info("left after %.0f s with peers of round %d still out of sync", max_s, round_number)

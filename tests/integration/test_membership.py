@@ -40,7 +40,9 @@ def _local(
 def test_local_with_one_node_started_10_s_late_ends_with_equal_hashes(tmp_path: Path) -> None:
     summary = _local(tmp_path, "--delay-node", "2:10", timeout_s=115)
     late = summary["nodes"][2]
-    assert late["last_round"] == 4, late  # it trained to the end, on the others' state
+    # It trained to the end on the others' state or, when the others were quicker than its
+    # start (a quiet machine), adopted their final state, the holders lingering for it.
+    assert late["last_round"] == 4 or (late["first_round"] == 5 and late["syncs"]), late
 
 
 def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -> None:

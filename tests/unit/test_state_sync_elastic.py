@@ -257,3 +257,62 @@ def test_a_holder_that_died_before_the_download_does_not_send_a_joiner_back_to_r
     assert elastic.diloco.round == 3 and elastic.diloco.state_hash() == older_hash.hex()
     assert b in asked and set(asked) - {b} <= {c, d}
     assert any("did not answer" in line for line in elastic.lines)  # type: ignore[attr-defined]
+
+
+def test_with_the_only_holder_dead_a_joiner_takes_the_survivors_state_after_its_failed_round() -> (
+    None
+):
+    # Issue 16's NAT-lab run: a and b averaged round 1; b was killed; a's round 2 failed alone,
+    # so only b's record names round 1's agreed state. The joiner takes a's state, not round 0.
+    me, a, b = _peer(), _peer(), _peer()
+    _agreed, agreed_hash = _world(1)
+    survivors, survivors_hash = _world(2)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 1, True, agreed_hash),
+            str(a): _record(a, 2, False, survivors_hash),
+        }
+    }
+    asked: list[Hashable] = []
+
+    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
+        async def fetch(source: Hashable, piece: Piece) -> bytes:
+            asked.append(source)
+            if source == b:
+                raise ConnectionError("Relay connection failed with status 204")
+            return survivors[piece.offset : piece.end]
+
+        return fetch
+
+    elastic = _elastic(me, dht, b"", [])
+    elastic._fetcher = fetcher
+    report = elastic.catch_up(wait_s=0.0, rounds=10)
+    assert report is not None and report.round == 3, elastic.lines  # type: ignore[attr-defined]
+    assert elastic.diloco.state_hash() == survivors_hash.hex() and set(asked) == {a, b}
+    assert any("live peer" in line for line in elastic.lines)  # type: ignore[attr-defined]
+
+
+def test_the_last_rounds_holders_linger_for_a_joiner_until_it_holds_the_final_state() -> None:
+    # A late joiner waited for the last boundary; the holders must not exit before it downloads.
+    me, joiner = _peer(), _peer()
+    data, final = _world(4)
+    dht = {progress_key(RUN): {str(me): _record(me, 4, True, final)}}
+    asked: list[Hashable] = []
+    holder = _elastic(me, dht, b"", [])
+    holder.diloco.load_state(data)
+    late = _elastic(joiner, dht, data, asked)
+    late.rounds = 5
+    dht[join_key(RUN, 5)] = {str(joiner): b"\x01"}  # it announced itself after round 4
+
+    left = threading.Event()
+    thread = threading.Thread(target=lambda: (holder.linger(4, 30.0), left.set()))
+    started = time.monotonic()
+    thread.start()
+    time.sleep(0.5)
+    assert not left.is_set()  # still serving: the joiner has no record yet
+    report = late.catch_up(wait_s=0.0, rounds=5)
+    assert report is not None and late.diloco.state_hash() == final.hex() and asked
+    thread.join(10)
+    assert left.is_set() and time.monotonic() - started < 10  # it left once the joiner held it
+    mine = Progress.from_bytes(str(joiner), dht[progress_key(RUN)][str(joiner)])
+    assert mine is not None and mine.ok and mine.round == 4 and mine.rounds_contributed == 0
