@@ -8,6 +8,8 @@ answers over the existing connection and always says reachable (DESIGN.md). The 
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 
 import multiaddr
@@ -29,6 +31,8 @@ from p2p.reachability import (
     select_dialback_targets,
 )
 from p2p.rpc import RpcErrorReply, RpcStream, call_unary
+
+log = logging.getLogger(__name__)
 
 
 async def ask_for_dialbacks(
@@ -69,12 +73,23 @@ async def serve_dialback(stream: INetStream, slots: trio.Semaphore, dial_timeout
     if observed_ip is None:
         # Over a relayed connection we cannot see the asker's address, so there is no IP we
         # may safely dial (anti-amplification: only ever dial the IP we see).
+        log.info("dial-back for %s refused: asked over a relayed connection", rpc.peer_id)
         await rpc.send(RpcErrorReply("no_observed_ip", "ask over a direct connection"))
         await rpc.close()
         return
     targets = select_dialback_targets(request.addrs, observed_ip)
     async with slots:
         results = await dial_back(rpc.peer_id, targets, timeout_s=dial_timeout_s)
+    # The asker's verdict says only "private" or "public"; the helper's log says why: the
+    # ports it was asked for (a wrong one, an observed source port, points at the asker's
+    # candidates) and how each dial went (refused: nothing listens; no answer: filtered).
+    log.info(
+        "dial-back for %s seen at %s: asked for %d address(es); %s",
+        rpc.peer_id,
+        observed_ip,
+        len(request.addrs),
+        "; ".join(f"{t} {err or 'ok'}" for t, err in results) or "nothing to dial on that IP",
+    )
     await rpc.send(
         DialBackResponse(
             observed_ip,
@@ -119,10 +134,36 @@ async def dial_back(
                 await probe.get_network().dial_addr(multiaddr.Multiaddr(target), peer_id)
                 results[target] = ""
             except Exception as exc:
-                results[target] = f"{type(exc).__name__}: {exc}"[:200]
+                results[target] = describe_dial_error(exc)
 
     with trio.move_on_after(timeout_s + 2.0):
         async with probe.run([]), trio.open_nursery() as nursery:
             for target in targets:
                 nursery.start_soon(dial_one, target)
     return [(t, results.get(t, "not dialed")) for t in targets]
+
+
+def describe_dial_error(exc: BaseException) -> str:
+    """Why a dial failed, in words an operator can act on: the root cause, which 0.8.1 wraps in
+    a ``SwarmException`` that only says "fail to open connection to peer …".
+
+    ``ConnectionRefusedError: Connection refused`` means nothing listens on that port (a wrong
+    port, a stopped peer); a timeout (reported by the caller) means a NAT or firewall dropped the
+    dial; anything else names the exception type only: its message may quote bytes that whoever
+    answered at that address sent, and those go into no log or reply of ours.
+    """
+    root = exc
+    for _ in range(32):  # a chain is a few links long; never follow a cycle forever
+        if isinstance(root, BaseExceptionGroup) and root.exceptions:
+            root = root.exceptions[0]
+        elif root.__cause__ is not None:
+            root = root.__cause__
+        elif root.__context__ is not None and not root.__suppress_context__:
+            root = root.__context__
+        else:
+            break
+    if isinstance(root, OSError) and root.errno:
+        why = f"{type(root).__name__}: {os.strerror(root.errno)}"
+    else:
+        why = type(root).__name__
+    return why if root is exc else f"{why} (in {type(exc).__name__})"

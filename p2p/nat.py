@@ -220,9 +220,13 @@ class NatService:
 
         Never raises for a helper's failure: that helper's report carries the error.
         """
-        raw = self.host.libp2p
+        # Host.addrs(), not get_addrs(): it expands a wildcard listen address (the default
+        # command line's 0.0.0.0/tcp/0) to our interfaces' addresses, each carrying our listen
+        # port. Unexpanded, 0.0.0.0 was dropped and the helper was left with our observed
+        # address, the source port of our connection to it: a public host was found private.
         candidates = dialback_candidates(
-            [str(a) for a in raw.get_addrs()], [str(a) for a in observed_addrs(raw)]
+            [_without_p2p(a) for a in self.host.addrs()],
+            [str(a) for a in observed_addrs(self.host.libp2p)],
         )
         reports = await ask_for_dialbacks(
             self.host,

@@ -116,17 +116,25 @@ def is_dialable_ip(ip: str, *, allow_loopback: bool = False) -> bool:
 def dialback_candidates(
     listen_addrs: Iterable[str], observed_addrs: Iterable[str]
 ) -> tuple[str, ...]:
-    """The addresses a peer asks helpers to dial: its TCP listen and observed addresses, deduped,
-    without ``/p2p/`` suffixes, at most ``MAX_DIALBACK_ADDRS``. Listen addresses come first (the
-    helper derives port predictions from them)."""
-    seen: dict[str, None] = {}
+    """The addresses a peer asks helpers to dial: its TCP listen and observed addresses, one per
+    TCP port, without ``/p2p/`` suffixes, at most ``MAX_DIALBACK_ADDRS``. Listen addresses come
+    first (the helper derives port predictions from them).
+
+    Wildcard listen addresses (0.0.0.0) must be expanded to interface addresses by the caller:
+    one is dropped here, and with it the only address that names our listen port (an observed
+    address carries the source port of an outbound connection, where nothing listens).
+    """
+    by_port: dict[int, str] = {}
     for addr in (*listen_addrs, *observed_addrs):
         tcp = parse_tcp_addr(addr)
         # Loopback too: the helper dials only the IP it sees us at, so a loopback address is
         # only ever used by a helper on this same machine.
         if tcp is not None and is_dialable_ip(tcp.ip, allow_loopback=True):
-            seen.setdefault(tcp.multiaddr(), None)
-    return tuple(seen)[:MAX_DIALBACK_ADDRS]
+            # One per port: a helper dials every port on the IP it sees us at, whatever IP we
+            # name, so a second address with the same port (a host with many interfaces) would
+            # only take a place a distinct port may need.
+            by_port.setdefault(tcp.port, tcp.multiaddr())
+    return tuple(by_port.values())[:MAX_DIALBACK_ADDRS]
 
 
 def select_dialback_targets(
@@ -232,8 +240,24 @@ def decide_reachability(
     return verdict(
         Reachability.PRIVATE,
         f"{len(answered)} helper(s) could not dial any of {dialed} address(es) of ours "
-        f"(seen at {', '.join(observed) or 'unknown IP'}): behind NAT or firewall",
+        f"(seen at {', '.join(observed) or 'unknown IP'}): behind NAT or firewall; "
+        + _failed_dials(reports),
     )
+
+
+def _failed_dials(reports: Sequence[HelperReport], *, limit: int = 4) -> str:
+    """What the helpers dialed and why each dial failed, bounded: the operator can tell a closed
+    port (refused) from a filtered one (no answer) and see whether the port was ours."""
+    failed = [o for r in reports if not r.error for o in r.outcomes if not o.ok]
+    shown = [f"{_printable(o.addr)}: {_printable(o.error) or 'failed'}" for o in failed[:limit]]
+    more = f"; {len(failed) - limit} more" if len(failed) > limit else ""
+    return "dialed " + "; ".join(shown) + more
+
+
+def _printable(text: str, limit: int = 80) -> str:
+    # The helper wrote these words: into our log and report they go short and without control
+    # characters.
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
 
 
 def report_from_response(helper: str, response: DialBackResponse) -> HelperReport:

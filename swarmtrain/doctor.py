@@ -1,9 +1,10 @@
 """``swarmtrain doctor``: what a volunteer with trouble runs.
 
 Reports our peer id, listen and observed addresses, reachability and how it was decided, the relay
-slots we hold, and for each ``--ping`` peer (found through the DHT) whether we reached it, directly
-or through a relay, and the round-trip time. Without ``--join`` it starts a relay in this process
-on loopback and checks against that, so the whole stack runs on a machine with no network.
+slots we hold, our bulk data listener (a public peer opens one), and for each ``--ping`` peer
+(found through the DHT) whether we reached it, directly or through a relay, and the round-trip
+time. Without ``--join`` it starts a relay in this process on loopback and checks against that,
+so the whole stack runs on a machine with no network.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class DoctorReport:
     reachability: str = "unknown"
     reachability_how: str = ""
     relays: list[str] = field(default_factory=list)
+    # "IP:PORT" of our bulk data listener (opened only when public), None without one.
+    bulk_listener: str | None = None
     pings: list[PingResult] = field(default_factory=list)
     joined: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -69,6 +72,7 @@ class DoctorReport:
             "reachability": self.reachability,
             "reachability_how": self.reachability_how,
             "relays": self.relays,
+            "bulk_listener": self.bulk_listener,
             "joined": self.joined,
             "pings": [p.to_json() for p in self.pings],
             "problems": self.problems,
@@ -85,6 +89,7 @@ def format_report(report: DoctorReport) -> str:
         f"reachability  {report.reachability}"
         + (f" ({report.reachability_how})" if report.reachability_how else ""),
         *(f"relay slot    {r}" for r in report.relays),
+        f"bulk listener {report.bulk_listener or 'none (bulk transfers dial out)'}",
         *(
             [f"upnp          external ip {report.upnp.get('external_ip') or 'none (no gateway)'}"]
             if report.upnp.get("enabled")
@@ -169,6 +174,11 @@ async def run_doctor(
             reachability=verdict.status.value,
             reachability_how=verdict.reason,
             relays=[str(a) for a in node.relay_addrs()],
+            bulk_listener=(
+                None
+                if node.bulk_listener is None
+                else f"{node.bulk_listener.host}:{node.bulk_listener.port}"
+            ),
             joined=join,
             upnp=upnp_status(node.host),
         )

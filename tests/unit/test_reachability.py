@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from p2p.dialback import describe_dial_error
 from p2p.errors import RemoteProtocolError
 from p2p.reachability import (
     MAX_DIALBACK_ADDRS,
@@ -207,3 +208,41 @@ def test_decision_module_is_sans_io() -> None:
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module.split(".")[0])
     assert not imported & {"trio", "libp2p", "socket", "time", "random", "multiaddr"}
+
+
+# --------------------------------------------------------------------------- explanations
+
+
+def test_candidates_name_each_port_once() -> None:
+    # A wildcard listener expanded over many interfaces: one port, and a helper dials every
+    # port on the IP it sees us at, so the other addresses would only crowd out distinct ports.
+    interfaces = [f"/ip4/10.0.{i}.1/tcp/4001" for i in range(20)]
+    got = dialback_candidates([*interfaces, "/ip4/127.0.0.1/tcp/4001"], ["/ip4/1.2.3.4/tcp/5"])
+    assert got == ("/ip4/10.0.0.1/tcp/4001", "/ip4/1.2.3.4/tcp/5")
+
+
+def test_private_verdict_says_what_was_dialed_and_why_in_printable_words() -> None:
+    refused = DialOutcome("/ip4/198.51.100.3/tcp/4001", False, "ConnectionRefusedError: refused")
+    hostile = DialOutcome("/ip4/198.51.100.3/tcp/5\n", False, "x\x1b[2J" + "y" * 500)
+    verdict = decide_reachability([HelperReport("h", (refused, hostile), "198.51.100.3")])
+    assert verdict.status is Reachability.PRIVATE
+    assert "/ip4/198.51.100.3/tcp/4001: ConnectionRefusedError: refused" in verdict.reason
+    assert verdict.reason.isprintable() and len(verdict.reason) < 500, verdict.reason
+
+
+def test_dial_errors_name_the_root_cause_without_quoting_what_answered() -> None:
+
+    refused = ConnectionRefusedError(111, "Connect call failed")
+    try:
+        try:
+            raise OSError("all attempts failed") from ExceptionGroup("all", [refused])
+        except OSError as exc:
+            raise RuntimeError("fail to open connection to peer") from exc
+    except RuntimeError as exc:
+        error = describe_dial_error(exc)
+    assert error == "ConnectionRefusedError: Connection refused (in RuntimeError)"
+    try:
+        raise RuntimeError("upgrade failed") from ValueError("b'HTTP/1.1 400 Bad Request'")
+    except RuntimeError as exc:
+        error = describe_dial_error(exc)
+    assert error == "ValueError (in RuntimeError)"
