@@ -41,10 +41,8 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
-from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
-from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.dialback import ask_for_dialbacks, serve_dialback
@@ -56,8 +54,9 @@ from p2p.reachability import (
     ReachabilityVerdict,
     decide_reachability,
     dialback_candidates,
-    parse_tcp_addr,
 )
+from p2p.relay_slots import KeptCircuitTransport, RelaySlots
+from p2p.reservations import KeeperStatistics, ReservationPolicy
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +90,10 @@ class NatConfig:
     # gives up after ~21 s when it cannot (symmetric NAT); connect() waits at most this long.
     holepunch: bool = True
     holepunch_timeout_s: float = 8.0
+    # Relay slots of a private peer: when to refresh and re-make them (p2p.reservations), and
+    # how often the keeper looks at its connections to the relays (a dict lookup per relay).
+    reservations: ReservationPolicy = field(default_factory=ReservationPolicy)
+    relay_watch_interval_s: float = 1.0
 
 
 # --------------------------------------------------------------------------- connection kinds
@@ -185,11 +188,17 @@ class NatService:
         self._relay_protocol = CircuitV2Protocol(
             raw, limits=self._relay_limits, allow_hop=self.config.relay_hop
         )
-        self._transport = CircuitV2Transport(
+        self._transport = KeptCircuitTransport(
             raw, self._relay_protocol, RelayConfig(roles=roles, limits=self._relay_limits)
         )
         self._dcutr = _DialerDrivenDCUtR(raw) if self.config.holepunch else None
-        self._circuits: dict[ID, multiaddr.Multiaddr] = {}
+        self._slots = RelaySlots(
+            host,
+            self._transport,
+            self.config.reservations,
+            attempt_timeout_s=self.config.relay_dial_timeout_s,
+            watch_interval_s=self.config.relay_watch_interval_s,
+        )
         self._dialback_slots = trio.Semaphore(self.config.dialback_max_concurrent)
         self._nursery: trio.Nursery | None = None
         self.last_verdict: ReachabilityVerdict | None = None
@@ -197,6 +206,7 @@ class NatService:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            nursery.start_soon(self._slots.keep)
             async with background_trio_service(self._relay_protocol):
                 with trio.fail_after(10):
                     await self._relay_protocol.event_started.wait()
@@ -245,45 +255,21 @@ class NatService:
     # ------------------------------------------------------------------ relays
 
     async def reserve(self, relay: PeerInfo) -> multiaddr.Multiaddr:
-        """Reserve a slot on ``relay``; returns our circuit address through it. 0.8.1 refreshes
-        the reservation before it expires. Raises ``PeerUnreachable``."""
-        await self.host.connect(relay.peer_id, relay.addrs)
-        relay_addr = next(
-            (
-                a
-                for a in self.host.libp2p.get_peerstore().addrs(relay.peer_id)
-                if parse_tcp_addr(str(a)) is not None and not is_circuit_addr(a)
-            ),
-            None,
-        )
-        if relay_addr is None:
-            raise PeerUnreachable(f"relay {relay.peer_id} has no TCP address to publish")
+        """Reserve a slot on ``relay`` and keep it from now on: refreshed before its TTL runs
+        out, re-made when our connection to the relay closes (``p2p.relay_slots``). Returns our
+        circuit address through it. Raises ``PeerUnreachable`` (the slot is retried anyway)."""
         assert self._nursery is not None, "NatService.run() is not running"
-        stream = await self.host.open_stream(relay.peer_id, HOP_PROTOCOL)
-        try:
-            with trio.fail_after(self.config.relay_dial_timeout_s):
-                ok = await self._transport.reserve(stream, relay.peer_id, self._nursery)
-        except trio.TooSlowError as exc:
-            raise PeerUnreachable(f"reservation on {relay.peer_id} timed out") from exc
-        finally:
-            with trio.move_on_after(1):
-                await stream.close()
-        if not ok:
-            raise PeerUnreachable(f"relay {relay.peer_id} refused a reservation")
-        circuit = multiaddr.Multiaddr(
-            f"{_without_p2p(relay_addr)}/p2p/{relay.peer_id.to_base58()}"
-            f"/p2p-circuit/p2p/{self.host.peer_id.to_base58()}"
-        )
-        self._circuits[relay.peer_id] = circuit
-        log.info("reserved a relay slot: %s", circuit)
-        return circuit
+        return await self._slots.reserve(relay, self._nursery)
 
     def circuit_addrs(self) -> list[multiaddr.Multiaddr]:
-        """Our ``/p2p-circuit`` addresses, one per relay holding a reservation for us."""
-        return list(self._circuits.values())
+        """Our ``/p2p-circuit`` addresses, one per relay we keep a slot on."""
+        return self._slots.circuit_addrs()
 
     def relays(self) -> list[ID]:
-        return list(self._circuits)
+        return self._slots.relays()
+
+    def reservation_statistics(self) -> KeeperStatistics:
+        return self._slots.statistics()
 
     # ------------------------------------------------------------------ connect ladder
 

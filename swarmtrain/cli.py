@@ -10,7 +10,7 @@
     swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
                         [--allow-model MODULE:FUNCTION ...]
-    swarmtrain status   --join MULTIADDR [--json]
+    swarmtrain status   --join MULTIADDR [--json] [--probe]
     swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
@@ -28,6 +28,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 
 import trio
@@ -207,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--listen", action="append", default=None, metavar="MULTIADDR", help="[/ip4/0.0.0.0/tcp/0]"
     )
     p_status.add_argument("--json", action="store_true", help="print one JSON object")
+    p_status.add_argument(
+        "--probe",
+        action="store_true",
+        help="connect to every active peer and show how: direct, punched, relayed, unreachable",
+    )
     p_status.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
     p_local = sub.add_parser(
@@ -363,7 +369,9 @@ def _main_status(args: argparse.Namespace) -> int:
     logging.getLogger("p2p").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     try:
         report = trio.run(
-            run_status, tuple(args.join), tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"])
+            partial(run_status, probe=args.probe),
+            tuple(args.join),
+            tuple(args.listen or ["/ip4/0.0.0.0/tcp/0"]),
         )
     except KeyboardInterrupt:
         return 130

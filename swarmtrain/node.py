@@ -185,6 +185,12 @@ def build_model(config: RunConfig) -> ByteTransformer:
     return ByteTransformer(shape_of(config), seed=run_seed_of(config.run_id))
 
 
+def _reach(runtime: PeerRuntime) -> str:
+    """Our dial-back verdict, for the progress record (``swarmtrain status`` shows it)."""
+    node = runtime.node
+    return "unknown" if node is None else node.reachability.status.value
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
@@ -476,6 +482,7 @@ def _train_round(
             bytes_received=average.bytes_received,
             rounds_contributed=summary.rounds_contributed,
             published_at=time.time(),
+            reach=_reach(elastic.runtime),
         )
     )
     if not ok:

@@ -27,6 +27,9 @@ import msgpack
 PROGRESS_VERSION = 1
 MAX_PROGRESS_BYTES = 1024
 PROGRESS_TTL_S = 600.0
+# How the peer found itself (its dial-back verdict): reachable directly ("public"), only through
+# its relays ("private"), or not known. Records written before the field existed read "unknown".
+REACHABILITY = ("public", "private", "unknown")
 
 
 def progress_key(run_id: str) -> str:
@@ -52,6 +55,11 @@ class Progress:
     bytes_received: int
     rounds_contributed: int
     published_at: float
+    reach: str = "unknown"  # one of REACHABILITY
+
+    def __post_init__(self) -> None:
+        if self.reach not in REACHABILITY:
+            raise ValueError(f"reach {self.reach!r} is not one of {REACHABILITY}")
 
     def to_bytes(self) -> bytes:
         return msgpack.packb(
@@ -67,6 +75,7 @@ class Progress:
                 self.bytes_received,
                 self.rounds_contributed,
                 float(self.published_at),
+                self.reach,
             ],
             use_bin_type=True,
         )
@@ -80,9 +89,13 @@ class Progress:
             obj = msgpack.unpackb(data, raw=False)
         except Exception:
             return None
-        if not isinstance(obj, list) or len(obj) != 11 or obj[0] != PROGRESS_VERSION:
+        # 11 fields: a record from before ``reach``; the field is optional, not a new version.
+        if not isinstance(obj, list) or len(obj) not in (11, 12) or obj[0] != PROGRESS_VERSION:
             return None
-        _, rnd, ok, digest, loss, tps, peers, sent, received, contributed, at = obj
+        reach = obj[11] if len(obj) == 12 else "unknown"
+        if not isinstance(reach, str) or reach not in REACHABILITY:
+            return None
+        _, rnd, ok, digest, loss, tps, peers, sent, received, contributed, at = obj[:11]
         ints = (rnd, peers, sent, received, contributed)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
             return None
@@ -91,7 +104,9 @@ class Progress:
             return None
         if not isinstance(ok, bool) or not isinstance(digest, bytes) or len(digest) != 32:
             return None
-        return cls(peer_id, rnd, ok, digest, loss, tps, peers, sent, received, contributed, at)
+        return cls(
+            peer_id, rnd, ok, digest, loss, tps, peers, sent, received, contributed, at, reach
+        )
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -106,6 +121,7 @@ class Progress:
             "bytes_received": self.bytes_received,
             "rounds_contributed": self.rounds_contributed,
             "published_at": self.published_at,
+            "reach": self.reach,
         }
 
 

@@ -8,6 +8,11 @@ Joins the DHT with a throwaway identity (a status query should not touch the use
 appear as a volunteer), fetches and verifies the run spec from the coordinator, and reads the
 progress records the nodes publish after every round (``swarmtrain.progress``). Nothing here is
 trusted beyond what the records' signatures say: each line is what that peer claims.
+
+Reachability: each record says how its peer found itself (``public``: reachable directly;
+``private``: only through its relays), shown as ``direct`` / ``relayed``. With ``--probe`` the
+status tool also connects to every active peer itself and shows what it got: ``direct``,
+``punched`` (relayed, then upgraded by hole punching), ``relayed`` or ``unreachable``.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import HostConfig, Node, NodeConfig, PeerID, open_node, subkey_values
+from p2p import HostConfig, Node, NodeConfig, P2PError, PeerID, open_node, subkey_values
 from swarmtrain.coordinator import coordinator_of, fetch_spec
 from swarmtrain.pipeline_progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.progress import Progress, agreed_state, decode_all, progress_key
@@ -27,6 +33,12 @@ from swarmtrain.verify_plan import AGGREGATION, Verdict, banned, decode_verdicts
 
 # A peer whose latest record is older than this is shown as silent (it may have left).
 SILENT_AFTER_S = 120.0
+# --probe: peers connected to at once, and the time one may take (a relayed dial plus the
+# hole punch's budget, NatConfig.holepunch_timeout_s).
+PROBE_CONCURRENCY = 8
+PROBE_TIMEOUT_S = 15.0
+# What a peer's published verdict means to someone who wants to reach it.
+SHOWN_REACH = {"public": "direct", "private": "relayed", "unknown": "?"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,12 @@ class StatusReport:
     stages: list[dict[str, Any]] = field(default_factory=list)  # pipeline runs: a row per stage
     trainers: dict[str, TrainerProgress] = field(default_factory=dict)  # pipeline: peer -> round
     verdicts: list[Verdict] = field(default_factory=list)  # verified runs: the coordinator's
+    # --probe: peer id -> how the status tool reached it (direct, punched, relayed, unreachable)
+    reached: dict[str, str] = field(default_factory=dict)
+
+    def reach(self, p: Progress) -> str:
+        """What the table shows: measured when probed, else what the peer published."""
+        return self.reached.get(p.peer_id) or SHOWN_REACH[p.reach]
 
     def active(self) -> list[Progress]:
         return [p for p in self.records if self.now - p.published_at < SILENT_AFTER_S]
@@ -63,8 +81,14 @@ class StatusReport:
             "verify_rate": self.spec.config.verify_rate,
             "verdicts": [_verdict_json(v) for v in self.verdicts],
             "banned": sorted(str(PeerID(p)) for p in banned(self.verdicts)),
-            "nodes": [p.to_json() for p in self.records],
+            "nodes": [self._node_json(p) for p in self.records],
         }
+
+    def _node_json(self, p: Progress) -> dict[str, object]:
+        out = p.to_json()
+        if p.peer_id in self.reached:
+            out["reached"] = self.reached[p.peer_id]
+        return out
 
     def _pipeline_json(self) -> dict[str, object]:
         active = {
@@ -148,13 +172,14 @@ class StatusReport:
             return "\n".join(lines)
         lines.append(
             f"{'peer':<14}{'round':>6}{'ok':>5}{'loss':>8}{'tok/s':>9}{'peers':>7}"
-            f"{'sent MiB':>10}  state         last seen"
+            f"{'sent MiB':>10}  {'reach':<12}state         last seen"
         )
         for p in self.records:
             lines.append(
                 f"{p.peer_id[-12:]:<14}{p.round:>6}{'yes' if p.ok else 'no':>5}{p.loss:>8.3f}"
                 f"{p.tokens_per_s:>9.0f}{p.peers:>7}{p.bytes_sent / 2**20:>10.2f}  "
-                f"{p.state_hash.hex()[:12]}  {self.now - p.published_at:.0f} s ago"
+                f"{self.reach(p):<12}{p.state_hash.hex()[:12]}  "
+                f"{self.now - p.published_at:.0f} s ago"
             )
         return "\n".join(lines)
 
@@ -180,8 +205,11 @@ def _text(value: object) -> str:
     return f"{value:.3f}" if isinstance(value, float) else "n/a"
 
 
-async def run_status(join: tuple[str, ...], listen: tuple[str, ...]) -> StatusReport:
-    """Raises SpecRefused or P2PError (cannot join, coordinator unreachable)."""
+async def run_status(
+    join: tuple[str, ...], listen: tuple[str, ...], *, probe: bool = False
+) -> StatusReport:
+    """With ``probe``, also connect to every active peer (``probe_reach``).
+    Raises SpecRefused or P2PError (cannot join, coordinator unreachable)."""
     coordinator: PeerID = coordinator_of(join[0])
     config = NodeConfig(HostConfig(create_new_key_pair(), listen_addrs=listen), bootstrap=join)
     async with open_node(config) as node:
@@ -193,10 +221,47 @@ async def run_status(join: tuple[str, ...], listen: tuple[str, ...]) -> StatusRe
             return StatusReport(spec, [], time.time(), stages, trainers)
         records = await node.dht.get_records(progress_key(run.run_id), latest=True)
         verdicts = await _verdicts(node, run.run_id, coordinator) if run.verify_rate > 0 else []
-    now = time.time()
-    values = subkey_values(records, now=now)
-    by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}
-    return StatusReport(spec, decode_all(by_owner), now, verdicts=verdicts)
+        now = time.time()
+        values = subkey_values(records, now=now)
+        by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}
+        report = StatusReport(spec, decode_all(by_owner), now, verdicts=verdicts)
+        if probe:
+            active = [PeerID.from_base58(p.peer_id) for p in report.active()]
+            report.reached.update(await probe_all(node, active))
+    return report
+
+
+async def probe_all(node: Node, peers: list[PeerID]) -> dict[str, str]:
+    """``probe_reach`` for each of ``peers``, a few at a time, each bounded."""
+    found: dict[str, str] = {}
+    slots = trio.Semaphore(PROBE_CONCURRENCY)
+
+    async def one(peer: PeerID) -> None:
+        async with slots:
+            found[str(peer)] = "unreachable"
+            with trio.move_on_after(PROBE_TIMEOUT_S):
+                found[str(peer)] = await probe_reach(node, peer)
+
+    async with trio.open_nursery() as nursery:
+        for peer in peers:
+            if peer != node.host.peer_id:
+                nursery.start_soon(one, peer)
+    return found
+
+
+async def probe_reach(node: Node, peer: PeerID) -> str:
+    """How we reach ``peer`` (``direct``, ``punched``: relayed and then upgraded by hole
+    punching, ``relayed``, or ``unreachable``). Never raises for the peer's failure."""
+    try:
+        addrs = await node.find(peer)
+        if not addrs:
+            return "unreachable"
+        kind = await node.nat.connect(peer, addrs, wait_direct=False)
+    except P2PError:
+        return "unreachable"
+    if kind == "relayed":
+        return "punched" if await node.nat.upgrade(peer) else "relayed"
+    return "direct"
 
 
 async def _verdicts(node: Node, run_id: str, coordinator: PeerID) -> list[Verdict]:

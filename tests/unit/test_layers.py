@@ -53,6 +53,7 @@ SANS_IO = [
     "p2p/records.py",
     "p2p/reachability.py",
     "p2p/bulk_frames.py",
+    "p2p/reservations.py",
     "swarm/compression.py",
     "swarm/payload.py",
     "swarm/matchmaking.py",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import msgpack
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import PeerID
+from swarmtrain.progress import Progress
 from swarmtrain.runspec import RunConfig, RunSpec
 from swarmtrain.status import StatusReport
 from swarmtrain.verify_plan import AGGREGATION, Verdict
@@ -36,3 +38,36 @@ def test_status_lists_task_and_aggregation_verdicts_and_the_banned_peers() -> No
     assert f"{str(PeerID(owner))[-12:]} banned" in text
     assert "verdict: round 3, part 0 of the all-reduce (reduced wrong)" in text
     assert "nobody named (both silent)" in text
+
+
+def _progress(peer: str, reach: str = "unknown") -> Progress:
+    return Progress(peer, 3, True, bytes(32), 2.5, 100.0, 2, 1 << 20, 1 << 20, 3, 990.0, reach)
+
+
+def test_status_shows_each_peers_reachability_published_or_probed() -> None:
+    public, private, old, punched = (str(PeerID(_peer())) for _ in range(4))
+    records = [
+        _progress(public, "public"),
+        _progress(private, "private"),
+        _progress(punched, "private"),
+        # A record from a node without the field: 11 elements, read as "unknown".
+        Progress.from_bytes(old, msgpack.packb(msgpack.unpackb(_progress(old).to_bytes())[:11])),
+    ]
+    assert records[3] is not None and records[3].reach == "unknown"
+    for p in records[:3]:
+        assert Progress.from_bytes(p.peer_id, p.to_bytes()) == p
+    spec = RunSpec(RunConfig(run_id="r"), "12D3KooWcoordinator", 1.0)
+    report = StatusReport(spec, records, 1000.0, reached={punched: "punched"})  # type: ignore[arg-type]
+    shown = {n["peer_id"]: n for n in report.to_json()["nodes"]}  # type: ignore[union-attr]
+    assert shown[public]["reach"] == "public" and shown[private]["reach"] == "private"
+    assert shown[old]["reach"] == "unknown" and shown[punched]["reached"] == "punched"
+    rows = {line[:12]: line for line in report.format().splitlines()[2:]}
+    assert "direct" in rows[public[-12:]] and "relayed" in rows[private[-12:]]
+    assert " ? " in rows[old[-12:]] and "punched" in rows[punched[-12:]]
+
+
+def test_a_reachability_field_that_is_not_one_of_the_known_words_is_refused() -> None:
+    good = msgpack.unpackb(_progress("p", "public").to_bytes())
+    for bad in ["direct", "x" * 5000, 7, None]:
+        assert Progress.from_bytes("p", msgpack.packb([*good[:11], bad])) is None
+    assert Progress.from_bytes("p", msgpack.packb([*good, "public"])) is None  # 13 fields
