@@ -81,10 +81,19 @@ def node(join: str, state_dir: Path, *extra: str) -> PeerProcess:
     )
 
 
-def status_json(join: str) -> dict:
+def status_json(join: str, *extra: str) -> dict:
     """``swarmtrain status --json`` of the run behind ``join``, as a dict."""
     status = subprocess.run(
-        [*SWARMTRAIN, "status", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0", "--json"],
+        [
+            *SWARMTRAIN,
+            "status",
+            "--join",
+            join,
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+            "--json",
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=60,

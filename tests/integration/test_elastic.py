@@ -67,6 +67,12 @@ def test_joiner_syncs_and_agrees_from_its_first_round_and_a_kill_does_not_stop_t
         assert report["rounds"] == rounds and report["peers"] == 4, report
         assert report["round"] >= first and report["loss"] > 0 and report["tokens_per_s"] > 0
         assert report["state_holders"] >= 3, report
+        # Loopback peers find themselves public (dial-back at their listen port), and the
+        # status tool, probing each live peer itself, reaches every one directly.
+        probed = status_json(join, "--probe")
+        assert len(probed["nodes"]) == 4, probed
+        assert all(n["reach"] == "public" for n in probed["nodes"]), probed["nodes"]
+        assert all(n.get("reached") == "direct" for n in probed["nodes"]), probed["nodes"]
 
         # SIGKILL an original node in its next inner phase: the other three go on training.
         victim = nodes[2]
