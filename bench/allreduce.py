@@ -261,7 +261,7 @@ def stop_all(procs: list[Any]) -> None:
 def wire_minimum(peers: int, numel: int, compression: str) -> int:
     """2(N-1)/N x the encoded vector: what each peer must send in a bandwidth-optimal round."""
     from swarm import Compression
-    from swarm.payload import Layout
+    from swarm.averaging.payload import Layout
 
     codec = None if compression == "auto" else Compression[compression.upper()]
     encoded = Layout.for_sizes([numel], codec).wire_bytes(0, numel)

@@ -61,7 +61,7 @@ async def _peer_command(dht, host, line: str) -> dict:
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
-    from p2p.dht import dht_key
+    from p2p.dht.kademlia import dht_key
 
     cmd, *args = line.split()
     if cmd == "join":
@@ -129,7 +129,7 @@ async def _peer_main(join: str | None) -> None:
     from libp2p.peer.peerinfo import info_from_p2p_addr
     from multiaddr import Multiaddr
 
-    from p2p.dht import Dht
+    from p2p.dht.kademlia import Dht
     from p2p.host import HostConfig, open_host
 
     started = time.perf_counter()

@@ -69,9 +69,9 @@ from diloco import (
     inner_batches,
     load_stdlib_corpus,
 )
-from swarm.allreduce import partition
-from swarm.compression import Compression, decode, encode
-from swarm.payload import Layout
+from swarm.averaging.allreduce import partition
+from swarm.averaging.codec import Compression, decode, encode
+from swarm.averaging.payload import Layout
 
 RUN_SEED = 0
 
@@ -149,12 +149,13 @@ def _inner_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
 class _Wire:
     """Int8 (or other lossy codec) values as the swarm's all-reduce carries them.
 
-    The swarm cuts the flat vector into one part per peer (``swarm.allreduce.partition``, equal
-    bandwidths here) and encodes each part tensor by tensor (``swarm.payload.Layout``), so int8
-    blocks start at every tensor's and every part's start, not at multiples of 1024 of the whole
-    vector. ``round_trip`` is the sender's quantization: DiLoCo's error feedback keeps exactly
-    what it drops. The reducer quantizes the mean again for the all-gather (``finish``); every
-    peer gets the same bits, which error feedback cannot see (it is the same for all).
+    The swarm cuts the flat vector into one part per peer (``swarm.averaging.allreduce.partition``,
+    equal bandwidths here) and encodes each part tensor by tensor
+    (``swarm.averaging.payload.Layout``), so int8 blocks start at every tensor's and every part's
+    start, not at multiples of 1024 of the whole vector. ``round_trip`` is the sender's
+    quantization: DiLoCo's error feedback keeps exactly what it drops. The reducer quantizes the
+    mean again for the all-gather (``finish``); every peer gets the same bits, which error feedback
+    cannot see (it is the same for all).
     """
 
     def __init__(self, sizes: list[int], workers: int, compression: Compression) -> None:

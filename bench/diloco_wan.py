@@ -27,7 +27,7 @@ worker one start time and the budget; all share this machine's clock.
   steps with the mean, so the parameters stay identical on all peers.
 - DiLoCo: ``diloco.DiLoCo`` with ``--inner-steps`` H, the outer Nesterov step at
   ``--outer-lr``/``--outer-momentum``, pseudo-gradients averaged through
-  ``swarmtrain.swarm_average.SwarmAverage`` with int8 on the wire and error feedback
+  ``swarmtrain.training.swarm_average.SwarmAverage`` with int8 on the wire and error feedback
   (``bench.diloco``'s codec as ``compress``), ``--compression none`` for float32.
 
 Equal wall clock: DiLoCo runs first and stops at the first round boundary at or past

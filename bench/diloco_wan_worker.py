@@ -62,7 +62,7 @@ from diloco import (
 )
 from p2p import HostConfig, NodeConfig
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.swarm_average import SwarmAverage
+from swarmtrain.training.swarm_average import SwarmAverage
 
 log = logging.getLogger("bench.diloco_wan_worker")
 

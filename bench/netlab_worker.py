@@ -22,8 +22,8 @@ matchmaking). All processes run on one machine, so their wall clocks agree.
 
 ``--trace`` times every payload item this peer sends and receives (wall clock), and splits each
 bulk send into its phases: offer until accept, dialing the data connection, moving the bytes,
-waiting for the receiver's outcome. It wraps functions of ``swarm.allreduce_session`` and
-``p2p.bulk`` in this process only; nothing else changes.
+waiting for the receiver's outcome. It wraps functions of ``swarm.averaging.session`` and
+``p2p.bulk.channel`` in this process only; nothing else changes.
 
 ``blast``: plain-TCP all-to-all between the peers' namespaces, the lab's own ceiling (see
 ``blast_main``).
@@ -214,8 +214,8 @@ _current: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 
 def install_trace(records: list[dict[str, Any]]) -> None:
     """Time each item send/receive, the bulk channel's opening and each payload's data phase."""
-    import p2p.bulk as bulk_module
-    from swarm import allreduce_session as session_module
+    import p2p.bulk.channel as bulk_module
+    from swarm.averaging import session as session_module
 
     session = session_module.Session
     send_item, receive_item = session._send_item, session._receive_item

@@ -4,10 +4,10 @@
 
 The anchor is ``diloco.model.ByteTransformer`` (default config, ~0.87M parameters) trained with
 ``torch.optim.AdamW`` (lr 2e-3) on a batch of ``--batch`` x 128 bytes: forward, loss, backward,
-optimizer step. The RepOps side is ``verify.repops.train_step`` on the same parameters and batch.
-The two alternate step by step, so a machine whose load changes during the run slows both alike;
-the figures are medians over ``--steps`` (after ``--warmup`` of each), wall-clock and CPU time.
-``--traced`` also times ``RepOpsStep`` (the recorded step: every operator output hashed).
+optimizer step. The RepOps side is ``verify.repops.step.train_step`` on the same parameters and
+batch. The two alternate step by step, so a machine whose load changes during the run slows both
+alike; the figures are medians over ``--steps`` (after ``--warmup`` of each), wall-clock and CPU
+time. ``--traced`` also times ``RepOpsStep`` (the recorded step: every operator output hashed).
 The last stdout line is one JSON object: repops_s, native_s, ratio (repops / native, wall
 medians), plus CPU-time medians, threads and git_sha.
 """
@@ -28,7 +28,7 @@ import torch
 from bench.common import git_sha
 from diloco.data import load_stdlib_corpus
 from diloco.model import ByteTransformer
-from verify.repops import RepOpsStep, train_step
+from verify.repops.step import RepOpsStep, train_step
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from bench.common import git_sha
 from bench.targets import Target, start, stop
 from p2p import Dht, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
-from swarmtrain.coordinator import SPEC_PROTOCOL, RunSpecReply, RunSpecRequest
+from swarmtrain.commands.coordinator import SPEC_PROTOCOL, RunSpecReply, RunSpecRequest
 
 
 @dataclass

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import git_sha
-from swarmtrain.pipeline_local import Child, role_argv, start_relay, stop_all
+from swarmtrain.pipeline.local import Child, role_argv, start_relay, stop_all
 
 
 def run_scenario(

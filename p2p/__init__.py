@@ -6,10 +6,10 @@ This package imports nothing else of swarmtrain's; everything above builds on th
 from libp2p.abc import INetStream as Stream
 from libp2p.peer.id import ID as PeerID
 
-from p2p.bulk import (
+from p2p.bulk.channel import (
     PROTOCOL as BULK_PROTOCOL,
 )
-from p2p.bulk import (
+from p2p.bulk.channel import (
     BulkChannel,
     BulkConfig,
     BulkListener,
@@ -24,8 +24,18 @@ from p2p.bulk import (
     send_bulk,
     send_tensor,
 )
-from p2p.bulk_frames import DataMode
-from p2p.dht import Dht, DhtConfig, DhtStatistics, dht_key
+from p2p.bulk.frames import DataMode
+from p2p.dht.kademlia import Dht, DhtConfig, DhtStatistics, dht_key
+from p2p.dht.records import (
+    RecordRejected,
+    RecordSigner,
+    SignedRecord,
+    merge_records,
+    peer_id_from_public_key,
+    subkey_values,
+    validate_record,
+    verify_peer_signature,
+)
 from p2p.errors import (
     AddressInUse,
     IdentityError,
@@ -38,7 +48,8 @@ from p2p.errors import (
 )
 from p2p.host import Host, HostConfig, open_host
 from p2p.identity import default_identity_path, load_or_create_identity, peer_id_of
-from p2p.nat import (
+from p2p.nat.reachability import Reachability, ReachabilityVerdict
+from p2p.nat.traversal import (
     NatConfig,
     NatService,
     RelayServiceLimits,
@@ -47,17 +58,6 @@ from p2p.nat import (
     upnp_status,
 )
 from p2p.node import Node, NodeConfig, PingResult, join_addr, open_node
-from p2p.reachability import Reachability, ReachabilityVerdict
-from p2p.records import (
-    RecordRejected,
-    RecordSigner,
-    SignedRecord,
-    merge_records,
-    peer_id_from_public_key,
-    subkey_values,
-    validate_record,
-    verify_peer_signature,
-)
 from p2p.rpc import (
     RpcStream,
     RpcTimeout,

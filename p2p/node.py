@@ -26,13 +26,14 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from p2p.bulk import BulkConfig, BulkListener, receive_bulk, send_bulk
-from p2p.bulk_io import ReceiveBudget
-from p2p.dht import Dht, DhtConfig
+from p2p.bulk.channel import BulkConfig, BulkListener, receive_bulk, send_bulk
+from p2p.bulk.transfer import ReceiveBudget
+from p2p.dht.kademlia import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import Host, HostConfig, open_host, reset_quietly
 from p2p.loop_lag import watch_loop_lag
-from p2p.nat import (
+from p2p.nat.reachability import Reachability, ReachabilityVerdict
+from p2p.nat.traversal import (
     NatConfig,
     NatService,
     advertised_addrs,
@@ -40,7 +41,6 @@ from p2p.nat import (
     observed_addrs,
     stream_kind,
 )
-from p2p.reachability import Reachability, ReachabilityVerdict
 from p2p.rpc import call_unary, serve_unary
 from p2p.wire import Message, message
 

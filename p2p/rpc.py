@@ -31,7 +31,7 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from p2p.bulk_io import lazy_buffer
+from p2p.bulk.transfer import lazy_buffer
 from p2p.errors import P2PError, RemoteError, RemoteProtocolError
 from p2p.host import Host, reset_quietly
 from p2p.stream_deadlines import StreamDeadlineExceeded

@@ -3,21 +3,14 @@ parallelism: routing, rebalancing, stage servers, trainers).
 
 Protocol logic here is sans-IO (no trio, sockets, clocks or randomness); trio drivers on top of
 ``p2p`` move the bytes. Each protocol's events and actions live in its module, reachable from here
-as ``swarm.matchmaking``, ``swarm.allreduce``, ``swarm.pipeline_routing`` and ``swarm.rebalance``
-(the names overlap: several have ``Finish``). The pipeline's torch drivers are imported from
-their modules, ``swarm.stage_server`` (``StageServer``) and ``swarm.pipeline_trainer``
-(``PipelineTrainer``), so that importing ``swarm`` does not import torch.
+as ``swarm.averaging.matchmaking``, ``swarm.averaging.allreduce``, ``swarm.pipeline.routing`` and
+``swarm.pipeline.rebalance`` (the names overlap: several have ``Finish``). The pipeline's torch
+drivers are imported from their modules, ``swarm.pipeline.server`` (``StageServer``) and
+``swarm.pipeline.trainer`` (``PipelineTrainer``), so that importing ``swarm`` does not import torch.
 """
 
-from swarm import (
-    aggregation_audit,
-    allreduce,
-    compression,
-    matchmaking,
-    pipeline_routing,
-    rebalance,
-)
-from swarm.aggregation_audit import (
+from swarm.averaging.allreduce import AllReduce, AllReduceState, partition, reduce_part
+from swarm.averaging.audit import (
     AuditRecord,
     PartAudit,
     audited,
@@ -30,9 +23,7 @@ from swarm.aggregation_audit import (
     records_by_group,
     split_record,
 )
-from swarm.allreduce import AllReduce, AllReduceState, partition, reduce_part
-from swarm.allreduce_session import AveragingFailed
-from swarm.averager import (
+from swarm.averaging.averager import (
     SLICE_PROTOCOL,
     Averager,
     AveragerConfig,
@@ -41,10 +32,10 @@ from swarm.averager import (
     SliceRequest,
     StateAgreement,
 )
-from swarm.bandwidth import BandwidthEstimate
-from swarm.channel_pool import PoolStatistics
-from swarm.compression import Compression
-from swarm.matchmaking import (
+from swarm.averaging.bandwidth import BandwidthEstimate
+from swarm.averaging.channel_pool import PoolStatistics
+from swarm.averaging.codec import Compression
+from swarm.averaging.matchmaking import (
     Declaration,
     Group,
     Matchmaker,
@@ -54,9 +45,10 @@ from swarm.matchmaking import (
     round_key,
     target_round,
 )
-from swarm.pipeline_records import ServerAnnouncement, param_digest, servers_key
-from swarm.pipeline_routing import MicrobatchRoute, Router, RoutingConfig
-from swarm.rebalance import Move, RebalanceConfig, plan_move, stage_status
+from swarm.averaging.session import AveragingFailed
+from swarm.pipeline.rebalance import Move, RebalanceConfig, plan_move, stage_status
+from swarm.pipeline.records import ServerAnnouncement, param_digest, servers_key
+from swarm.pipeline.routing import MicrobatchRoute, Router, RoutingConfig
 
 __all__ = [
     "SLICE_PROTOCOL",

@@ -35,10 +35,11 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from p2p import IdentityError, P2PError, default_identity_path, load_or_create_identity, peer_id_of
-from swarmtrain import pipeline_local, verify_cmd
-from swarmtrain.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
-from swarmtrain.local import LocalFailed, LocalOptions, run_local
-from swarmtrain.relay import RelayOptions, run_relay
+from swarmtrain.commands import verify as verify_cmd
+from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
+from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
+from swarmtrain.commands.relay import RelayOptions, run_relay
+from swarmtrain.pipeline import local as pipeline_local
 from swarmtrain.runspec import ConfigError, RunConfig, SpecRefused, default_toml, load_config
 
 log = logging.getLogger("swarmtrain")
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _default_state_dir() -> Path:
-    # Next to the default identity (XDG data directory), without importing swarmtrain.node.
+    # Next to the default identity (XDG data directory), without importing swarmtrain.commands.node.
     return default_identity_path().parent / "node"
 
 
@@ -282,7 +283,7 @@ def _cheat(text: str) -> tuple[int, int, int]:
 
 def _main_node(args: argparse.Namespace) -> int:
     # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
-    from swarmtrain.node import NodeOptions, run_node
+    from swarmtrain.commands.node import NodeOptions, run_node
 
     _setup_logging(args.verbose)
     state_dir = args.state_dir or _default_state_dir()
@@ -341,7 +342,7 @@ def _coordinator_config(args: argparse.Namespace) -> RunConfig:
 
 
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
-    from swarmtrain.coordinator import CoordinatorOptions, run_coordinator
+    from swarmtrain.commands.coordinator import CoordinatorOptions, run_coordinator
 
     try:
         config = _coordinator_config(args)
@@ -362,7 +363,7 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
 
 
 def _main_status(args: argparse.Namespace) -> int:
-    from swarmtrain.status import run_status
+    from swarmtrain.commands.status import run_status
 
     _setup_logging(args.verbose)
     # Quiet by default: the report is the output.

@@ -3,7 +3,7 @@
 A run is defined by its config: model shape, DiLoCo settings, swarm deadlines, number of rounds,
 and, for a SWARM pipeline run (``[pipeline] stages > 0``), the stage count and its periods, and
 optionally a user's model (``[model] factory = "package.module:function"``; only its name is in
-the spec, and volunteers import it only when they allow it: ``swarmtrain.pipeline_model``).
+the spec, and volunteers import it only when they allow it: ``swarmtrain.pipeline.model``).
 The coordinator reads ``run.toml`` (``tomllib``), validates it, fixes a run id, and signs the
 canonical encoding of the result with its Ed25519 identity: that is the *run spec*. Volunteers
 fetch the spec from the peer named in ``--join`` and check the signature against that peer's id

@@ -1,5 +1,5 @@
 """A user's model for pipeline tests (``[model] factory`` / ``--model-factory``): a small byte
-MLP as an ``nn.Sequential``, the contract of ``swarmtrain.pipeline_model``. Child processes
+MLP as an ``nn.Sequential``, the contract of ``swarmtrain.pipeline.model``. Child processes
 import it as ``tests.pipeline_user_model`` with the repository root on PYTHONPATH."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """How we know results are honest: reproducible operators (RepOps), commitments, the Verde dispute
 game and its referee.
 
-``verify.repops`` and ``verify.trace`` import no networking. The dispute game (``verify.dispute``,
-its messages in ``verify.dispute_wire``) is a sans-IO state machine; its trio driver over ``p2p``
-is ``verify.dispute_driver`` (``serve_provider``, ``run_referee``). ``verify.trace`` is the
-contract between the two halves: what a traced step records, how tensors and states are hashed.
-This package imports nothing of ``diloco`` or ``swarm``.
+``verify.repops.step`` and ``verify.trace`` import no networking. The dispute game
+(``verify.dispute.game``, its messages in ``verify.dispute.wire``) is a sans-IO state machine; its
+trio driver over ``p2p`` is ``verify.dispute.driver`` (``serve_provider``, ``run_referee``).
+``verify.trace`` is the contract between the two halves: what a traced step records, how tensors
+and states are hashed. This package imports nothing of ``diloco`` or ``swarm``.
 """
 
 from verify.commit import (
@@ -18,7 +18,7 @@ from verify.commit import (
     verify_consistency,
     verify_proof,
 )
-from verify.dispute import (
+from verify.dispute.game import (
     Answered,
     Failed,
     Finish,
@@ -28,8 +28,8 @@ from verify.dispute import (
     Timeout,
     Verdict,
 )
-from verify.provider import Provider
-from verify.repops import (
+from verify.dispute.provider import Provider
+from verify.repops.step import (
     DEFAULT_SHAPE,
     AdamWConfig,
     ModelShape,

@@ -90,6 +90,7 @@ class TracedStep(Protocol):
 
 
 class Recompute(Protocol):
-    """The referee's one-operator recomputation: ``verify.repops.run_op`` has this signature."""
+    """The referee's one-operator recomputation: ``verify.repops.step.run_op`` has this
+    signature."""
 
     def __call__(self, name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray: ...

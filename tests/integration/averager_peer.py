@@ -45,8 +45,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, NodeConfig, PeerID, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression
-from swarm import allreduce_session as session_module
-from swarm.allreduce import SendPart, SendReduced
+from swarm.averaging import session as session_module
+from swarm.averaging.allreduce import SendPart, SendReduced
 
 
 def vector(seed: int, numel: int) -> np.ndarray:

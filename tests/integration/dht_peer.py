@@ -30,9 +30,9 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
-from p2p.dht import Dht, dht_key
+from p2p.dht.kademlia import Dht, dht_key
+from p2p.dht.records import encode_record_set, peer_id_from_public_key
 from p2p.host import Host, HostConfig, open_host
-from p2p.records import encode_record_set, peer_id_from_public_key
 
 
 def _forgeries(dht: Dht, key: str, victim: bytes, value: bytes) -> list[bytes]:

@@ -3,8 +3,8 @@
     python tests/integration/dispute_peer.py --steps S [--layers L] [--cheat-step K --cheat-op J]
         [--silent-on QUERY] [--oversize-on QUERY]
 
-Runs the toy task (``verify.toytask``, data seed 5, start weights from seed 1), commits, serves
-the dispute protocols and prints one line ``READY <multiaddr>``. ``--silent-on OpOpenQuery``
+Runs the toy task (``verify.dispute.toytask``, data seed 5, start weights from seed 1), commits,
+serves the dispute protocols and prints one line ``READY <multiaddr>``. ``--silent-on OpOpenQuery``
 makes it never answer that query type (a provider that goes silent mid-dispute);
 ``--oversize-on`` answers it with a frame header announcing 2 GiB. Logs go to stderr. Runs
 until Ctrl+C.
@@ -23,10 +23,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, Message, PeerID, RpcStream, Stream, open_host, serve_unary
 from verify.commit import TaskSpec
-from verify.dispute_driver import serve_provider
-from verify.dispute_wire import QUERY_TYPES
-from verify.provider import Provider
-from verify.toytask import ToyTask
+from verify.dispute.driver import serve_provider
+from verify.dispute.provider import Provider
+from verify.dispute.toytask import ToyTask
+from verify.dispute.wire import QUERY_TYPES
 from verify.trace import state_hash
 
 DATA_SEED = 5

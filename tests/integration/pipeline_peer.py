@@ -1,7 +1,7 @@
 """A pipeline role (stage server or trainer) in its own process, with an optional fault.
 
 ``python pipeline_peer.py _server|_trainer [role options] [--fault SPEC]`` runs exactly what
-``swarmtrain.pipeline_local`` runs for that role (same options, same JSON event lines), after
+``swarmtrain.pipeline.local`` runs for that role (same options, same JSON event lines), after
 installing the fault, which then happens for real in this process:
 
     kill-after-forwards:N   SIGKILL ourselves inside our (N+1)th forward: the request has arrived,
@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-from swarm.stage_server import StageServer
-from swarmtrain.pipeline_local import role_main
+from swarm.pipeline.server import StageServer
+from swarmtrain.pipeline.local import role_main
 
 
 def install_fault(spec: str) -> None:

@@ -21,8 +21,8 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from p2p import join_addr, load_or_create_identity, open_node
-from swarmtrain.coordinator import serve_spec
-from swarmtrain.relay import RelayOptions, relay_node_config
+from swarmtrain.commands.coordinator import serve_spec
+from swarmtrain.commands.relay import RelayOptions, relay_node_config
 from swarmtrain.runspec import RunConfig, RunSpec, sign_spec
 
 

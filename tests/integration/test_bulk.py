@@ -16,7 +16,7 @@ import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p.bulk import (
+from p2p.bulk.channel import (
     PACED_CONGESTION_CONTROL,
     PROTOCOL,
     TCP_CONGESTION,
@@ -30,7 +30,7 @@ from p2p.bulk import (
     send_array,
     send_bulk,
 )
-from p2p.bulk_frames import (
+from p2p.bulk.frames import (
     FRAME_HEADER_BYTES,
     HELLO_BYTES,
     Accept,
@@ -222,7 +222,7 @@ async def _rejected(port: int, data: bytes, *, hang_up: bool = False) -> None:
 async def test_unauthenticated_connections_rejected_and_listener_keeps_serving(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="p2p.bulk_listener")
+    caplog.set_level(logging.WARNING, logger="p2p.bulk.listener")
     key, wrong_key, transfer_id = os.urandom(32), os.urandom(32), os.urandom(16)
     with trio.fail_after(TEST_DEADLINE_S):
         async with two_peers() as peers:
@@ -345,7 +345,7 @@ async def test_listener_caps_connections_waiting_for_their_hello() -> None:
 async def test_torch_tensors_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
     import torch
 
-    from p2p.bulk import receive_tensor, send_tensor
+    from p2p.bulk.channel import receive_tensor, send_tensor
 
     generator = torch.Generator().manual_seed(3)
     tensor = (torch.randn(shape, generator=generator) * 100).to(getattr(torch, dtype))

@@ -173,7 +173,7 @@ def test_a_frozen_peer_named_suspect_is_skipped_by_lookups(swarm: list[Peer]) ->
     answer. (Last in the module: the frozen peer stays suspect for a while.)"""
     from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 
-    from p2p.dht import DhtConfig, dht_key
+    from p2p.dht.kademlia import DhtConfig, dht_key
 
     victim, writer, reader = swarm[8], swarm[1], swarm[7]
     ids = [p.peer_id for p in swarm]

@@ -16,9 +16,9 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, NodeConfig, open_node
-from p2p.dialback import ask_for_dialbacks
+from p2p.nat.dialback import ask_for_dialbacks
+from p2p.nat.reachability import Reachability, decide_reachability
 from p2p.node import join_addr
-from p2p.reachability import Reachability, decide_reachability
 
 
 def relay_config() -> NodeConfig:
@@ -59,7 +59,7 @@ async def test_a_node_on_the_wildcard_address_and_a_random_port_is_found_public(
                 assert verdict.confirmed_addrs == (f"/ip4/127.0.0.1/tcp/{port}",), verdict
                 assert node.relay_addrs() == []  # a public node reserves no relay slot
                 assert node.bulk_listener is not None and node.bulk_listener.port > 0
-    helper_said = [r.getMessage() for r in caplog.records if r.name == "p2p.dialback"]
+    helper_said = [r.getMessage() for r in caplog.records if r.name == "p2p.nat.dialback"]
     assert any(
         f"dial-back for {node.host.peer_id} seen at 127.0.0.1" in line
         and f"/ip4/127.0.0.1/tcp/{port} ok" in line
@@ -96,7 +96,7 @@ async def test_a_failed_dial_back_says_what_was_dialed_and_why(
     verdict = decide_reachability(reports)
     assert verdict.status is Reachability.PRIVATE
     assert f"/ip4/127.0.0.1/tcp/{closed_port}: " in verdict.reason, verdict.reason
-    helper_said = [r.getMessage() for r in caplog.records if r.name == "p2p.dialback"]
+    helper_said = [r.getMessage() for r in caplog.records if r.name == "p2p.nat.dialback"]
     line = next(s for s in helper_said if f"dial-back for {asker.host.peer_id}" in s)
     assert "seen at 127.0.0.1: asked for 2 address(es)" in line, line
     assert re.search(f"/ip4/127.0.0.1/tcp/{closed_port} .*refused", line, re.IGNORECASE), line

@@ -11,12 +11,12 @@ import sys
 import torch
 from peerproc import ROOT
 
-from swarmtrain.verify_cmd import _repops, _task
-from verify.provider import Provider
+from swarmtrain.commands.verify import _repops, _task
+from verify.dispute.provider import Provider
 
 
 def verify_json(*args: str) -> dict:
-    argv = [sys.executable, "-m", "swarmtrain.verify_cmd", "verify", "--tiny", "--json", *args]
+    argv = [sys.executable, "-m", "swarmtrain.commands.verify", "verify", "--tiny", "--json", *args]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -19,9 +19,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from peerproc import PeerProcess, python_argv
 
 from p2p import HostConfig, PeerID, open_host
-from verify.dispute import Referee, RefereeConfig
-from verify.dispute_driver import DisputeOutcome, run_referee
-from verify.toytask import run_op
+from verify.dispute.driver import DisputeOutcome, run_referee
+from verify.dispute.game import Referee, RefereeConfig
+from verify.dispute.toytask import run_op
 
 STEPS = 6
 PROVIDERS = {

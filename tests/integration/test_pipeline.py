@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from p2p import HostConfig, NodeConfig, load_or_create_identity, open_node
-from swarmtrain.pipeline_local import (
+from swarmtrain.pipeline.local import (
     Child,
     pipeline_status,
     role_argv,

@@ -36,10 +36,10 @@ from p2p import (
     open_node,
 )
 from p2p.host import Host
+from p2p.nat.reservations import ReservationPolicy
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
-from p2p.reservations import ReservationPolicy
 
-# Short waits so a lost slot is re-made in about a second; the rule itself is p2p.reservations'.
+# Short waits so a lost slot is re-made in about a second; the rule itself is p2p.nat.reservations'.
 FAST = ReservationPolicy(
     retry_initial_s=0.25, retry_max_s=1.0, max_refresh_interval_s=2.0, min_refresh_interval_s=0.5
 )

@@ -13,7 +13,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, Node, NodeConfig, RpcStream, join_addr, open_node
-from swarmtrain.state_sync import (
+from swarmtrain.membership.state_sync import (
     PROTOCOL,
     StateRangeRefused,
     StateRangeRequest,
@@ -21,7 +21,7 @@ from swarmtrain.state_sync import (
     download_state,
     node_fetcher,
 )
-from swarmtrain.state_sync_plan import MIN_PIECE_BYTES
+from swarmtrain.membership.state_sync_plan import MIN_PIECE_BYTES
 
 RUN = "sync-test"
 LOOPBACK = ("/ip4/127.0.0.1/tcp/0",)

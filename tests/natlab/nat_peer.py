@@ -15,8 +15,8 @@ one JSON object per line, answering each with one line:
     {"cmd": "ping", "peer_id": ID, "addrs": [MULTIADDR]} -> {"event": "ping", "peer_id", "ok",
                                                             "direct", "kind", "rtt_ms", "error"}
 
-End of stdin ends the process (exit 0). This drives ``p2p.nat`` directly; ``swarmtrain doctor``
-covers the one-shot version of the same checks.
+End of stdin ends the process (exit 0). This drives ``p2p.nat.traversal`` directly; ``swarmtrain
+doctor`` covers the one-shot version of the same checks.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from p2p.errors import P2PError
 from p2p.host import HostConfig, open_host
-from p2p.nat import (
+from p2p.nat.traversal import (
     NatConfig,
     NatService,
     advertised_addrs,

@@ -3,8 +3,8 @@
 Before: a relay that restarted (same identity, same address) forgot every reservation, and a peer
 behind a NAT stayed unreachable through it (``Relay connection failed with status 204``) until
 0.8.1's refresher ran, 30 s before the old slot's hour was up. Now the peer reserves again once
-its connection to the relay closes (``p2p.reservations``), so a third peer reaches it through the
-same ``/p2p-circuit`` address seconds after the relay is back.
+its connection to the relay closes (``p2p.nat.reservations``), so a third peer reaches it through
+the same ``/p2p-circuit`` address seconds after the relay is back.
 
 Topology (natlab.sh): ``swarmtrain relay`` on pub, a public doctor on c (a second DHT server, so
 B's address record outlives the relay's memory), B behind a symmetric NAT (reachable only

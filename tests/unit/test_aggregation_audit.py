@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_allreduce import FakeNetwork, build, make_vectors, round_setup
 
 from p2p import RecordSigner, verify_peer_signature
-from swarm.aggregation_audit import (
+from swarm.averaging.audit import (
     MAX_AUDIT_RECORD_BYTES,
     MAX_AUDITED_PARTS,
     AuditRecord,

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p import LocalProtocolError, RemoteProtocolError
-from swarm.allreduce import (
+from swarm.averaging.allreduce import (
     AllReduce,
     AllReduceState,
     DeadlineReached,
@@ -29,7 +29,7 @@ from swarm.allreduce import (
     partition,
     reduce_part,
 )
-from swarm.buffers import BufferPool
+from swarm.averaging.buffers import BufferPool
 
 
 def peer_ids(n: int) -> list[bytes]:

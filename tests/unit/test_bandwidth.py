@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm.bandwidth import MAX_BPS, MIN_BPS, SLACK, BandwidthEstimate, share_weights
+from swarm.averaging.bandwidth import MAX_BPS, MIN_BPS, SLACK, BandwidthEstimate, share_weights
 
 
 def test_noise_within_the_slack_never_changes_the_declaration() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from swarm.buffers import BufferPool
+from swarm.averaging.buffers import BufferPool
 
 
 def test_a_free_buffer_is_lent_again_and_a_held_one_never() -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.bulk_frames import (
+from p2p.bulk.frames import (
     FRAME_HEADER_BYTES,
     HELLO_BYTES,
     MAX_CONTROL_BYTES,

@@ -1,8 +1,9 @@
-"""``swarm.channel_pool``: which kept data channels a round may borrow, and which are closed."""
+"""``swarm.averaging.channel_pool``: which kept data channels a round may borrow, and which are
+closed."""
 
 from __future__ import annotations
 
-from swarm.channel_pool import MAX_IDLE_PER_SENDER, ChannelPool, Direction
+from swarm.averaging.channel_pool import MAX_IDLE_PER_SENDER, ChannelPool, Direction
 
 A, B = b"peer-a", b"peer-b"
 

@@ -28,7 +28,7 @@ from verify.commit import (
     verify_consistency,
     verify_proof,
 )
-from verify.toytask import ToyTask
+from verify.dispute.toytask import ToyTask
 from verify.trace import OpRecord, canonical_bytes, state_hash, tensor_hash
 
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from p2p import RemoteProtocolError
-from swarm.compression import (
+from swarm.averaging.codec import (
     INT8_BLOCK_SIZE,
     Compression,
     choose,

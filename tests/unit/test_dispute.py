@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from p2p import LocalProtocolError, Message, RemoteProtocolError, decode, encode
 from verify.commit import MerkleTree, StepLeaf, StepTrace, TaskSpec, record_leaf
-from verify.dispute import (
+from verify.dispute.game import (
     Answered,
     Failed,
     Finish,
@@ -33,7 +33,9 @@ from verify.dispute import (
     Timeout,
     Verdict,
 )
-from verify.dispute_wire import (
+from verify.dispute.provider import Provider
+from verify.dispute.toytask import ToyTask, flip_low_bit, run_op
+from verify.dispute.wire import (
     ANSWER_TYPES,
     OpOpenAnswer,
     OpOpenQuery,
@@ -43,8 +45,6 @@ from verify.dispute_wire import (
     StepOpenQuery,
     StepPrefixQuery,
 )
-from verify.provider import Provider
-from verify.toytask import ToyTask, flip_low_bit, run_op
 from verify.trace import OpRecord, StepResult, state_hash, tensor_hash
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -411,7 +411,7 @@ def test_a_false_final_state_hash_with_true_steps_loses() -> None:
     def lie(q: Message, a: Message) -> Message:
         return dataclasses.replace(a, final_state_hash=bytes(32))
 
-    from verify.dispute_wire import CommitmentQuery
+    from verify.dispute.wire import CommitmentQuery
 
     game = play(5, meddle={CommitmentQuery: lie})
     assert game.verdict.cheaters == (1,) and game.verdict.step == 4
@@ -434,7 +434,7 @@ def test_an_oversized_opening_is_refused_by_its_limit() -> None:
 
 def test_the_machine_is_sans_io() -> None:
     forbidden = {"trio", "libp2p", "socket", "time", "random", "asyncio", "threading"}
-    for rel in ("verify/dispute.py", "verify/commit.py", "verify/dispute_wire.py"):
+    for rel in ("verify/dispute/game.py", "verify/commit.py", "verify/dispute/wire.py"):
         tree = ast.parse((ROOT / rel).read_text())
         names = {
             alias.name.split(".")[0]

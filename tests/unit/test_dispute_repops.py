@@ -1,5 +1,6 @@
 """The dispute game on the real RepOps step (a small model of the default architecture): one
-tampered record of every operator kind is found, and ``verify.repops.run_op`` recomputes it from
+tampered record of every operator kind is found, and ``verify.repops.step.run_op`` recomputes it
+from
 the tensors as they travel (canonical bytes decoded by the referee)."""
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ import math
 import pytest
 
 from verify.commit import TaskSpec
-from verify.dispute import Answered, Finish, Referee, RefereeConfig
-from verify.provider import Provider
+from verify.dispute.game import Answered, Finish, Referee, RefereeConfig
+from verify.dispute.provider import Provider
 from verify.trace import state_hash, tensor_hash
 
-repops = pytest.importorskip("verify.repops")
+repops = pytest.importorskip("verify.repops.step")
 SHAPE = repops.ModelShape(d_model=16, n_layers=1, n_heads=2, context=8)
 CORPUS = bytes(range(256)) * 4
 STEPS = 2

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from swarmtrain.doctor import _address_mismatch_hints
+from swarmtrain.commands.doctor import _address_mismatch_hints
 
 
 def test_second_public_address_gets_a_hint_naming_both() -> None:

@@ -46,30 +46,65 @@ def test_other_packages_use_only_the_public_face_of_p2p() -> None:
     assert not offenders, offenders
 
 
+# Torch drivers imported from their modules, so that importing their package imports no torch.
+FACE_EXCEPTIONS = {"swarm.pipeline.server", "swarm.pipeline.trainer"}
+
+
+def test_other_packages_use_only_the_faces_of_swarm_verify_and_diloco() -> None:
+    """Outside a package, imports name the package or one of its folders (``swarm.averaging``,
+    ``verify.dispute``), whose ``__init__`` is the face; a module file inside it is refused."""
+    offenders = []
+    for package in ("swarm", "verify", "diloco"):
+        for outside in LAYER.keys() - {package}:
+            for path in (ROOT / outside).rglob("*.py"):
+                tree = ast.parse(path.read_text(), filename=str(path))
+                for node in ast.walk(tree):
+                    if not isinstance(node, ast.ImportFrom) or node.level != 0:
+                        continue
+                    module = node.module or ""
+                    if not module.startswith(package + ".") or module in FACE_EXCEPTIONS:
+                        continue
+                    if not (ROOT / module.replace(".", "/") / "__init__.py").exists():
+                        offenders.append(f"{path.relative_to(ROOT)}: from {module} import")
+    assert not offenders, offenders
+
+
+def test_every_folder_is_a_package_with_a_docstring() -> None:
+    """Each folder of a layer holds one idea, which its ``__init__`` docstring names."""
+    for package in LAYER:
+        for folder in [ROOT / package, *(ROOT / package).rglob("*/")]:
+            if folder.name == "__pycache__" or not any(folder.glob("*.py")):
+                continue
+            init = folder / "__init__.py"
+            assert init.exists(), f"{folder.relative_to(ROOT)} has no __init__.py"
+            assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
 # Protocol decisions live in sans-IO modules: no event loop, sockets, clocks or randomness.
 SANS_IO = [
     "p2p/wire.py",
     "p2p/tensors.py",
-    "p2p/records.py",
-    "p2p/reachability.py",
-    "p2p/bulk_frames.py",
-    "p2p/reservations.py",
-    "swarm/compression.py",
-    "swarm/payload.py",
-    "swarm/matchmaking.py",
-    "swarm/allreduce.py",
-    "swarm/aggregation_audit.py",
-    "swarm/bandwidth.py",
-    "swarm/pipeline_records.py",
-    "swarm/pipeline_routing.py",
-    "swarm/rebalance.py",
+    "p2p/dht/records.py",
+    "p2p/nat/reachability.py",
+    "p2p/bulk/frames.py",
+    "p2p/nat/reservations.py",
+    "swarm/averaging/codec.py",
+    "swarm/averaging/payload.py",
+    "swarm/averaging/matchmaking.py",
+    "swarm/averaging/allreduce.py",
+    "swarm/averaging/audit.py",
+    "swarm/averaging/bandwidth.py",
+    "swarm/pipeline/records.py",
+    "swarm/pipeline/routing.py",
+    "swarm/pipeline/rebalance.py",
     "verify/trace.py",
     "verify/commit.py",
-    "verify/dispute.py",
-    "verify/dispute_wire.py",
-    "swarmtrain/state_sync_plan.py",
-    "swarmtrain/progress.py",
-    "swarmtrain/verify_plan.py",
+    "verify/dispute/game.py",
+    "verify/dispute/wire.py",
+    "swarmtrain/membership/state_sync_plan.py",
+    "swarmtrain/membership/progress.py",
+    "swarmtrain/membership/plan.py",
+    "swarmtrain/verified/plan.py",
 ]
 FORBIDDEN_IN_SANS_IO = {"trio", "libp2p", "socket", "time", "random", "asyncio", "threading"}
 

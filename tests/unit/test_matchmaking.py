@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from p2p import LocalProtocolError, RemoteProtocolError
-from swarm.matchmaking import (
+from swarm.averaging.matchmaking import (
     DeadlineReached,
     Declaration,
     DeclarationsReread,
@@ -44,7 +44,7 @@ def partition(groups) -> set[frozenset[bytes]]:
 
 
 def test_module_is_sans_io() -> None:
-    path = Path(__file__).resolve().parents[2] / "swarm" / "matchmaking.py"
+    path = Path(__file__).resolve().parents[2] / "swarm" / "averaging" / "matchmaking.py"
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):

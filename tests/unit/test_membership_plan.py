@@ -1,4 +1,4 @@
-"""The pure membership rules (``swarmtrain.membership_plan``): whom a peer whose round failed
+"""The pure membership rules (``swarmtrain.membership.plan``): whom a peer whose round failed
 alone waits for, what it adopts, the schedule bound, and the live-holder choice."""
 
 from __future__ import annotations
@@ -6,14 +6,14 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmtrain.membership_plan import (
+from swarmtrain.membership.plan import (
     Verdict,
     after_failed_round,
     states_newest_first,
     swarm_ahead,
     wait_budget_s,
 )
-from swarmtrain.progress import Progress
+from swarmtrain.membership.progress import Progress
 
 ROUNDS = 10
 NOW = 1000.0

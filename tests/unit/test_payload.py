@@ -1,4 +1,4 @@
-"""Per-tensor codecs over slices of the flat vector (swarm.payload.Layout): no sockets."""
+"""Per-tensor codecs over slices of the flat vector (swarm.averaging.payload.Layout): no sockets."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from p2p import RemoteProtocolError
 from swarm import Compression
-from swarm.compression import wire_bytes
-from swarm.payload import Layout
+from swarm.averaging.codec import wire_bytes
+from swarm.averaging.payload import Layout
 
 CODECS = list(Compression)
 

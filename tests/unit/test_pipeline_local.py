@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from diloco import ByteTransformer
-from swarm.pipeline_records import param_digest
-from swarmtrain.pipeline_local import cut_stages, model_config, stage_builder
+from swarm.pipeline.records import param_digest
+from swarmtrain.pipeline.local import cut_stages, model_config, stage_builder
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 4])

@@ -10,10 +10,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm.pipeline_records import param_digest
-from swarmtrain.coordinator import join_lines
-from swarmtrain.node import NodeOptions
-from swarmtrain.pipeline_model import (
+from swarm.pipeline.records import param_digest
+from swarmtrain.commands.coordinator import join_lines
+from swarmtrain.commands.node import NodeOptions
+from swarmtrain.pipeline.model import (
     ModelContractError,
     ModelRefused,
     SpecRefused,
@@ -23,8 +23,8 @@ from swarmtrain.pipeline_model import (
     cut_model,
     layers_of,
 )
-from swarmtrain.pipeline_node import server_settings
-from swarmtrain.pipeline_roles import stage_builder
+from swarmtrain.pipeline.node import server_settings
+from swarmtrain.pipeline.roles import stage_builder
 from swarmtrain.runspec import RunConfig
 
 FACTORY = "pipeline_user_model:build"  # tests/ is on pytest's path

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarm.pipeline_records import param_digest
-from swarmtrain.pipeline_node import (
+from swarm.pipeline.records import param_digest
+from swarmtrain.commands.status import StatusReport
+from swarmtrain.pipeline.node import (
     PipelineSummary,
     describe,
     empty_stage_move,
@@ -18,10 +19,9 @@ from swarmtrain.pipeline_node import (
     server_settings,
     trainer_settings,
 )
-from swarmtrain.pipeline_progress import TrainerProgress
-from swarmtrain.pipeline_roles import shape_of, stage_builder
+from swarmtrain.pipeline.progress import TrainerProgress
+from swarmtrain.pipeline.roles import shape_of, stage_builder
 from swarmtrain.runspec import RunConfig, RunSpec
-from swarmtrain.status import StatusReport
 
 CONFIG = RunConfig(
     run_id="p1",

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from p2p import LocalProtocolError, RemoteProtocolError
-from swarm.pipeline_records import (
+from swarm.pipeline.records import (
     ServerAnnouncement,
     decode_announcement,
     decode_announcements,
@@ -23,7 +23,7 @@ from swarm.pipeline_records import (
     param_digest,
     servers_key,
 )
-from swarm.pipeline_routing import (
+from swarm.pipeline.routing import (
     Backward,
     ComputeLoss,
     DeadlineReached,
@@ -49,7 +49,7 @@ def server(i: int, stage: int, throughput: float = 10.0, queue: int = 0, relayed
 
 
 @pytest.mark.parametrize(
-    "rel", ["swarm/pipeline_records.py", "swarm/pipeline_routing.py", "swarm/rebalance.py"]
+    "rel", ["swarm/pipeline/records.py", "swarm/pipeline/routing.py", "swarm/pipeline/rebalance.py"]
 )
 def test_module_is_sans_io(rel: str) -> None:
     names = set()

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from p2p import RemoteProtocolError, decode, encode
-from swarm.pipeline_wire import (
+from swarm.pipeline.wire import (
     BackwardReply,
     BackwardRequest,
     ForwardReply,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p.dialback import describe_dial_error
 from p2p.errors import RemoteProtocolError
-from p2p.reachability import (
+from p2p.nat.dialback import describe_dial_error
+from p2p.nat.reachability import (
     MAX_DIALBACK_ADDRS,
     DialBackRequest,
     DialBackResponse,
@@ -200,7 +200,7 @@ def test_garbage_is_a_remote_protocol_error(data: bytes) -> None:
 
 
 def test_decision_module_is_sans_io() -> None:
-    source = Path(__file__).parents[2] / "p2p" / "reachability.py"
+    source = Path(__file__).parents[2] / "p2p" / "nat" / "reachability.py"
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):

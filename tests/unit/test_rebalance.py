@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarm.pipeline_records import ServerAnnouncement
-from swarm.rebalance import (
+from swarm.pipeline.rebalance import (
     Move,
     RebalanceConfig,
     plan_move,
@@ -16,6 +15,7 @@ from swarm.rebalance import (
     stage_ratio,
     stage_status,
 )
+from swarm.pipeline.records import ServerAnnouncement
 
 HASH = b"\x00" * 32
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2p.bulk_io import ReceiveBudget, lazy_buffer
+from p2p.bulk.transfer import ReceiveBudget, lazy_buffer
 from p2p.errors import RemoteProtocolError
 
 

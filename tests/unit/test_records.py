@@ -10,8 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.errors import RemoteProtocolError
-from p2p.records import (
+from p2p.dht.records import (
     MAX_RECORD_SET_BYTES,
     MAX_VALUE_BYTES,
     RecordRejected,
@@ -26,6 +25,7 @@ from p2p.records import (
     validate_record,
     verify_peer_signature,
 )
+from p2p.errors import RemoteProtocolError
 
 NOW = 1_700_000_000.0
 KEY = b"run/alpha/members"
@@ -226,7 +226,7 @@ def test_bit_flips_never_validate_as_someone_else(records: list[SignedRecord], d
 
 
 def test_kad_select_accepts_any_value_that_adds_a_freshest_entry() -> None:
-    from p2p.dht import SubkeyDictValidator
+    from p2p.dht.kademlia import SubkeyDictValidator
 
     select = SubkeyDictValidator().select
     key = KEY.decode()
@@ -243,7 +243,7 @@ def test_kad_select_accepts_any_value_that_adds_a_freshest_entry() -> None:
 def test_merging_value_store_keeps_every_owner_and_drops_expired() -> None:
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
-    from p2p.dht import MergingValueStore
+    from p2p.dht.kademlia import MergingValueStore
 
     store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
     key = b"/swarmtrain/members"
@@ -277,7 +277,7 @@ def test_a_signed_message_verifies_against_the_signers_peer_id_only() -> None:
 
 
 def test_a_record_that_expires_beyond_the_maximum_lifetime_is_refused() -> None:
-    from p2p.records import MAX_RECORD_LIFETIME_S
+    from p2p.dht.records import MAX_RECORD_LIFETIME_S
 
     now = time.time()
     key = b"/swarmtrain/k"
@@ -290,7 +290,7 @@ def test_a_record_that_expires_beyond_the_maximum_lifetime_is_refused() -> None:
 def test_the_store_holds_at_most_an_owners_quota_and_frees_it_when_entries_go() -> None:
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
-    from p2p.dht import MergingValueStore, StorageLimits
+    from p2p.dht.kademlia import MergingValueStore, StorageLimits
 
     limits = StorageLimits(max_entries_per_owner=4, max_bytes_per_owner=3 * 1400, max_bytes=10**6)
     store = MergingValueStore(host=None, local_peer_id=None, limits=limits)  # type: ignore[arg-type]

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from diloco.model import ByteTransformer, ByteTransformerConfig
 from diloco.outer import nesterov_update
-from verify import reference
-from verify import repops_ops as ops
-from verify.repops import (
+from verify.repops import ops, reference
+from verify.repops.graph import AdamWConfig, ModelShape, decode_attrs, encode_attrs
+from verify.repops.step import (
     RepOpsStep,
     batch_for,
     gradients,
@@ -26,7 +26,6 @@ from verify.repops import (
     step_loss,
     train_step,
 )
-from verify.repops_graph import AdamWConfig, ModelShape, decode_attrs, encode_attrs
 from verify.trace import state_hash, tensor_hash
 
 CORPUS = bytes(range(256)) * 8 + b"the quick brown fox jumps over the lazy dog\n" * 40

@@ -1,4 +1,4 @@
-"""The compiled RepOps kernels (verify/repops_native.c) give exactly the bits of the eager torch
+"""The compiled RepOps kernels (verify/repops/native.c) give exactly the bits of the eager torch
 kernels they replace, on every layout and value the step can produce, and fall back to them on
 values the C code leaves alone (NaN, infinity) or when no compiler is there."""
 
@@ -13,10 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verify import repops_native as native
-from verify import repops_ops as ops
-from verify.repops import RepOpsStep, init_params
-from verify.repops_graph import ModelShape
+from verify.repops import native, ops
+from verify.repops.graph import ModelShape
+from verify.repops.step import RepOpsStep, init_params
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CORPUS = bytes(range(256)) * 4 + b"reproducible operators, fused\n" * 30

@@ -1,4 +1,4 @@
-"""The relay reservation rule (``p2p.reservations``): refresh, re-reserve, backoff, dormancy."""
+"""The relay reservation rule (``p2p.nat.reservations``): refresh, re-reserve, backoff, dormancy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2p.reservations import ReservationKeeper, ReservationPolicy, SlotState
+from p2p.nat.reservations import ReservationKeeper, ReservationPolicy, SlotState
 
 POLICY = ReservationPolicy(
     refresh_fraction=2 / 3,

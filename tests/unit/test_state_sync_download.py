@@ -10,8 +10,8 @@ from collections.abc import Hashable
 import pytest
 import trio
 
-from swarmtrain.state_sync import StateSyncFailed, download_state, state_hash_of
-from swarmtrain.state_sync_plan import Piece
+from swarmtrain.membership.state_sync import StateSyncFailed, download_state, state_hash_of
+from swarmtrain.membership.state_sync_plan import Piece
 
 PIECE = 1000
 

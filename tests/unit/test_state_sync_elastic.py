@@ -14,10 +14,10 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
 from p2p import PeerID
-from swarmtrain.elastic import Elastic
-from swarmtrain.progress import Progress, join_key, progress_key
-from swarmtrain.state_sync import StateServer
-from swarmtrain.state_sync_plan import Piece
+from swarmtrain.membership.elastic import Elastic
+from swarmtrain.membership.progress import Progress, join_key, progress_key
+from swarmtrain.membership.state_sync import StateServer
+from swarmtrain.membership.state_sync_plan import Piece
 
 RUN = "r"
 SHAPE = ByteTransformerConfig(d_model=8, n_layers=1, n_heads=2, context=8)

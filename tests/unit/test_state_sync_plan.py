@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from swarmtrain.state_sync_plan import (
+from swarmtrain.membership.state_sync_plan import (
     MAX_PIECE_BYTES,
     MIN_PIECE_BYTES,
     Piece,

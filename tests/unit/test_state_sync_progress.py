@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from swarmtrain.progress import Progress, agreed_state, decode_all
+from swarmtrain.membership.progress import Progress, agreed_state, decode_all
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 

@@ -6,10 +6,10 @@ import msgpack
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import PeerID
-from swarmtrain.progress import Progress
+from swarmtrain.commands.status import StatusReport
+from swarmtrain.membership.progress import Progress
 from swarmtrain.runspec import RunConfig, RunSpec
-from swarmtrain.status import StatusReport
-from swarmtrain.verify_plan import AGGREGATION, Verdict
+from swarmtrain.verified.plan import AGGREGATION, Verdict
 
 
 def _peer() -> bytes:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from swarmtrain.verify_plan import (
+from swarmtrain.verified.plan import (
     AGGREGATION,
     MAX_AUDIT_RESULTS,
     MAX_CLAIMS,

@@ -40,8 +40,8 @@ for _package in ("p2p", "swarm", "verify", "swarmtrain"):
     for _module in pkgutil.iter_modules(importlib.import_module(_package).__path__):
         importlib.import_module(f"{_package}.{_module.name}")
 
-from swarm import pipeline_wire  # noqa: E402  (imported above; named for the strategies)
-from swarmtrain import state_sync  # noqa: E402
+from swarm.pipeline import wire as pipeline_wire  # noqa: E402  (imported above; named for the strategies)
+from swarmtrain.membership import state_sync  # noqa: E402
 
 
 def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:

@@ -1,0 +1,299 @@
+"""Auditable aggregation: what a reducer says it summed, and a referee's recomputation of a part.
+
+With exact (lossless) averaging, a reduced part is a pure function of its inputs
+(``allreduce.reduce_part``: contributors' slices and weights, summed in sorted peer order in
+float64). So a reducer can commit to a part by publishing, per part it reduced, each input's
+SHA-256 with its weight and the output's SHA-256 (``PartAudit``, from ``audits_of`` after the
+round). A referee that fetches the slices from their contributors checks them against the input
+hashes and recomputes the part (``recheck``):
+
+* inputs match, output differs: the reducer cheated (its sum is wrong);
+* an input's claimed hash carries no valid signature of its contributor: the reducer claims to
+  have summed something nobody sent (every slice travels with its sender's Ed25519 signature over
+  ``proof_message``: run, round, group, part, weight, slice hash, and the reducer checked it on
+  receipt);
+* a contributor serves the referee a slice other than the one it signed: that contributor lies.
+
+``audited`` draws which parts a referee checks: SHA-256 of (run, round, group, part) under a
+rate, so every member knows which results to wait for. ``encode_audits``/``decode_audits`` are
+a member's published ``AuditRecord`` (sizes bounded; garbage decodes to None).
+
+Pure: no IO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import msgpack
+import numpy as np
+
+from swarm.averaging.allreduce import AllReduce, reduce_part
+
+VERSION = 1
+MAX_AUDIT_RECORD_BYTES = 15872  # under p2p.dht.records.MAX_VALUE_BYTES (16 KiB)
+MAX_PARTS = 256
+# Parts per round the audit covers: a member's record lists every part's reducer (~40 bytes) and
+# each of its own parts' inputs (~150 bytes each, a signature included): under 15.5 KiB with 64
+# members.
+MAX_AUDITED_PARTS = 64
+MAX_INPUTS = 256
+_SLICE_TAG = b"swarmtrain/slice/1"
+_PROOF_TAG = b"swarmtrain/slice-proof/1"
+MAX_PROOF_BYTES = 128
+
+
+def proof_message(
+    run_id: str, round_number: int, group_id: bytes, part: int, weight: float, digest: bytes
+) -> bytes:
+    """What a contributor signs for its slice of ``part``: a reducer cannot claim to have summed
+    other bytes, or another weight, from it without this signature."""
+    return b"".join(
+        [
+            _PROOF_TAG,
+            len(run_id).to_bytes(4, "little"),
+            run_id.encode(),
+            round_number.to_bytes(8, "little"),
+            len(group_id).to_bytes(4, "little"),
+            group_id,
+            part.to_bytes(4, "little"),
+            np.float64(weight).tobytes(),
+            digest,
+        ]
+    )
+
+
+def slice_hash(values: np.ndarray) -> bytes:
+    """SHA-256 of a float32 slice's little-endian bytes (tagged)."""
+    data = np.ascontiguousarray(values, dtype="<f4")
+    return hashlib.sha256(_SLICE_TAG + memoryview(data).cast("B")).digest()
+
+
+@dataclass(frozen=True)
+class PartAudit:
+    """A reducer's claim about one part: its range, each input (peer, weight, slice hash, the
+    peer's signature over them) in sorted peer order, and the output's hash."""
+
+    part: int
+    start: int
+    stop: int
+    inputs: tuple[tuple[bytes, float, bytes, bytes], ...]
+    output: bytes
+
+    def to_wire(self) -> list[object]:
+        return [self.part, self.start, self.stop, [list(i) for i in self.inputs], self.output]
+
+
+def audits_of(
+    machine: AllReduce,
+    proofs: Mapping[tuple[int, bytes], bytes],
+    digests: Mapping[tuple[int, bytes], bytes] | None = None,
+) -> list[PartAudit]:
+    """The parts ``machine`` reduced itself over the round's final contributor set (call after
+    it finished; the driver must have averaged losslessly, so a part's held values are the
+    reduction itself), with each input's signature from ``proofs[(part, peer)]`` and its hash
+    from ``digests`` (the driver hashed the slices it checked; any other is hashed here)."""
+    digests = digests or {}
+    members = frozenset(machine.members)
+    out = []
+    for p, over in sorted(machine.reduced_here.items()):
+        held = machine.held[p]
+        if held is None or held[1] != over or over != members:
+            continue  # re-reduced elsewhere over another set: not what we hold
+        _, start, stop = machine.parts[p]
+        inputs = tuple(
+            (
+                q,
+                machine.weights[q],
+                digests.get((p, q)) or slice_hash(machine.raw[p][q]),
+                proofs.get((p, q), b""),
+            )
+            for q in sorted(over)
+        )
+        out.append(PartAudit(p, start, stop, inputs, slice_hash(held[0])))
+    return out
+
+
+@dataclass(frozen=True)
+class Ruling:
+    """``ok`` True: the output is the reduction of the claimed inputs. False: someone cheated:
+    ``contributor`` (it serves other bytes than it signed), else the reducer. None: cannot tell
+    (a contributor did not serve its slice)."""
+
+    ok: bool | None
+    reason: str
+    contributor: bytes | None = None
+
+
+ProofCheck = Callable[[bytes, float, bytes, bytes], bool]  # (peer, weight, digest, proof)
+
+
+def recheck(audit: PartAudit, slices: Mapping[bytes, np.ndarray], valid: ProofCheck) -> Ruling:
+    """The referee's ruling on one part, from each contributor's slice as it serves it and
+    ``valid(peer, weight, digest, proof)`` (the signature check of ``proof_message``)."""
+    contributions = {}
+    for peer, weight, digest, proof in audit.inputs:
+        if not valid(peer, weight, digest, proof):
+            return Ruling(False, f"part {audit.part}: an input {peer.hex()[-8:]} never signed")
+        values = slices.get(peer)
+        if values is None:
+            return Ruling(None, f"part {audit.part}: no slice from {peer.hex()[-8:]}")
+        if len(values) != audit.stop - audit.start or slice_hash(values) != digest:
+            why = f"part {audit.part}: {peer.hex()[-8:]} serves other bytes than it signed"
+            return Ruling(False, why, contributor=peer)
+        contributions[peer] = (np.asarray(values, np.float32), weight)
+    if slice_hash(reduce_part(contributions)) != audit.output:
+        return Ruling(False, f"part {audit.part}: the output is not the mean of its inputs")
+    return Ruling(True, f"part {audit.part}: output recomputed, equal")
+
+
+def audited(
+    run_id: str, round_number: int, group_id: bytes, part: int, rate: float, parts: int
+) -> bool:
+    """Whether a referee audits ``part`` of this round's group (probability ``rate``), which has
+    ``parts`` parts in all. A round of more than ``MAX_AUDITED_PARTS`` parts is not audited: a
+    member's record (every part's reducer, and its claims) would outgrow one DHT value."""
+    if rate <= 0 or parts > MAX_AUDITED_PARTS:
+        return False
+    digest = hashlib.sha256(
+        b"swarmtrain/audit/select"
+        + len(run_id).to_bytes(4, "little")
+        + run_id.encode()
+        + round_number.to_bytes(8, "little")
+        + group_id
+        + part.to_bytes(4, "little")
+    ).digest()
+    return int.from_bytes(digest[:8], "little") < rate * 2**64
+
+
+@dataclass(frozen=True)
+class AuditRecord:
+    """What a member publishes after a round: the round, its group, every part's reducer (as
+    this member saw the round end), its claims about the parts it reduced itself, and the parts
+    it disputes (asks a referee to audit, drawn or not)."""
+
+    round: int
+    group_id: bytes
+    reducers: tuple[bytes, ...]
+    audits: tuple[PartAudit, ...]
+    disputed: tuple[int, ...] = ()
+
+
+def split_record(record: AuditRecord) -> list[bytes]:
+    """``record`` encoded as one value, or as several (each with the reducers and disputed parts,
+    and a share of the claims) when one would outgrow a DHT value: a member that took over lost
+    peers' parts may claim many. Raises ValueError only if a single claim is too big."""
+    try:
+        return [encode_audits(record)]
+    except ValueError:
+        if len(record.audits) <= 1:
+            raise
+    half = len(record.audits) // 2
+    return [
+        *split_record(replace(record, audits=record.audits[:half])),
+        *split_record(replace(record, audits=record.audits[half:])),
+    ]
+
+
+def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:
+    """One member's values (``split_record``) joined again: claims by part, disputes united.
+    None when they disagree on the round or group."""
+    if not records:
+        return None
+    first = records[0]
+    if any(r.round != first.round or r.group_id != first.group_id for r in records):
+        return None
+    claims = {a.part: a for r in records for a in r.audits}
+    disputed = sorted({p for r in records for p in r.disputed})
+    return AuditRecord(
+        first.round, first.group_id, first.reducers, tuple(claims.values()), tuple(disputed)
+    )
+
+
+K = TypeVar("K")
+
+
+def records_by_group(
+    values: Iterable[tuple[K, AuditRecord]], round_number: int
+) -> dict[bytes, dict[K, AuditRecord]]:
+    """A read of a round's records, ``(member, record)``, as group id -> member -> its record
+    (each member's values merged: ``split_record``); other rounds' records are left out."""
+    split: dict[tuple[bytes, K], list[AuditRecord]] = {}
+    for member, record in values:
+        if record.round == round_number:
+            split.setdefault((record.group_id, member), []).append(record)
+    groups: dict[bytes, dict[K, AuditRecord]] = {}
+    for (group_id, member), records in split.items():
+        merged = merge_records(records)
+        if merged is not None:
+            groups.setdefault(group_id, {})[member] = merged
+    return groups
+
+
+def contested(record: AuditRecord, me: bytes, mine: Sequence[bytes]) -> list[int]:
+    """Parts whose claim in ``record`` lists an input from ``me`` whose hash is not that of our
+    slice (``mine[part]``): the reducer says it summed something we did not send."""
+    out = []
+    for audit in record.audits:
+        for peer, _, digest, _ in audit.inputs:
+            if peer == me and 0 <= audit.part < len(mine) and digest != mine[audit.part]:
+                out.append(audit.part)
+    return out
+
+
+def encode_audits(record: AuditRecord) -> bytes:
+    """Raises ValueError when over the record limit."""
+    body = [a.to_wire() for a in record.audits]
+    data = msgpack.packb(
+        [
+            VERSION, record.round, record.group_id, list(record.reducers), body,
+            list(record.disputed),
+        ],
+        use_bin_type=True,
+    )  # fmt: skip
+    if len(data) > MAX_AUDIT_RECORD_BYTES:
+        raise ValueError(f"{len(body)} part audits are {len(data)} bytes, over the limit")
+    return data
+
+
+def decode_audits(data: bytes) -> AuditRecord | None:
+    """None for anything malformed."""
+    if len(data) > MAX_AUDIT_RECORD_BYTES:
+        return None
+    try:
+        version, round_number, group_id, reducers, body, disputed = msgpack.unpackb(data, raw=False)
+        if not isinstance(disputed, list) or len(disputed) > MAX_PARTS:
+            return None
+        if not all(type(p) is int and p >= 0 for p in disputed):
+            return None
+        if version != VERSION or type(round_number) is not int or not isinstance(group_id, bytes):
+            return None
+        if not isinstance(body, list) or len(body) > MAX_PARTS:
+            return None
+        if not isinstance(reducers, list) or len(reducers) > MAX_PARTS:
+            return None
+        if not all(isinstance(r, bytes) and 0 < len(r) <= 64 for r in reducers):
+            return None
+        audits = []
+        for part, start, stop, inputs, output in body:
+            if not all(type(x) is int for x in (part, start, stop)) or not 0 <= start <= stop:
+                return None
+            if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS:
+                return None
+            checked = []
+            for peer, weight, digest, proof in inputs:
+                ok = isinstance(peer, bytes) and isinstance(weight, float) and weight > 0
+                if not (ok and isinstance(digest, bytes) and len(digest) == 32):
+                    return None
+                if not (isinstance(proof, bytes) and len(proof) <= MAX_PROOF_BYTES):
+                    return None
+                checked.append((peer, weight, digest, proof))
+            if not (isinstance(output, bytes) and len(output) == 32):
+                return None
+            audits.append(PartAudit(part, start, stop, tuple(checked), output))
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    return AuditRecord(round_number, group_id, tuple(reducers), tuple(audits), tuple(disputed))

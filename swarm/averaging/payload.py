@@ -1,0 +1,128 @@
+"""How a slice of the flattened tensors becomes wire bytes: one codec per tensor.
+
+The all-reduce works on one flat float32 vector (the caller's tensors, flattened and concatenated
+in order) and cuts it into parts that ignore tensor boundaries. Compression is chosen per tensor
+(issue 3, point 5), so a part's bytes are the concatenation of its *segments*, the pieces of the
+part that fall in one tensor each, each encoded with that tensor's codec. Both sides derive the
+segments from the same ``Layout`` and the part's bounds, so a payload needs no header of its own
+and its exact length is known before a byte of it is read.
+
+Why peers must agree on the layout: a codec changes how many bytes a range takes and how they
+decode. ``Layout.digest`` travels in the all-reduce hello; a peer with another layout is refused.
+
+Pure numpy, sans-IO (the driver calls it from worker threads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from p2p import RemoteProtocolError
+from swarm.averaging.codec import Compression, choose, decode, encode, wire_bytes
+
+__all__ = ["Layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Tensor sizes (elements) and each tensor's codec, in the caller's order."""
+
+    sizes: tuple[int, ...]
+    codecs: tuple[Compression, ...]
+    offsets: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.codecs):
+            raise ValueError("one codec per tensor")
+        if any(not isinstance(n, int) or n < 0 for n in self.sizes):
+            raise ValueError("tensor sizes must be ints >= 0")
+        offsets, total = [], 0
+        for size in self.sizes:
+            offsets.append(total)
+            total += size
+        object.__setattr__(self, "offsets", (*offsets, total))
+
+    @classmethod
+    def for_sizes(cls, sizes: Sequence[int], compression: Compression | None) -> Layout:
+        """``compression`` for every tensor, or ``None``: ``compression.choose`` per tensor."""
+        sizes = tuple(int(n) for n in sizes)
+        codecs = tuple(compression if compression is not None else choose(n) for n in sizes)
+        return cls(sizes, codecs)
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def digest(self) -> bytes:
+        text = ",".join(f"{n}:{c.name}" for n, c in zip(self.sizes, self.codecs, strict=True))
+        return hashlib.sha256(b"swarmtrain/layout/1\x00" + text.encode()).digest()[:16]
+
+    def segments(self, start: int, stop: int) -> list[tuple[int, int, Compression]]:
+        """The pieces of ``[start, stop)`` that lie in one tensor each, with that tensor's codec."""
+        if not 0 <= start <= stop <= self.numel:
+            raise ValueError(f"range [{start}, {stop}) outside 0..{self.numel}")
+        pieces = []
+        index = max(0, bisect_right(self.offsets, start) - 1)
+        position = start
+        while position < stop:
+            end = min(stop, self.offsets[index + 1])
+            if end > position:
+                pieces.append((position, end, self.codecs[index]))
+            position = end
+            index += 1
+        return pieces
+
+    def wire_bytes(self, start: int, stop: int) -> int:
+        return sum(wire_bytes(b - a, c) for a, b, c in self.segments(start, stop))
+
+    def encode(self, values: np.ndarray, start: int) -> bytes | memoryview:
+        """Encode ``values``, the vector's elements ``[start, start + len(values))``.
+
+        Uncompressed float32 in one segment comes back as a view of ``values`` (no copy): the
+        caller must not change ``values`` while it sends the view.
+        """
+        stop = start + len(values)
+        pieces = self.segments(start, stop)
+        if len(pieces) == 1 and pieces[0][2] is Compression.NONE and _little_endian(values):
+            return memoryview(np.ascontiguousarray(values)).cast("B")
+        return b"".join(encode(values[a - start : b - start], c) for a, b, c in pieces)
+
+    def decode(self, data: bytes | bytearray | memoryview, start: int, stop: int) -> np.ndarray:
+        """Decode a peer's payload for ``[start, stop)``; ``RemoteProtocolError`` if malformed."""
+        view = memoryview(data).cast("B")
+        pieces = self.segments(start, stop)
+        if len(pieces) == 1:
+            return decode(view, pieces[0][2], stop - start)
+        out = np.empty(stop - start, dtype=np.float32)
+        offset = 0
+        for a, b, c in pieces:
+            size = wire_bytes(b - a, c)
+            out[a - start : b - start] = decode(view[offset : offset + size], c, b - a)
+            offset += size
+        if offset != view.nbytes:
+            # decode already checked each segment's length; this catches trailing bytes.
+            raise RemoteProtocolError(f"payload has {view.nbytes - offset} trailing bytes")
+        return out
+
+    def lossless(self) -> bool:
+        return all(c is Compression.NONE for c in self.codecs)
+
+    def lossless_between(self, start: int, stop: int) -> bool:
+        """``[start, stop)`` travels as raw little-endian float32 (its bytes are its values)."""
+        return all(c is Compression.NONE for _, _, c in self.segments(start, stop))
+
+    def round_trip(self, values: np.ndarray, start: int) -> np.ndarray:
+        """What a peer decodes from ``encode(values, start)``: the values the wire can carry."""
+        if self.lossless():
+            return values
+        return self.decode(self.encode(values, start), start, start + len(values))
+
+
+def _little_endian(values: np.ndarray) -> bool:
+    return values.dtype == np.dtype("<f4")

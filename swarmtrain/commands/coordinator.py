@@ -1,0 +1,219 @@
+"""``swarmtrain coordinator``: create a run, sign its spec, and serve as the run's public helper.
+
+The coordinator is a relay-role node (bootstrap, DHT server, circuit relay hop, dial-back
+reachability service, exactly what ``swarmtrain relay`` runs) that also answers
+``/swarmtrain/runspec/1`` with the run spec and its signature. It does not train. Its peer id is
+in the join address it prints, so a volunteer who runs the printed command knows whose signature
+to demand; ``fetch_spec`` is that check, on the volunteer's side.
+
+Output on stdout, nothing else there: the run line, then the exact command volunteers run; for
+a pipeline run (``pipeline.stages > 0``) two commands: a stage server's, then a trainer's
+(``--role trainer``). A verified run (``verify.rate > 0``) also prints each dispute and verdict
+and each audit that found a part wrong (``swarmtrain.verified.referee``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import multiaddr
+import trio
+from libp2p.crypto.keys import KeyPair
+
+from p2p import (
+    Host,
+    Message,
+    Node,
+    P2PError,
+    PeerID,
+    call_unary,
+    join_addr,
+    message,
+    open_node,
+    serve_unary,
+    subkey_values,
+)
+from swarmtrain.commands.relay import RelayOptions, keep_serving, relay_node_config
+from swarmtrain.membership.progress import agreed_state, decode_all, progress_key
+from swarmtrain.pipeline.progress import pipeline_status
+from swarmtrain.runspec import (
+    MAX_SIGNATURE_BYTES,
+    MAX_SPEC_BYTES,
+    RunConfig,
+    RunSpec,
+    run_seed_of,
+    sign_spec,
+    verify_spec,
+)
+from swarmtrain.verified.referee import RefereeService
+
+log = logging.getLogger(__name__)
+
+SPEC_PROTOCOL = "/swarmtrain/runspec/1"
+SPEC_TIMEOUT_S = 10.0
+PROGRESS_LOG_S = 10.0
+
+
+@message(403, max_bytes=64)
+class RunSpecRequest(Message):
+    version: int
+
+
+@message(404, max_bytes=MAX_SPEC_BYTES + MAX_SIGNATURE_BYTES + 64)
+class RunSpecReply(Message):
+    spec: bytes
+    signature: bytes
+
+
+def serve_spec(host: Host, spec: bytes, signature: bytes) -> None:
+    """Answer every ``RunSpecRequest`` with these bytes (handler failures are the RPC layer's:
+    logged, never fatal)."""
+
+    async def handle(peer: PeerID, request: RunSpecRequest) -> RunSpecReply:
+        return RunSpecReply(spec, signature)
+
+    serve_unary(host, SPEC_PROTOCOL, RunSpecRequest, handle)
+
+
+def coordinator_of(join: str) -> PeerID:
+    """The peer id at the end of a join address: the identity the run spec must be signed by."""
+    try:
+        return PeerID.from_base58(multiaddr.Multiaddr(join).value_for_protocol("p2p"))
+    except Exception as exc:
+        raise P2PError(f"bad --join address {join!r}: it must end in /p2p/<peer id>") from exc
+
+
+async def fetch_spec(node: Node, coordinator: PeerID) -> RunSpec:
+    """The run spec from ``coordinator``, verified against its peer id.
+
+    Raises SpecRefused (unsigned, tampered with, issued by someone else, malformed) or P2PError
+    (the coordinator cannot be reached or serves no spec, e.g. a plain relay)."""
+    try:
+        await node.reach(coordinator)
+        reply = await call_unary(
+            node.host,
+            coordinator,
+            SPEC_PROTOCOL,
+            RunSpecRequest(1),
+            RunSpecReply,
+            deadline_s=SPEC_TIMEOUT_S,
+        )
+    except P2PError as exc:
+        raise P2PError(
+            f"no run spec from {coordinator} (is --join a coordinator's address?): {exc}"
+        ) from exc
+    return verify_spec(reply.spec, reply.signature, coordinator)
+
+
+@dataclass(frozen=True)
+class CoordinatorOptions:
+    config: RunConfig
+    relay: RelayOptions
+
+
+def new_run_id() -> str:
+    return f"run-{os.urandom(4).hex()}"
+
+
+async def run_coordinator(
+    key_pair: KeyPair, options: CoordinatorOptions, emit: Callable[[str], None]
+) -> None:
+    """Run until cancelled (Ctrl+C). ``emit`` gets the run line, then the join command."""
+    config = options.config
+    if not config.run_id:
+        config = config.replace(run_id=new_run_id())
+    async with open_node(relay_node_config(key_pair, options.relay)) as node:
+        spec = RunSpec(config, str(node.host.peer_id), time.time())
+        data, signature = sign_spec(spec, key_pair)
+        serve_spec(node.host, data, signature)
+        join = join_addr(node)
+        for line in join_lines(config, str(node.host.peer_id), join):
+            emit(line)
+        for addr in node.host.addrs()[1:]:
+            log.info("also reachable at %s", addr)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_serving, node, options.relay.status_interval_s)
+            if config.is_pipeline:
+                nursery.start_soon(_log_stages, node, config, PROGRESS_LOG_S)
+            else:
+                nursery.start_soon(_log_progress, node, config.run_id, PROGRESS_LOG_S)
+            if config.verify_rate > 0:
+                referee = RefereeService(node, config, run_seed_of(config.run_id), emit)
+                nursery.start_soon(referee.run)
+
+
+def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
+    """The run line, then the command(s) volunteers run."""
+    if not config.is_pipeline:
+        return [
+            f"run {config.run_id}: {config.rounds} rounds, H={config.inner_steps}, "
+            f"spec signed by {coordinator}",
+            f"swarmtrain node --join {join}",
+        ]
+    # A stage server imports a user's model only when it names it itself (--allow-model).
+    model = (
+        f"model {config.model_factory} (servers need it installed), "
+        if config.model_factory
+        else ""
+    )
+    allow = f" --allow-model {config.model_factory}" if config.model_factory else ""
+    return [
+        f"run {config.run_id}: pipeline of {config.pipeline_stages} stages, {model}"
+        f"{config.rounds} trainer rounds of {config.pipeline_microbatches} microbatches, spec "
+        f"signed by {coordinator}; stage servers run the first command, trainers the second",
+        f"swarmtrain node --join {join}{allow}",
+        f"swarmtrain node --join {join} --role trainer",
+    ]
+
+
+async def _log_stages(node: Node, config: RunConfig, interval_s: float) -> None:
+    """The coordinator's view of its pipeline run, in its log: servers and capacity per stage."""
+    last = None
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            rows = await pipeline_status(node.dht, config.run_id, config.pipeline_stages)
+        except P2PError as exc:
+            log.info("could not read the pipeline's servers: %s", exc)
+            continue
+        servers = [int(r["servers"]) for r in rows]
+        if servers == last:
+            continue
+        last = servers
+        log.info(
+            "run %s: servers per stage %s, capacity %s samples/s",
+            config.run_id,
+            servers,
+            [round(float(r["capacity"]), 1) for r in rows],
+        )
+
+
+async def _log_progress(node: Node, run_id: str, interval_s: float) -> None:
+    """The coordinator's view of its run, in its log: round, peers, loss (what status shows)."""
+    last = None
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            records = await node.dht.get_records(progress_key(run_id), latest=True)
+        except P2PError as exc:
+            log.info("could not read the run's progress: %s", exc)
+            continue
+        values = subkey_values(records, now=time.time())
+        progress = decode_all({str(PeerID(records[k].owner)): v for k, v in values.items()})
+        agreed = agreed_state(progress)
+        if agreed is None or agreed.round == last:
+            continue
+        last = agreed.round
+        losses = [p.loss for p in progress if p.round == agreed.round]
+        log.info(
+            "run %s: round %d agreed by %d peers (state %s), mean loss %.3f",
+            run_id,
+            agreed.round,
+            len(agreed.holders),
+            agreed.state_hash.hex()[:12],
+            sum(losses) / len(losses),
+        )

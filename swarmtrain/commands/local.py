@@ -1,0 +1,330 @@
+"""``swarmtrain local``: a whole swarm on this machine, the README's first command.
+
+Writes a run config (``run.toml`` in the work directory), starts a ``swarmtrain coordinator`` on
+it (signed run spec, bootstrap, DHT server, relay) and N ``swarmtrain node`` processes on
+127.0.0.1 that join with the exact command the coordinator prints, each with its own state
+directory, shows their progress lines prefixed by node index,
+waits for all of them (bounded), and sums up their ``--json`` summaries. Real processes rather
+than threads: each node is exactly what a volunteer runs, with its own trio loop and torch, so
+this command exercises the same code paths as a real swarm, only over loopback.
+
+Children run in their own sessions so a terminal Ctrl+C reaches only us; we then pass it on
+(SIGINT: each node leaves cleanly and keeps its checkpoint), and SIGKILL whatever is still running
+after a grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from swarmtrain.runspec import RunConfig, default_toml
+
+log = logging.getLogger(__name__)
+
+RELAY_START_TIMEOUT_S = 30.0
+STOP_GRACE_S = 15.0
+SWARMTRAIN = (sys.executable, "-m", "swarmtrain.cli")
+JOIN_COMMAND = "swarmtrain node --join "
+
+
+class LocalFailed(Exception):
+    """The local swarm did not finish: a process failed or the run timed out."""
+
+
+@dataclass(frozen=True)
+class LocalOptions:
+    peers: int = 3
+    rounds: int = 5
+    inner_steps: int = 20
+    run_id: str | None = None  # default: a fresh random one
+    workdir: Path | None = None  # default: a temporary directory, removed afterwards
+    timeout_s: float | None = None  # default: scaled with rounds and steps
+    json_path: Path | None = None
+    verbose: bool = False
+    verify_rate: float = 0.0  # the spec's verify.rate: a verified run (RepOps, re-executions)
+    # (node index, seconds): start that node this long after the others (``--delay-node I:S``),
+    # a late volunteer as on a busy box; the membership tests use it.
+    delay_node: tuple[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("peers", "rounds", "inner_steps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.delay_node is not None:
+            index, delay_s = self.delay_node
+            if not 0 <= index < self.peers or not 0 <= delay_s <= 600:
+                raise ValueError("--delay-node I:S needs 0 <= I < peers and 0 <= S <= 600")
+        if not 0 <= self.verify_rate <= 1:
+            raise ValueError(f"--verify-rate must be in [0, 1], got {self.verify_rate}")
+
+    def deadline_s(self) -> float:
+        # Generous: a 2-core machine runs a default-model step in about 0.2 s per process.
+        cpus = os.cpu_count() or 1
+        step_s = 0.3 * max(1.0, self.peers / cpus)
+        if self.verify_rate > 0:  # RepOps steps (about 4.5x), traced, some run twice
+            step_s *= 6 * (1 + self.verify_rate)
+        delay_s = self.delay_node[1] if self.delay_node is not None else 0.0
+        return self.timeout_s or delay_s + 60.0 + self.rounds * (self.inner_steps * step_s + 20.0)
+
+
+@dataclass
+class LocalSummary:
+    rounds: int
+    peers: int
+    loss_first: float
+    loss_last: float
+    eval_loss: float | None
+    state_hashes_agree: bool
+    bytes_sent: int
+    seconds: float
+    nodes: list[dict[str, object]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rounds": self.rounds,
+            "peers": self.peers,
+            "loss_first": self.loss_first,
+            "loss_last": self.loss_last,
+            "eval_loss": self.eval_loss,
+            "state_hashes_agree": self.state_hashes_agree,
+            "bytes_sent": self.bytes_sent,
+            "seconds": round(self.seconds, 2),
+            "nodes": self.nodes,
+        }
+
+    def format(self) -> str:
+        held = f"{self.eval_loss:.3f}" if self.eval_loss is not None else "n/a"
+        return (
+            f"{self.peers} peers, {self.rounds} rounds in {self.seconds:.1f} s: train loss "
+            f"{self.loss_first:.3f} -> {self.loss_last:.3f} nats/byte, held-out {held}, "
+            f"state hashes {'agree' if self.state_hashes_agree else 'DIFFER'}, "
+            f"{self.bytes_sent / 2**20:.2f} MiB sent in all"
+        )
+
+
+class Child:
+    """A child process; a thread hands its stdout lines to ``on_line``, stderr goes to a file.
+    ``swarmtrain.pipeline.local`` extends it for children that print JSON events."""
+
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, on_line: Callable[[str], None]
+    ) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._pump, args=(on_line,), daemon=True)
+        self._reader.start()
+
+    def _pump(self, on_line: Callable[[str], None]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            on_line(raw.decode(errors="replace").rstrip("\n"))
+        self._stdout_ended()
+
+    def _stdout_ended(self) -> None:
+        """Called on the reader thread once the child's stdout closed."""
+
+    def last_log_line(self) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return lines[-1] if lines else ""
+
+    def interrupt(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGINT (the node's Ctrl+C path: checkpoint kept), SIGKILL after ``grace_s``."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s; killing it", self.name, grace_s)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._reader.join(timeout=5)
+        self._log.close()
+
+
+def _start_coordinator(
+    workdir: Path, config: RunConfig, children: list[Child], emit: Callable[[str], None]
+) -> str:
+    """Start the coordinator on ``config`` and return the join address it prints."""
+    config_path = workdir / "run.toml"
+    config_path.write_text(default_toml(config))
+    lines: queue.Queue[str] = queue.Queue()
+    coordinator = Child(
+        "coordinator",
+        [
+            *SWARMTRAIN,
+            "coordinator",
+            "--config",
+            str(config_path),
+            "--identity",
+            str(workdir / "coordinator.key"),
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ],
+        workdir / "coordinator.log",
+        lines.put,
+    )
+    children.append(coordinator)
+    deadline = time.monotonic() + RELAY_START_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise LocalFailed(
+                f"the coordinator printed no join command within {RELAY_START_TIMEOUT_S:.0f} s: "
+                f"{coordinator.last_log_line() or 'no log'}"
+            ) from None
+        emit(f"[c] {line}")
+        if line.startswith(JOIN_COMMAND):
+            return line[len(JOIN_COMMAND) :].split()[0]
+
+
+def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummary:
+    """Run the local swarm to the end. Returns the summary (also written to ``json_path``).
+    Raises LocalFailed (a process failed, or the deadline passed), KeyboardInterrupt after every
+    child was stopped."""
+    started = time.monotonic()
+    run_id = options.run_id or f"local-{os.urandom(4).hex()}"
+    threads = max(1, (os.cpu_count() or 1) // options.peers)
+    emit_lock = threading.Lock()
+
+    def emit_from(prefix: str) -> Callable[[str], None]:
+        def on_line(line: str) -> None:
+            with emit_lock:
+                emit(f"{prefix} {line}")
+
+        return on_line
+
+    children: list[Child] = []
+    with ExitStack() as stack:
+        if options.workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarmtrain-")))
+        else:
+            workdir = options.workdir
+            workdir.mkdir(parents=True, exist_ok=True)
+        # Registered after the temporary directory, so children stop before it is removed.
+        stack.callback(lambda: [child.stop() for child in reversed(children)])
+        config = RunConfig(
+            run_id=run_id,
+            rounds=options.rounds,
+            inner_steps=options.inner_steps,
+            verify_rate=options.verify_rate,
+        )
+        join = _start_coordinator(workdir, config, children, emit)
+        emit(f"run {run_id}: {options.peers} peers join {join}")
+        nodes: list[Child] = []
+        delayed, delay_s = options.delay_node or (-1, 0.0)
+        order = [i for i in range(options.peers) if i != delayed] + ([delayed] * (delayed >= 0))
+        for index in order:
+            if index == delayed:
+                emit(f"starting node {index} {delay_s:.0f} s after the others (--delay-node)")
+                time.sleep(delay_s)  # the delay is the point: a late volunteer
+            node_dir = workdir / f"node{index}"
+            argv = [
+                *SWARMTRAIN,
+                "node",
+                "--join",
+                join,
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--state-dir",
+                str(node_dir),
+                "--threads",
+                str(threads),
+                "--json",
+                str(node_dir / "summary.json"),
+            ]
+            if options.verbose:
+                argv.append("-v")
+            child = Child(
+                f"node {index}", argv, workdir / f"node{index}.log", emit_from(f"[{index}]")
+            )
+            children.append(child)
+            nodes.append(child)
+        deadline = started + options.deadline_s()
+        for child in nodes:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise LocalFailed(
+                    f"{child.name} still running after {options.deadline_s():.0f} s "
+                    f"(--timeout); last log line: {child.last_log_line() or 'none'}"
+                ) from None
+        for child in nodes:
+            if child.proc.returncode != 0:
+                raise LocalFailed(
+                    f"{child.name} exited with status {child.proc.returncode}: "
+                    f"{child.last_log_line() or 'no log'}"
+                )
+        summaries = [
+            _read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
+        ]
+    summary = _combine(options, summaries, time.monotonic() - started)
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(summary.to_json()) + "\n")
+    return summary
+
+
+def _read_summary(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LocalFailed(f"no summary from a node at {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise LocalFailed(f"malformed node summary at {path}")
+    return data
+
+
+def _mean(values: list[object]) -> float:
+    numbers = [float(v) for v in values if isinstance(v, int | float)]
+    if not numbers:
+        raise LocalFailed("the nodes reported no losses (no round finished)")
+    return sum(numbers) / len(numbers)
+
+
+def _combine(options: LocalOptions, nodes: list[dict[str, object]], seconds: float) -> LocalSummary:
+    hashes = {node.get("state_hash") for node in nodes}
+    eval_loss = nodes[0].get("eval_loss")
+    return LocalSummary(
+        rounds=options.rounds,
+        peers=options.peers,
+        loss_first=_mean([n.get("loss_first") for n in nodes]),
+        loss_last=_mean([n.get("loss_last") for n in nodes]),
+        # Node 0's held-out loss of the final global parameters: the same parameters on every
+        # node when the hashes agree.
+        eval_loss=float(eval_loss) if isinstance(eval_loss, int | float) else None,
+        state_hashes_agree=len(hashes) == 1 and "" not in hashes,
+        bytes_sent=sum(int(n.get("bytes_sent") or 0) for n in nodes),  # type: ignore[call-overload]
+        seconds=seconds,
+        nodes=nodes,
+    )

@@ -1,0 +1,175 @@
+"""``swarmtrain node``: the volunteer. Join a run, then train with DiLoCo or serve a pipeline.
+
+One process is one peer: a p2p node with the swarm averager in a background thread
+(``swarmtrain.runtime.PeerRuntime``), and the torch work in the main thread. Before anything
+trains, the node fetches the run spec from the coordinator named in ``--join`` and checks the
+coordinator's signature (``swarmtrain.commands.coordinator.fetch_spec``): the model, the seed, H
+and the number of rounds all come from the spec. A DiLoCo run's rounds are
+``swarmtrain.training.loop``; a pipeline run's roles are ``swarmtrain.pipeline.node``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import swarm
+from diloco import load_stdlib_corpus
+from p2p import HostConfig, NodeConfig, PeerID, load_or_create_identity, peer_id_of
+from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
+from swarmtrain.membership.state_sync import StateServer
+from swarmtrain.pipeline.node import ROLES, PipelineSummary, run_pipeline
+from swarmtrain.runspec import FACTORY_PATTERN, RunConfig, RunSpec, run_seed_of
+from swarmtrain.runtime import PeerRuntime
+from swarmtrain.training.loop import NodeSummary, averager_config, train
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    join: tuple[str, ...]
+    state_dir: Path
+    identity: Path | None = None  # default: state_dir / "identity.key"
+    listen: tuple[str, ...] = ("/ip4/0.0.0.0/tcp/0",)
+    threads: int | None = None
+    device: str = "auto"  # auto | cpu | cuda: where the inner steps run
+    json_path: Path | None = None
+    # How long a node behind the swarm waits for the next round boundary before it syncs anyway;
+    # for a pipeline trainer, how long it waits for every stage to have a server.
+    join_wait_s: float = 120.0
+    # A pipeline run's role: "server" (the default there) or "trainer"; refused for DiLoCo runs.
+    role: str | None = None
+    # Model factories ("module:function") a pipeline spec may make this node import (a server).
+    allow_models: tuple[str, ...] = ()
+    # A verified run's cheater, for tests and demos: flip a bit of operator OP's output at inner
+    # step STEP of our task in round ROUND (``--cheat ROUND:STEP:OP``, hidden from --help).
+    cheat: tuple[int, int, int] | None = None
+    # ... and a lying reducer: every part it reduces in round ROUND is off (``--cheat-reduce``).
+    cheat_reduce: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.join:
+            raise ValueError("--join is required: the coordinator's address (…/p2p/ID)")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"--role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for factory in self.allow_models:
+            if not re.fullmatch(FACTORY_PATTERN, factory):
+                raise ValueError(f"--allow-model {factory!r}: expected MODULE:FUNCTION")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: CUDA when torch sees a GPU, else the CPU. Raises ValueError for ``cuda``
+    without one (before anything joins or trains), or for an unknown name."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device here (use cpu or auto)")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary | PipelineSummary:
+    """Fetch the run spec, catch up with the swarm, train until DiLoCo's round reaches the
+    spec's ``rounds``; ``emit`` gets one progress line per round. For a pipeline spec, run a
+    stage server (until Ctrl+C) or, with ``role="trainer"``, a trainer
+    (``swarmtrain.pipeline.node``). Returns the summary (also written to ``options.json_path``).
+    KeyboardInterrupt propagates after the node is closed (the last round boundary's checkpoint
+    is on disk). Raises SpecRefused (the spec is unsigned or tampered with), P2PError when the
+    node cannot join or reach the coordinator, ValueError for a checkpoint of another config or
+    a ``role`` on a DiLoCo run, RuntimeError when the agreed state cannot be downloaded or a
+    pipeline stage has no server."""
+    device = resolve_device(options.device)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    options.state_dir.mkdir(parents=True, exist_ok=True)
+    key_pair = load_or_create_identity(options.identity or options.state_dir / "identity.key")
+    coordinator = coordinator_of(options.join[0])
+    node_config = NodeConfig(
+        HostConfig(key_pair, listen_addrs=options.listen), bootstrap=options.join
+    )
+    # The corpus (seconds of reading and hashing the standard library) does not depend on the
+    # spec: load it while the node joins and fetches the spec, so a joiner is ready sooner.
+    loader = ThreadPoolExecutor(1, thread_name_prefix="corpus")
+    corpus = loader.submit(load_stdlib_corpus)
+    loader.shutdown(wait=False)
+    runtime = PeerRuntime(node_config)
+    summary: NodeSummary | PipelineSummary
+    try:
+        node = runtime.node
+        assert node is not None
+        spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
+        config = spec.config
+        if config.is_pipeline:
+            summary = _run_pipeline(options, config, runtime, coordinator, emit)
+        else:
+            if options.role is not None:
+                raise ValueError(
+                    f"--role {options.role}: run {config.run_id} is a DiLoCo run "
+                    "(pipeline.stages = 0), where every node trains the whole model; "
+                    "run the node without --role"
+                )
+            emit(
+                f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} "
+                f"verified; {config.rounds} rounds, H={config.inner_steps}"
+            )
+            averager = swarm.Averager(
+                node, averager_config(config, coordinator, options.cheat_reduce)
+            )
+            runtime.start(averager.run)
+            server = StateServer(node, config.run_id)
+            runtime.call_sync(server.install)
+            summary = train(
+                config,
+                runtime,
+                averager,
+                server,
+                corpus.result(),
+                device,
+                emit,
+                coordinator,
+                state_dir=options.state_dir,
+                join_wait_s=options.join_wait_s,
+                cheat=options.cheat,
+            )
+            summary.peer_id = str(peer_id_of(key_pair))
+    finally:
+        runtime.close()
+    if options.json_path is not None:
+        options.json_path.parent.mkdir(parents=True, exist_ok=True)
+        options.json_path.write_text(json.dumps(summary.to_json()) + "\n")
+    return summary
+
+
+def _run_pipeline(
+    options: NodeOptions,
+    config: RunConfig,
+    runtime: PeerRuntime,
+    coordinator: PeerID,
+    emit: Callable[[str], None],
+) -> PipelineSummary:
+    role = options.role or "server"
+    emit(
+        f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} verified; "
+        f"pipeline of {config.pipeline_stages} stages, {config.rounds} trainer rounds of "
+        f"{config.pipeline_microbatches} microbatches; this node: {role}"
+    )
+    if options.device == "cuda":
+        log.warning("--device cuda: pipeline roles run on the CPU")
+    return run_pipeline(
+        runtime,
+        config,
+        role,
+        seed=run_seed_of(config.run_id),
+        wait_for_servers_s=options.join_wait_s,
+        emit=emit,
+        allow_models=options.allow_models,
+    )

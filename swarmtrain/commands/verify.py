@@ -1,0 +1,287 @@
+"""``swarmtrain verify``: the Verde dispute game on the default model, on loopback.
+
+    swarmtrain verify --steps S [--cheat-step K --cheat-op J] [--threads T] [--json]
+
+Starts two provider processes (this module run as ``python -m swarmtrain.commands.verify
+provider``), each running the same task (S RepOps training steps of the default model from its
+seed-0 initialisation, data windows of the stdlib corpus chosen by ``--seed``) and committing to it;
+provider B flips one bit of operator J's output at step K (both 0-based) when asked to. This
+process is the referee: it asks both for their commitments and, if they differ, plays the game
+over libp2p streams and prints the verdict (who, which step, which operator), the rounds, the
+bytes exchanged and the referee's compute time against the time one provider took to run the
+task. ``--json`` prints one object instead: ``cheater`` (the peer id, null when nobody is named),
+``step``, ``op``, ``op_name``, ``rounds``, ``bytes``, ``referee_seconds``, ``task_seconds``,
+``honest_final_hash`` (hex; independent of ``--threads``), ``reason``.
+
+The lead wires it into ``swarmtrain.cli`` with ``add_parser(subparsers)`` and ``run(args)``.
+Exit status: 0 when the game ended with a verdict (a cheater named, or no dispute), 1 when it was
+undecided, 2 when a provider process failed to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+READY_TIMEOUT_S = 900.0
+CORPUS_BYTES = 1 << 20
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "verify",
+        help="run a task on two providers (one may cheat) and referee their dispute",
+        description=__doc__.split("\n\n")[2] if __doc__ else None,
+    )
+    _task_arguments(parser)
+    parser.add_argument("--cheat-step", type=int, help="provider B tampers at this step (0-based)")
+    parser.add_argument("--cheat-op", type=int, help="... with this operator (record index)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per referee query")
+    return parser
+
+
+def _task_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=4, help="training steps in the task")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per provider")
+    parser.add_argument("--seed", type=int, default=0, help="data seed of the task")
+    # A smaller model of the same architecture, for tests (not the default model).
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+
+
+def _repops(args: argparse.Namespace) -> Any:
+    from diloco import load_stdlib_corpus
+    from verify.repops import ModelShape, RepOpsStep
+
+    shape = ModelShape(d_model=32, n_layers=1, n_heads=2, context=32) if args.tiny else ModelShape()
+    corpus = load_stdlib_corpus(max_bytes=CORPUS_BYTES).train
+    return RepOpsStep(corpus, args.seed, shape=shape)
+
+
+def _task(step: Any, steps: int) -> tuple[dict, Any]:
+    from verify import TaskSpec, state_hash
+
+    start = step.initial_state()
+    return start, TaskSpec(state_hash(start), step.seed, steps)
+
+
+# Provider process ------------------------------------------------------------------------------
+
+
+def _provider_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="swarmtrain.commands.verify provider")
+    _task_arguments(parser)
+    parser.add_argument("--cheat-step", type=int)
+    parser.add_argument("--cheat-op", type=int)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    import torch
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2p import HostConfig, open_host
+    from verify.dispute import Provider, serve_provider
+
+    torch.set_num_threads(args.threads)
+    step = _repops(args)
+    start, task = _task(step, args.steps)
+    tamper = None if args.cheat_step is None else (args.cheat_step, args.cheat_op or 0)
+    provider = Provider(step, start, task, tamper=tamper)
+    began = time.perf_counter()
+    commitment = provider.run()
+    task_s = time.perf_counter() - began
+
+    async def serve() -> None:
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            serve_provider(host, provider)
+            ready = {"addr": str(host.addrs()[0]), "task_seconds": task_s,
+                     "final_hash": commitment.final_state_hash.hex()}  # fmt: skip
+            print("READY " + json.dumps(ready), flush=True)
+            await trio.sleep_forever()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        trio.run(serve)
+    return 0
+
+
+# Referee (this process) ------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    ready: dict[str, Any] | None = None
+    stderr: bytes = b""
+
+
+def _spawn(name: str, args: argparse.Namespace, cheat: bool) -> _Child:
+    argv = [sys.executable, "-m", "swarmtrain.commands.verify", "provider"]
+    argv += ["--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]
+    argv += ["--tiny"] if args.tiny else []
+    if cheat:
+        argv += ["--cheat-step", str(args.cheat_step), "--cheat-op", str(args.cheat_op or 0)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+    )
+    return _Child(name, proc)
+
+
+def _wait_ready(child: _Child) -> None:
+    assert child.proc.stdout is not None and child.proc.stderr is not None
+    errors = threading.Thread(target=lambda: setattr(child, "stderr", child.proc.stderr.read()))
+    errors.daemon = True
+    errors.start()
+    for raw in child.proc.stdout:
+        line = raw.decode(errors="replace")
+        if line.startswith("READY "):
+            child.ready = json.loads(line[len("READY ") :])
+            return
+    errors.join(5)
+
+
+def _stop(child: _Child) -> None:
+    if child.proc.poll() is None:
+        os.killpg(child.proc.pid, signal.SIGINT)
+        try:
+            child.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait(5)
+
+
+def run(args: argparse.Namespace) -> int:
+    if (args.cheat_step is None) != (args.cheat_op is None):
+        print("swarmtrain verify: --cheat-step and --cheat-op go together", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.threads < 1:
+        print("swarmtrain verify: --steps and --threads must be at least 1", file=sys.stderr)
+        return 2
+    children = [
+        _spawn("A", args, cheat=False),
+        _spawn("B", args, cheat=args.cheat_step is not None),
+    ]
+    try:
+        waiters = [threading.Thread(target=_wait_ready, args=(c,), daemon=True) for c in children]
+        for w in waiters:
+            w.start()
+        if not args.json:
+            print(f"running {args.steps} steps on providers A and B ...", flush=True)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        # Fail fast: a provider that exits before its READY line ends the run at once.
+        while any(w.is_alive() for w in waiters) and time.monotonic() < deadline:
+            if any(
+                not w.is_alive() and c.ready is None for w, c in zip(waiters, children, strict=True)
+            ):
+                break
+            waiters[0].join(0.1)
+        for child in children:
+            if child.ready is None:
+                _stop(child)
+                tail = child.stderr.decode(errors="replace")[-2000:]
+                print(f"swarmtrain verify: provider {child.name} failed:\n{tail}", file=sys.stderr)
+                return 2
+        return _referee(args, children)
+    finally:
+        for child in children:
+            _stop(child)
+
+
+def _referee(args: argparse.Namespace, children: list[_Child]) -> int:
+    import multiaddr
+    import trio
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from p2p import HostConfig, PeerID, open_host
+    from verify import tensor_hash
+    from verify.dispute import DisputeOutcome, Referee, RefereeConfig, run_referee
+    from verify.repops import run_op
+
+    step = _repops(args)
+    _, task = _task(step, args.steps)
+    labels = {"inputs": 0, "targets": 1}
+
+    def data_leaf(index: int, label: str, attrs: bytes) -> bytes | None:
+        return tensor_hash(step.batch(index)[labels[label]]) if label in labels else None
+
+    # RepOpsStep's graph is the same every step (the step counter is a state tensor).
+    config = RefereeConfig(args.timeout, same_program_every_step=True)
+    referee = Referee(task, run_op, leaf_oracle=data_leaf, config=config)
+    addrs = [multiaddr.Multiaddr(c.ready["addr"]) for c in children]  # type: ignore[index]
+    peers = [PeerID.from_base58(a.value_for_protocol("p2p")) for a in addrs]
+
+    async def referee_game() -> DisputeOutcome:
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            for peer, addr in zip(peers, addrs, strict=True):
+                await host.connect(peer, [addr])
+            return await run_referee(host, (peers[0], peers[1]), referee)
+
+    outcome = trio.run(referee_game)
+    v = outcome.verdict
+    named = [str(peers[p]) for p in v.cheaters]
+    honest = [p for p in (0, 1) if p not in v.cheaters]
+    finals = v.final_state_hashes
+    honest_hash = (
+        finals[honest[0]].hex() if finals and len(honest) and (named or v.agreed) else None
+    )
+    result = {
+        "cheater": named[0] if len(named) == 1 else (named or None),
+        "step": v.step,
+        "op": v.op,
+        "op_name": v.op_name,
+        "rounds": v.rounds,
+        "bytes": outcome.bytes_exchanged,
+        "referee_seconds": round(outcome.referee_compute_s, 6),
+        "task_seconds": round(children[0].ready["task_seconds"], 3),  # type: ignore[index]
+        "honest_final_hash": honest_hash,
+        "reason": v.reason,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_human(result, children, peers, v.agreed)
+    return 0 if v.agreed or v.cheaters else 1
+
+
+def _print_human(result: dict, children: list[_Child], peers: list, agreed: bool) -> None:
+    for child, peer in zip(children, peers, strict=True):
+        print(f"provider {child.name}: {peer}")
+    if agreed:
+        print("verdict: no dispute, both providers committed to the same task")
+    elif result["cheater"]:
+        name = "A" if result["cheater"] == str(peers[0]) else "B"
+        print(
+            f"verdict: provider {name} cheated at step {result['step']}, "
+            f"operator {result['op']} ({result['op_name']}): {result['reason']}"
+        )
+    else:
+        print(f"verdict: undecided: {result['reason']}")
+    ratio = result["referee_seconds"] / max(result["task_seconds"], 1e-9)
+    print(f"rounds: {result['rounds']}, bytes exchanged: {result['bytes']}")
+    print(
+        f"referee compute: {result['referee_seconds']:.3f} s vs {result['task_seconds']:.1f} s "
+        f"to run the task ({ratio:.2%})"
+    )
+    print(f"honest final state hash: {result['honest_final_hash']}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["provider"]:
+        sys.exit(_provider_main(sys.argv[2:]))
+    _parser = argparse.ArgumentParser(prog="swarmtrain.commands.verify")
+    _sub = _parser.add_subparsers(dest="command", required=True)
+    add_parser(_sub)
+    sys.exit(run(_parser.parse_args(sys.argv[1:])))

@@ -1,0 +1,430 @@
+"""Elastic membership for a volunteer: join a running swarm, serve our state, re-sync on drift.
+
+What a node does around its DiLoCo rounds (``swarmtrain.training.loop`` calls these in its main
+thread):
+
+* **Serve**: after every successful round, before telling anyone, hand the new state's bytes to
+  the ``StateServer`` (so a joiner that reads our progress record can already fetch it), then
+  publish our ``Progress`` record.
+* **Catch up at start**: read the run's progress records. If the swarm's agreed state is ahead
+  of ours (a fresh joiner at round 0, or a restart from an old checkpoint), wait for the next
+  round boundary -- a new agreed round appearing -- so that we start an inner phase together with
+  everyone else, then download that state from its holders (several sources, byte ranges split
+  between them, resumed elsewhere if one dies), verify it against the majority hash, adopt it,
+  and contribute from the next round, announced under ``join_key`` (while waiting and before
+  the download, so that round expects us however soon it opens).
+* **Re-sync after a round**: when our round failed while the majority's succeeded, or our hash
+  differs from the majority's, download the agreed state the same way and announce again.
+* **Meet again** (``swarmtrain.membership.plan``): a round that cannot meet anyone because the
+  others already averaged it is failed before matchmaking and their state adopted at once
+  (``behind``); after a failed round, a peer ahead of live members waits for them (bounded by
+  a round's time per round of gap) instead of running on alone, and records claiming rounds past
+  the run's schedule are ignored. A state is taken from live holders: a download that fails at
+  every holder of the newest state tries the next newest state held by others.
+* **Expected peers**: when a round has announced joiners (or we just joined), every member passes
+  the same expected set to matchmaking: the holders of the previous round's agreed state plus the
+  announced joiners. Everyone derives it from the same DHT records, so everyone forms the same
+  group and the joiner contributes in its first round; without joiners the averager's own rule
+  (the previous round's survivors) applies unchanged.
+
+A joiner never trains on bytes that do not match the published majority hash
+(``download_state`` verifies; ``DiLoCo.load_state`` verifies again). Whatever a peer sends, the
+others apply one average to one state, so their states stay identical; a peer that could not get
+the agreed state (no holder answered) trains on its own and is re-synced after its first round,
+when its hash disagrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from diloco import DiLoCo
+from p2p import PeerID
+from swarmtrain.membership.plan import (
+    Verdict,
+    after_failed_round,
+    past_round,
+    states_newest_first,
+    swarm_ahead,
+    wait_budget_s,
+)
+from swarmtrain.membership.progress import (
+    PROGRESS_TTL_S,
+    AgreedState,
+    Progress,
+    agreed_state,
+    decode_all,
+    join_key,
+    progress_key,
+)
+from swarmtrain.membership.state_sync import (
+    Downloaded,
+    Fetch,
+    StateServer,
+    StateSyncFailed,
+    download_state,
+    node_fetcher,
+)
+from swarmtrain.runtime import PeerRuntime
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.2
+SETTLE_S = 1.0  # a round's peers publish within milliseconds; this covers a loaded machine
+SYNC_TIMEOUT_S = 120.0
+SYNC_ATTEMPTS = 3
+# After the last round, a peer behind us whose newest record is older than this counts as gone
+# (not lingered for); after a failed round the bound is the round's own wait (``_outcome``).
+LIVE_S = 60.0
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    round: int  # the state's round (the next round this node contributes to)
+    state_hash: str
+    sources: int
+    bytes: int
+    seconds: float
+    pieces: list[int]  # ranges each source delivered, largest first
+
+
+class Elastic:
+    def __init__(
+        self,
+        runtime: PeerRuntime,
+        server: StateServer,
+        run_id: str,
+        diloco: DiLoCo,
+        emit: Callable[[str], None],
+        fetcher: Callable[[Any, str, bytes], Fetch] = node_fetcher,
+        rounds: int = 2**31,  # the run's schedule: records of later rounds are ignored
+    ) -> None:
+        self.runtime = runtime
+        self._fetcher = fetcher  # how to fetch ranges from a source (injected by tests)
+        self.server = server
+        self.run_id = run_id
+        self.rounds = rounds
+        self.diloco = diloco
+        self.emit = emit
+        self.me = str(runtime.peer_id)
+        self.fresh = False  # adopted a downloaded state and has not averaged since
+        self.syncs = 0
+        self._last_progress: Progress | None = None
+        self._state_bytes = len(diloco.state_bytes())
+
+    # -- records -------------------------------------------------------------------------------
+
+    def records(self) -> list[Progress]:
+        try:
+            return decode_all(self.runtime.read(progress_key(self.run_id)))
+        except Exception as exc:
+            log.warning("could not read the run's progress records: %s", exc)
+            return []
+
+    def publish(self, progress: Progress) -> None:
+        self._last_progress = progress
+        try:
+            self.runtime.store(
+                progress_key(self.run_id),
+                progress.to_bytes(),
+                PROGRESS_TTL_S,
+                version=progress.round + 1,
+            )
+        except Exception as exc:
+            log.warning("round %d: could not publish progress: %s", progress.round, exc)
+
+    def serve_current(self) -> None:
+        """Offer the current state to joiners (call after every round, failed or not)."""
+        data = self.diloco.state_bytes()
+        self.runtime.call_sync(self.server.offer, data[-32:], data)
+
+    # -- matchmaking ---------------------------------------------------------------------------
+
+    def expected_peers(self, round_number: int) -> set[bytes] | None:
+        """The expected set for ``round_number``'s matchmaking, or None for the averager's own
+        rule (no joiner announced and we did not just join)."""
+        try:
+            joiners = set(self.runtime.read(join_key(self.run_id, round_number)))
+        except Exception as exc:
+            log.warning("round %d: could not read announced joiners: %s", round_number, exc)
+            joiners = set()
+        if not joiners and not self.fresh:
+            return None
+        agreed = agreed_state(self.records(), round_number - 1)
+        members = set(agreed.holders if agreed else ()) | joiners | {self.me}
+        if len(members) < 2:
+            return None  # nobody to expect: the averager's own rule (wait for the deadline)
+        log.info("round %d: %d joiner(s) announced; expecting %d peers", round_number,
+                 len(joiners), len(members))  # fmt: skip
+        return {PeerID.from_base58(p).to_bytes() for p in members}
+
+    def behind(self, round_number: int) -> str | None:
+        """Why our round ``round_number`` cannot meet anyone (others already averaged it), or
+        None; ``SwarmAverage`` fails the round before matchmaking then, and ``after_round``
+        adopts their state."""
+        ahead = swarm_ahead(self.records(), self.me, round_number, self.rounds)
+        if ahead is None:
+            return None
+        return f"the swarm already averaged round {ahead.round}; catching up"
+
+    def past_peers(self, round_number: int) -> set[bytes]:
+        """Peers already done with ``round_number`` (their records say so): matchmaking leaves
+        out their stale declarations for it."""
+        done = past_round(self.records(), self.me, round_number, self.rounds)
+        found: set[bytes] = set()
+        for peer in done:
+            try:
+                found.add(PeerID.from_base58(peer).to_bytes())
+            except Exception:
+                continue  # a malformed key in the DHT: nobody to leave out
+        return found
+
+    # -- syncing -------------------------------------------------------------------------------
+
+    def catch_up(self, wait_s: float, rounds: int) -> SyncReport | None:
+        """At start: if the swarm's agreed state is ahead of (or differs from) ours, wait up to
+        ``wait_s`` for the next round boundary (not when the run's last round, ``rounds``, is
+        already agreed), then adopt that round's agreed state. Returns what was synced, or None
+        when we already hold the agreed state, the run is new, or no holder could send it (then
+        we train on our own state and re-sync after a round)."""
+        records = self.records()
+        # An agreed state to start from; the states of peers whose rounds failed are only a
+        # fallback of ``_adopt_from_live`` (a peer alone waits for us instead: ``_outcome``).
+        choices = [s for s in states_newest_first(records, self.rounds) if s.published]
+        agreed = choices[0] if choices else None
+        if agreed is None or not self._behind(agreed):
+            return None
+        # Wait for a boundary only while the swarm makes progress: if the newest record is a
+        # failed round past the agreed one, no new agreed round may ever come.
+        newest = max(records, key=lambda p: (p.round, p.ok))
+        progressing = newest.ok or newest.round <= agreed.round
+        if agreed.round + 1 >= rounds:
+            progressing = False  # the run is over: take the final state, nothing to wait for
+        self.emit(
+            f"the swarm's agreed state is round {agreed.round + 1}'s, ours is round "
+            f"{self.diloco.round}'s: "
+            + ("waiting for the next round boundary to join" if progressing else "syncing now")
+        )
+        if progressing:
+            # We will adopt the state after the round in progress, agreed.round + 1, and
+            # contribute to the one after it: say so now, well before that round opens.
+            self._announce(agreed.round + 2)
+        deadline = time.monotonic() + (wait_s if progressing else 0.0)
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            newer = agreed_state(self.records())
+            if newer is not None and newer.round > agreed.round:
+                agreed = self._settled(newer.round) or newer
+                break
+        report = self._adopt_from_live(agreed)
+        if report is not None:
+            if self.diloco.round >= rounds:
+                self._hold_final(records)
+            return report
+        # Training on our own state is safe for the others (they apply the same average to the
+        # same state whatever we send); our first round's hash check then re-syncs us.
+        self.emit(
+            f"could not download the agreed state of round {agreed.round + 1} from its "
+            f"{len(agreed.holders)} holder(s); continuing from our own state"
+        )
+        return None
+
+    def _adopt_from_live(self, agreed: AgreedState) -> SyncReport | None:
+        """Adopt ``agreed``, or when none of its holders can send it, the next newest state
+        still held by peers that did not fail us (never a fresh start while one lives)."""
+        dead: set[str] = set()
+        for attempt in range(2 * SYNC_ATTEMPTS):
+            try:
+                return self._adopt(agreed)
+            except StateSyncFailed as exc:
+                log.warning("state download %d failed: %s", attempt + 1, exc)
+                # The download gives up only once every source failed: all of them are gone.
+                dead.update(agreed.holders)
+                records = self.records()
+                choices = [
+                    s
+                    for s in states_newest_first(records, self.rounds, dead, self.me)
+                    if self._behind(s)
+                ]
+                if not choices:
+                    return None
+                if not choices[0].published:
+                    self.emit(
+                        f"the holders of round {agreed.round + 1}'s state did not answer; "
+                        f"taking live peer {choices[0].holders[0][-8:]}'s state of round "
+                        f"{choices[0].round + 1} (its last round failed, nobody else holds "
+                        "an agreed state)"
+                    )
+                elif choices[0].round < agreed.round:
+                    self.emit(
+                        f"the holders of round {agreed.round + 1}'s state did not answer; "
+                        f"taking round {choices[0].round + 1}'s from {len(choices[0].holders)} "
+                        "live peer(s)"
+                    )
+                agreed = choices[0]
+        return None
+
+    def after_round(self, round_number: int, ok: bool, wait_s: float = 0.0) -> SyncReport | None:
+        """After our round ``round_number`` (failed, or its hash disagreed with the majority):
+        adopt the majority's state if it differs from ours. For a failed round, wait up to
+        ``wait_s`` for the others' outcome (``_outcome``). Returns what was synced, or None. A
+        failed download is logged (the next round's check tries again)."""
+        agreed = self._settled(round_number) if ok else self._outcome(round_number, wait_s)
+        if agreed is None or agreed.state_hash.hex() == self.diloco.state_hash():
+            return None
+        report = self._adopt_from_live(agreed)
+        if report is None:
+            log.warning("round %d: could not re-sync from any live holder", round_number)
+            return None
+        last = self._last_progress
+        if last is not None and last.round == round_number == agreed.round:
+            # We now hold the round's agreed state: say so, so that we count as a holder (a
+            # joiner's source) and the peers lingering after the last round can leave.
+            self.publish(
+                dataclasses.replace(
+                    last, ok=True, state_hash=agreed.state_hash, published_at=time.time()
+                )
+            )
+        return report
+
+    def _hold_final(self, records: list[Progress]) -> None:
+        """We joined at the run's end and adopted its final state without training a round:
+        publish that we hold it (a holder's record with our id and no contribution), so the
+        peers lingering for us (``linger``: we announced ourselves) can leave."""
+        ours = bytes.fromhex(self.diloco.state_hash())
+        final = self.diloco.round - 1
+        for p in records:
+            if p.ok and p.round == final and p.state_hash == ours:
+                self.publish(
+                    dataclasses.replace(
+                        p, peer_id=self.me, peers=0, bytes_sent=0, bytes_received=0,
+                        rounds_contributed=0, published_at=time.time(),
+                    )
+                )  # fmt: skip
+                return
+
+    def linger(self, round_number: int, max_s: float) -> None:
+        """After the run's last round: keep serving our state while a peer of that round does
+        not hold the agreed state yet (its round failed and it is re-syncing from us), or a live
+        peer is still behind (a late starter catching up), at most ``max_s``; without this, the
+        holders would all exit and leave it with nothing to fetch. A joiner that announced
+        itself after the last round (it waits for this boundary, then downloads the final
+        state) counts as behind until its record shows it holds the state (``_hold_final``)."""
+        ours = bytes.fromhex(self.diloco.state_hash())
+        deadline = time.monotonic() + max_s
+        while time.monotonic() < deadline:
+            records = self.records()
+            at_last = [p for p in records if p.round == round_number]
+            now = time.time()
+            live = [p for p in records if now - p.published_at < LIVE_S]
+            behind = [p for p in live if p.round < round_number]
+            try:
+                announced = set(self.runtime.read(join_key(self.run_id, round_number + 1)))
+            except Exception:
+                announced = set()
+            waiting = announced - {p.peer_id for p in at_last} - {self.me}
+            if all(p.ok and p.state_hash == ours for p in at_last) and not behind and not waiting:
+                return
+            time.sleep(POLL_S)
+        log.info("left after %.0f s with peers of round %d still out of sync", max_s, round_number)
+
+    def _announce(self, round_number: int) -> None:
+        try:
+            self.runtime.store(join_key(self.run_id, round_number), b"\x01", PROGRESS_TTL_S)
+        except Exception as exc:
+            log.warning("could not announce ourselves for round %d: %s", round_number, exc)
+
+    def _behind(self, agreed: AgreedState) -> bool:
+        ours = self.diloco.round
+        if agreed.round + 1 > ours:
+            return True
+        return agreed.round + 1 == ours and agreed.state_hash.hex() != self.diloco.state_hash()
+
+    def _outcome(self, round_number: int, wait_s: float) -> AgreedState | None:
+        """The state to adopt after our failed round ``round_number``, or None to train on.
+
+        Our round can fail long before the others' ends (every other peer looked lost to us on a
+        loaded machine), long after (a frozen process), or because we ran ahead of them (a fast
+        start on a busy box): running on alone then split the run for good. So follow
+        ``membership_plan.after_failed_round``: adopt the others' newest agreed state if they
+        averaged this round or a later one; wait while a live member is behind us (at most
+        ``wait_s`` per round of gap, see ``wait_budget_s``; one whose newest record is older than
+        ``wait_s`` counts as gone), so that we open the next round together; else train on."""
+        started = time.monotonic()
+        budget_s: float | None = None
+        while True:
+            records = self.records()
+            plan = after_failed_round(
+                records, self.me, round_number, self.rounds, time.time(), live_s=wait_s
+            )
+            if plan.verdict is Verdict.ADOPT:
+                assert plan.target is not None
+                if plan.target.round == round_number:
+                    return self._settled(round_number)
+                return plan.target
+            if budget_s is None:
+                budget_s = wait_budget_s(records, self.me, round_number, wait_s)
+                if plan.verdict is Verdict.WAIT:
+                    log.info("round %d failed: %s; waiting up to %.0f s for them",
+                             round_number, plan.reason, budget_s)  # fmt: skip
+            if plan.verdict is Verdict.ALONE or time.monotonic() - started >= budget_s:
+                return None
+            time.sleep(POLL_S)
+
+    def _settled(self, round_number: int) -> AgreedState | None:
+        """The agreed state of ``round_number`` once its successful records stop arriving."""
+        deadline = time.monotonic() + SETTLE_S
+        seen = agreed_state(self.records(), round_number)
+        while time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            now = agreed_state(self.records(), round_number)
+            if seen is not None and now is not None and now.published == seen.published:
+                return now
+            seen = now or seen
+        return seen
+
+    def _adopt(self, agreed: AgreedState) -> SyncReport:
+        sources = [PeerID.from_base58(p) for p in agreed.holders if p != self.me]
+        if not sources:
+            raise StateSyncFailed("no other peer holds the agreed state")
+        # Announce first: the others read announcements when the next round opens, and that may
+        # come soon after a round boundary (a short inner phase); if the download then fails,
+        # they lose at most the matchmaking deadline waiting for us.
+        next_round = agreed.round + 1
+        self._announce(next_round)
+        fetch = self._fetcher(self.runtime.node, self.run_id, agreed.state_hash)
+        started = time.monotonic()
+
+        async def download() -> Downloaded:
+            with trio.fail_after(SYNC_TIMEOUT_S):
+                return await download_state(fetch, agreed.state_hash, self._state_bytes, sources)
+
+        try:
+            got = self.runtime.call(download)
+        except trio.TooSlowError:
+            raise StateSyncFailed(f"download took over {SYNC_TIMEOUT_S:.0f} s") from None
+        data = got.data
+        self.diloco.load_state(bytes(data))
+        seconds = time.monotonic() - started
+        self.fresh = True
+        self.syncs += 1
+        self.serve_current()
+        assert self.diloco.round == next_round  # the state's own round, verified by load_state
+        pieces = sorted(got.pieces_by_source.values(), reverse=True)
+        report = SyncReport(
+            next_round, self.diloco.state_hash(), len(sources), len(data), seconds, pieces
+        )
+        self.emit(
+            f"synced to round {report.round} from {report.sources} peers "
+            f"(pieces {'/'.join(map(str, pieces))}): {report.bytes / 2**20:.2f} MiB in "
+            f"{report.seconds:.2f} s, state {report.state_hash[:12]} "
+            + ("(the majority's)" if agreed.published else "(a live member's)")
+        )
+        return report

@@ -1,0 +1,152 @@
+"""Which peers a volunteer meets again after failing alone, and which state it adopts: pure rules.
+
+Theory of operation
+-------------------
+A round fails alone ("no other peer declared in time", a group of 1) when our inner phase ends
+far from the others': a fast peer on a busy box runs ahead, a late one trails. Without a rule the
+split is for good: the one ahead keeps declaring rounds nobody else is in yet, and each of its
+rounds fails alone again (issue 16). The rules here bring live members back onto one round and
+one state; ``swarmtrain.membership.elastic`` is the thin driver that reads the DHT records, waits
+and downloads.
+
+* **Bounded by the schedule.** A record claiming a round at or past the run's ``rounds`` is
+  ignored: nobody can pull the swarm forward (or make it wait) by claiming a huge round.
+* **Before our round r averages** (``swarm_ahead``): if other peers already published round r
+  or later as averaged, we are behind (a late start, a slow inner phase): skip the doomed
+  matchmaking and adopt their state now, while its holders are alive and before the run ends.
+  Peers whose records show them past round r are left out of its matchmaking
+  (``past_round``): their declarations for it are stale.
+* **After our round r failed** (``after_failed_round``):
+
+  - ``ADOPT`` the newest agreed state at round >= r (the others averaged where we could not;
+    their state is ahead of ours, we join at their next boundary like any joiner);
+  - else ``WAIT`` while a live member is behind us (its newest record is older than r): it will
+    publish round r in at most a round's time, and then we either adopt its agreed state or, if
+    its round failed as well, both of us open round r + 1 within a poll of each other and meet
+    in its matchmaking. Their states may differ then; the round's hash check makes the one off
+    the majority (a tie breaks on the hash, the same on every peer) adopt the other's, so two
+    live peers converge within two rounds of meeting. Only the peer ahead waits, never the one
+    behind, so two peers never wait for each other.
+  A peer that ran ahead before anyone published (its round 0 failed alone while the others
+    were still starting) needs no rule of its own: its next round fails alone too, and by then
+    the others' records show them live and behind.
+  - else ``ALONE``: no live member to meet; train on.
+* **Live holders** (``states_newest_first``): the states a joiner may adopt, newest first, each
+  with only the holders not known dead. A download that fails at every holder marks them dead and
+  the next newest state held by live peers is tried, so a dead holder never sends a joiner back
+  to a fresh round 0 while another member of the run lives: when no agreed state has a live
+  holder, the state a live member holds after a failed round is taken (every node serves its
+  state after each round, failed or not).
+
+This module imports no trio, libp2p, clock or randomness: ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from swarmtrain.membership.progress import AgreedState, Progress, agreed_state
+
+
+class Verdict(enum.Enum):
+    ADOPT = "adopt"  # take ``Rejoin.target``
+    WAIT = "wait"  # a live member is behind us: poll the records again
+    ALONE = "alone"  # nobody to meet: train on our own state
+
+
+@dataclass(frozen=True, slots=True)
+class Rejoin:
+    verdict: Verdict
+    target: AgreedState | None = None  # for ADOPT
+    reason: str = ""
+
+
+def in_schedule(records: Iterable[Progress], rounds: int) -> list[Progress]:
+    """The records whose round the run's schedule allows (``0 <= round < rounds``)."""
+    return [p for p in records if p.round < rounds]
+
+
+def swarm_ahead(
+    records: Iterable[Progress], me: str, round_number: int, rounds: int
+) -> AgreedState | None:
+    """The newest agreed state at round ``round_number`` or later, from other peers: they
+    averaged that round already, so our matchmaking for it could only meet stale declarations
+    (a late starter's first round formed a "group" with peers long gone and failed 8 s later).
+    None when nobody is ahead of us."""
+    ahead = [p for p in in_schedule(records, rounds) if p.peer_id != me and p.round >= round_number]
+    return agreed_state(ahead)
+
+
+def past_round(records: Iterable[Progress], me: str, round_number: int, rounds: int) -> set[str]:
+    """Peers whose newest record is of round ``round_number`` or later: they are done with it,
+    so a matchmaking declaration of theirs for it is stale (a late starter formed a "group"
+    with such declarations and lost 8-10 s per round waiting for peers long gone)."""
+    return {
+        p.peer_id
+        for p in in_schedule(records, rounds)
+        if p.peer_id != me and p.round >= round_number
+    }
+
+
+def live_others(records: Iterable[Progress], me: str, now: float, live_s: float) -> list[Progress]:
+    """Other peers' records published within ``live_s`` of ``now`` (wall-clock seconds)."""
+    return [p for p in records if p.peer_id != me and now - p.published_at <= live_s]
+
+
+def after_failed_round(
+    records: Iterable[Progress],
+    me: str,
+    round_number: int,
+    rounds: int,
+    now: float,
+    live_s: float,
+) -> Rejoin:
+    """What to do after our round ``round_number`` failed (see the module docstring)."""
+    valid = in_schedule(records, rounds)
+    ahead = [p for p in valid if p.ok and p.round >= round_number]
+    if ahead:
+        target = agreed_state(ahead)
+        assert target is not None
+        return Rejoin(Verdict.ADOPT, target, f"the swarm averaged round {target.round}")
+    others = live_others(valid, me, now, live_s)
+    behind = sorted({p.peer_id for p in others if p.round < round_number})
+    if behind:
+        return Rejoin(Verdict.WAIT, None, f"{len(behind)} live peer(s) behind us")
+    return Rejoin(Verdict.ALONE, None, "no live peer to meet")
+
+
+def wait_budget_s(records: Iterable[Progress], me: str, round_number: int, round_s: float) -> float:
+    """How long at most to wait for the peers behind us: a round's time per round of gap, plus
+    one (a member that died behind us costs that much once)."""
+    behind = [p.round for p in records if p.peer_id != me and p.round < round_number]
+    gap = round_number - min(behind) if behind else 1
+    return round_s * (min(gap, 8) + 1)
+
+
+def states_newest_first(
+    records: Iterable[Progress], rounds: int, dead: Collection[str] = (), me: str = ""
+) -> list[AgreedState]:
+    """The states a joiner may adopt, best first, each with only the holders not in ``dead``.
+
+    First each round's agreed state (majority of its successful records), newest round first; a
+    state none of whose holders lives is left out. Then, as a last resort, the states live
+    members hold after a failed round (each peer's own, newest first): when the agreed state's
+    holders are all gone (the survivor of a pair failed its next round alone, so its newest
+    record is a failure), a joiner takes the survivor's state rather than a fresh round 0 of its
+    own and a second, diverging run (issue 16). Such a state has no round's members behind it;
+    it is only chosen while no agreed state has a live holder."""
+    valid = in_schedule(records, rounds)
+    found: list[AgreedState] = []
+    for rnd in sorted({p.round for p in valid if p.ok}, reverse=True):
+        agreed = agreed_state(valid, rnd)
+        assert agreed is not None
+        holders = tuple(h for h in agreed.holders if h not in dead)
+        if holders:
+            found.append(dataclasses.replace(agreed, holders=holders))
+    alone = [p for p in valid if not p.ok and p.peer_id not in dead and p.peer_id != me]
+    for p in sorted(alone, key=lambda p: (-p.round, p.state_hash, p.peer_id)):
+        found.append(AgreedState(p.round, p.state_hash, (p.peer_id,), 0))
+    return found

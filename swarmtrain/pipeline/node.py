@@ -1,0 +1,349 @@
+"""``swarmtrain node`` on a pipeline run spec (``pipeline.stages > 0``): stage server or trainer.
+
+``swarmtrain.commands.node.run_node`` fetches and verifies the spec, then hands its running node
+(``PeerRuntime``) here. The roles are ``swarmtrain.pipeline.roles``' (what ``swarmtrain local
+--pipeline-stages`` runs), with every setting from the spec: the model shape (``[model]``), the
+microbatch (``training.batch_size`` x ``training.sequence_length``), the servers' learning rate
+(``training.inner_lr``), the trainer's rounds (``run.rounds`` of ``pipeline.microbatches``) and the
+servers' clock epochs (``pipeline.average_every_s``, ``pipeline.rebalance_every_s``). Every server
+builds the initial parameters from the run id's seed, so the servers of a stage agree before they
+first average. A spec may name a user's model (``[model] factory``): a server imports it only
+when its own ``--allow-model`` list names it (``pipeline_model.check_allowed``), and builds and
+cuts it once before it joins, so a missing module or a broken model is a one-line error.
+Trainers never import the model (they send bytes and read logits), so they need no flag.
+
+* A **server** starts on the stage with the fewest servers in the DHT records (ties broken by a
+  hash of its peer id and the stage, so servers that start together spread out), then serves
+  until Ctrl+C; rebalancing moves it later if another stage becomes the bottleneck. Servers that
+  start together can still all read empty records and land on one stage, and rebalancing cannot
+  fill a stage nobody serves (a move downloads the target stage's parameters from its servers).
+  So every ``EMPTY_CHECK_S`` a server checks for an empty stage: if one looks empty on two reads
+  in a row, one server of the most served stage (``empty_stage_move``: the same choice on every
+  server) restarts there from the initial parameters, which are all an unserved stage has left.
+* A **trainer** waits (bounded) until every stage has a server, trains its rounds and exits.
+
+The roles report events (dicts); here they become lines for a human (``describe``). The role
+runs as a task in the runtime's nursery; the calling thread waits on an event it can be
+interrupted in, so Ctrl+C cancels the role (shutdown is cancellation) and prints a summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from p2p import Node, P2PError
+from swarmtrain.pipeline.model import check_allowed
+from swarmtrain.pipeline.progress import pipeline_status, servers_by_stage
+from swarmtrain.pipeline.roles import (
+    ServerSettings,
+    TrainerSettings,
+    check_model,
+    serve,
+    server_final,
+    shape_of,
+    train,
+)
+from swarmtrain.runspec import RunConfig
+from swarmtrain.runtime import PeerRuntime
+
+ROLES = ("server", "trainer")
+# A server prints its counts this often (when they changed): its only sign of life when it is
+# alone on its stage and never averages.
+PROGRESS_EVERY_S = 15.0
+EMPTY_CHECK_S = 3.0
+
+
+def least_served(servers_per_stage: list[int], peer_id: bytes) -> int:
+    """The stage a new server starts on: the fewest servers; among those, the first in an order
+    that hashes our peer id, so servers that read the same records pick different stages."""
+
+    def rank(stage: int) -> tuple[int, bytes]:
+        tag = b"swarmtrain/stage-choice/1\x00" + peer_id + stage.to_bytes(2, "big")
+        return servers_per_stage[stage], hashlib.sha256(tag).digest()
+
+    return min(range(len(servers_per_stage)), key=rank)
+
+
+def empty_stage_move(
+    by_stage: list[list[bytes]], me: bytes, my_stage: int, epoch: int
+) -> int | None:
+    """The stage we restart on because nobody serves it, or None (the usual case).
+
+    When a stage has no server, the most served stage (if it has two or more) gives up the one
+    server that ranks first by sha256(epoch, peer id); it takes the lowest empty stage."""
+    empty = [k for k, peers in enumerate(by_stage) if not peers]
+    if not empty:
+        return None
+    donor = max(range(len(by_stage)), key=lambda k: (len(by_stage[k]), -k))
+    if donor != my_stage or len(by_stage[donor]) < 2 or me not in by_stage[donor]:
+        return None
+    tag = b"swarmtrain/fill-stage/1\x00%d\x00" % epoch
+    mover = min(by_stage[donor], key=lambda peer: hashlib.sha256(tag + peer).digest())
+    return empty[0] if mover == me else None
+
+
+async def wait_empty_stage(node: Node, run_id: str, num_stages: int, stage: int) -> int:
+    """Until ``empty_stage_move`` names us; returns the stage to restart on."""
+    me = node.host.peer_id.to_bytes()
+    # A stage must look empty on two reads in a row (the second judged with the first's epoch,
+    # so the same server is named): a missed or late announcement on a loaded machine is not an
+    # empty stage, and restarting there would serve initial parameters beside trained ones.
+    pending: tuple[int, int] | None = None  # (epoch, target) of a first read that named us
+    while True:
+        now = time.time()
+        epoch = int(now // EMPTY_CHECK_S) + 1
+        await trio.sleep(epoch * EMPTY_CHECK_S - now)
+        by_stage = None
+        with trio.move_on_after(EMPTY_CHECK_S), contextlib.suppress(P2PError):
+            by_stage = await servers_by_stage(node.dht, run_id, num_stages)
+        if by_stage is None:
+            pending = None
+        elif pending is None:
+            target = empty_stage_move(by_stage, me, stage, epoch)
+            pending = None if target is None else (epoch, target)
+        elif empty_stage_move(by_stage, me, stage, pending[0]) == pending[1]:
+            return pending[1]
+        else:
+            pending = None
+
+
+async def choose_stage(node: Node, run_id: str, num_stages: int) -> int:
+    """``least_served`` on the servers' records (none readable yet: every stage has 0)."""
+    try:
+        with trio.move_on_after(15):
+            rows = await pipeline_status(node.dht, run_id, num_stages)
+            return least_served([int(r["servers"]) for r in rows], node.host.peer_id.to_bytes())
+    except P2PError:
+        pass
+    return least_served([0] * num_stages, node.host.peer_id.to_bytes())
+
+
+def server_settings(config: RunConfig, seed: int) -> ServerSettings:
+    return ServerSettings(
+        run_id=config.run_id,
+        num_stages=config.pipeline_stages,
+        shape=shape_of(config),
+        seed=seed,
+        batch_size=config.batch_size,
+        sequence_length=config.sequence_length,
+        lr=config.inner_lr,
+        average_every_s=config.pipeline_average_every_s,
+        rebalance_every_s=config.pipeline_rebalance_every_s or None,
+        progress_every_s=PROGRESS_EVERY_S,
+        model_factory=config.model_factory,
+    )
+
+
+def trainer_settings(
+    config: RunConfig, seed: int, peer_id: bytes, wait_for_servers_s: float
+) -> TrainerSettings:
+    return TrainerSettings(
+        run_id=config.run_id,
+        num_stages=config.pipeline_stages,
+        batch_size=config.batch_size,
+        sequence_length=config.sequence_length,
+        rounds=config.rounds,
+        microbatches=config.pipeline_microbatches,
+        data_seed=seed,
+        route_seed=int.from_bytes(hashlib.sha256(peer_id).digest()[:8], "big"),
+        wait_for_servers_s=wait_for_servers_s,
+    )
+
+
+def _loss(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else "n/a"
+
+
+def describe(event: dict[str, Any]) -> str | None:
+    """A role's event as a progress line for a human, or None for events not worth a line."""
+    kind = event.get("event")
+    if kind == "serving":
+        return f"serving stage {event['stage']} (probe: {event['throughput']} samples/s)"
+    if kind == "joined":
+        return (
+            f"joined stage {event['stage']}: downloaded its servers' parameters of averaging "
+            f"round {event['round']}"
+        )
+    if kind == "averaged":
+        return (
+            f"stage {event['stage']}: averaged round {event['round']} with {event['group']} "
+            f"servers, stage hash {str(event['digest'])[:12]}; {event.get('forwards', 0)} "
+            f"forwards, {event.get('backwards', 0)} backwards"
+        )
+    if kind == "moved":
+        return (
+            f"moved from stage {event['from_stage']} to stage {event['to_stage']} (the "
+            f"bottleneck), parameters {str(event['hash'])[:12]}"
+        )
+    if kind == "progress":
+        return (
+            f"stage {event['stage']}: {event['forwards']} forwards, {event['backwards']} "
+            f"backwards, {event['averaged_rounds']} averaged rounds, {event['moves']} moves, "
+            f"{event['throughput']} samples/s"
+        )
+    if kind == "ready" and "servers_per_stage" in event:
+        return f"trainer ready: servers per stage {event['servers_per_stage']}"
+    if kind == "round":
+        return (
+            f"round {event['round']} loss {_loss(event['loss'])} microbatches "
+            f"{event['microbatches']} {event['samples_per_s']} samples/s failovers "
+            f"{event['failovers']} servers per stage {event['servers_per_stage']} "
+            f"{event['seconds']} s"
+        )
+    if kind == "microbatch_failed":
+        return f"microbatch failed (attempt {event['attempt'] + 1}): {event['reason']}"
+    return None
+
+
+@dataclass
+class PipelineSummary:
+    """What a pipeline node did: a server's final counts, or a trainer's rounds and losses."""
+
+    role: str
+    peer_id: str
+    stopped: bool = False  # interrupted (Ctrl+C) rather than finished
+    server: dict[str, Any] = field(default_factory=dict)  # server_final()
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # the trainer's round events
+    seconds: float = 0.0
+
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.rounds if isinstance(r.get("loss"), float)]
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "role": self.role,
+            "peer_id": self.peer_id,
+            "stopped": self.stopped,
+            "seconds": round(self.seconds, 1),
+        }
+        if self.role == "server":
+            out.update({k: v for k, v in self.server.items() if k != "event"})
+        else:
+            losses = self.losses()
+            out.update(
+                {
+                    "rounds": len(self.rounds),
+                    "losses": [r.get("loss") for r in self.rounds],
+                    "loss_first": losses[0] if losses else None,
+                    "loss_last": losses[-1] if losses else None,
+                    "microbatches": sum(int(r["microbatches"]) for r in self.rounds),
+                    "failovers": self.rounds[-1]["failovers"] if self.rounds else 0,
+                }
+            )
+        return out
+
+    def done_line(self) -> str:
+        head = "stopped" if self.stopped else "done"
+        summary = self.to_json()
+        if self.role == "server":
+            s = self.server
+            return (
+                f"{head}: stage server, last on stage {s.get('stage')}, {s.get('forwards', 0)} "
+                f"forwards, {s.get('backwards', 0)} backwards, {s.get('averaged_rounds', 0)} "
+                f"averaged rounds ({s.get('failed_rounds', 0)} failed), {s.get('moves', 0)} moves"
+            )
+        return (
+            f"{head}: trainer, {summary['rounds']} rounds, loss {_loss(summary['loss_first'])} "
+            f"-> {_loss(summary['loss_last'])}, {summary['microbatches']} microbatches, "
+            f"{summary['failovers']} failovers in {summary['seconds']} s"
+        )
+
+
+def run_pipeline(
+    runtime: PeerRuntime,
+    config: RunConfig,
+    role: str,
+    *,
+    seed: int,
+    wait_for_servers_s: float,
+    emit: Callable[[str], None],
+    allow_models: Sequence[str] = (),
+) -> PipelineSummary:
+    """Run ``role`` on the runtime's node: a server until Ctrl+C, a trainer until its last round.
+
+    Returns the summary. On Ctrl+C the role is cancelled, the summary line is emitted and
+    KeyboardInterrupt propagates. Raises ``ModelRefused`` (a server, for a spec's model factory
+    not in ``allow_models``) and ``ModelContractError`` (it cannot be imported or breaks the
+    contract) before serving; else what the role raised (``NoServers``, P2PError,
+    ValueError), with the role already stopped."""
+    node = runtime.node
+    assert node is not None
+    summary = PipelineSummary(role, str(node.host.peer_id))
+    done = threading.Event()
+    box: dict[str, Any] = {}
+    began = time.monotonic()
+
+    def on_event(event: dict[str, Any]) -> None:
+        if event.get("event") == "round":
+            summary.rounds.append(event)
+        line = describe(event)
+        if line is not None:
+            emit(line)
+
+    if role == "server":
+        settings = server_settings(config, seed)
+        if config.model_factory:
+            check_allowed(config.model_factory, allow_models, run_id=config.run_id)
+            check_model(settings)
+            emit(
+                f"model {config.model_factory} (allowed by --allow-model) builds and cuts "
+                f"into {config.pipeline_stages} stages"
+            )
+        stage = runtime.call(choose_stage, node, config.run_id, config.pipeline_stages)
+        emit(f"stage server {node.host.peer_id} starting on stage {stage} (the least served)")
+
+        async def work() -> None:
+            current = stage
+            while True:
+                async with trio.open_nursery() as nursery:
+                    box["server"] = await nursery.start(serve, node, settings, current, on_event)
+                    target = await wait_empty_stage(
+                        node, config.run_id, settings.num_stages, current
+                    )
+                    nursery.cancel_scope.cancel()
+                emit(f"stage {target} has no server: restarting on it (initial parameters)")
+                current = target
+    else:
+        emit(f"trainer {node.host.peer_id}: waiting until every stage has a server")
+        trainer = trainer_settings(config, seed, node.host.peer_id.to_bytes(), wait_for_servers_s)
+
+        async def work() -> None:
+            await train(node, trainer, on_event)
+
+    async def service(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            await work()
+        except Exception as exc:  # handed to the caller's thread; the runtime lives on
+            box["error"] = exc
+        finally:
+            done.set()
+
+    runtime.start(service)
+    try:
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        runtime.close()  # cancels the role: the server stops serving, the trainer its round
+        summary.stopped = True
+        _finish(summary, box, began)
+        emit(summary.done_line())
+        raise
+    _finish(summary, box, began)
+    if "error" in box:
+        raise box["error"]
+    return summary
+
+
+def _finish(summary: PipelineSummary, box: dict[str, Any], began: float) -> None:
+    summary.seconds = time.monotonic() - began
+    if "server" in box:
+        summary.server = server_final(box["server"])

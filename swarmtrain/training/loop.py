@@ -1,0 +1,374 @@
+"""A DiLoCo volunteer's rounds, from the spec it verified to its last round's summary.
+
+Each round the peer runs H inner AdamW steps on its own deterministic data shard
+(``inner_batches`` seeded by run, round and peer id), then DiLoCo averages the pseudo-gradient
+with the round's peers and applies the same outer Nesterov step everywhere. After the round the
+peer publishes its state hash and reads back the others', so the progress line can say whether
+the shared state is bit-identical.
+
+Round numbers come from DiLoCo's checkpointed counter, so peers that started together meet under
+the same matchmaking key each round. Checkpoints (DiLoCo's ``state_dir``) are written at every
+round boundary: Ctrl+C loses at most the inner phase in progress, and a restart with the same
+state directory resumes at the last boundary. Around its rounds,
+``swarmtrain.membership.elastic`` catches up with a swarm that is ahead (download of the agreed
+state from several peers), serves our state to joiners, re-syncs when our hash disagrees with
+the majority, and publishes the progress records ``swarmtrain status`` reads.
+
+In a verified run (``[verify] rate > 0``, docs/verification.md) the inner phase is a RepOps task
+on the CPU instead (``swarmtrain.verified.volunteer``): re-executed for other peers when drawn,
+gated on the verifiers' agreement and the coordinator's verdicts before averaging, and the
+all-reduce's drawn parts audited before the outer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import swarm
+from diloco import (
+    ByteTransformer,
+    Corpus,
+    DiLoCo,
+    eval_batches,
+    evaluate,
+    inner_batches,
+)
+from p2p import PeerID
+from swarmtrain.membership.elastic import Elastic
+from swarmtrain.membership.progress import Progress
+from swarmtrain.membership.state_sync import StateServer
+from swarmtrain.pipeline.roles import shape_of
+from swarmtrain.runspec import RunConfig, run_seed_of
+from swarmtrain.runtime import PeerRuntime
+from swarmtrain.training.swarm_average import SwarmAverage
+from swarmtrain.verified.volunteer import Banned, Verification
+
+log = logging.getLogger(__name__)
+
+# How long after a round we wait for the round's peers to publish their state hashes.
+AGREEMENT_TIMEOUT_S = 3.0
+# After the last round, how long a node keeps serving a peer that is re-syncing to the final state.
+FINAL_LINGER_S = 15.0
+
+
+@dataclass
+class NodeSummary:
+    peer_id: str
+    first_round: int  # the round this process started at (> 0 after a resume or a sync)
+    rounds_contributed: int = 0
+    rounds_failed: int = 0
+    last_round: int = -1
+    state_hash: str = ""
+    loss_first: float | None = None
+    loss_last: float | None = None
+    eval_loss: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    agree: bool | None = None  # the last round's state hash equals the majority's
+    syncs: int = 0  # states downloaded from peers (joining, catching up, re-syncing)
+    round_seconds: list[float] = field(default_factory=list)
+    banned: str = ""  # a verified run's verdict against this peer
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "peer_id": self.peer_id,
+            "first_round": self.first_round,
+            "rounds_contributed": self.rounds_contributed,
+            "rounds_failed": self.rounds_failed,
+            "last_round": self.last_round,
+            "state_hash": self.state_hash,
+            "loss_first": self.loss_first,
+            "loss_last": self.loss_last,
+            "eval_loss": self.eval_loss,
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "agree": self.agree,
+            "syncs": self.syncs,
+            "round_seconds": [round(s, 3) for s in self.round_seconds],
+            "banned": self.banned,
+        }
+
+    def done_line(self) -> str:
+        loss_first = "n/a" if self.loss_first is None else f"{self.loss_first:.3f}"
+        loss_last = "n/a" if self.loss_last is None else f"{self.loss_last:.3f}"
+        held_out = "n/a" if self.eval_loss is None else f"{self.eval_loss:.3f}"
+        return (
+            f"done: {self.rounds_contributed} rounds contributed, last round "
+            f"{self.last_round}, loss {loss_first} -> {loss_last}, "
+            f"held-out {held_out}, state {self.state_hash[:12]}"
+        )
+
+
+def averager_config(
+    config: RunConfig, coordinator: PeerID | None = None, cheat_reduce: int | None = None
+) -> swarm.AveragerConfig:
+    # compression=None lets the swarm pick per tensor (int8 above 64K elements, exact below). Its
+    # quantization is deterministic, so the state stays bit-identical either way; for the default
+    # 0.9M-parameter model nearly every tensor is below the threshold, so this is close to exact.
+    # A verified run averages exactly, so the coordinator can recompute any part's sum from its
+    # inputs (an aggregation audit), and lets only the coordinator fetch our slices.
+    verified = config.verify_rate > 0
+    return swarm.AveragerConfig(
+        run_id=config.run_id,
+        matchmaking_timeout_s=config.matchmaking_timeout_s,
+        allreduce_timeout_s=config.allreduce_timeout_s,
+        compression=swarm.Compression.NONE if verified else None,
+        audit=verified,
+        auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
+        cheat_reduce_round=cheat_reduce,
+    )
+
+
+def build_model(config: RunConfig) -> ByteTransformer:
+    return ByteTransformer(shape_of(config), seed=run_seed_of(config.run_id))
+
+
+def _reach(runtime: PeerRuntime) -> str:
+    """Our dial-back verdict, for the progress record (``swarmtrain status`` shows it)."""
+    node = runtime.node
+    return "unknown" if node is None else node.reachability.status.value
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def train(
+    config: RunConfig,
+    runtime: PeerRuntime,
+    averager: swarm.Averager,
+    server: StateServer,
+    corpus: Corpus,
+    device: torch.device,
+    emit: Callable[[str], None],
+    coordinator: PeerID,
+    *,
+    state_dir: Path,
+    join_wait_s: float,
+    cheat: tuple[int, int, int] | None = None,
+) -> NodeSummary:
+    """Train the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
+    catching up with the swarm, waiting at most ``join_wait_s`` for a round boundary); ``emit``
+    gets one progress line per round. ``cheat``: a verified run's tampering test hook."""
+    # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
+    # so peers on different devices still agree bit for bit; only the inner steps move.
+    model = build_model(config).to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=config.inner_lr)
+    elastic_box: list[Elastic] = []
+    verification = None
+    if config.verify_rate > 0:
+        verification = Verification(
+            runtime,
+            config,
+            corpus,
+            run_seed_of(config.run_id),
+            coordinator,
+            cheat=cheat,
+            emit=emit,
+        )
+        emit(
+            f"verified run: {config.verify_rate:.0%} of tasks re-executed by a second peer; "
+            "inner phases run under RepOps"
+        )
+    average = SwarmAverage(
+        runtime,
+        averager,
+        expected=lambda r: elastic_box[0].expected_peers(r),
+        exclude=lambda r: _excluded(r, elastic_box[0], verification),
+        check=verification.check_aggregation if verification is not None else None,
+        behind=lambda r: elastic_box[0].behind(r),
+    )
+    diloco = DiLoCo(
+        model,
+        inner,
+        average,
+        inner_steps=config.inner_steps,
+        outer_lr=config.outer_lr,
+        outer_momentum=config.outer_momentum,
+        outer_momentum_warmup=config.outer_momentum_warmup,
+        state_dir=state_dir,
+        run_id=config.run_id,
+    )
+    elastic = Elastic(runtime, server, config.run_id, diloco, emit, rounds=config.rounds)
+    elastic_box.append(elastic)
+    peer = runtime.peer_id
+    how = "resumed from checkpoint at" if diloco.round else "starting at"
+    emit(f"node {peer} {how} round {diloco.round} of {config.rounds} on {device}")
+    try:
+        if diloco.round:
+            elastic.serve_current()  # our checkpoint may be what a peer behind us needs
+        elastic.catch_up(join_wait_s, config.rounds)
+        summary = NodeSummary(str(peer), first_round=diloco.round)
+        while diloco.round < config.rounds:
+            try:
+                _train_round(
+                    config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
+                    verification,
+                )  # fmt: skip
+            except Banned as exc:
+                summary.banned = str(exc)
+                emit(f"this peer was {exc}; stopping")
+                break
+        if summary.last_round == config.rounds - 1 and summary.agree:
+            elastic.linger(summary.last_round, FINAL_LINGER_S)
+    finally:
+        diloco.close()
+    summary.syncs = elastic.syncs
+    summary.state_hash = diloco.state_hash()
+    summary.bytes_sent, summary.bytes_received = average.bytes_sent, average.bytes_received
+    # Held-out loss of the global parameters (the model holds them after an applied round).
+    summary.eval_loss = evaluate(
+        model, eval_batches(corpus, batches=4, context=config.sequence_length)
+    )
+    return summary
+
+
+def _excluded(round_number: int, elastic: Elastic, verification: Verification | None) -> set[bytes]:
+    """Peers a round's matchmaking leaves out: those done with the round already (stale
+    declarations, ``Elastic.past_peers``) and, in a verified run, banned or failed ones."""
+    left_out = elastic.past_peers(round_number)
+    if verification is not None:
+        left_out |= set(verification.excluded(round_number))
+    return left_out
+
+
+def _native_inner_phase(
+    config: RunConfig, diloco: DiLoCo, corpus: Corpus, peer_bytes: bytes
+) -> tuple[list[float], int, float]:
+    """H AdamW steps on our shard; the H-th runs the round. (losses, tokens, inner seconds)"""
+    batches = inner_batches(
+        corpus,
+        run_seed=run_seed_of(config.run_id),
+        round=diloco.round,
+        peer_id=peer_bytes,
+        steps=config.inner_steps,
+        batch_size=config.batch_size,
+        context=config.sequence_length,
+    )
+    started = time.perf_counter()
+    losses: list[float] = []
+    tokens = 0
+    inner_s = 1e-9
+    device = next(diloco.model.parameters()).device
+    for step, (inputs, targets) in enumerate(batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        loss = diloco.model.loss(inputs, targets)  # type: ignore[operator]
+        loss.backward()
+        losses.append(float(loss.detach()))
+        tokens += inputs.numel()
+        if step == len(batches) - 1:
+            inner_s = time.perf_counter() - started
+        diloco.step(samples=inputs.numel())  # the H-th step runs the outer round in this call
+        diloco.zero_grad()
+    return losses, tokens, inner_s
+
+
+def _verified_inner_phase(
+    config: RunConfig, diloco: DiLoCo, verification: Verification
+) -> tuple[list[float], int, float]:
+    """Our RepOps task (and those we verify), the verification gate, then the round.
+    Raises ``Banned`` when the coordinator named us a cheater."""
+    r = diloco.round
+    params = {n: t.numpy() for n, t in diloco.global_parameters().items()}
+    started = time.perf_counter()
+    work = verification.run_tasks(r, params)
+    inner_s = time.perf_counter() - started
+    verification.settle(r)
+    local = torch.cat([torch.from_numpy(work.params[n]).reshape(-1) for n in params])
+    tokens = config.inner_steps * config.batch_size * config.sequence_length
+    diloco.finish_inner_phase(local, samples=tokens)
+    return work.losses, tokens, inner_s
+
+
+def _train_round(
+    config: RunConfig,
+    diloco: DiLoCo,
+    average: SwarmAverage,
+    elastic: Elastic,
+    corpus: Corpus,
+    peer_bytes: bytes,
+    summary: NodeSummary,
+    emit: Callable[[str], None],
+    verification: Verification | None = None,
+) -> None:
+    r = diloco.round
+    started = time.perf_counter()
+    if verification is None:
+        losses, tokens, inner_s = _native_inner_phase(config, diloco, corpus, peer_bytes)
+    else:
+        losses, tokens, inner_s = _verified_inner_phase(config, diloco, verification)
+    round_s = time.perf_counter() - started
+    mean_loss = sum(losses) / len(losses)
+    report = average.last
+    ok = report is not None and report.ok and report.round == r
+    summary.last_round = r
+    summary.round_seconds.append(round_s)
+    if verification is not None:
+        verification.round_done(r, ok, diloco.statistics().last_contributors)
+    summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
+    summary.loss_last = mean_loss
+    state_hash = diloco.state_hash()
+    elastic.fresh = False  # only the first round after adopting a state needs the expected set
+    # Before the record that tells joiners to ask us for it; after a failed round as well: when
+    # the agreed state's holders are all gone, a joiner takes a live member's state from there.
+    elastic.serve_current()
+    if ok:
+        summary.rounds_contributed += 1
+    else:
+        summary.rounds_failed += 1
+    assert report is not None or not ok
+    elastic.publish(
+        Progress(
+            peer_id=str(summary.peer_id),
+            round=r,
+            ok=ok,
+            state_hash=bytes.fromhex(state_hash),
+            loss=mean_loss,
+            tokens_per_s=tokens / inner_s,
+            peers=report.peers if report is not None and ok else 0,
+            bytes_sent=average.bytes_sent,
+            bytes_received=average.bytes_received,
+            rounds_contributed=summary.rounds_contributed,
+            published_at=time.time(),
+            reach=_reach(elastic.runtime),
+        )
+    )
+    if not ok:
+        why = report.error if report is not None else "no averaging"
+        emit(
+            f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s FAILED ({why}); "
+            f"state {state_hash[:12]} {round_s:.1f} s"
+        )
+        # The others may have succeeded: then their state is ahead of our skipped one. They may
+        # still be in the round: its deadlines bound how long it can outlast ours.
+        # A peer ahead of live members waits for them: per round of gap, the round's own
+        # duration as we saw it plus those deadlines (membership_plan.wait_budget_s).
+        outcome_wait_s = config.matchmaking_timeout_s + config.allreduce_timeout_s + round_s
+        if elastic.after_round(r, ok=False, wait_s=outcome_wait_s) is not None:
+            summary.agree = True
+        return
+    assert report is not None
+    average.publish_state(r, state_hash)
+    agreement = average.agreement(r, report.peers, AGREEMENT_TIMEOUT_S)
+    summary.agree = agreement.agrees if agreement is not None else None
+    agree = (
+        "unknown"
+        if agreement is None
+        else f"{'yes' if agreement.agrees else 'NO'} ({agreement.agreeing}/{agreement.peers})"
+    )
+    emit(
+        f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s peers {report.peers} "
+        f"sent {_mib(report.bytes_sent)} recv {_mib(report.bytes_received)} "
+        f"allreduce {report.allreduce_s:.2f} s state {state_hash[:12]} agree {agree} "
+        f"{round_s:.1f} s{verification.note(r) if verification is not None else ''}"
+    )
+    drifted = agreement is not None and not agreement.agrees and agreement.majority is not None
+    # Our state drifted from the majority's: adopt theirs before contributing again.
+    if drifted and elastic.after_round(r, ok=True) is not None:
+        summary.agree = True

@@ -1,0 +1,389 @@
+"""Which inner phases of a verified DiLoCo run are re-executed, by whom, and what peers publish.
+
+A *task* is one peer's inner phase of one round: H RepOps AdamW steps from the round's global
+parameters with a fresh optimizer state, on that peer's data shard of that round. It is fixed by
+(start-state hash, owner, round, H, the spec's hyperparameters), so any peer can run it again.
+
+* ``selected``: a task is re-executed with probability ``verify.rate``, drawn from
+  SHA-256(run, round, owner): every peer computes the same draw, and the owner cannot choose it.
+* ``verifier_of``: the re-executing peer, the member with the smallest SHA-256(run, round, owner,
+  member) among the round's *members* other than the owner. Members are the contributors of the
+  previous round, a set every survivor of that round holds bit for bit (the all-reduce reports
+  it), so all of them name the same verifier. The first round, and a peer's first round after
+  joining, have no such set and are not verified.
+* ``RoundClaims``: what a peer publishes under ``run/<id>/verify/<r>`` (its own signed subkey):
+  the hash of the RepOps start state it computed from, and a ``verify.commit.Commitment``
+  (steps, task root, final state hash) for every task it executed (its own, when selected, and
+  those it verifies).
+* ``Verdict``: what the coordinator publishes under ``run/<id>/verdicts`` after refereeing a
+  difference; ``banned`` reads the cheaters off them.
+* ``decide``: a peer's decision about one assignment before the round's averaging: accept the
+  owner's contribution, leave it out, or wait.
+
+Pure: encodings, draws and decisions; ``swarmtrain.verified.volunteer`` and
+``swarmtrain.verified.referee`` do the IO.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgpack
+
+from verify import Commitment
+
+VERSION = 1
+HASH_BYTES = 32
+MAX_CLAIMS = 16  # tasks one peer may claim in a round: its own and those it verifies
+MAX_CLAIMS_BYTES = 4096
+MAX_VERDICTS = 64  # the verdict list keeps the newest; older cheaters stay banned by id
+MAX_VERDICTS_BYTES = 14 * 1024  # under p2p's 16 KiB record value limit
+MAX_REASON_CHARS = 200
+PEER_ID_MAX_BYTES = 64
+CLAIMS_TTL_S = 600.0
+AGGREGATION = "aggregation"  # a Verdict's op_name when it names a reducer (op: the part)
+AGREE = "commitments agree"  # decide's reason when the owner's and verifier's claims are equal
+VERDICTS_TTL_S = 7 * 24 * 3600.0
+
+
+def verify_key(run_id: str, round_number: int) -> str:
+    return f"run/{run_id}/verify/{round_number}"
+
+
+def verdicts_key(run_id: str) -> str:
+    return f"run/{run_id}/verdicts"
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(len(part).to_bytes(4, "little") + part)
+    return h.digest()
+
+
+def _round_bytes(run_id: str, round_number: int) -> tuple[bytes, bytes]:
+    return run_id.encode(), round_number.to_bytes(8, "little")
+
+
+def task_seed(run_id: str, round_number: int, owner: bytes) -> int:
+    """The task's ``verify.commit.TaskSpec.data_seed``: distinct per run, round and owner."""
+    digest = _digest(b"swarmtrain/verify/task", *_round_bytes(run_id, round_number), owner)
+    return int.from_bytes(digest[:8], "little") >> 1  # a non-negative int64
+
+
+def selected(run_id: str, round_number: int, owner: bytes, rate: float) -> bool:
+    """Whether ``owner``'s task of ``round_number`` is re-executed (probability ``rate``)."""
+    if rate <= 0:
+        return False
+    digest = _digest(b"swarmtrain/verify/select", *_round_bytes(run_id, round_number), owner)
+    return int.from_bytes(digest[:8], "little") < rate * 2**64
+
+
+def verifier_of(
+    run_id: str, round_number: int, owner: bytes, members: Iterable[bytes]
+) -> bytes | None:
+    """The member that re-executes ``owner``'s task; None when no other member exists."""
+    base = _round_bytes(run_id, round_number)
+    others = [m for m in members if m != owner]
+    if not others:
+        return None
+    return min(others, key=lambda m: _digest(b"swarmtrain/verify/verifier", *base, owner, m))
+
+
+@dataclass(frozen=True, order=True)
+class Assignment:
+    owner: bytes
+    verifier: bytes
+
+
+def assignments(
+    run_id: str, round_number: int, members: Iterable[bytes], rate: float
+) -> list[Assignment]:
+    """Every selected task of the round among ``members``, with its verifier, sorted."""
+    group = sorted(set(members))
+    out = []
+    for owner in group:
+        verifier = verifier_of(run_id, round_number, owner, group)
+        if verifier is not None and selected(run_id, round_number, owner, rate):
+            out.append(Assignment(owner, verifier))
+    return out
+
+
+# -- what peers publish ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RoundClaims:
+    """One peer's record for a round: the start state hash its tasks began from (every task of
+    a round starts from the global state) and its commitment per task (by owner). Two
+    commitments to a task that started elsewhere differ in their roots already."""
+
+    start_state_hash: bytes
+    claims: Mapping[bytes, Commitment]
+
+    def to_bytes(self) -> bytes:
+        body = [
+            [owner, c.steps, c.task_root, c.final_state_hash]
+            for owner, c in sorted(self.claims.items())
+        ]
+        data = msgpack.packb([VERSION, self.start_state_hash, body], use_bin_type=True)
+        if len(body) > MAX_CLAIMS or len(data) > MAX_CLAIMS_BYTES:
+            raise ValueError(f"{len(body)} claims ({len(data)} bytes) are over the limit")
+        return data
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> RoundClaims | None:
+        """None for anything malformed (a peer's record is its claim; garbage claims nothing)."""
+        if len(data) > MAX_CLAIMS_BYTES:
+            return None
+        try:
+            obj = msgpack.unpackb(data, raw=False)
+            version, start, body = obj
+            if version != VERSION or not _is_hash(start) or not isinstance(body, list):
+                return None
+            if len(body) > MAX_CLAIMS:
+                return None
+            claims: dict[bytes, Commitment] = {}
+            for owner, steps, root, final in body:
+                ok = isinstance(owner, bytes) and 0 < len(owner) <= PEER_ID_MAX_BYTES
+                ok = ok and type(steps) is int and steps > 0
+                if not (ok and _is_hash(root) and _is_hash(final)):
+                    return None
+                claims[owner] = Commitment(steps, root, final)
+        except (ValueError, TypeError, msgpack.UnpackException):
+            return None
+        return cls(start, claims)
+
+
+def _is_hash(value: object) -> bool:
+    return isinstance(value, bytes) and len(value) == HASH_BYTES
+
+
+def majority_start(records: Iterable[RoundClaims]) -> bytes | None:
+    """The start state hash most peers of a round computed from (ties on the hash itself)."""
+    counts = Counter(r.start_state_hash for r in records)
+    if not counts:
+        return None
+    return max(counts, key=lambda h: (counts[h], h))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The coordinator's ruling on one disputed task. ``cheater`` None: nobody could be named."""
+
+    round: int
+    owner: bytes
+    verifier: bytes
+    cheater: bytes | None
+    step: int | None
+    op: int | None
+    op_name: str
+    reason: str
+
+    def describe(self) -> str:
+        """Where the cheating was: ``round r, step s, operator o (name)``, or an all-reduce part
+        (its reducer, ``owner``, got it wrong, or a contributor served other bytes than it
+        signed)."""
+        if self.op_name == AGGREGATION:
+            how = "reduced wrong" if self.cheater == self.owner else "its slice misstated"
+            return f"round {self.round}, part {self.op} of the all-reduce ({how})"
+        return f"round {self.round}, step {self.step}, operator {self.op} ({self.op_name})"
+
+    def to_wire(self) -> list[object]:
+        return [
+            self.round, self.owner, self.verifier, self.cheater,
+            self.step, self.op, self.op_name, self.reason[:MAX_REASON_CHARS],
+        ]  # fmt: skip
+
+
+def _newest_that_fit(items: list[list[object]], most: int) -> bytes:
+    """The newest ``most`` items (older ones dropped while over the record size limit)."""
+    kept = items[-most:]
+    data = msgpack.packb([VERSION, kept], use_bin_type=True)
+    while len(data) > MAX_VERDICTS_BYTES and kept:
+        kept = kept[1:]
+        data = msgpack.packb([VERSION, kept], use_bin_type=True)
+    return data
+
+
+def encode_verdicts(verdicts: Iterable[Verdict]) -> bytes:
+    """The newest verdicts that fit (the cheaters they name stay banned by the peers that read
+    them; a peer reading later sees only these)."""
+    return _newest_that_fit([v.to_wire() for v in verdicts], MAX_VERDICTS)
+
+
+def _list_body(data: bytes, what: str, most: int) -> list[object]:
+    """The items of one of the coordinator's signed lists. Raises ValueError when it is malformed
+    (a bug or an attack worth a loud error, not a value to skip)."""
+    if len(data) > MAX_VERDICTS_BYTES:
+        raise ValueError(f"{what} list of {len(data)} bytes is over {MAX_VERDICTS_BYTES}")
+    try:
+        version, body = msgpack.unpackb(data, raw=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ValueError(f"malformed {what} list: {exc}") from None
+    if version != VERSION or not isinstance(body, list) or len(body) > most:
+        raise ValueError(f"unknown {what} list version or layout")
+    return body
+
+
+def decode_verdicts(data: bytes) -> list[Verdict]:
+    """Raises ValueError for a malformed list."""
+    body = _list_body(data, "verdict", MAX_VERDICTS)
+    try:
+        out = []
+        for r, owner, verifier, cheater, step, op, op_name, reason in body:
+            if not (type(r) is int and r >= 0 and isinstance(owner, bytes)):
+                raise ValueError("bad verdict round or owner")
+            if not isinstance(verifier, bytes) or not isinstance(cheater, bytes | None):
+                raise ValueError("bad verdict peer ids")
+            if not all(x is None or type(x) is int for x in (step, op)):
+                raise ValueError("bad verdict step or op")
+            if not (isinstance(op_name, str) and isinstance(reason, str)):
+                raise ValueError("bad verdict text")
+            out.append(Verdict(r, owner, verifier, cheater, step, op, op_name, reason))
+    except TypeError as exc:  # an item that is not a list of the right length
+        raise ValueError(f"malformed verdict list: {exc}") from None
+    return out
+
+
+def banned(verdicts: Iterable[Verdict]) -> dict[bytes, Verdict]:
+    """Every peer a verdict named as the cheater, with the first verdict that named it."""
+    out: dict[bytes, Verdict] = {}
+    for v in verdicts:
+        if v.cheater is not None:
+            out.setdefault(v.cheater, v)
+    return out
+
+
+# -- a peer's decision about one assignment -------------------------------------------------------
+
+
+class Decision(enum.Enum):
+    ACCEPT = "accept"  # commitments agree, the verifier cheated, or the verifier is absent
+    EXCLUDE = "exclude"  # the owner's contribution stays out of this round
+    WAIT = "wait"
+
+
+def decide(
+    assignment: Assignment,
+    records: Mapping[bytes, RoundClaims],
+    verdicts: Iterable[Verdict],
+    round_number: int,
+    *,
+    timed_out: bool,
+) -> tuple[Decision, str]:
+    """What to do with the owner's contribution in this round, and why.
+
+    ``records`` maps a peer to its published ``RoundClaims`` for the round. A verdict on this
+    task settles it (the owner's contribution counts only if the verifier was the cheater).
+    Otherwise the owner's and the verifier's claims must both be visible and equal; a difference
+    waits for the verdict. At ``timed_out``: a missing or disputed owner is left out (its
+    contribution is unverified), a missing verifier lets the owner in (the owner cannot be
+    blamed for it).
+    """
+    owner, verifier = assignment.owner, assignment.verifier
+    for v in verdicts:
+        if v.round == round_number and v.owner == owner and v.op_name != AGGREGATION:
+            if v.cheater is not None and v.cheater == verifier:
+                return Decision.ACCEPT, "the verifier was found cheating"
+            return Decision.EXCLUDE, f"referee: {v.reason}"
+    own = records.get(owner)
+    mine = own.claims.get(owner) if own is not None else None
+    check = records.get(verifier)
+    theirs = check.claims.get(owner) if check is not None else None
+    if mine is not None and theirs is not None:
+        if mine == theirs:
+            return Decision.ACCEPT, AGREE
+        if timed_out:
+            return Decision.EXCLUDE, "commitments differ and no verdict came in time"
+        return Decision.WAIT, "commitments differ; waiting for the coordinator's verdict"
+    if not timed_out:
+        return Decision.WAIT, "waiting for both commitments"
+    if mine is None:
+        return Decision.EXCLUDE, "the owner published no commitment in time"
+    return Decision.ACCEPT, "the verifier published no commitment in time (unverified)"
+
+
+def disputes(records: Mapping[bytes, RoundClaims]) -> list[tuple[bytes, bytes]]:
+    """Tasks whose owner's claim and another peer's claim differ, as (owner, other), sorted:
+    what the coordinator referees."""
+    out = []
+    for owner, record in sorted(records.items()):
+        mine = record.claims.get(owner)
+        if mine is None:
+            continue
+        for other, theirs in sorted(records.items()):
+            claim = theirs.claims.get(owner)
+            if other != owner and claim is not None and claim != mine:
+                out.append((owner, other))
+    return out
+
+
+# -- aggregation audits (issue 5, point 9) --------------------------------------------------------
+
+
+def aggregate_key(run_id: str, round_number: int) -> str:
+    """Where members publish their ``swarm.AuditRecord`` after a verified round."""
+    return f"run/{run_id}/aggregate/{round_number}"
+
+
+def audits_key(run_id: str) -> str:
+    """The coordinator's signed list of ``AuditResult``."""
+    return f"run/{run_id}/audits"
+
+
+MAX_AUDIT_RESULTS = 64
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """The referee's ruling on one part of one group's round: ``ok`` True (recomputed, equal),
+    False (``cheater`` named: the reducer, whose sum is wrong or claims an input nobody signed,
+    or a contributor serving other bytes than it signed) or None (could not tell: a contributor
+    did not serve its slice)."""
+
+    round: int
+    group_id: bytes
+    part: int
+    reducer: bytes
+    ok: bool | None
+    reason: str
+    cheater: bytes | None = None
+
+    @property
+    def sum_wrong(self) -> bool:
+        """The part everyone received is not what its inputs sum to: the round must not apply."""
+        return self.ok is False and self.cheater == self.reducer
+
+    def to_wire(self) -> list[object]:
+        return [
+            self.round, self.group_id, self.part, self.reducer, self.ok,
+            self.reason[:MAX_REASON_CHARS], self.cheater,
+        ]  # fmt: skip
+
+
+def encode_audit_results(results: Iterable[AuditResult]) -> bytes:
+    """The newest results that fit: members wait only for their current round's."""
+    return _newest_that_fit([r.to_wire() for r in results], MAX_AUDIT_RESULTS)
+
+
+def decode_audit_results(data: bytes) -> list[AuditResult]:
+    """Raises ValueError for a malformed list."""
+    body = _list_body(data, "audit", MAX_AUDIT_RESULTS)
+    try:
+        out = []
+        for r, group_id, part, reducer, ok, reason, cheater in body:
+            if not (type(r) is int and type(part) is int and isinstance(group_id, bytes)):
+                raise ValueError("bad audit round, group or part")
+            if not (isinstance(reducer, bytes) and isinstance(ok, bool | None)):
+                raise ValueError("bad audit reducer or outcome")
+            if not (isinstance(reason, str) and isinstance(cheater, bytes | None)):
+                raise ValueError("bad audit reason or cheater")
+            out.append(AuditResult(r, group_id, part, reducer, ok, reason, cheater))
+    except TypeError as exc:
+        raise ValueError(f"malformed audit list: {exc}") from None
+    return out

@@ -1,0 +1,338 @@
+"""A volunteer's side of a verified run (``verify.rate > 0``): tasks, commitments, the gate.
+
+Each round, before averaging:
+
+1. ``run_tasks``: run our own task (``swarmtrain.verified.task``) traced when it is selected for
+   re-execution, untraced otherwise; then every task the plan (``swarmtrain.verified.plan``) makes
+   us verify, traced. Publish a ``RoundClaims`` under ``run/<id>/verify/<r>``.
+2. ``settle``: read the round's claims and the coordinator's verdicts until every assignment is
+   decided (``verify_plan.decide``) or ``verify.timeout_s`` passed. The owners left out and every
+   banned peer are the round's exclusion set, which matchmaking ignores (``swarm.Averager``'s
+   ``exclude``): a contribution that failed verification never reaches the all-reduce. Raises
+   ``Banned`` when a verdict names us.
+3. ``check_aggregation`` (after the all-reduce, before the outer step): publish what we reduced
+   (``swarm.AuditRecord``), dispute a part whose reducer claims an input from us we did not
+   send, and wait for the coordinator's audits of the drawn parts; a wrong sum fails the round.
+
+The providers of the last two rounds stay in memory and answer the referee's dispute queries
+(only the coordinator's: an operator opening costs a step of compute). Their memory is H + 1
+training states per traced task.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
+
+import numpy as np
+
+import swarm
+from diloco import AveragingFailed, Corpus
+from p2p import Message, PeerID
+from swarmtrain.runspec import RunConfig
+from swarmtrain.runtime import PeerRuntime
+from swarmtrain.verified.plan import (
+    AGREE,
+    CLAIMS_TTL_S,
+    Assignment,
+    AuditResult,
+    Decision,
+    RoundClaims,
+    Verdict,
+    aggregate_key,
+    assignments,
+    audits_key,
+    banned,
+    decide,
+    decode_audit_results,
+    decode_verdicts,
+    selected,
+    verdicts_key,
+    verify_key,
+)
+from swarmtrain.verified.task import Task, make_task, run_fast, run_traced
+from verify import Commitment
+from verify.dispute import Provider, serve_provider
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+POLL_S = 0.5
+KEEP_ROUNDS = 2
+
+
+class Banned(RuntimeError):
+    """The coordinator's verdict named this peer as a cheater."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(f"banned from the run: {verdict.describe()}: {verdict.reason}")
+        self.verdict = verdict
+
+
+@dataclass
+class RoundWork:
+    """Our own task's outcome: the final parameters and the loss of each step."""
+
+    params: dict[str, np.ndarray]
+    losses: list[float]
+
+
+def peer_bytes(peer_id: str) -> bytes:
+    return PeerID.from_base58(peer_id).to_bytes()
+
+
+class Verification:
+    def __init__(
+        self,
+        runtime: PeerRuntime,
+        config: RunConfig,
+        corpus: Corpus,
+        run_seed: int,
+        coordinator: PeerID,
+        *,
+        cheat: tuple[int, int, int] | None = None,  # (round, step, op): tests and demos only
+        emit: Callable[[str], None] = lambda line: None,
+    ) -> None:
+        self.runtime = runtime
+        self.config = config
+        self.corpus = corpus
+        self.run_seed = run_seed
+        self.coordinator = coordinator
+        self.cheat = cheat
+        self.emit = emit
+        self.me = runtime.peer_id.to_bytes()
+        self.verdicts: list[Verdict] = []
+        self._providers: dict[int, dict[bytes, Provider]] = {}
+        self._lock = threading.Lock()
+        self._excluded: dict[int, frozenset[bytes]] = {}
+        self._members: dict[int, frozenset[bytes]] = {}
+        self._notes: dict[int, str] = {}
+        node = runtime.node
+        assert node is not None
+        runtime.call_sync(serve_provider, node.host, self, None, self._is_referee)
+
+    def _is_referee(self, peer: PeerID) -> bool:
+        return peer == self.coordinator
+
+    def answer(self, query: Message) -> Message:
+        """Dispatch a dispute query to the provider of its task (``Provider.answer``)."""
+        task_id = getattr(query, "task_id", None)
+        with self._lock:
+            found = [kept[task_id] for kept in self._providers.values() if task_id in kept]
+        if not found:
+            raise ValueError("unknown task")
+        return found[0].answer(query)
+
+    def _keep(self, round_number: int, provider: Provider) -> None:
+        with self._lock:
+            self._providers.setdefault(round_number, {})[provider.task.task_id] = provider
+            for old in [r for r in self._providers if r <= round_number - KEEP_ROUNDS]:
+                del self._providers[old]
+
+    def round_done(self, round_number: int, ok: bool, contributors: Mapping[str, float]) -> None:
+        """After a round: its contributors are the next round's members (when it succeeded)."""
+        if ok:
+            self._members[round_number + 1] = frozenset(peer_bytes(p) for p in contributors)
+        for old in [r for r in self._members if r <= round_number]:
+            del self._members[old]
+        for old in [r for r in self._excluded if r <= round_number]:
+            del self._excluded[old]
+
+    def _plan(self, round_number: int) -> list[Assignment]:
+        """The round's assignments; none when we do not know its members (the first round, or
+        the first after we failed a round or adopted a state): then we verify nobody."""
+        members = self._members.get(round_number)
+        if not members:
+            return []
+        return assignments(self.config.run_id, round_number, members, self.config.verify_rate)
+
+    def run_tasks(self, round_number: int, params: dict[str, np.ndarray]) -> RoundWork:
+        """Run our task and those we verify, publish our claims. ``params`` are the round's
+        global parameters by name."""
+        r, rate = round_number, self.config.verify_rate
+        own = self._task(r, self.me, params)
+        claims: dict[bytes, Commitment] = {}
+        tamper = None
+        if self.cheat is not None and self.cheat[0] == r:
+            tamper = (self.cheat[1], self.cheat[2])
+        if selected(self.config.run_id, r, self.me, rate):
+            provider = run_traced(own, tamper)
+            self._keep(r, provider)
+            claims[self.me] = provider.commitment
+            final = provider.final_state
+        else:
+            final = run_fast(own)
+        for a in self._plan(r):
+            if a.verifier == self.me:
+                provider = run_traced(self._task(r, a.owner, params))
+                self._keep(r, provider)
+                claims[a.owner] = provider.commitment
+        record = RoundClaims(own.spec.start_state_hash, claims)
+        try:
+            self.runtime.store(verify_key(self.config.run_id, r), record.to_bytes(), CLAIMS_TTL_S)
+        except Exception as exc:  # the gate then leaves our task out: logged, not fatal
+            log.warning("round %d: could not publish our commitments: %s", r, exc)
+        return RoundWork({n: final[n] for n in params}, own.losses)
+
+    def _task(self, r: int, owner: bytes, params: dict[str, np.ndarray]) -> Task:
+        return make_task(self.config, self.corpus, self.run_seed, r, owner, params)
+
+    def settle(self, round_number: int) -> frozenset[bytes]:
+        """The peers round ``round_number`` leaves out, once every assignment is decided or the
+        verify timeout passed. Raises ``Banned`` when a verdict names us."""
+        r = round_number
+        plan = self._plan(r)
+        deadline = time.monotonic() + self.config.verify_timeout_s
+        while True:
+            self._read_verdicts()
+            mine = banned(self.verdicts).get(self.me)
+            if mine is not None:
+                raise Banned(mine)
+            records = self._read_claims(r) if plan else {}
+            timed_out = time.monotonic() >= deadline
+            decisions = [
+                (a, *decide(a, records, self.verdicts, r, timed_out=timed_out)) for a in plan
+            ]
+            if all(d is not Decision.WAIT for _, d, _ in decisions):
+                break
+            time.sleep(POLL_S)
+        left_out = {a.owner for a, d, _ in decisions if d is Decision.EXCLUDE}
+        for a, d, why in decisions:
+            if why != AGREE:
+                self.emit(
+                    f"round {r} verification: task of {str(PeerID(a.owner))[-8:]} "
+                    f"(verifier {str(PeerID(a.verifier))[-8:]}): {d.value}, {why}"
+                )
+        checked = sum(1 for _, _, why in decisions if why == AGREE)
+        if plan:
+            log.info("round %d: %d of %d verified tasks agree", r, checked, len(plan))
+            self._notes[r] = f" verified {checked}/{len(plan)}" + (
+                f" excluded {len(left_out)}" if left_out else ""
+            )
+        excluded = frozenset(left_out | set(banned(self.verdicts)))
+        self._excluded[r] = excluded
+        return excluded
+
+    def check_aggregation(self, result: swarm.AveragingResult) -> None:
+        """After the round's all-reduce, before its outer step: publish what we reduced
+        (``swarm.AuditRecord``); dispute every part whose reducer claims an input from us that
+        is not our slice; wait for the referee's audits of the round's drawn parts and of those
+        we dispute. Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong
+        (every member waits for the drawn parts, so all of them skip the round)."""
+        r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify_rate
+        record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
+        self._publish_audits(record)
+        run = self.config.run_id
+        n = len(result.parts)
+        drawn = {p for p in range(n) if swarm.audited(run, r, gid, p, rate, n)}
+        disputed: set[int] = set()
+        deadline = time.monotonic() + self.config.verify_timeout_s
+        ruled: dict[int, AuditResult] = {}
+        while True:
+            for other in self._read_group_records(r, gid):
+                new = set(swarm.contested(other, self.me, result.slice_hashes)) - disputed
+                if new:
+                    disputed |= new
+                    self.emit(
+                        f"round {r}: disputing part(s) {sorted(new)}: their reducer claims an "
+                        "input from us that we did not send"
+                    )
+                    self._publish_audits(replace(record, disputed=tuple(sorted(disputed))))
+            awaited = drawn | disputed
+            ruled = {
+                a.part: a
+                for a in self._read_audit_results()
+                if a.round == r and a.group_id == gid and a.part in awaited
+            }
+            wrong = [a for a in ruled.values() if a.sum_wrong]
+            if wrong:
+                a = wrong[0]
+                raise AveragingFailed(
+                    f"round {r}: the referee found part {a.part} reduced by "
+                    f"{str(PeerID(a.reducer))[-8:]} wrong: {a.reason}"
+                )
+            if len(ruled) == len(awaited) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        for a in ruled.values():
+            if not a.ok:  # a contributor that lied to the referee is banned; the sum stands
+                log.warning("round %d: part %d: %s", r, a.part, a.reason)
+        if len(ruled) < len(awaited):
+            log.warning(
+                "round %d: %d of %d awaited parts not audited in time; applying the round",
+                r, len(awaited) - len(ruled), len(awaited),
+            )  # fmt: skip
+        if awaited:
+            checked = sum(1 for a in ruled.values() if a.ok)
+            self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(awaited)}"
+
+    def _publish_audits(self, record: swarm.AuditRecord) -> None:
+        key = aggregate_key(self.config.run_id, record.round)
+        try:
+            for i, data in enumerate(swarm.split_record(record)):
+                self.runtime.store(key, data, CLAIMS_TTL_S, tag=b"a%d" % i)
+        except Exception as exc:  # the referee then rules on our parts without our claims
+            log.warning("round %d: could not publish what we reduced: %s", record.round, exc)
+
+    def _read_group_records(self, r: int, gid: bytes) -> list[swarm.AuditRecord]:
+        """Each member's record of round ``r`` in group ``gid`` (its values merged)."""
+        try:
+            values = self.runtime.read_all(aggregate_key(self.config.run_id, r))
+        except Exception as exc:
+            log.info("round %d: could not read the reducers' claims: %s", r, exc)
+            return []
+        decoded = ((m, swarm.decode_audits(data)) for m, data in values)
+        found = [(m, rec) for m, rec in decoded if rec is not None]
+        return list(swarm.records_by_group(found, r).get(gid, {}).values())
+
+    def _read_audit_results(self) -> list[AuditResult]:
+        return self._coordinators_list(audits_key(self.config.run_id), decode_audit_results)
+
+    def _coordinators_list(self, key: str, decode: Callable[[bytes], list[T]]) -> list[T]:
+        """The coordinator's signed entry under ``key``, decoded (entries others wrote there
+        are ignored); empty when there is none or it cannot be read."""
+        try:
+            data = self.runtime.read(key).get(str(self.coordinator))
+            return [] if data is None else decode(data)
+        except ValueError as exc:
+            log.warning("the coordinator's %s is malformed: %s", key, exc)
+        except Exception as exc:
+            log.info("could not read %s: %s", key, exc)
+        return []
+
+    def note(self, round_number: int) -> str:
+        """For the round's progress line: `` verified K/N`` (tasks whose two commitments
+        agreed, of those assigned) and how many owners were left out; empty when none."""
+        return self._notes.pop(round_number, "")
+
+    def excluded(self, round_number: int) -> frozenset[bytes]:
+        """What ``settle`` decided for the round (banned peers when it did not run)."""
+        found = self._excluded.get(round_number)
+        return found if found is not None else frozenset(banned(self.verdicts))
+
+    def _read_verdicts(self) -> None:
+        for v in self._coordinators_list(verdicts_key(self.config.run_id), decode_verdicts):
+            if v not in self.verdicts:
+                self.verdicts.append(v)
+                if v.cheater is not None:
+                    self.emit(
+                        f"verdict: peer {str(PeerID(v.cheater))[-8:]} cheated in "
+                        f"{v.describe()}: banned"
+                    )
+
+    def _read_claims(self, r: int) -> dict[bytes, RoundClaims]:
+        try:
+            values = self.runtime.read(verify_key(self.config.run_id, r))
+        except Exception as exc:
+            log.info("round %d: could not read the commitments: %s", r, exc)
+            return {}
+        out = {}
+        for peer, data in values.items():
+            claims = RoundClaims.from_bytes(data)
+            if claims is not None:
+                out[peer_bytes(peer)] = claims
+        return out

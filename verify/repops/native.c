@@ -1,0 +1,298 @@
+/* RepOps CPU kernels that torch would run as several passes over memory, fused into one or two.
+ *
+ * Each kernel computes exactly what its eager-torch counterpart in verify/repops/ops.py computes,
+ * bit for bit: the same IEEE float32/float64 operations in the same order, one at a time. Built
+ * with -ffp-contract=off (GCC's default for C fuses a * b + c into an FMA, which rounds once
+ * instead of twice) and without -ffast-math; on x86-64 float arithmetic has no excess precision.
+ * Vectorizing these loops changes no bit: no loop reduces in floating point in an order a
+ * compiler could change (maxima are exact in any order; sums follow sum_tree's fixed levels,
+ * each level an elementwise loop).
+ *
+ * A kernel returns 0 on success, or 1 when an input holds a value it leaves to torch (a NaN or
+ * an infinity among the values a grid is bounded by), so that the caller runs the eager code.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define E_MIN (-100)
+
+static inline float magic32(int e, int bits) {
+    /* 1.5 * 2**(e + 23 - bits) from its float32 fields (see repops_ops._grid). */
+    uint32_t word = ((uint32_t)(e + 150 - bits) << 23) | (1u << 22);
+    float out;
+    memcpy(&out, &word, sizeof out);
+    return out;
+}
+
+static inline double magic64(int e, int bits) {
+    return 1.5 * ldexp(1.0, e + 52 - bits);
+}
+
+/* Grid exponent of one row: frexp's exponent of max |x| (finite), at least E_MIN. */
+static inline int exponent_of(float bound) {
+    int e;
+    frexpf(bound, &e);
+    return e < E_MIN ? E_MIN : e;
+}
+
+static inline uint32_t max_u32(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+/* One row (n elements, strides xs and os) onto the grid of exponent e. The float32 constant is
+ * cheaper; both round to the same grid (see repops_ops._grid), so choosing by the data changes
+ * no bit, but the float32 one would overflow near float32's largest magnitudes. */
+static void round_row(const float *x, int64_t xs, double *out, int64_t os, int64_t n, int e,
+                      int bits) {
+    if (bits > 22 || e > 100) {
+        const double m = magic64(e, bits);
+        for (int64_t c = 0; c < n; c++) {
+            double t = (double)x[c * xs] + m;
+            out[c * os] = t - m;
+        }
+    } else if (xs == 1 && os == 1) {
+        const float m = magic32(e, bits);
+        for (int64_t c = 0; c < n; c++) {
+            float t = x[c] + m;
+            out[c] = (double)(t - m);
+        }
+    } else {
+        const float m = magic32(e, bits);
+        for (int64_t c = 0; c < n; c++) {
+            float t = x[c * xs] + m;
+            out[c * os] = (double)(t - m);
+        }
+    }
+}
+
+/* One (rows, cols) matrix of grid_rows; strides xs[2] and os[2] (row, column).
+ *
+ * Bounds are taken on the bit patterns of |x|: for non-negative floats integer order is float
+ * order, and an integer maximum vectorizes where a float one (NaN rules) does not; a pattern at
+ * or above infinity's is a NaN or an infinity. */
+static int grid_matrix(const float *x, const int64_t *xs, double *out, const int64_t *os,
+                       int64_t rows, int64_t cols, int bits, uint32_t *top, float *magic) {
+    const uint32_t *pattern = (const uint32_t *)x;
+    if (xs[0] != 1 || xs[1] == 1) {
+        /* Row by row: its bound, then its rounding while the row is still in cache. */
+        for (int64_t r = 0; r < rows; r++) {
+            const uint32_t *row = pattern + r * xs[0];
+            uint32_t m = 0;
+            if (xs[1] == 1)
+                for (int64_t c = 0; c < cols; c++) m = max_u32(m, row[c] & 0x7fffffffu);
+            else
+                for (int64_t c = 0; c < cols; c++) m = max_u32(m, row[c * xs[1]] & 0x7fffffffu);
+            if (m >= 0x7f800000u) return 1;
+            float bound;
+            memcpy(&bound, &m, sizeof bound);
+            round_row(x + r * xs[0], xs[1], out + r * os[0], os[1], cols, exponent_of(bound), bits);
+        }
+        return 0;
+    }
+    /* Rows side by side (each row strided, the rows contiguous): the inner loops run down the
+     * contiguous axis with one bound and one constant per row. */
+    for (int64_t r = 0; r < rows; r++) top[r] = 0;
+    for (int64_t c = 0; c < cols; c++) {
+        const uint32_t *col = pattern + c * xs[1];
+        for (int64_t r = 0; r < rows; r++) top[r] = max_u32(top[r], col[r] & 0x7fffffffu);
+    }
+    int wide = bits > 22;
+    for (int64_t r = 0; r < rows; r++) {
+        if (top[r] >= 0x7f800000u) return 1;
+        float bound;
+        memcpy(&bound, &top[r], sizeof bound);
+        int e = exponent_of(bound);
+        wide |= e > 100;
+        magic[r] = magic32(e, bits);
+        top[r] = (uint32_t)e;
+    }
+    if (wide || os[0] != 1) {
+        for (int64_t r = 0; r < rows; r++)
+            round_row(x + r, xs[1], out + r * os[0], os[1], cols, (int)top[r], bits);
+        return 0;
+    }
+    for (int64_t c = 0; c < cols; c++) {
+        const float *col = x + c * xs[1];
+        double *ocol = out + c * os[1];
+        for (int64_t r = 0; r < rows; r++) {
+            float t = col[r] + magic[r];
+            ocol[r] = (double)(t - magic[r]);
+        }
+    }
+    return 0;
+}
+
+/* out = x rounded half to even onto a per-row grid of 2**(e - bits), as float64.
+ *
+ * x is an (n0, n1, rows, cols) float32 view with element strides xs[4]; out is float64 with
+ * strides os[4]. The grid of a row is set by the largest magnitude in that row (reduction over
+ * cols). `top` and `magic` are scratch of `rows` elements each. The caller transposes views so
+ * that the reduced axis is always the last. */
+int grid_rows(const float *x, const int64_t *xs, double *out, const int64_t *os, int64_t n0,
+              int64_t n1, int64_t rows, int64_t cols, int bits, uint32_t *top, float *magic) {
+    for (int64_t i = 0; i < n0; i++)
+        for (int64_t j = 0; j < n1; j++)
+            if (grid_matrix(x + i * xs[0] + j * xs[1], xs + 2, out + i * os[0] + j * os[1], os + 2,
+                            rows, cols, bits, top, magic))
+                return 1;
+    return 0;
+}
+
+/* out = float32(x) + 0.0f (+ bias[col] when bias is given), for contiguous (rows, cols). */
+int to_f32(const double *x, float *out, int64_t rows, int64_t cols, const float *bias) {
+    if (bias == NULL) {
+        int64_t n = rows * cols;
+        for (int64_t i = 0; i < n; i++) {
+            float t = (float)x[i];
+            out[i] = t + 0.0f;
+        }
+        return 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const double *xr = x + r * cols;
+        float *orow = out + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float t = (float)xr[c];
+            t = t + 0.0f;
+            orow[c] = t + bias[c];
+        }
+    }
+    return 0;
+}
+
+/* ---- elementwise chains and row kernels (repops_ops.exp, erf, softmax_rows, GELU) ----------
+ *
+ * `k` holds the float32 constants of repops_ops, in repops_ops.NATIVE_CONSTANTS's order (passed in,
+ * so that both paths round the same Python floats the same way). These kernels return 1 on a
+ * NaN input: float-to-int conversion of a NaN differs between torch and C. */
+enum { EXP_LO, EXP_HI, LOG2E, EXP_C1, EXP_C2, EXP_P, ERF_N = EXP_P + 6, ERF_D = ERF_N + 7,
+       INV_SQRT2 = ERF_D + 5, INV_SQRT_2PI, N_CONSTANTS };
+
+static inline float clampf(float x, float lo, float hi) {
+    /* torch.clamp: NaN stays NaN (never reached here), else min(max(x, lo), hi). */
+    x = x < lo ? lo : x;
+    return x > hi ? hi : x;
+}
+
+static inline float exp_r(float x, const float *k) {
+    float xc = clampf(x, k[EXP_LO], k[EXP_HI]);
+    float n = rintf(xc * k[LOG2E]); /* half to even, as torch.round */
+    float r = xc - n * k[EXP_C1];   /* n * C1 is exact */
+    r = r - n * k[EXP_C2];
+    float z = r * r;
+    float p = r * k[EXP_P] + k[EXP_P + 1];
+    for (int i = 2; i < 6; i++) p = p * r + k[EXP_P + i];
+    p = p * z;
+    p = p + r;
+    p = p + 1.0f;
+    int32_t word;
+    memcpy(&word, &p, sizeof word);
+    word += (int32_t)n * (1 << 23);
+    memcpy(&p, &word, sizeof p);
+    return x < k[EXP_LO] ? 0.0f : p;
+}
+
+static inline float erf_r(float x, const float *k) {
+    float z = clampf(x, -4.0f, 4.0f);
+    float z2 = z * z;
+    float p = z2 * k[ERF_N] + k[ERF_N + 1];
+    for (int i = 2; i < 7; i++) p = p * z2 + k[ERF_N + i];
+    float q = z2 * k[ERF_D] + k[ERF_D + 1];
+    for (int i = 2; i < 5; i++) q = q * z2 + k[ERF_D + i];
+    p = p * z;
+    return p / q;
+}
+
+static int any_nan(const float *x, int64_t n) {
+    int bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= x[i] != x[i];
+    return bad;
+}
+
+/* out = erf(x * INV_SQRT2) * 0.5 + 0.5 (repops_ops._gelu_cdf). */
+int gelu_cdf(const float *x, float *out, int64_t n, const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        float e = erf_r(x[i] * k[INV_SQRT2], k);
+        e = e * 0.5f;
+        out[i] = e + 0.5f;
+    }
+    return 0;
+}
+
+/* out = (exp(x * x * -0.5) * INV_SQRT_2PI * x + cdf) * dy (repops_ops._gelu_grad_rows). */
+int gelu_backward(const float *x, const float *cdf, const float *dy, float *out, int64_t n,
+                  const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        float s = x[i] * x[i];
+        s = s * -0.5f;
+        float pdf = exp_r(s, k) * k[INV_SQRT_2PI];
+        pdf = pdf * x[i];
+        pdf = pdf + cdf[i];
+        out[i] = pdf * dy[i];
+    }
+    return 0;
+}
+
+/* repops_ops.sum_tree of buf[0..n) (n >= 1), destroying buf: level by level the first half is
+ * added to the second, an odd last term carried to the next level. */
+static float sum_tree(float *buf, int64_t n) {
+    while (n > 1) {
+        int64_t half = n / 2;
+        for (int64_t i = 0; i < half; i++) buf[i] = buf[i] + buf[i + half];
+        if (n % 2) {
+            buf[half] = buf[n - 1];
+            n = half + 1;
+        } else {
+            n = half;
+        }
+    }
+    return buf[0];
+}
+
+/* Softmax of each row of contiguous (rows, cols) x into out (repops_ops.softmax_rows). With
+ * `scale` != 0 each row is first multiplied by it, and with `causal` > 0 entries past the row's
+ * position (row index modulo causal) are -inf first (repops_ops._attention_probs). `buf` is
+ * scratch of cols floats. */
+int softmax_rows(const float *x, float *out, int64_t rows, int64_t cols, float scale,
+                 int64_t causal, const float *k, float *buf) {
+    if (any_nan(x, rows * cols)) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float *orow = out + r * cols;
+        int64_t live = causal > 0 ? (r % causal) + 1 : cols;
+        if (live > cols) live = cols;
+        for (int64_t c = 0; c < live; c++) orow[c] = scale != 0.0f ? row[c] * scale : row[c];
+        for (int64_t c = live; c < cols; c++) orow[c] = -INFINITY;
+        float top = orow[0];
+        for (int64_t c = 1; c < cols; c++) top = orow[c] > top ? orow[c] : top;
+        top = top + 0.0f;
+        for (int64_t c = 0; c < cols; c++) {
+            float e = exp_r(orow[c] - top, k);
+            orow[c] = e;
+            buf[c] = e;
+        }
+        float total = sum_tree(buf, cols);
+        for (int64_t c = 0; c < cols; c++) orow[c] = orow[c] / total;
+    }
+    return 0;
+}
+
+/* (dp - sum_tree(dp * p)) * p * scale per row (repops_ops._scores_grad_rows). */
+int scores_grad_rows(const float *dp, const float *p, float *out, int64_t rows, int64_t cols,
+                     float scale, float *buf) {
+    if (any_nan(dp, rows * cols)) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *d = dp + r * cols, *pr = p + r * cols;
+        float *o = out + r * cols;
+        for (int64_t c = 0; c < cols; c++) buf[c] = d[c] * pr[c];
+        float row = sum_tree(buf, cols);
+        for (int64_t c = 0; c < cols; c++) {
+            float t = d[c] - row;
+            t = t * pr[c];
+            o[c] = t * scale;
+        }
+    }
+    return 0;
+}

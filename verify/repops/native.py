@@ -1,0 +1,271 @@
+"""Fused RepOps CPU kernels in C (``repops_native.c``), built on first use with the system compiler.
+
+Why C: rounding a matmul operand onto its grid is five eager-torch passes over memory (two
+reductions, add, subtract, widen) and they cost nearly as much as the float64 GEMM itself. The
+kernels do the same IEEE operations in the same order in one or two passes, so they give the
+same bits as ``verify.repops.ops``'s eager code (tests compare the two on random shapes and
+values); they are an accelerator, not a definition. Without a C compiler, with
+``SWARMTRAIN_REPOPS_NATIVE=0``, on other devices, or when a kernel meets a non-finite value,
+the eager code runs instead, with the same result.
+
+The shared object is cached under ``$XDG_CACHE_HOME/swarmtrain`` (or ``~/.cache/swarmtrain``),
+named by a hash of the source, the flags, the compiler and this CPU's feature flags (it is
+built with ``-march=native``), and written by rename so that processes starting together
+never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native.c")
+# -ffp-contract=off: GCC's C default contracts a * b + c into an FMA (one rounding, not two).
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 60.0
+F32, F64 = torch.float32, torch.float64
+
+
+class _Loaded:
+    """What this process knows of the kernels: switched on, tried to build, the library."""
+
+    enabled = True
+    tried = False
+    lib: ctypes.CDLL | None = None
+
+
+_loaded = _Loaded()
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "swarmtrain"
+
+
+def _build() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: RepOps runs its eager torch kernels (same bits, slower)")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(FLAGS).encode(), compiler.encode(), _cpu_flags().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"repops_native-{platform.machine()}-{key}.so"
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+            os.close(fd)
+            try:
+                subprocess.run(
+                    [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                    check=True,
+                    capture_output=True,
+                    timeout=BUILD_TIMEOUT_S,
+                )
+                os.replace(tmp, target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            log.warning(
+                "could not build the RepOps C kernels (%s %s): eager torch kernels run instead",
+                exc,
+                detail.decode(errors="replace")[-500:],
+            )
+            return None
+    lib = ctypes.CDLL(str(target))
+    i64p, int_ = ctypes.POINTER(ctypes.c_int64), ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    f32 = ctypes.c_float
+    signatures = {
+        "grid_rows": [ptr, i64p, ptr, i64p, i64, i64, i64, i64, int_, ptr, ptr],
+        "to_f32": [ptr, ptr, i64, i64, ptr],
+        "gelu_cdf": [ptr, ptr, i64, ptr],
+        "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
+        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
+        "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
+    }
+    for name, argtypes in signatures.items():
+        kernel = getattr(lib, name)
+        kernel.argtypes, kernel.restype = argtypes, int_
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None when they are disabled or cannot be built (logged once)."""
+    if not _loaded.enabled or os.environ.get("SWARMTRAIN_REPOPS_NATIVE") == "0":
+        return None
+    if not _loaded.tried:
+        _loaded.lib, _loaded.tried = _build(), True
+    return _loaded.lib
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run the eager torch kernels inside the block (tests compare the two paths)."""
+    previous, _loaded.enabled = _loaded.enabled, False
+    try:
+        yield
+    finally:
+        _loaded.enabled = previous
+
+
+def _strides(t: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
+    return (ctypes.c_int64 * 4)(*([0] * (4 - t.dim()) + list(t.stride())))
+
+
+def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
+    """Write ``repops_ops._grid(x, dim, bits)`` into float64 ``out`` (x's shape); False when the
+    kernels do not apply (not built, not a 2-4 dim float32 CPU tensor, a non-finite value) and
+    the caller must run the eager code."""
+    lib = library()
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or x.dtype != F32
+        or out.dtype != F64
+        or out.shape != x.shape
+        or not 2 <= x.dim() <= 4
+        or dim not in (-1, -2, x.dim() - 1, x.dim() - 2)
+    ):
+        return False
+    if dim in (-2, x.dim() - 2):
+        x, out = x.transpose(-1, -2), out.transpose(-1, -2)
+    shape = [1] * (4 - x.dim()) + list(x.shape)
+    rows = shape[2]
+    work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
+    rc = lib.grid_rows(
+        x.data_ptr(),
+        _strides(x),
+        out.data_ptr(),
+        _strides(out),
+        shape[0],
+        shape[1],
+        rows,
+        shape[3],
+        bits,
+        work.data_ptr(),
+        work.data_ptr() + 4 * rows,
+    )
+    return rc == 0
+
+
+def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """``out = float32(x) + 0.0 (+ bias)`` for contiguous float64 ``x`` and float32 ``out`` of the
+    same shape, ``bias`` broadcast over the last dim; False when the kernels do not apply."""
+    lib = library()
+    if (
+        lib is None
+        or x.device.type != "cpu"
+        or x.dtype != F64
+        or out.dtype != F32
+        or out.shape != x.shape
+        or not x.is_contiguous()
+        or not out.is_contiguous()
+        or x.dim() == 0
+        or (
+            bias is not None
+            and (bias.dtype != F32 or not bias.is_contiguous() or bias.shape != x.shape[-1:])
+        )
+    ):
+        return False
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    lib.to_f32(x.data_ptr(), out.data_ptr(), rows, cols, None if bias is None else bias.data_ptr())
+    return True
+
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Contiguous float32 CPU tensors of one shape: what the elementwise and row kernels take."""
+    first = tensors[0]
+    return all(
+        t.device.type == "cpu" and t.dtype == F32 and t.is_contiguous() and t.shape == first.shape
+        for t in tensors
+    )
+
+
+def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
+    """``repops_ops._gelu_cdf`` in one pass, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x):
+        return None
+    out = torch.empty_like(x)
+    if lib.gelu_cdf(x.data_ptr(), out.data_ptr(), x.numel(), constants.data_ptr()):
+        return None
+    return out
+
+
+def gelu_backward(
+    x: torch.Tensor, cdf: torch.Tensor, dy: torch.Tensor, constants: torch.Tensor
+) -> torch.Tensor | None:
+    """``repops_ops._gelu_backward`` in one pass, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, cdf, dy):
+        return None
+    out = torch.empty_like(x)
+    pointers = (t.data_ptr() for t in (x, cdf, dy, out))
+    if lib.gelu_backward(*pointers, x.numel(), constants.data_ptr()):
+        return None
+    return out
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    cols = x.shape[-1]
+    return (x.numel() // cols if cols else 0), cols
+
+
+def softmax_rows(
+    x: torch.Tensor, constants: torch.Tensor, scale: float = 0.0, causal: int = 0
+) -> torch.Tensor | None:
+    """``repops_ops.softmax_rows`` over the last dim, after ``* scale`` (float32, when not 0) and
+    a causal mask (row index modulo ``causal``, when > 0); None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x) or x.numel() == 0:
+        return None
+    rows, cols = _rows(x)
+    out = torch.empty_like(x)
+    scratch = torch.empty(cols, dtype=F32)
+    args = (rows, cols, scale, causal, constants.data_ptr(), scratch.data_ptr())
+    if lib.softmax_rows(x.data_ptr(), out.data_ptr(), *args):
+        return None
+    return out
+
+
+def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """``repops_ops._scores_grad_rows`` row by row, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(dp, probs) or dp.numel() == 0:
+        return None
+    rows, cols = _rows(dp)
+    out = torch.empty_like(dp)
+    scratch = torch.empty(cols, dtype=F32)
+    pointers = (dp.data_ptr(), probs.data_ptr(), out.data_ptr())
+    if lib.scores_grad_rows(*pointers, rows, cols, scale, scratch.data_ptr()):
+        return None
+    return out
