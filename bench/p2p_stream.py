@@ -31,9 +31,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from p2p.bulk.channel import PROTOCOL as BULK_PROTOCOL
-from p2p.bulk.channel import BulkConfig, BulkListener, receive_bulk, send_bulk
-from p2p.bulk.frames import DataMode
+from p2p import BULK_PROTOCOL, BulkConfig, BulkListener, DataMode, receive_bulk, send_bulk
 from p2p.host import HostConfig, open_host
 
 RAW_PROTOCOL = "/swarmtrain/bench/raw/1"

@@ -6,17 +6,12 @@ This package imports nothing else of swarmtrain's; everything above builds on th
 from libp2p.abc import INetStream as Stream
 from libp2p.peer.id import ID as PeerID
 
-from p2p.bulk.channel import (
-    PROTOCOL as BULK_PROTOCOL,
-)
-from p2p.bulk.channel import (
-    BulkChannel,
-    BulkConfig,
-    BulkListener,
+from p2p.bulk.channel import BulkChannel, accept_channel, open_channel
+from p2p.bulk.control import PROTOCOL as BULK_PROTOCOL
+from p2p.bulk.listener import BulkListener
+from p2p.bulk.negotiate import DataMode
+from p2p.bulk.payload import (
     BulkReceived,
-    BulkTransferFailed,
-    accept_channel,
-    open_channel,
     receive_array,
     receive_bulk,
     receive_tensor,
@@ -24,7 +19,7 @@ from p2p.bulk.channel import (
     send_bulk,
     send_tensor,
 )
-from p2p.bulk.frames import DataMode
+from p2p.bulk.transfer import BulkConfig, BulkTransferFailed
 from p2p.dht.kademlia import Dht, DhtConfig, DhtStatistics, dht_key
 from p2p.dht.records import (
     RecordRejected,

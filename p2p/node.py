@@ -26,8 +26,9 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from p2p.bulk.channel import BulkConfig, BulkListener, receive_bulk, send_bulk
-from p2p.bulk.transfer import ReceiveBudget
+from p2p.bulk.listener import BulkListener
+from p2p.bulk.payload import receive_bulk, send_bulk
+from p2p.bulk.transfer import BulkConfig, ReceiveBudget
 from p2p.dht.kademlia import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
 from p2p.host import Host, HostConfig, open_host, reset_quietly
@@ -47,7 +48,7 @@ from p2p.wire import Message, message
 log = logging.getLogger(__name__)
 
 PING_PROTOCOL = "/swarmtrain/ping/1"
-BULK_PROBE_PROTOCOL = "/swarmtrain/bulk-probe/1"
+BULK_PROBE_PROTOCOL = "/swarmtrain/bulk-probe/2"  # 2: bulk control messages as p2p.wire types
 MAX_BULK_PROBE_BYTES = 64 << 20
 # A probe measures a link: one slower than 2 Mbit/s has told what it can.
 PROBE_CONFIG = BulkConfig(

@@ -11,14 +11,18 @@ four bytes. ``FrameDecoder`` is the sans-IO half (bytes in, frames out); ``read_
 ``write_frame`` drive it over anything with ``read(n)`` / ``write(data)``.
 
 Field schemas are the dataclass annotations, checked on decode: ``int``, ``float``, ``str``,
-``bytes``, ``bool``, ``X | None``, ``list[X]``/``tuple[X, ...]`` and ``dict[str, X]``. Types may
-add their own invariants in ``__post_init__`` (raising ``ValueError``), which decode reports as a
-``RemoteProtocolError`` too: one function turns every decode failure into that one error.
+``bytes``, ``bool``, an ``enum.IntEnum`` (sent as its value), ``X | None``,
+``list[X]``/``tuple[X, ...]`` and ``dict[str, X]``. Types may add their own invariants in
+``__post_init__`` (raising ``ValueError`` or ``LocalProtocolError``), which decode reports as a
+``RemoteProtocolError`` too: one function turns every decode failure into that one error. A
+rejection names a remote value by its type and size, never by its bytes (issue 15: one 17 KiB
+input made a 60,000-character log line).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import struct
 import types
 import typing
@@ -57,7 +61,7 @@ class Message:
         ]
         try:
             return cls(*values)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, LocalProtocolError) as exc:
             raise RemoteProtocolError(f"{cls.__name__}: {exc}") from exc
 
 
@@ -126,6 +130,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RemoteProtocolError(f"{where}: expected float, got {type(value).__name__}")
         return float(value)
+    if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
+        if type(value) is not int or value not in hint._value2member_map_:
+            raise RemoteProtocolError(f"{where}: not a {hint.__name__} ({_brief(value)})")
+        return hint(value)
     if hint is int and isinstance(value, bool):
         raise RemoteProtocolError(f"{where}: expected int, got bool")
     if isinstance(hint, type) and isinstance(value, hint):
@@ -150,21 +158,31 @@ def decode(data: bytes, *expected: type[M]) -> M:
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises a zoo of types for garbage
-        raise RemoteProtocolError(f"undecodable message: {type(exc).__name__}: {exc}") from exc
+        # Not ``exc`` itself: msgpack's ExtraData carries the decoded object, the sender's bytes.
+        raise RemoteProtocolError(f"undecodable message ({type(exc).__name__})") from None
     if not isinstance(obj, list) or len(obj) != 3:
         raise RemoteProtocolError("message must be [version, type_code, body]")
     version, code, body = obj
     if version != PROTOCOL_VERSION:
-        raise RemoteProtocolError(f"unsupported protocol version {version!r}")
+        raise RemoteProtocolError(f"unsupported protocol version {_brief(version)}")
     cls = _REGISTRY.get(code) if isinstance(code, int) and not isinstance(code, bool) else None
     if cls is None:
-        raise RemoteProtocolError(f"unknown message type {code!r}")
+        raise RemoteProtocolError(f"unknown message type {_brief(code)}")
     if expected and cls not in expected:
         names = ", ".join(t.__name__ for t in expected)
         raise RemoteProtocolError(f"unexpected message {cls.__name__}, wanted {names}")
     if len(data) > cls.MAX_BYTES:
         raise RemoteProtocolError(f"{cls.__name__} is {len(data)} bytes > {cls.MAX_BYTES}")
     return cls.from_wire(body)  # type: ignore[return-value]
+
+
+def _brief(value: object) -> str:
+    """A remote value for an error message without echoing it: a small int as itself, anything
+    else as its type and length."""
+    if type(value) is int and -(10**6) < value < 10**6:
+        return str(value)
+    size = len(value) if isinstance(value, str | bytes | list | dict) else None
+    return type(value).__name__ + ("" if size is None else f" of length {size}")
 
 
 def frame(payload: bytes) -> bytes:

@@ -1,5 +1,6 @@
 """Bulk data plane: opening the data connections (dialing a listener, awaiting the peer's dial,
-or a TCP simultaneous open), with a ``Fallback`` to the libp2p stream when that fails.
+or a TCP simultaneous open), with a ``Fallback`` to the libp2p stream when that fails. Which of
+them a transfer uses is ``p2p.bulk.negotiate``'s choice, carried out by ``p2p.bulk.link``.
 
 Who dials whom, and NAT
 -----------------------
@@ -38,20 +39,21 @@ import socket
 
 import trio
 
-from p2p.bulk.frames import HELLO_BYTES, Fallback, Hello, TransferLayout, seal_hello, verify_hello
-from p2p.bulk.listener import _PendingTransfer
+from p2p.bulk.control import Fallback, brief_reason
+from p2p.bulk.frames import HELLO_BYTES, Hello, TransferLayout, seal_hello, verify_hello
+from p2p.bulk.listener import PendingTransfer
 from p2p.bulk.transfer import (
     BulkConfig,
     BulkTransferFailed,
     ByteStream,
-    _close_all,
-    _family,
-    _first_leaf,
-    _read_control,
-    _recv_into_exactly,
-    _remote_ip,
-    _send_all,
-    _write_control,
+    address_family,
+    close_all,
+    first_leaf,
+    read_control,
+    recv_into_exactly,
+    remote_ip_of,
+    send_all,
+    write_control,
 )
 from p2p.errors import RemoteProtocolError
 
@@ -70,14 +72,14 @@ async def _dial(
                 socks.append(sock)
                 await sock.connect((ip, port))
                 hello = seal_hello(key, Hello(transfer_id, stripe, layout.stripe_count))
-                await _send_all(sock, memoryview(hello))
+                await send_all(sock, memoryview(hello))
     except BaseException:
-        _close_all(socks)
+        close_all(socks)
         raise
     return socks
 
 
-async def _dial_or_fall_back(
+async def dial_or_fall_back(
     stream: ByteStream,
     remote_ip: str | None,
     port: int,
@@ -88,7 +90,7 @@ async def _dial_or_fall_back(
 ) -> list[trio.socket.SocketType | None] | None:
     """Dial the peer's listener; on failure tell it (``Fallback``) and return None: the payload
     then rides the libp2p stream."""
-    ip = remote_ip or _remote_ip(stream)
+    ip = remote_ip or remote_ip_of(stream)
     try:
         if ip is None:
             raise OSError("no remote IP for the libp2p connection")
@@ -96,13 +98,13 @@ async def _dial_or_fall_back(
         return socks
     except (OSError, trio.TooSlowError) as exc:
         log.warning("bulk dial to %s:%d failed (%r); using the libp2p stream", ip, port, exc)
-        reason = f"dial failed: {exc!r}"[:200]
-        await _write_control(stream, Fallback(reason), config.control_timeout_s)
+        reason = brief_reason(f"dial failed: {exc!r}")
+        await write_control(stream, Fallback(reason), config.control_timeout_s)
         return None
 
 
-async def _await_connections(
-    pending: _PendingTransfer,
+async def await_connections(
+    pending: PendingTransfer,
     stream: ByteStream,
     config: BulkConfig,
     dialer_timeout_s: float | None = None,
@@ -120,9 +122,8 @@ async def _await_connections(
 
     async def watch_control(cancel_scope: trio.CancelScope) -> None:
         nonlocal result
-        message = await _read_control(stream, None)
-        if not isinstance(message, Fallback):
-            raise RemoteProtocolError(f"expected data connections, got {type(message).__name__}")
+        # A dialer that connected writes nothing here, so only a Fallback may come.
+        message = await read_control(stream, None, Fallback)
         result = message
         cancel_scope.cancel()
 
@@ -139,7 +140,7 @@ async def _await_connections(
     except trio.TooSlowError:
         raise BulkTransferFailed(f"data connections did not arrive within {timeout_s} s") from None
     except BaseExceptionGroup as group:  # the control watcher failed: report it as itself
-        raise _first_leaf(group) from None
+        raise first_leaf(group) from None
     assert result is not None
     return result
 
@@ -163,12 +164,12 @@ def _punch_socket(family: socket.AddressFamily) -> trio.socket.SocketType:
     return sock
 
 
-async def _open_punch_ports(ip: str, count: int) -> list[trio.socket.SocketType]:
+async def open_punch_ports(ip: str, count: int) -> list[trio.socket.SocketType]:
     """One listening socket per stripe on a fresh ephemeral port, for a punch toward ``ip``.
 
     Listening as well as connecting means the punch also completes when the peer's SYN arrives
     before ours left (loopback, or a NAT that filters only by address). Raises ``OSError``."""
-    family = _family(ip)
+    family = address_family(ip)
     socks: list[trio.socket.SocketType] = []
     try:
         for _ in range(count):
@@ -177,7 +178,7 @@ async def _open_punch_ports(ip: str, count: int) -> list[trio.socket.SocketType]
             await sock.bind((_ANY_ADDRESS[family], 0))
             sock.listen(1)
     except BaseException:
-        _close_all(list(socks))
+        close_all(list(socks))
         raise
     return socks
 
@@ -232,7 +233,7 @@ async def _punch(listen_sock: trio.socket.SocketType, ip: str, port: int) -> tri
     return result
 
 
-async def _punch_as_sender(
+async def punch_as_sender(
     stream: ByteStream,
     ip: str,
     listen_socks: list[trio.socket.SocketType],
@@ -260,28 +261,28 @@ async def _punch_as_sender(
             for stripe, sock in enumerate(socks):
                 assert sock is not None
                 hello = seal_hello(key, Hello(transfer_id, stripe, layout.stripe_count))
-                await _send_all(sock, memoryview(hello))
+                await send_all(sock, memoryview(hello))
         return socks
     except BaseExceptionGroup as group:
-        _close_all(socks)
-        leaf = _first_leaf(group)
+        close_all(socks)
+        leaf = first_leaf(group)
         if not isinstance(leaf, OSError):
             raise leaf from None
         failure: BaseException = leaf
     except (OSError, trio.TooSlowError) as exc:
-        _close_all(socks)
+        close_all(socks)
         failure = exc
     except BaseException:
-        _close_all(socks)
+        close_all(socks)
         raise
     log.warning("bulk punch to %s failed (%r); using the libp2p stream", ip, failure)
-    await _write_control(
-        stream, Fallback(f"punch failed: {failure!r}"[:200]), config.control_timeout_s
+    await write_control(
+        stream, Fallback(brief_reason(f"punch failed: {failure!r}")), config.control_timeout_s
     )
     return None
 
 
-async def _punch_as_receiver(
+async def punch_as_receiver(
     stream: ByteStream,
     ip: str,
     listen_socks: list[trio.socket.SocketType],
@@ -293,7 +294,7 @@ async def _punch_as_receiver(
 ) -> list[trio.socket.SocketType | None] | Fallback:
     """Punch every stripe and authenticate the sender's hello on it, until all stripes are in or
     the sender's ``Fallback`` arrives (the sender's window plus a control timeout at most)."""
-    pending = _PendingTransfer(key, layout.stripe_count, [None] * layout.stripe_count)
+    pending = PendingTransfer(key, layout.stripe_count, [None] * layout.stripe_count)
     pending.set_key(key)
 
     async def punch_stripe(stripe: int) -> None:
@@ -305,7 +306,7 @@ async def _punch_as_receiver(
             data = bytearray(HELLO_BYTES)
             try:
                 with trio.fail_after(config.connect_timeout_s):
-                    got = await _recv_into_exactly(sock, memoryview(data))
+                    got = await recv_into_exactly(sock, memoryview(data))
             except (OSError, trio.TooSlowError) as exc:
                 got, lost = 0, exc
             else:
@@ -329,14 +330,14 @@ async def _punch_as_receiver(
         async with trio.open_nursery() as nursery:
             for stripe in range(layout.stripe_count):
                 nursery.start_soon(punch_stripe, stripe)
-            arrived = await _await_connections(pending, stream, config, config.punch_timeout_s)
+            arrived = await await_connections(pending, stream, config, config.punch_timeout_s)
             nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
-        _close_all(pending.socks)
-        raise _first_leaf(group) from None
+        close_all(pending.socks)
+        raise first_leaf(group) from None
     except BaseException:
-        _close_all(pending.socks)
+        close_all(pending.socks)
         raise
     if isinstance(arrived, Fallback):
-        _close_all(pending.socks)
+        close_all(pending.socks)
     return arrived

@@ -1,13 +1,15 @@
-"""Sans-IO core of the bulk data plane: session keys, frame sealing/opening, control messages.
+"""Sans-IO core of the bulk data plane: session keys, the data connections' hello, frames.
 
-Nothing here touches a socket, a clock or a thread; ``p2p.bulk.channel`` is the trio driver.
+Nothing here touches a socket, a clock or a thread; ``p2p.bulk.transfer`` moves the frames, the
+control messages are ``p2p.bulk.control``'s and the choice of data connection is
+``p2p.bulk.negotiate``'s.
 
 Theory of operation
 -------------------
 A bulk transfer moves one byte string of ``total_bytes`` (announced up front, so the receiver checks
 its limit and allocates once) from a *sender* to a *receiver*:
 
-1. Control (``p2p.bulk.channel`` over an authenticated, Noise-encrypted libp2p stream): the sender
+1. Control (``p2p.bulk.control`` over an authenticated, Noise-encrypted libp2p stream): the sender
 sends ``Offer`` with a fresh random 32-byte share; the receiver answers ``Accept`` with its own
 share. Both derive the session key with HKDF-SHA256 over both shares, both peer ids and the
 transfer id (``derive_session_key``). The shares never leave the Noise channel, so the key is known
@@ -44,7 +46,6 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-import msgpack
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESOCB3
@@ -70,14 +71,10 @@ MAX_META_BYTES = 16 * 1024
 # seal and 0.28 to open, which is what lets the bulk path stay within 2x a plain socket's CPU.
 # Same 12-byte nonces, 16-byte tags and associated data as GCM.
 _AEAD = AESOCB3
-MAX_CONTROL_BYTES = MAX_META_BYTES + 1024
-MAX_REASON_CHARS = 256
 
 _MAGIC = b"STBK"
-# The hello and frames are unchanged since version 1; the control messages gained punch ports in
-# version 2 (a peer speaking 1 is refused at its first message rather than misread).
+# The hello and frames are unchanged since version 1.
 _VERSION = 1
-_CONTROL_VERSION = 2
 _NONCE_DATA = 0x01
 _NONCE_HELLO = 0x02
 _HKDF_INFO = b"swarmtrain/bulk/1 session key"
@@ -401,234 +398,3 @@ class BulkReceiver:
     @property
     def done(self) -> bool:
         return self.state is ReceiverState.DONE
-
-
-# ---------------------------------------------------------------------------------------------
-# Control messages, carried over the libp2p stream as ``length(4, big endian) | msgpack``.
-# A message is ``[version, type_code, body...]``; unknown codes and versions are rejected.
-
-
-class DataMode(enum.IntEnum):
-    STREAM = 0  # payload rides the libp2p stream itself (relayed, or no usable listener)
-    DIAL_RECEIVER = 1  # sender dials the receiver's bulk listener
-    DIAL_SENDER = 2  # receiver dials the sender's bulk listener
-    PUNCH = (
-        3  # neither listens: both connect at once between announced ports (TCP simultaneous open)
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class Offer:
-    transfer_id: bytes
-    total_bytes: int
-    frame_bytes: int
-    stripe_count: int
-    share: bytes
-    direct: bool
-    listen_port: int  # the sender's bulk listener port, 0 if it has none
-    meta: bytes
-    # The sender's hole-punch port per stripe (empty: it offers no punch). Offered when the
-    # libp2p connection is direct and the sender has no listener.
-    punch_ports: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        TransferLayout(self.total_bytes, self.frame_bytes, self.stripe_count)
-        _check_bytes("transfer_id", self.transfer_id, TRANSFER_ID_BYTES, exact=True)
-        _check_bytes("share", self.share, SHARE_BYTES, exact=True)
-        _check_bytes("meta", self.meta, MAX_META_BYTES)
-        _check_port(self.listen_port)
-        _check_punch_ports(self.punch_ports)
-        if self.punch_ports and len(self.punch_ports) != self.stripe_count:
-            raise LocalProtocolError("punch_ports must name one port per stripe")
-
-    @property
-    def layout(self) -> TransferLayout:
-        return TransferLayout(self.total_bytes, self.frame_bytes, self.stripe_count)
-
-
-@dataclass(frozen=True, slots=True)
-class Accept:
-    share: bytes
-    mode: DataMode
-    listen_port: int  # the receiver's bulk listener port with DIAL_RECEIVER, else 0
-    # The receiver's hole-punch port per stripe with PUNCH, else empty. (The sender checks the
-    # count against its offer: an Accept alone does not know the stripe count.)
-    punch_ports: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        _check_bytes("share", self.share, SHARE_BYTES, exact=True)
-        _check_port(self.listen_port)
-        _check_punch_ports(self.punch_ports)
-        if (self.mode is DataMode.DIAL_RECEIVER) != (self.listen_port != 0):
-            raise LocalProtocolError("listen_port is set exactly when mode is DIAL_RECEIVER")
-        if (self.mode is DataMode.PUNCH) != bool(self.punch_ports):
-            raise LocalProtocolError("punch_ports are set exactly when mode is PUNCH")
-
-
-def _check_reason(reason: str) -> None:
-    if len(reason) > MAX_REASON_CHARS:
-        raise LocalProtocolError("reason too long")
-
-
-@dataclass(frozen=True, slots=True)
-class Reject:
-    reason: str
-
-    def __post_init__(self) -> None:
-        _check_reason(self.reason)
-
-
-@dataclass(frozen=True, slots=True)
-class Fallback:
-    """The dialing side could not connect: both switch to ``DataMode.STREAM``."""
-
-    reason: str
-
-    def __post_init__(self) -> None:
-        _check_reason(self.reason)
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """The receiver's verdict after the last byte: ``ok`` or why not."""
-
-    ok: bool
-    reason: str = ""
-
-    def __post_init__(self) -> None:
-        _check_reason(self.reason)
-
-
-ControlMessage = Offer | Accept | Reject | Fallback | Outcome
-
-
-def _check_bytes(name: str, value: object, size: int, *, exact: bool = False) -> None:
-    if not isinstance(value, bytes):
-        raise LocalProtocolError(f"{name} must be bytes")
-    if (len(value) != size) if exact else (len(value) > size):
-        raise LocalProtocolError(f"{name} has bad length {len(value)}")
-
-
-def _check_port(port: object) -> None:
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise LocalProtocolError("port out of range")
-
-
-def _check_punch_ports(ports: object) -> None:
-    if not isinstance(ports, tuple) or len(ports) > MAX_STRIPES:
-        raise LocalProtocolError(f"punch_ports must be a tuple of at most {MAX_STRIPES} ports")
-    for port in ports:
-        _check_port(port)
-        if port == 0:
-            raise LocalProtocolError("a punch port cannot be 0")
-
-
-def encode_control(message: ControlMessage) -> bytes:
-    """Encode a control message with its 4-byte length prefix."""
-    if isinstance(message, Offer):
-        body: list[object] = [
-            1,
-            message.transfer_id,
-            message.total_bytes,
-            message.frame_bytes,
-            message.stripe_count,
-            message.share,
-            message.direct,
-            message.listen_port,
-            message.meta,
-            list(message.punch_ports),
-        ]
-    elif isinstance(message, Accept):
-        body = [2, message.share, int(message.mode), message.listen_port, list(message.punch_ports)]
-    elif isinstance(message, Reject):
-        body = [3, message.reason]
-    elif isinstance(message, Fallback):
-        body = [4, message.reason]
-    elif isinstance(message, Outcome):
-        body = [5, message.ok, message.reason]
-    else:
-        raise LocalProtocolError(f"not a control message: {type(message).__name__}")
-    packed = msgpack.packb([_CONTROL_VERSION, *body], use_bin_type=True)
-    return len(packed).to_bytes(4, "big") + packed
-
-
-def control_length(prefix: bytes) -> int:
-    """Body length from a 4-byte prefix; ``RemoteProtocolError`` if over the limit."""
-    if len(prefix) != 4:
-        raise RemoteProtocolError("short control length prefix")
-    length = int.from_bytes(prefix, "big")
-    if not 0 < length <= MAX_CONTROL_BYTES:
-        raise RemoteProtocolError(f"control message length {length} out of range")
-    return length
-
-
-def decode_control(body: bytes) -> ControlMessage:
-    """Decode a control message body (without prefix). Any malformation -> RemoteProtocolError."""
-    if len(body) > MAX_CONTROL_BYTES:
-        raise RemoteProtocolError("control message too long")
-    try:
-        obj = msgpack.unpackb(body, raw=False, use_list=True, strict_map_key=True)
-    except Exception as exc:  # msgpack raises a zoo of types for garbage
-        # Not ``exc!r``: msgpack's ExtraData carries the decoded object, the sender's bytes.
-        raise RemoteProtocolError(f"undecodable control message ({type(exc).__name__})") from None
-    if not isinstance(obj, list) or len(obj) < 2:
-        raise RemoteProtocolError("control message is not a list")
-    version, code, *fields = obj
-    if version != _CONTROL_VERSION or isinstance(version, bool):
-        raise RemoteProtocolError(f"unsupported control version {_brief(version)}")
-    try:
-        return _decode_body(code, fields)
-    except LocalProtocolError as exc:  # a field failed its message's validation
-        raise RemoteProtocolError(f"invalid control message: {exc}") from None
-
-
-def _brief(value: object) -> str:
-    """A remote value for an error message without echoing it: a small int as itself, anything
-    else as its type and length (a rejection must not copy the sender's bytes into our logs)."""
-    if type(value) is int and -(10**6) < value < 10**6:
-        return str(value)
-    size = len(value) if isinstance(value, str | bytes | list | dict) else None
-    return type(value).__name__ + ("" if size is None else f" of length {size}")
-
-
-def _typed(value: object, kind: type) -> object:
-    if type(value) is not kind:
-        raise RemoteProtocolError(f"expected {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _ports(value: object) -> tuple[int, ...]:
-    """A msgpack list of ports as a tuple; the length is bounded before anything is copied."""
-    assert isinstance(value, list)
-    if len(value) > MAX_STRIPES:
-        raise RemoteProtocolError(f"{len(value)} punch ports, at most {MAX_STRIPES}")
-    return tuple(_typed(v, int) for v in value)  # type: ignore[misc]
-
-
-def _decode_body(code: object, fields: list[object]) -> ControlMessage:
-    shapes: dict[object, tuple[type, ...]] = {
-        1: (bytes, int, int, int, bytes, bool, int, bytes, list),
-        2: (bytes, int, int, list),
-        3: (str,),
-        4: (str,),
-        5: (bool, str),
-    }
-    if code not in shapes:
-        raise RemoteProtocolError(f"unknown control message code {_brief(code)}")
-    shape = shapes[code]
-    if len(fields) != len(shape):
-        raise RemoteProtocolError(f"control message {code} has {len(fields)} fields")
-    values = [_typed(v, t) for v, t in zip(fields, shape, strict=True)]
-    if code == 1:
-        *offer_fields, ports = values
-        return Offer(*offer_fields, _ports(ports))  # type: ignore[arg-type]
-    if code == 2:
-        share, mode, port, ports = values
-        if mode not in tuple(DataMode):
-            raise RemoteProtocolError(f"unknown data mode {_brief(mode)}")
-        return Accept(share, DataMode(mode), port, _ports(ports))  # type: ignore[arg-type]
-    if code == 3:
-        return Reject(*values)  # type: ignore[arg-type]
-    if code == 4:
-        return Fallback(*values)  # type: ignore[arg-type]
-    return Outcome(*values)  # type: ignore[arg-type]

@@ -14,14 +14,17 @@ from dataclasses import dataclass, field
 import trio
 
 from p2p.bulk.frames import HELLO_BYTES, Hello, parse_hello, verify_hello
-from p2p.bulk.transfer import _close_all, _recv_into_exactly
+from p2p.bulk.transfer import close_all, recv_into_exactly
 from p2p.errors import LocalProtocolError, RemoteProtocolError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _PendingTransfer:
+class PendingTransfer:
+    """A transfer whose data connections are awaited: those that arrived, one slot per stripe,
+    and the events its waiter watches (all arrived; the key is known)."""
+
     # The key is None while a sender that offered its listener waits for the receiver's share;
     # the receiver may dial as soon as it has answered, before we have read that answer.
     key: bytes | None
@@ -67,7 +70,7 @@ class BulkListener:
         self._unauthenticated = 0
         self.port = 0
         self.statistics: Counter[str] = Counter()
-        self._pending: dict[bytes, _PendingTransfer] = {}
+        self._pending: dict[bytes, PendingTransfer] = {}
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled. ``task_status.started`` gets the bound port."""
@@ -101,7 +104,7 @@ class BulkListener:
         try:
             with trio.fail_after(self.hello_timeout_s):
                 data = bytearray(HELLO_BYTES)
-                got = await _recv_into_exactly(sock, memoryview(data))
+                got = await recv_into_exactly(sock, memoryview(data))
             if got < HELLO_BYTES:
                 raise RemoteProtocolError(f"connection closed after {got} hello bytes")
             hello = parse_hello(bytes(data))
@@ -140,12 +143,12 @@ class BulkListener:
     @contextmanager
     def expect(
         self, transfer_id: bytes, stripe_count: int, key: bytes | None = None
-    ) -> Iterator[_PendingTransfer]:
+    ) -> Iterator[PendingTransfer]:
         """Register a transfer whose data connections will arrive (``key`` may follow through
         ``set_key``); unregister, closing any connection nobody took, on exit."""
         if transfer_id in self._pending:
             raise LocalProtocolError("transfer id already registered")
-        pending = _PendingTransfer(None, stripe_count, [None] * stripe_count)
+        pending = PendingTransfer(None, stripe_count, [None] * stripe_count)
         if key is not None:
             pending.set_key(key)
         self._pending[transfer_id] = pending
@@ -153,4 +156,4 @@ class BulkListener:
             yield pending
         finally:
             del self._pending[transfer_id]
-            _close_all(pending.socks)
+            close_all(pending.socks)

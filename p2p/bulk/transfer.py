@@ -1,6 +1,7 @@
 """Bulk data plane, the pieces every part shares: ``BulkConfig``, ``BulkTransferFailed``, socket
 and control-stream helpers, and the loops that move the bytes (over data connections, one per
-stripe, or over the libp2p stream). ``p2p.bulk.channel`` has the entry points.
+stripe, or over the libp2p stream). ``p2p.bulk.payload`` (one payload) and ``p2p.bulk.channel``
+(many) have the entry points.
 
 Concurrency
 -----------
@@ -28,25 +29,24 @@ from __future__ import annotations
 import mmap
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import trio
 
+from p2p.bulk.control import ControlMessage, control_limit, decode_control, encode_control
 from p2p.bulk.frames import (
     DEFAULT_FRAME_BYTES,
     FRAME_HEADER_BYTES,
     BulkReceiver,
     BulkSender,
-    ControlMessage,
     TransferLayout,
-    control_length,
-    decode_control,
-    encode_control,
 )
 from p2p.errors import P2PError, RemoteProtocolError
-from p2p.wire import read_exactly
+from p2p.wire import Message, read_frame
+
+M = TypeVar("M", bound=Message)
 
 
 class BulkTransferFailed(P2PError):
@@ -161,13 +161,13 @@ DEFAULT_CONFIG = BulkConfig()
 # Socket and stream helpers
 
 
-async def _send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
+async def send_all(sock: trio.socket.SocketType, data: memoryview) -> None:
     sent = 0
     while sent < len(data):
         sent += await sock.send(data[sent:])
 
 
-async def _recv_into_exactly(sock: trio.socket.SocketType, view: memoryview) -> int:
+async def recv_into_exactly(sock: trio.socket.SocketType, view: memoryview) -> int:
     """Fill ``view``; return fewer bytes only if the peer closed the connection."""
     got = 0
     while got < len(view):
@@ -192,33 +192,33 @@ def _stream_errors(what: str) -> Iterator[None]:
         raise BulkTransferFailed(f"{what}: {exc!r}") from exc
 
 
-async def _write_control(stream: ByteStream, message: ControlMessage, timeout_s: float) -> None:
+async def write_control(stream: ByteStream, message: ControlMessage, timeout_s: float) -> None:
+    """Send one control message within ``timeout_s``; raises ``BulkTransferFailed`` (or
+    ``StreamEnded``) if the stream fails or stalls."""
     with _stream_errors(f"sending {type(message).__name__}"), trio.fail_after(timeout_s):
         await stream.write(encode_control(message))
 
 
-async def _read_control(stream: ByteStream, timeout_s: float | None) -> ControlMessage:
+async def read_control(stream: ByteStream, timeout_s: float | None, *expected: type[M]) -> M:
+    """Read one control message of the ``expected`` types (one at least), its length checked
+    against their largest limit before the body is read. ``timeout_s`` None: only for reads
+    raced inside a scope that has a deadline. Raises ``RemoteProtocolError`` (malformed,
+    oversized or unexpected), ``StreamEnded``, ``BulkTransferFailed`` (stalled, broken)."""
     with (
         _stream_errors("reading a control message"),
-        trio.fail_after(timeout_s) if timeout_s is not None else _no_deadline(),
+        trio.fail_after(timeout_s) if timeout_s is not None else nullcontext(),
     ):
-        length = control_length(await read_exactly(stream, 4))
-        return decode_control(await read_exactly(stream, length))
+        payload = await read_frame(stream, control_limit(*expected))
+        return decode_control(payload, *expected)  # type: ignore[return-value]
 
 
-@contextmanager
-def _no_deadline() -> Iterator[None]:
-    # Only for reads raced inside a scope that already has a deadline.
-    yield
-
-
-def _peer_ids(stream: Any) -> tuple[bytes, bytes]:
+def peer_ids_of(stream: Any) -> tuple[bytes, bytes]:
     """(local, remote) peer id bytes of a libp2p ``NetStream``."""
     secured = stream.muxed_conn.secured_conn
     return secured.get_local_peer().to_bytes(), secured.get_remote_peer().to_bytes()
 
 
-def _remote_ip(stream: Any) -> str | None:
+def remote_ip_of(stream: Any) -> str | None:
     try:
         address = stream.get_remote_address()
     except Exception:
@@ -226,11 +226,11 @@ def _remote_ip(stream: Any) -> str | None:
     return address[0] if address else None
 
 
-def _family(ip: str) -> socket.AddressFamily:
+def address_family(ip: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in ip else socket.AF_INET
 
 
-def _close_all(socks: list[trio.socket.SocketType | None]) -> None:
+def close_all(socks: list[trio.socket.SocketType | None]) -> None:
     for sock in socks:
         if sock is not None:
             sock.close()
@@ -240,16 +240,16 @@ def _close_all(socks: list[trio.socket.SocketType | None]) -> None:
 # Moving the bytes
 
 
-async def _send_stripe(
+async def send_stripe(
     sock: trio.socket.SocketType, sender: BulkSender, source: memoryview, idle_timeout_s: float
 ) -> None:
     out = bytearray(sender.layout.frame_buffer_bytes)
     while (frame := sender.next_frame(source, out)) is not None:
         with trio.fail_after(idle_timeout_s):
-            await _send_all(sock, frame)
+            await send_all(sock, frame)
 
 
-async def _receive_stripe(
+async def receive_stripe(
     sock: trio.socket.SocketType,
     receiver: BulkReceiver,
     dest: bytearray | memoryview,
@@ -259,15 +259,15 @@ async def _receive_stripe(
     body = memoryview(bytearray(receiver.layout.frame_buffer_bytes))
     while not receiver.done:
         with trio.fail_after(idle_timeout_s):
-            if await _recv_into_exactly(sock, memoryview(header)) < FRAME_HEADER_BYTES:
+            if await recv_into_exactly(sock, memoryview(header)) < FRAME_HEADER_BYTES:
                 receiver.receive_eof()
             body_len = receiver.receive_header(header)
-            if await _recv_into_exactly(sock, body[:body_len]) < body_len:
+            if await recv_into_exactly(sock, body[:body_len]) < body_len:
                 receiver.receive_eof()
         receiver.receive_body(body[:body_len], dest)
 
 
-async def _run_stripes(
+async def run_stripes(
     socks: list[trio.socket.SocketType | None],
     work: Callable[[int, trio.socket.SocketType], Any],
 ) -> None:
@@ -278,13 +278,13 @@ async def _run_stripes(
                 nursery.start_soon(work, stripe, sock)
     except BaseExceptionGroup as group:
         # Report the first real cause, not a group: callers catch P2PError.
-        leaf = _first_leaf(group)
+        leaf = first_leaf(group)
         raise leaf from None
     finally:
-        _close_all(socks)
+        close_all(socks)
 
 
-def _first_leaf(group: BaseExceptionGroup) -> BaseException:
+def first_leaf(group: BaseExceptionGroup) -> BaseException:
     """The first exception in ``group`` (depth first) that is not a Cancelled, if any."""
     leaves: list[BaseException] = []
     pending: list[BaseException] = [group]
@@ -298,13 +298,13 @@ def _first_leaf(group: BaseExceptionGroup) -> BaseException:
     return (real or leaves)[0]
 
 
-def _io_failure(what: str, exc: BaseException) -> BulkTransferFailed:
+def io_failure(what: str, exc: BaseException) -> BulkTransferFailed:
     if isinstance(exc, trio.TooSlowError):
         return BulkTransferFailed(f"{what}: stalled past the idle timeout")
     return BulkTransferFailed(f"{what}: {exc!r}")
 
 
-async def _send_on_stream(stream: ByteStream, source: memoryview, config: BulkConfig) -> None:
+async def send_on_stream(stream: ByteStream, source: memoryview, config: BulkConfig) -> None:
     chunk = config.stream_chunk_bytes
     with _stream_errors("sending on the libp2p stream"):
         for offset in range(0, len(source), chunk):
@@ -312,7 +312,7 @@ async def _send_on_stream(stream: ByteStream, source: memoryview, config: BulkCo
                 await stream.write(bytes(source[offset : offset + chunk]))
 
 
-async def _receive_on_stream(
+async def receive_on_stream(
     stream: ByteStream, dest: bytearray | memoryview, config: BulkConfig
 ) -> None:
     view = memoryview(dest)

@@ -18,37 +18,35 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p.bulk.channel import (
     PACED_CONGESTION_CONTROL,
-    PROTOCOL,
     TCP_CONGESTION,
-    BulkConfig,
-    BulkListener,
-    BulkTransferFailed,
     accept_channel,
     open_channel,
-    receive_array,
-    receive_bulk,
-    send_array,
-    send_bulk,
+)
+from p2p.bulk.control import (
+    PROTOCOL,
+    Accept,
+    Offer,
+    Outcome,
+    control_limit,
+    decode_control,
+    encode_control,
 )
 from p2p.bulk.frames import (
     FRAME_HEADER_BYTES,
     HELLO_BYTES,
-    Accept,
     BulkSender,
-    DataMode,
     Hello,
-    Offer,
-    Outcome,
     TransferLayout,
-    control_length,
-    decode_control,
     derive_session_key,
-    encode_control,
     seal_hello,
 )
+from p2p.bulk.listener import BulkListener
+from p2p.bulk.negotiate import DataMode
+from p2p.bulk.payload import receive_array, receive_bulk, send_array, send_bulk
+from p2p.bulk.transfer import BulkConfig, BulkTransferFailed
 from p2p.errors import LocalProtocolError, RemoteError, RemoteProtocolError
 from p2p.host import Host, HostConfig, open_host
-from p2p.wire import read_exactly
+from p2p.wire import read_exactly, read_frame
 
 MiB = 1 << 20
 TEST_DEADLINE_S = 90
@@ -256,13 +254,7 @@ async def test_unauthenticated_connections_rejected_and_listener_keeps_serving(
 
 
 async def _read_control(stream: Any) -> Any:
-    async def exactly(n: int) -> bytes:
-        data = b""
-        while len(data) < n:
-            data += await stream.read(n - len(data))
-        return data
-
-    return decode_control(await exactly(control_length(await exactly(4))))
+    return decode_control(await read_frame(stream, control_limit()))
 
 
 async def test_truncated_data_connection_detected() -> None:
@@ -345,7 +337,7 @@ async def test_listener_caps_connections_waiting_for_their_hello() -> None:
 async def test_torch_tensors_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
     import torch
 
-    from p2p.bulk.channel import receive_tensor, send_tensor
+    from p2p.bulk.payload import receive_tensor, send_tensor
 
     generator = torch.Generator().manual_seed(3)
     tensor = (torch.randn(shape, generator=generator) * 100).to(getattr(torch, dtype))

@@ -35,7 +35,8 @@ from p2p import (
     open_host,
     open_node,
 )
-from p2p.bulk.frames import DEFAULT_FRAME_BYTES, Offer, encode_control
+from p2p.bulk.control import Offer, encode_control
+from p2p.bulk.frames import DEFAULT_FRAME_BYTES
 from p2p.dht.records import encode_record_set
 from p2p.node import BULK_PROBE_PROTOCOL, PING_PROTOCOL, PingReply, PingRequest
 from p2p.wire import FRAME_HEADER, frame

@@ -13,32 +13,35 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from p2p.bulk.control import (
+    MAX_CONTROL_BYTES,
+    Accept,
+    Fallback,
+    Offer,
+    Outcome,
+    Reject,
+    control_limit,
+    decode_control,
+    encode_control,
+)
 from p2p.bulk.frames import (
     FRAME_HEADER_BYTES,
     HELLO_BYTES,
-    MAX_CONTROL_BYTES,
     MIN_FRAME_BYTES,
     TAG_BYTES,
-    Accept,
     BulkReceiver,
     BulkSender,
-    DataMode,
-    Fallback,
     Hello,
-    Offer,
-    Outcome,
     ReceiverState,
-    Reject,
     TransferLayout,
-    control_length,
-    decode_control,
     derive_session_key,
-    encode_control,
     parse_hello,
     seal_hello,
     verify_hello,
 )
+from p2p.bulk.negotiate import DataMode
 from p2p.errors import LocalProtocolError, RemoteProtocolError
+from p2p.wire import PROTOCOL_VERSION, FrameDecoder
 
 KEY = bytes(range(32))
 OTHER_KEY = bytes(range(1, 33))
@@ -347,8 +350,12 @@ messages = st.one_of(
 @settings(deadline=None)
 def test_control_round_trip(message: object) -> None:
     data = encode_control(message)  # type: ignore[arg-type]
-    assert control_length(data[:4]) == len(data) - 4
-    assert decode_control(data[4:]) == message
+    frames = FrameDecoder(control_limit(type(message)))  # type: ignore[arg-type]
+    frames.receive_data(data)
+    payload = frames.next_frame()
+    assert payload is not None and len(payload) == len(data) - 4
+    assert decode_control(payload) == message
+    assert decode_control(payload, type(message)) == message  # type: ignore[arg-type]
 
 
 @given(st.binary(max_size=300))
@@ -369,8 +376,12 @@ _msgpack_values = st.recursive(
 )
 
 
+V = PROTOCOL_VERSION
+OFFER, ACCEPT, OUTCOME = Offer.TYPE_CODE, Accept.TYPE_CODE, Outcome.TYPE_CODE
+
+
 @given(
-    code=st.sampled_from([1, 2]),
+    code=st.sampled_from([OFFER, ACCEPT]),
     fields=st.lists(_msgpack_values, min_size=9, max_size=10),
     mutate=st.integers(0, 9),
 )
@@ -380,50 +391,67 @@ def test_control_well_framed_garbage_raises_remote_protocol_error(
 ) -> None:
     """Garbage inside a well-formed message frame (right version, Offer or Accept code), so the
     field checks are exercised, not just msgpack's: still only RemoteProtocolError."""
-    import msgpack
-
     good = [os.urandom(16), 10, 4096, 1, os.urandom(32), True, 0, b"", [4000]]
-    if code == 2:
+    if code == ACCEPT:
         good = [os.urandom(32), 3, 0, [4000]]
     obj = list(good)
     obj[mutate % len(obj)] = fields[mutate % len(fields)]
-    for candidate in ([2, code, *obj], [2, code, *fields[: len(good)]]):
+    for candidate in ([V, code, obj], [V, code, fields[: len(good)]]):
         with contextlib.suppress(RemoteProtocolError):
             decode_control(msgpack.packb(candidate, use_bin_type=True))
 
 
 def test_control_limits() -> None:
+    # The length prefix is checked before any body byte is read.
+    frames = FrameDecoder(control_limit())
+    frames.receive_data((MAX_CONTROL_BYTES + 1).to_bytes(4, "big"))
     with pytest.raises(RemoteProtocolError):
-        control_length((MAX_CONTROL_BYTES + 1).to_bytes(4, "big"))
+        frames.next_frame()
+    assert control_limit() == MAX_CONTROL_BYTES
+    assert control_limit(Accept, Reject) < 2048  # an answer is small: so is what we read for it
     with pytest.raises(RemoteProtocolError):
-        control_length(bytes(4))
-    import msgpack
+        decode_control(b"")  # an empty frame
+    with pytest.raises(RemoteProtocolError):
+        decode_control(b"\x00" * (MAX_CONTROL_BYTES + 1))
+    with pytest.raises(LocalProtocolError):
+        encode_control(Reject("x" * 300))  # built locally: our bug, not the peer's
 
+    share = os.urandom(32)
     bad = [
-        [1, 5, True, ""],  # version 1 (no punch ports) is refused
-        [3, 5, True, ""],  # unknown version
-        [2, 99],  # unknown code
-        [2, 5, 1, ""],  # wrong type
-        [2, 2, os.urandom(32), 7, 0, []],  # unknown mode
-        [2, 2, os.urandom(32), 1, 0, []],  # DIAL_RECEIVER without a port
-        [2, 2, os.urandom(32), 0, 0],  # Accept without its punch ports field
-        [2, 2, os.urandom(32), 3, 0, []],  # PUNCH without ports
-        [2, 2, os.urandom(32), 0, 0, [5000]],  # ports without PUNCH
-        [2, 2, os.urandom(32), 3, 0, [0]],  # port 0
-        [2, 2, os.urandom(32), 3, 0, [70000]],  # port out of range
-        [2, 2, os.urandom(32), 3, 0, [True]],  # bool for a port
-        [2, 2, os.urandom(32), 3, 0, [b"\x10\x00"]],  # bytes for a port
-        [2, 2, os.urandom(32), 3, 0, list(range(1000, 1017))],  # more ports than stripes allow
-        [2, 2, os.urandom(32), 3, 0, 5000],  # a port, not a list
-        [2, 1, b"short", 10, 4096, 1, os.urandom(32), True, 0, b"", []],  # bad transfer id
-        [2, 1, os.urandom(16), -1, 4096, 1, os.urandom(32), True, 0, b"", []],  # negative size
-        [2, 1, os.urandom(16), 10, 4096, 1, os.urandom(32), 1, 0, b"", []],  # int for bool
-        [2, 1, os.urandom(16), 10, 4096, 2, os.urandom(32), True, 0, b"", [9]],  # 1 port, 2 stripes
+        [2, OUTCOME, [True, ""]],  # unknown version (the old hand-made encoding was 2)
+        [V, 99, [True, ""]],  # unknown code
+        [V, 1, ["a", [], None]],  # a registered code that is not a control message
+        [V, OUTCOME, [1, ""]],  # wrong type
+        [V, OUTCOME, True, ""],  # fields not in a body list
+        [V, ACCEPT, [share, 7, 0, []]],  # unknown mode
+        [V, ACCEPT, [share, True, 0, []]],  # bool for a mode
+        [V, ACCEPT, [share, 1, 0, []]],  # DIAL_RECEIVER without a port
+        [V, ACCEPT, [share, 0, 0]],  # Accept without its punch ports field
+        [V, ACCEPT, [share, 3, 0, []]],  # PUNCH without ports
+        [V, ACCEPT, [share, 0, 0, [5000]]],  # ports without PUNCH
+        [V, ACCEPT, [share, 3, 0, [0]]],  # port 0
+        [V, ACCEPT, [share, 3, 0, [70000]]],  # port out of range
+        [V, ACCEPT, [share, 3, 0, [True]]],  # bool for a port
+        [V, ACCEPT, [share, 3, 0, [b"\x10\x00"]]],  # bytes for a port
+        [V, ACCEPT, [share, 3, 0, list(range(1000, 1017))]],  # more ports than stripes allow
+        [V, ACCEPT, [share, 3, 0, 5000]],  # a port, not a list
+        [V, ACCEPT, [share, 0, 0, [], 1]],  # an extra field
+        [V, OFFER, [b"short", 10, 4096, 1, share, True, 0, b"", []]],  # bad transfer id
+        [V, OFFER, [os.urandom(16), -1, 4096, 1, share, True, 0, b"", []]],  # negative size
+        [V, OFFER, [os.urandom(16), 10, 4096, 1, share, 1, 0, b"", []]],  # int for bool
+        [V, OFFER, [os.urandom(16), 10, 4096, 2, share, True, 0, b"", [9]]],  # 1 port, 2 stripes
+        [V, OFFER, [os.urandom(16), 10, 4096, 1, share, True, 0, b"x" * 17_000, []]],  # big meta
     ]
     for obj in bad:
         with pytest.raises(RemoteProtocolError):
             decode_control(msgpack.packb(obj, use_bin_type=True))
     assert TAG_BYTES == 16
+
+
+def test_an_unexpected_control_message_is_refused() -> None:
+    payload = encode_control(Outcome(True))[4:]
+    with pytest.raises(RemoteProtocolError, match="unexpected"):
+        decode_control(payload, Accept, Reject)
 
 
 @pytest.mark.parametrize(
@@ -432,6 +460,9 @@ def test_control_limits() -> None:
         msgpack.packb([b"\xab" * 17_000, 1], use_bin_type=True),  # a version made of bytes
         msgpack.packb([1, "x" * 17_000], use_bin_type=True),  # a code made of text
         msgpack.packb(1, use_bin_type=True) + b"\xcc" * 17_000,  # ExtraData carries the rest
+        msgpack.packb([b"\xab" * 17_000, OUTCOME, []], use_bin_type=True),  # version of bytes
+        msgpack.packb([PROTOCOL_VERSION, "x" * 17_000, []], use_bin_type=True),  # code of text
+        msgpack.packb([PROTOCOL_VERSION, ACCEPT, [b"s" * 32, "m" * 150, 0, []]]),  # mode
     ],
 )
 def test_a_rejected_control_message_is_not_echoed(body: bytes) -> None:

@@ -87,6 +87,8 @@ SANS_IO = [
     "p2p/dht/records.py",
     "p2p/nat/reachability.py",
     "p2p/bulk/frames.py",
+    "p2p/bulk/control.py",
+    "p2p/bulk/negotiate.py",
     "p2p/nat/reservations.py",
     "swarm/averaging/codec.py",
     "swarm/averaging/payload.py",
@@ -117,4 +119,22 @@ def test_sans_io_modules_import_no_io() -> None:
         bad = _imports(path) & FORBIDDEN_IN_SANS_IO
         if bad:
             offenders.append(f"{rel} imports {sorted(bad)}")
+    assert not offenders, offenders
+
+
+# Folders whose modules share no private names: what a sibling needs is a public name of the
+# module that owns it (issue 17: the bulk driver imported 16 underscore names from its siblings).
+NO_PRIVATE_IMPORTS = ["p2p/bulk"]
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    offenders = []
+    for folder in NO_PRIVATE_IMPORTS:
+        for path in (ROOT / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    private = [a.name for a in node.names if a.name.startswith("_")]
+                    if private:
+                        offenders.append(f"{path.relative_to(ROOT)}: {node.module} {private}")
     assert not offenders, offenders

@@ -4,6 +4,7 @@ RemoteProtocolError whether it arrives whole or a byte at a time."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 import pkgutil
 import struct
@@ -20,6 +21,7 @@ from libp2p.network.stream.exceptions import StreamError, StreamReset
 
 import p2p.rpc
 import p2p.tensors
+from p2p.bulk import control as bulk_control
 from p2p.errors import LocalProtocolError, RemoteProtocolError, StreamEnded
 from p2p.wire import (
     PROTOCOL_VERSION,
@@ -57,6 +59,8 @@ def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
     if origin is dict:
         k, v = typing.get_args(hint)
         return st.dictionaries(_strategy_for(k), _strategy_for(v), max_size=4)
+    if isinstance(hint, type) and issubclass(hint, enum.IntEnum):
+        return st.sampled_from(list(hint))
     return {
         int: st.integers(min_value=-(2**63), max_value=2**64 - 1),
         float: st.floats(allow_nan=False),
@@ -135,8 +139,46 @@ def _pipeline_messages() -> dict[type, Any]:
     }
 
 
+def _bulk_control_messages() -> dict[type, Any]:
+    c = bulk_control
+    ports = st.lists(st.integers(1, 65535), min_size=1, max_size=16).map(tuple)
+
+    def offer(stripes: int, punch: bool, **fields: Any) -> Message:
+        return c.Offer(
+            stripe_count=stripes, punch_ports=(4000,) * stripes if punch else (), **fields
+        )
+
+    def accept(share: bytes, mode: Any, port: int, punch_ports: tuple[int, ...]) -> Message:
+        dialed = mode is c.DataMode.DIAL_RECEIVER
+        punched = mode is c.DataMode.PUNCH
+        return c.Accept(share, mode, port if dialed else 0, punch_ports if punched else ())
+
+    share = st.binary(min_size=c.SHARE_BYTES, max_size=c.SHARE_BYTES)
+    return {
+        c.Offer: lambda: st.builds(
+            offer,
+            st.integers(1, c.MAX_STRIPES),
+            st.booleans(),
+            transfer_id=st.binary(min_size=c.TRANSFER_ID_BYTES, max_size=c.TRANSFER_ID_BYTES),
+            total_bytes=st.integers(0, 1 << 48),
+            frame_bytes=st.integers(4096, 16 << 20),
+            share=share,
+            direct=st.booleans(),
+            listen_port=st.integers(0, 65535),
+            meta=st.binary(max_size=c.MAX_META_BYTES),
+        ),
+        c.Accept: lambda: st.builds(
+            accept, share, st.sampled_from(list(c.DataMode)), st.integers(1, 65535), ports
+        ),
+    }
+
+
 # Types whose invariants tie fields together get a strategy that builds valid instances.
-CUSTOM_STRATEGIES = {p2p.tensors.TensorHeader: _tensor_headers, **_pipeline_messages()}
+CUSTOM_STRATEGIES = {
+    p2p.tensors.TensorHeader: _tensor_headers,
+    **_pipeline_messages(),
+    **_bulk_control_messages(),
+}
 
 
 def _instances(cls: type[Message]) -> st.SearchStrategy[Message]:
@@ -147,7 +189,7 @@ def _instances(cls: type[Message]) -> st.SearchStrategy[Message]:
     def build(values: list[Any]) -> Message | None:
         try:
             return cls(*values)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, LocalProtocolError):
             return None  # the type's own invariants reject this combination
 
     return st.tuples(*fields).map(lambda vs: build(list(vs))).filter(lambda m: m is not None)
