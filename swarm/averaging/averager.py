@@ -64,13 +64,9 @@ from swarm.averaging.codec import Compression
 from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
-from swarm.averaging.session import (
-    PROTOCOL,
-    AveragingFailed,
-    Hello,
-    Session,
-    SessionConfig,
-)
+from swarm.averaging.session import Session, SessionConfig
+from swarm.averaging.session_wire import PROTOCOL, Hello
+from swarm.errors import AveragingFailed
 
 log = logging.getLogger(__name__)
 

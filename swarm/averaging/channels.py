@@ -117,7 +117,12 @@ class KeptChannels(Generic[C]):
     def release(self, standing: Standing) -> list[tuple[Verdict, bytes, Direction, C]]:
         """The session ends: every held channel given back if its peer ``keeps``, else retired."""
         verdicts = [
-            (Verdict.GIVE_BACK if standing.keeps(peer) else Verdict.RETIRE, peer, direction, channel)
+            (
+                Verdict.GIVE_BACK if standing.keeps(peer) else Verdict.RETIRE,
+                peer,
+                direction,
+                channel,
+            )
             for (peer, direction), channel in self._held.items()
         ]
         self._held.clear()

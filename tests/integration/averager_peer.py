@@ -100,7 +100,7 @@ def install_fault(spec: str | None) -> None:
                 return await send_item(self, rpc, direct, channel, order)
             self._garbage_sent = True
             start, stop = order.start, order.stop
-            values = self._local[start:stop].copy()
+            values = self._values.local[start:stop].copy()
             index = order.part_index
             if arg == "nan":
                 values[:1] = np.nan

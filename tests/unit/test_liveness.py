@@ -1,4 +1,4 @@
-"""Liveness rules of one all-reduce round, driven with explicit ``now`` values: no clock, no sockets."""
+"""Liveness rules of one all-reduce round, driven with explicit ``now`` values: no clock."""
 
 from __future__ import annotations
 
