@@ -130,6 +130,29 @@ def settle_landings(
     return settled
 
 
+def check_item(
+    item: Item, parts: Sequence[tuple[bytes, int, int]], layout: Layout
+) -> tuple[int, int, int]:
+    """``item``'s part range and payload size, ``(start, stop, nbytes)``, if it fits the round;
+    else raises ``RemoteProtocolError`` saying why (an unknown kind, a part outside the round, a
+    payload of the wrong size, contributors without their weights)."""
+    if item.kind not in (KIND_SLICE, KIND_REDUCED):
+        raise RemoteProtocolError(f"unknown item kind {item.kind}")
+    if not 0 <= item.part_index < len(parts):
+        raise RemoteProtocolError(f"part index {item.part_index} out of range")
+    _, start, stop = parts[item.part_index]
+    expected = layout.wire_bytes(start, stop)
+    if item.nbytes != expected:
+        raise RemoteProtocolError(
+            f"part {item.part_index} payload of {item.nbytes} bytes, expected {expected}"
+        )
+    if len(item.contributors) != len(item.weights):
+        raise RemoteProtocolError("contributors and weights differ in length")
+    if (item.inline or expected <= INLINE_MAX_BYTES) and len(item.inline) != expected:
+        raise RemoteProtocolError(f"inline payload of {len(item.inline)} bytes")
+    return start, stop, expected
+
+
 def _off_by_one(part_index: int, reduced: np.ndarray) -> np.ndarray:
     out = reduced.copy()
     if len(out):
