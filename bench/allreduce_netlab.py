@@ -420,7 +420,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             if args.trace:
                 (log_dir / f"trace-round{r}.json").write_text(json.dumps(replies))
         if args.tcp_baseline:
-            from swarm.averaging.session import chunks_for
+            from swarm.averaging.session_wire import chunks_for
 
             chunk = tensor_bytes // n // chunks_for(args.numel, n, args.rate)
             for label, size in (

@@ -216,10 +216,11 @@ def install_trace(records: list[dict[str, Any]]) -> None:
     """Time each item send/receive, the bulk channel's opening and each payload's data phase."""
     import p2p.bulk.channel as bulk_module
     from swarm.averaging import session as session_module
+    from swarm.averaging import session_links
 
     session = session_module.Session
     send_item, receive_item = session._send_item, session._receive_item
-    open_channel, channel_send = session_module.open_channel, bulk_module.BulkChannel.send
+    open_channel, channel_send = session_links.open_channel, bulk_module.BulkChannel.send
 
     async def traced_send(self, rpc, direct, channel, order):  # type: ignore[no-untyped-def]
         record: dict[str, Any] = {
@@ -267,7 +268,7 @@ def install_trace(records: list[dict[str, Any]]) -> None:
 
     session._send_item = traced_send
     session._receive_item = traced_receive
-    session_module.open_channel = timed(open_channel, "t_open0", "t_open1")
+    session_links.open_channel = timed(open_channel, "t_open0", "t_open1")
     bulk_module.BulkChannel.send = timed(channel_send, "t_data0", "t_data1")
 
 

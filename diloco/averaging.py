@@ -20,6 +20,9 @@ from typing import Protocol
 
 import torch
 
+# The one class for a failed round, swarm's: its averager raises it and DiLoCo's callers catch it.
+from swarm import AveragingFailed
+
 
 @dataclass(frozen=True)
 class AverageOutcome:
@@ -37,10 +40,6 @@ class Average(Protocol):
     def __call__(
         self, round: int, tensors: list[torch.Tensor], weight: float
     ) -> AverageOutcome: ...
-
-
-class AveragingFailed(RuntimeError):
-    """The round could not be averaged (a peer did not arrive before the deadline)."""
 
 
 def weighted_mean(

@@ -7,6 +7,8 @@ as ``swarm.averaging.matchmaking``, ``swarm.averaging.allreduce``, ``swarm.pipel
 ``swarm.pipeline.rebalance`` (the names overlap: several have ``Finish``). The pipeline's torch
 drivers are imported from their modules, ``swarm.pipeline.server`` (``StageServer``) and
 ``swarm.pipeline.trainer`` (``PipelineTrainer``), so that importing ``swarm`` does not import torch.
+Errors raised on purpose derive from ``SwarmError`` (``swarm.errors``); a failed round is
+``AveragingFailed``, the one class ``diloco`` re-exports.
 """
 
 from swarm.averaging.allreduce import AllReduce, AllReduceState, partition, reduce_part
@@ -45,7 +47,7 @@ from swarm.averaging.matchmaking import (
     round_key,
     target_round,
 )
-from swarm.averaging.session import AveragingFailed
+from swarm.errors import AveragingFailed, SwarmError
 from swarm.pipeline.rebalance import Move, RebalanceConfig, plan_move, stage_status
 from swarm.pipeline.records import ServerAnnouncement, param_digest, servers_key
 from swarm.pipeline.routing import MicrobatchRoute, Router, RoutingConfig
@@ -77,6 +79,7 @@ __all__ = [
     "ServerAnnouncement",
     "SliceRequest",
     "StateAgreement",
+    "SwarmError",
     "aggregation_audit",
     "allreduce",
     "audited",

@@ -35,6 +35,13 @@ Rules (all derived from facts every survivor sees; nothing is negotiated):
 6. *Finish* when every part is held over exactly ``members``. A finished peer still answers
    ``PeerLost`` (rule 2 forwarding and reducing parts reassigned to it), so the driver keeps it
    serving the round until the round's deadline.
+7. *Not alone.* In a group of two or more, a round whose set shrank to this peer alone fails
+   instead of finishing: its own vector back is no average (every other peer was lost or refused
+   it: it was frozen, or cut off), so the round has nothing to give.
+8. *Deadline.* The machine owns the round's ``deadline``, on the clock of the ``now`` it is
+   given: a call at or past it fails an unfinished round (``DeadlineReached`` is the driver's
+   timer firing, so the machine hears of it even when no message comes). A finished round
+   ignores it.
 
 The module runs past 400 lines because the events, actions and rules of one protocol belong in
 one file (h11 ``_state.py``'s rule).
@@ -194,7 +201,8 @@ class PeerMisbehaved:
 
 @dataclass(frozen=True, slots=True)
 class DeadlineReached:
-    """The round's deadline passed."""
+    """The driver's timer for the round's deadline fired: nothing else to tell than ``now``
+    (rule 8; a timer that fires early changes nothing)."""
 
 
 # ---- actions (orders) --------------------------------------------------------------------------
@@ -307,6 +315,8 @@ class AllReduce:
     written to (for example a ``swarm.averaging.buffers.BufferPool``'s ``take``); it must return an
     array nothing else is using.
 
+    ``deadline`` and every ``now`` are on one clock, the driver's (rule 8); ``math.inf``: none.
+
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
     ``LocalProtocolError`` for an unknown event, a second ``start`` or any call after ``FAILED``.
@@ -372,6 +382,8 @@ class AllReduce:
         if self.started:
             raise LocalProtocolError("already started")
         self.started = True
+        if now >= self.deadline:
+            return self._fail("deadline reached before the round started")
         actions: list[Action] = [
             SendPart(reducer, p, *self.parts[p][1:])
             for p, reducer in enumerate(self.reducer_of)
@@ -384,13 +396,14 @@ class AllReduce:
         self._check_live()
         if not self.started:
             raise LocalProtocolError("handle before start")
+        expired = now >= self.deadline and self.state is not AllReduceState.DONE
         if isinstance(event, DeadlineReached):
-            if self.state is AllReduceState.DONE:
-                return []
-            return self._fail(f"deadline reached; parts not settled: {self._unsettled()}")
+            return self._expire() if expired else []  # a finished round stands
         peer = self._peer_of(event)
         if peer not in self.peers:
             raise RemoteProtocolError(f"event from a peer outside the group: {peer!r}")
+        if expired:
+            return self._expire()
         if peer not in self.alive:
             return []  # late messages from lost or dropped peers are normal
         if isinstance(event, PeerLost):
@@ -421,6 +434,15 @@ class AllReduce:
             self.held[event.part_index] = (event.data, contributors)
         outsiders = {p: "excluded by another peer" for p in self.members - contributors}
         return self._remove(outsiders) if outsiders else self._progress()
+
+    @property
+    def max_orders_per_peer(self) -> int:
+        """The most ``SendPart`` and ``SendReduced`` this machine orders to one peer in a round
+        (a driver's queue bound): with P parts and N peers, at most P at ``start``; 2 per part
+        when that peer becomes its reducer, which happens once per part since reducers only
+        move down their chain; and one per broadcast of a part we reduce, at most N per part,
+        since each is over a smaller set than the one before."""
+        return len(self.parts) * (len(self.peers) + 3)
 
     # -- rules -----------------------------------------------------------------------------------
 
@@ -527,6 +549,8 @@ class AllReduce:
         if self.state is AllReduceState.DONE:
             pass  # a finished peer still serves parts reassigned to it, and finishes once
         elif all(self._settled(p) for p in range(len(self.parts))) and mine_settled:
+            if len(self.peers) > 1 and self.members == {self.me}:
+                return actions + self._fail("every other peer of the round was lost")  # rule 7
             self.state = AllReduceState.DONE
             actions.append(Finish(self._assemble(), self._contributors(self.members)))
         elif mine_settled:
@@ -544,6 +568,9 @@ class AllReduce:
             if not is_view_at(entry[0], result, start):
                 result[start:stop] = entry[0]
         return result
+
+    def _expire(self) -> list[Action]:
+        return self._fail(f"deadline reached; parts not settled: {self._unsettled()}")
 
     def _settled(self, p: int) -> bool:
         held = self.held[p]

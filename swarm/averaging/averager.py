@@ -64,13 +64,9 @@ from swarm.averaging.codec import Compression
 from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
-from swarm.averaging.session import (
-    PROTOCOL,
-    AveragingFailed,
-    Hello,
-    Session,
-    SessionConfig,
-)
+from swarm.averaging.session import Session, SessionConfig
+from swarm.averaging.session_wire import PROTOCOL, Hello
+from swarm.errors import AveragingFailed
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +110,7 @@ class AveragerConfig:
     audit: bool = False
     auditor: bytes | None = None
     # Pace each pair's data channel at its share of ``bandwidth_bps`` (only when that is set:
-    # pacing below a link's real rate would waste it; ``swarm.averaging.session.PACING_SHARE``).
+    # pacing below a link's real rate would waste it; ``session_links.PACING_SHARE``).
     pace: bool = True
     # A lying reducer, for tests and demos of the audit: in this round every part we reduce is
     # sent (and claimed) with 1.0 added to its first value.

@@ -6,7 +6,7 @@ trips, a quarter of a second per round. The ``Averager`` owns one ``ChannelPool`
 session borrows the channels it had with its peers and gives them back when the round ended
 cleanly for that pair.
 
-Rules (the reasons are in ``swarm.averaging.session``, which keeps them):
+Rules (the agreement between a pair's two ends is ``swarm.averaging.channels``):
 
 - A channel is in one session's hands at a time: ``opened`` and the lends mark it busy, and
   ``give_back`` or ``retire`` ends that; two rounds that overlap never share one. A lend waits
@@ -29,11 +29,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 
 import trio
 
 from p2p import BulkChannel
+from swarm.averaging.channels import Direction, resume_ok
 
 # Idle channels kept in all (sockets held open); past it the one given back longest ago closes.
 # Groups of up to 64 that change every round (Moshpit) meet many peers over time.
@@ -42,11 +42,6 @@ MAX_IDLE_CHANNELS = 256
 MAX_IDLE_PER_SENDER = 2
 # How long a lend waits for the channel asked for while a session still holds it.
 BUSY_WAIT_S = 0.5
-
-
-class Direction(Enum):
-    OUT = "out"  # we opened it and send on it
-    IN = "in"  # the peer opened it and we receive on it
 
 
 Key = tuple[bytes, Direction, bytes]  # (peer, direction, channel id)
@@ -109,11 +104,8 @@ class ChannelPool:
         found = None
         for key in [k for k in self._idle if k[0] == peer and k[1] is Direction.IN]:
             channel = self._idle.pop(key)
-            if (
-                found is None
-                and key[2] == channel_id
-                and channel.payloads_received == payloads
-                and channel.reusable()
+            if found is None and resume_ok(
+                key[2], channel.payloads_received, channel.reusable(), channel_id, payloads
             ):
                 found = self._lend(key, channel)
                 self._reused += 1  # we answer yes: it carries this round's payloads

@@ -54,7 +54,7 @@ import trio
 
 from p2p import Node, P2PError, PeerID, Reachability, RemoteProtocolError, RpcStream, Stream
 from swarm.averaging.averager import Averager, AveragerConfig
-from swarm.averaging.session import AveragingFailed
+from swarm.errors import AveragingFailed
 from swarm.pipeline.rebalance import RebalanceConfig, plan_move
 from swarm.pipeline.records import (
     ServerAnnouncement,

@@ -4,8 +4,8 @@ DiLoCo calls ``average(round, tensors, weight)`` once per outer round and treats
 failed round (no outer update, local progress kept). So this adapter only translates: DiLoCo's
 round number becomes the swarm round number (every peer of a run derives it from the same
 checkpointed counter, which is what lines up matchmaking keys across processes), the result's
-contributors pass through, and a swarm ``AveragingFailed`` is re-raised as diloco's
-``AveragingFailed`` so callers of either layer can catch the name they know.
+contributors pass through, and ``AveragingFailed`` (one class: diloco re-exports swarm's) passes
+through.
 
 The state hash only exists after DiLoCo applied the outer step, i.e. after ``__call__`` returned,
 so publishing it is a separate call the training loop makes (``publish_state``); ``agreement``
@@ -95,9 +95,9 @@ class SwarmAverage:
 
         try:
             result = self._runtime.call(average)
-        except swarm.AveragingFailed as exc:
+        except AveragingFailed as exc:
             self.last = RoundReport(round, ok=False, error=str(exc))
-            raise AveragingFailed(str(exc)) from exc
+            raise
         except Exception as exc:
             self.last = RoundReport(round, ok=False, error=f"{type(exc).__name__}: {exc}")
             raise

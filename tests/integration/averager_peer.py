@@ -46,6 +46,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2p import HostConfig, NodeConfig, PeerID, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression
 from swarm.averaging import session as session_module
+from swarm.averaging import session_wire
 from swarm.averaging.allreduce import SendPart, SendReduced
 
 
@@ -100,7 +101,7 @@ def install_fault(spec: str | None) -> None:
                 return await send_item(self, rpc, direct, channel, order)
             self._garbage_sent = True
             start, stop = order.start, order.stop
-            values = self._local[start:stop].copy()
+            values = self._values.local[start:stop].copy()
             index = order.part_index
             if arg == "nan":
                 values[:1] = np.nan
@@ -109,11 +110,11 @@ def install_fault(spec: str | None) -> None:
             elif arg == "index":
                 index = len(self.parts) + 5
             payload = values.astype(np.float32).tobytes()
-            inline = payload if len(payload) <= session_module.INLINE_MAX_BYTES else b""
+            inline = payload if len(payload) <= session_wire.INLINE_MAX_BYTES else b""
             # "proof": the right bytes under a signature that is not ours (an audited round)
             proof = b"\x01" * 64 if arg == "proof" else b""
-            item = session_module.Item(
-                session_module.KIND_SLICE,
+            item = session_wire.Item(
+                session_wire.KIND_SLICE,
                 index,
                 self.machine.weight,
                 (),

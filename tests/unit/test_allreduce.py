@@ -75,6 +75,7 @@ class FakeNetwork:
         self.finished: dict[bytes, Finish] = {}
         self.failed: dict[bytes, Fail] = {}
         self.drops: list[tuple[bytes, DropPeer]] = []
+        self.orders: dict[tuple[bytes, bytes], int] = {}  # (from, to) -> sends ordered
 
     def start(self, peers=None) -> None:
         for me in peers or self.ids:
@@ -82,6 +83,9 @@ class FakeNetwork:
 
     def apply(self, me: bytes, actions) -> None:
         for action in actions:
+            if isinstance(action, SendPart | SendReduced):
+                count = self.orders[(me, action.peer)] = self.orders.get((me, action.peer), 0) + 1
+                assert count <= self.machines[me].max_orders_per_peer, "a driver queue overflows"
             if isinstance(action, SendPart):
                 data = self.vectors[me][action.start : action.stop].copy()
                 event = PartReceived(me, action.part_index, data, self.weights[me])
@@ -139,8 +143,13 @@ def expected_mean(net: FakeNetwork, contributors) -> np.ndarray:
     return reduce_part({p: (net.vectors[p], w) for p, w in contributors})
 
 
-def assert_agreement(net: FakeNetwork, must_include=(), must_exclude=()) -> Finish:
+def assert_agreement(net: FakeNetwork, must_include=(), must_exclude=()) -> Finish | None:
     survivors = net.survivors()
+    if len(survivors) == 1 and len(net.ids) > 1 and survivors[0] not in net.finished:
+        # rule 7: a lone survivor's own vector back is no average (unless it finished before
+        # the others went)
+        assert net.failed == {survivors[0]: Fail("every other peer of the round was lost")}
+        return None
     assert not net.failed, net.failed
     assert set(net.finished) >= set(survivors)
     finishes = [net.finished[p] for p in survivors]
@@ -265,7 +274,7 @@ def test_one_crash_at_any_moment_leaves_survivors_agreeing(setup, crash_after, v
     net.crash(dead)
     net.run()
     finish = assert_agreement(net, must_include=net.survivors())
-    assert len(finish.result) == setup[1]
+    assert finish is None or len(finish.result) == setup[1]
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -482,7 +491,9 @@ def test_finalize_is_what_every_survivor_holds(setup, crash_after, victim):
     net.crash(net.ids[victim % n])
     net.run()
     survivors = net.survivors()
-    assert not net.failed, net.failed
+    if net.failed:  # rule 7 only: a lone survivor that had not finished
+        assert len(survivors) == 1 and set(net.failed) == set(survivors), net.failed
+        return
     results = {net.finished[p].result.tobytes() for p in survivors}
     assert len(results) == 1
     first = net.finished[survivors[0]]
@@ -497,3 +508,34 @@ def test_all_finite_finds_a_bad_value_in_any_block(index: int, bad: float) -> No
     assert all_finite(data) and all_finite(data[:0])
     data[index] = bad
     assert not all_finite(data)
+
+
+def test_a_lone_survivor_fails_instead_of_returning_its_own_vector():
+    """Rule 7: in a group of two, the other lost before its slice came leaves nothing to average."""
+    net = build((2, 10, random.Random(3)))
+    me, other = net.ids
+    net.start([me])
+    net.crash(other)
+    net.run()
+    assert net.failed == {me: Fail("every other peer of the round was lost")}
+    assert net.machines[me].state is AllReduceState.FAILED
+    # a group of one is a round of its own: its vector back is its average
+    alone = AllReduce(me, [me], [1], np.ones(4, np.float32), 1.0, 100.0)
+    (finish,) = [a for a in alone.start(0.0) if isinstance(a, Finish)]
+    assert finish.result.tolist() == [1.0] * 4 and finish.contributors == ((me, 1.0),)
+
+
+def test_the_machine_reads_its_deadline_from_now():
+    """Rule 8: any call at or past the deadline fails an unfinished round; a timer that fires
+    early changes nothing; a round started past its deadline fails at once."""
+    net = build((3, 12, random.Random(5)))
+    net.start()
+    me, sender = net.ids[0], net.ids[1]
+    machine = net.machines[me]
+    assert machine.handle(DeadlineReached(), 99.9) == []
+    late = PartReceived(sender, 0, np.zeros(1, np.float32), 1.0)
+    (fail,) = machine.handle(late, 100.0)
+    assert isinstance(fail, Fail) and fail.reason.startswith("deadline reached")
+    assert machine.state is AllReduceState.FAILED
+    fresh = build((3, 12, random.Random(5))).machines[me]
+    assert fresh.start(100.0) == [Fail("deadline reached before the round started")]

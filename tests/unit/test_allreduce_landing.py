@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from swarm.averaging.session import settle_landings
+from swarm.averaging.session_wire import settle_landings
 
 PARTS = [(b"a", 0, 4), (b"b", 4, 8), (b"c", 8, 12)]
 MEMBERS = frozenset({b"a", b"b"})

@@ -96,6 +96,8 @@ SANS_IO = [
     "swarm/averaging/allreduce.py",
     "swarm/averaging/audit.py",
     "swarm/averaging/bandwidth.py",
+    "swarm/averaging/channels.py",
+    "swarm/averaging/liveness.py",
     "swarm/pipeline/records.py",
     "swarm/pipeline/routing.py",
     "swarm/pipeline/rebalance.py",

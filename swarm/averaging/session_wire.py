@@ -1,0 +1,259 @@
+"""What one all-reduce round puts on the wire: the stream's messages, how a vector is chunked for
+it, and the bytes that carry a part's values (codec round trips, slice proofs, parts received
+in place: ``settle_landings``).
+
+Wire, per ordered pair of group members (sender -> receiver), one libp2p stream on ``PROTOCOL``:
+
+    Hello(run_id, group_id, layout digest, kept channel id, its payloads sent)
+                                 <- Resumed(ok)   only when the Hello named a kept channel
+    ( Item(kind, part, weight, contributors, nbytes, inline, proof)  [payload, bulk plane] )*
+    Done()                       -- the sender finished; it may still forward parts after this
+    (end of stream)              -- the sender will send nothing more this round
+
+An item's payload rides inline when small (``INLINE_MAX_BYTES``), else on the pair's
+``p2p.BulkChannel`` (``swarm.averaging.channels`` says which one). One stream per pair keeps each
+pair's messages in order, which the machine's forwarding rule relies on (a forwarded reduced part
+arrives before the forwarder's own slice).
+
+``RoundValues`` holds one session's values as the wire carries them: its vector as peers will
+decode it, the encoded bytes of reduced parts (a forward must carry exactly the bytes the reducer
+sent: re-encoding a decoded int8 part may not reproduce them), and an audited round's signatures
+and hashes of every slice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import trio
+
+from p2p import Message, RemoteProtocolError, message, verify_peer_signature
+from swarm.averaging.allreduce import SendPart, SendReduced, is_view_at, partition
+from swarm.averaging.audit import MAX_PROOF_BYTES, proof_message, slice_hash
+from swarm.averaging.payload import Layout
+
+if TYPE_CHECKING:
+    from swarm.averaging.matchmaking import Group
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "/swarmtrain/allreduce/2"  # 2: kept data channels (Hello, Resumed)
+KIND_SLICE, KIND_REDUCED = 0, 1
+INLINE_MAX_BYTES = 256 * 1024
+# Below this many elements work stays on the event loop: a thread hop costs more.
+THREAD_MIN_NUMEL = 1 << 16
+# Each peer's share is cut into chunks, so that a reducer reduces and sends chunk k while chunk
+# k + 1 arrives: about CHUNK_SECONDS of the slowest member's declared link, between MIN and MAX
+# bytes. On a 100 Mbit/s, 25 ms link (bench.allreduce_netlab) 8 MiB chunks reached 0.81-0.84 of
+# the bandwidth limit where one 25 MB chunk per peer reached 0.75; on loopback, where the CPU is
+# the limit, every extra chunk is overhead (32 MiB: 1.35 s, 8 MiB: 2.5 s for N=4, 25M floats).
+CHUNK_SECONDS = 0.5
+MIN_CHUNK_BYTES = 4 << 20
+MAX_CHUNK_BYTES = 32 << 20
+MAX_CHUNKS = 16
+
+
+def chunks_for(numel: int, group_size: int, slowest_bps: float) -> int:
+    """Chunks per peer: a function of the round's shape and the members' declarations only, so
+    every member computes the same."""
+    chunk = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, slowest_bps / 8 * CHUNK_SECONDS))
+    return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / chunk)))
+
+
+@message(100, max_bytes=1024)
+class Hello(Message):
+    run_id: str
+    group_id: bytes
+    layout: bytes
+    # The data channel to the receiver the sender kept from an earlier round (b"": none), and
+    # how many payloads it sent on it: the receiver uses it only if it counted as many.
+    channel: bytes = b""
+    channel_payloads: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.channel) > 64 or self.channel_payloads < 0:
+            raise ValueError("bad kept-channel fields")
+
+
+@message(101, max_bytes=INLINE_MAX_BYTES + 64 * 1024)
+class Item(Message):
+    kind: int
+    part_index: int
+    weight: float
+    contributors: tuple[bytes, ...]
+    weights: tuple[float, ...]
+    nbytes: int
+    inline: bytes
+    # A slice's sender signs (run, round, group, part, weight, SHA-256 of the slice) when the
+    # round is audited (``SessionConfig.sign``): its reducer can then prove what it summed.
+    proof: bytes = b""
+
+
+@message(102, max_bytes=128)
+class Done(Message):
+    """The sender holds its result (no digest: hashing 100 MB costs a third of a second)."""
+
+
+@message(103, max_bytes=64)
+class Resumed(Message):
+    """The receiver's answer to a Hello naming a kept channel: True, it carries this round's
+    payloads; False, the sender opens a new one (and closes the one it kept)."""
+
+    ok: bool
+
+
+def settle_landings(
+    result: np.ndarray,
+    parts: Sequence[tuple[bytes, int, int]],
+    held: Sequence[tuple[np.ndarray, frozenset[bytes]] | None],
+    landed: Collection[int],
+    landing: Collection[int],
+) -> np.ndarray:
+    """``result`` (the machine's assembled vector) with every part received in place put right.
+
+    A copy of part p received into its place (``landed``) that the machine did not keep (it
+    reduced p, or took a later copy) may have been written while the machine, in a worker
+    thread, assembled ``result``: the held bytes go there again. If such a receive is still
+    going on (``landing``), it goes on writing into ``result``: then this returns a copy.
+    """
+    settled = result.copy() if landing else result
+    for p in landed:
+        entry = held[p]
+        assert entry is not None  # Finish means every part is held
+        _, start, stop = parts[p]
+        if not is_view_at(entry[0], settled, start):
+            settled[start:stop] = entry[0]
+    return settled
+
+
+def check_item(
+    item: Item, parts: Sequence[tuple[bytes, int, int]], layout: Layout
+) -> tuple[int, int, int]:
+    """``item``'s part range and payload size, ``(start, stop, nbytes)``, if it fits the round;
+    else raises ``RemoteProtocolError`` saying why (an unknown kind, a part outside the round, a
+    payload of the wrong size, contributors without their weights)."""
+    if item.kind not in (KIND_SLICE, KIND_REDUCED):
+        raise RemoteProtocolError(f"unknown item kind {item.kind}")
+    if not 0 <= item.part_index < len(parts):
+        raise RemoteProtocolError(f"part index {item.part_index} out of range")
+    _, start, stop = parts[item.part_index]
+    expected = layout.wire_bytes(start, stop)
+    if item.nbytes != expected:
+        raise RemoteProtocolError(
+            f"part {item.part_index} payload of {item.nbytes} bytes, expected {expected}"
+        )
+    if len(item.contributors) != len(item.weights):
+        raise RemoteProtocolError("contributors and weights differ in length")
+    if (item.inline or expected <= INLINE_MAX_BYTES) and len(item.inline) != expected:
+        raise RemoteProtocolError(f"inline payload of {len(item.inline)} bytes")
+    return start, stop, expected
+
+
+def _off_by_one(part_index: int, reduced: np.ndarray) -> np.ndarray:
+    out = reduced.copy()
+    if len(out):
+        out[0] += np.float32(1.0)
+    return out
+
+
+class RoundValues:
+    """One session's values as the wire carries them (see the module docstring)."""
+
+    def __init__(
+        self,
+        run_id: str,
+        group: Group,
+        me: bytes,
+        layout: Layout,
+        local: np.ndarray,
+        sign: Callable[[bytes], bytes] | None,
+    ) -> None:
+        self.run_id = run_id
+        self.group = group
+        self.me = me
+        self.layout = layout
+        self.local = local  # what we encode our slices from (their decoding is machine.local)
+        self.sign = sign
+        self.parts: list[tuple[bytes, int, int]] = []  # the machine's, once it exists
+        self.encoded: dict[int, tuple[np.ndarray, bytes]] = {}  # by id() of the held array
+        # An audited round's evidence, (part, sender) -> the slice's signature and SHA-256: made
+        # for our slices as we send them, checked for the others' as they arrive.
+        self.proofs: dict[tuple[int, bytes], bytes] = {}
+        self.digests: dict[tuple[int, bytes], bytes] = {}
+
+    def wire_values(
+        self, peers: tuple[bytes, ...], bandwidths: list[int], chunks: int
+    ) -> np.ndarray:
+        """Our vector as peers will decode it: every slice we send goes through the codec, and
+        the reducer of a part must use the same values for its own slice as everyone else."""
+        if self.layout.lossless():
+            return self.local
+        out = np.empty_like(self.local)
+        for _, start, stop in partition(len(self.local), peers, bandwidths, chunks):
+            out[start:stop] = self.layout.round_trip(self.local[start:stop], start)
+        return out
+
+    def finalizer(self, cheat: bool) -> Callable[[int, np.ndarray], np.ndarray] | None:
+        """The machine's ``finalize``: a lossy codec's round trip, made wrong on purpose for the
+        aggregation audit's tests (``cheat``)."""
+        if cheat:
+            log.warning("round %s: cheating: every part we reduce is off", self.group.round)
+            if self.layout.lossless():
+                return _off_by_one
+            return lambda p, x: self._finalize(p, _off_by_one(p, x))
+        return None if self.layout.lossless() else self._finalize
+
+    def _finalize(self, part_index: int, reduced: np.ndarray) -> np.ndarray:
+        start = self.parts[part_index][1]
+        data = self.layout.encode(reduced, start)
+        values = self.layout.decode(data, start, start + len(reduced))
+        self.encoded[id(values)] = (values, data)
+        return values
+
+    def remember(self, values: np.ndarray, data: bytes) -> None:
+        """A reduced part received as ``data`` that a lossy codec decoded to ``values``."""
+        if not self.layout.lossless():
+            self.encoded[id(values)] = (values, data)
+
+    def payload(self, order: SendPart | SendReduced) -> bytes:
+        if isinstance(order, SendPart):
+            return self.layout.encode(self.local[order.start : order.stop], order.start)
+        cached = self.encoded.get(id(order.data))
+        if cached is not None and cached[0] is order.data:
+            return cached[1]
+        return self.layout.encode(order.data, self.parts[order.part_index][1])
+
+    async def own_proof(self, part: int, values: np.ndarray, weight: float) -> bytes:
+        """Our signature over our slice ``values`` of ``part`` (as the wire carries it), made
+        once."""
+        proof = self.proofs.get((part, self.me))
+        if proof is None:
+            digest = self.digests[(part, self.me)] = await _hash(values)
+            assert self.sign is not None
+            proof = self.proofs[(part, self.me)] = self.sign(self._message(part, weight, digest))
+        return proof
+
+    async def check_proof(self, peer: bytes, item: Item, values: np.ndarray) -> None:
+        """Refuse a slice its sender did not sign as it is: its reducer could not prove it."""
+        if len(item.proof) > MAX_PROOF_BYTES:
+            raise RemoteProtocolError("slice proof over its size limit")
+        digest = await _hash(values)
+        message = self._message(item.part_index, item.weight, digest)
+        if not verify_peer_signature(peer, message, item.proof):
+            raise RemoteProtocolError(f"slice of part {item.part_index}: its proof does not verify")
+        self.proofs[(item.part_index, peer)] = item.proof
+        self.digests[(item.part_index, peer)] = digest
+
+    def _message(self, part: int, weight: float, digest: bytes) -> bytes:
+        group = self.group
+        return proof_message(self.run_id, group.round, group.group_id, part, weight, digest)
+
+
+async def _hash(values: np.ndarray) -> bytes:
+    if len(values) >= THREAD_MIN_NUMEL:
+        return await trio.to_thread.run_sync(slice_hash, values)
+    return slice_hash(values)
