@@ -43,6 +43,7 @@ from swarm.averaging.matchmaking import (
     MatchState,
     derive_groups,
     round_key,
+    state_key,
     target_round,
 )
 from swarm.averaging.session import AveragingFailed
@@ -100,5 +101,6 @@ __all__ = [
     "servers_key",
     "split_record",
     "stage_status",
+    "state_key",
     "target_round",
 ]

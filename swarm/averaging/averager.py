@@ -61,7 +61,7 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
-from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig
+from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig, state_key
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import (
@@ -410,7 +410,7 @@ class Averager:
     # -- internals -------------------------------------------------------------------------------
 
     def _state_key(self, round_number: int) -> str:
-        return f"run/{self.config.run_id}/state/{round_number}"
+        return state_key(self.config.run_id, round_number)
 
     async def _form_group(
         self,

@@ -38,7 +38,8 @@ from p2p import (
     subkey_values,
 )
 from swarmtrain.commands.relay import RelayOptions, keep_serving, relay_node_config
-from swarmtrain.membership.progress import agreed_state, decode_all, progress_key
+from swarmtrain.keys import progress_key
+from swarmtrain.membership.progress import agreed_state, decode_all
 from swarmtrain.pipeline.progress import pipeline_status
 from swarmtrain.runspec import (
     MAX_SIGNATURE_BYTES,

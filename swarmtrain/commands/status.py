@@ -26,10 +26,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, Node, NodeConfig, P2PError, PeerID, open_node, subkey_values
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
-from swarmtrain.membership.progress import Progress, agreed_state, decode_all, progress_key
+from swarmtrain.keys import progress_key, verdicts_key
+from swarmtrain.membership.progress import Progress, agreed_state, decode_all
 from swarmtrain.pipeline.progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.runspec import RunSpec
-from swarmtrain.verified.plan import AGGREGATION, Verdict, banned, decode_verdicts, verdicts_key
+from swarmtrain.verified.plan import AGGREGATION, Verdict, banned, decode_verdicts
 
 # A peer whose latest record is older than this is shown as silent (it may have left).
 SILENT_AFTER_S = 120.0

@@ -32,14 +32,6 @@ PROGRESS_TTL_S = 600.0
 REACHABILITY = ("public", "private", "unknown")
 
 
-def progress_key(run_id: str) -> str:
-    return f"run/{run_id}/progress"
-
-
-def join_key(run_id: str, round_number: int) -> str:
-    return f"run/{run_id}/join/{round_number}"
-
-
 @dataclass(frozen=True)
 class Progress:
     """One peer's latest round, as it published it."""

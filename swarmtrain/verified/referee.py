@@ -39,6 +39,7 @@ import trio
 import swarm
 from diloco import Corpus, load_stdlib_corpus
 from p2p import Node, P2PError, PeerID, call_stream, subkey_values, verify_peer_signature
+from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
 from swarmtrain.runspec import RunConfig
 from swarmtrain.verified.plan import (
     AGGREGATION,
@@ -46,14 +47,10 @@ from swarmtrain.verified.plan import (
     AuditResult,
     RoundClaims,
     Verdict,
-    aggregate_key,
-    audits_key,
     disputes,
     encode_audit_results,
     encode_verdicts,
     majority_start,
-    verdicts_key,
-    verify_key,
 )
 from swarmtrain.verified.task import DATA_LABELS, Task, make_task, model_shape
 from verify import TaskSpec, tensor_hash

@@ -33,6 +33,7 @@ import numpy as np
 import swarm
 from diloco import AveragingFailed, Corpus
 from p2p import Message, PeerID
+from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
 from swarmtrain.runspec import RunConfig
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.verified.plan import (
@@ -43,16 +44,12 @@ from swarmtrain.verified.plan import (
     Decision,
     RoundClaims,
     Verdict,
-    aggregate_key,
     assignments,
-    audits_key,
     banned,
     decide,
     decode_audit_results,
     decode_verdicts,
     selected,
-    verdicts_key,
-    verify_key,
 )
 from swarmtrain.verified.task import Task, make_task, run_fast, run_traced
 from verify import Commitment
