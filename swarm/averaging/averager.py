@@ -37,7 +37,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -91,6 +91,16 @@ class SliceRequest(Message):
     stop: int
 
 
+class AveragingFaults(Protocol):
+    """Fault injection for tests and demos of the aggregation audit, handed to the ``Averager``
+    once (``swarmtrain.faults.Faults`` is one): the config carries no test flags."""
+
+    def tamper_reduced(self, round_number: int) -> Callable[[int, np.ndarray], np.ndarray] | None:
+        """What every part we reduce in this round goes through (part index, reduced values ->
+        values sent and claimed), or None for an honest round."""
+        ...
+
+
 @dataclass(frozen=True)
 class AveragerConfig:
     """``compression``: one codec for every tensor, or None to choose per tensor (int8 above
@@ -116,9 +126,6 @@ class AveragerConfig:
     # Pace each pair's data channel at its share of ``bandwidth_bps`` (only when that is set:
     # pacing below a link's real rate would waste it; ``swarm.averaging.session.PACING_SHARE``).
     pace: bool = True
-    # A lying reducer, for tests and demos of the audit: in this round every part we reduce is
-    # sent (and claimed) with 1.0 added to its first value.
-    cheat_reduce_round: int | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -221,9 +228,12 @@ def _unflatten(vector: np.ndarray, specs: list[tuple[tuple[int, ...], Any]]) -> 
 class Averager:
     """Averages with the peers of ``config.run_id``. Serve with ``await nursery.start(a.run)``."""
 
-    def __init__(self, node: Node, config: AveragerConfig) -> None:
+    def __init__(
+        self, node: Node, config: AveragerConfig, *, faults: AveragingFaults | None = None
+    ) -> None:
         self.node = node
         self.config = config
+        self.faults = faults
         self.me = node.host.peer_id.to_bytes()
         self.next_round = 0
         self._bandwidth = BandwidthEstimate()
@@ -302,7 +312,7 @@ class Averager:
                 peer_timeout_s=self.config.peer_timeout_s,
                 heartbeat_s=self.config.heartbeat_s,
                 bulk=self.config.bulk,
-                cheat_reduce=self.config.cheat_reduce_round == r,
+                tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),

@@ -132,13 +132,6 @@ def chunks_for(numel: int, group_size: int, slowest_bps: float) -> int:
     return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / chunk)))
 
 
-def _off_by_one(part_index: int, reduced: np.ndarray) -> np.ndarray:
-    out = reduced.copy()
-    if len(out):
-        out[0] += np.float32(1.0)
-    return out
-
-
 def settle_landings(
     result: np.ndarray,
     parts: Sequence[tuple[bytes, int, int]],
@@ -215,7 +208,8 @@ class SessionConfig:
     peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     bulk: BulkConfig = field(default_factory=BulkConfig)
-    cheat_reduce: bool = False  # tests of the aggregation audit: our reduced parts are wrong
+    # Tests of the aggregation audit (``AveragingFaults``): every part we reduce goes through it.
+    tamper_reduced: Callable[[int, np.ndarray], np.ndarray] | None = None
     # Our upload link's rate, when known (configured, not measured): each pair's channel is then
     # paced at its share, rate x PACING_SHARE / (N - 1), so the N - 1 flows into a receiver fit
     # its link (equal links) instead of overflowing its queue and backing off (TCP incast).
@@ -294,7 +288,7 @@ class Session:
             self._wire_values(local, bandwidths),
             weight,
             deadline=math.inf,
-            finalize=self._finalizer(layout, config.cheat_reduce),
+            finalize=self._finalizer(layout, config.tamper_reduced),
             chunks=self.chunks,
             out=self._out,
             allocate=self._buffers.take,
@@ -635,13 +629,12 @@ class Session:
         return dict(self.proofs), dict(self.digests)
 
     def _finalizer(
-        self, layout: Layout, cheat: bool
+        self, layout: Layout, tamper: Callable[[int, np.ndarray], np.ndarray] | None
     ) -> Callable[[int, np.ndarray], np.ndarray] | None:
-        if cheat:
-            log.warning("round %s: cheating: every part we reduce is off", self.group.round)
+        if tamper is not None:
             if layout.lossless():
-                return _off_by_one
-            return lambda p, x: self._finalize(p, _off_by_one(p, x))
+                return tamper
+            return lambda p, x: self._finalize(p, tamper(p, x))
         return None if layout.lossless() else self._finalize
 
     def _finalize(self, part_index: int, reduced: np.ndarray) -> np.ndarray:
