@@ -29,6 +29,7 @@ from swarm.averaging.averager import (
     SLICE_PROTOCOL,
     Averager,
     AveragerConfig,
+    AveragingFaults,
     AveragingResult,
     BlockingAverager,
     SliceRequest,
@@ -45,6 +46,7 @@ from swarm.averaging.matchmaking import (
     MatchState,
     derive_groups,
     round_key,
+    state_key,
     target_round,
 )
 from swarm.errors import AveragingFailed, SwarmError
@@ -60,6 +62,7 @@ __all__ = [
     "Averager",
     "AveragerConfig",
     "AveragingFailed",
+    "AveragingFaults",
     "AveragingResult",
     "BandwidthEstimate",
     "BlockingAverager",
@@ -103,5 +106,6 @@ __all__ = [
     "servers_key",
     "split_record",
     "stage_status",
+    "state_key",
     "target_round",
 ]

@@ -39,8 +39,10 @@ from swarmtrain.commands import verify as verify_cmd
 from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.relay import RelayOptions, run_relay
+from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config
+from swarmtrain.faults import Faults, parse_task_fault
 from swarmtrain.pipeline import local as pipeline_local
-from swarmtrain.runspec import ConfigError, RunConfig, SpecRefused, default_toml, load_config
+from swarmtrain.runspec import SpecRefused
 
 log = logging.getLogger("swarmtrain")
 
@@ -275,10 +277,10 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _cheat(text: str) -> tuple[int, int, int]:
-    parts = text.split(":")
-    if len(parts) != 3 or not all(p.isdigit() for p in parts):
-        raise argparse.ArgumentTypeError("expected ROUND:STEP:OP (non-negative integers)")
-    return int(parts[0]), int(parts[1]), int(parts[2])
+    try:
+        return parse_task_fault(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _main_node(args: argparse.Namespace) -> int:
@@ -298,8 +300,7 @@ def _main_node(args: argparse.Namespace) -> int:
             json_path=args.json,
             role=args.role,
             allow_models=tuple(args.allow_model),
-            cheat=args.cheat,
-            cheat_reduce=args.cheat_reduce,
+            faults=Faults(task=args.cheat, reduce_round=args.cheat_reduce),
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -337,7 +338,9 @@ def _main_init(args: argparse.Namespace) -> int:
 def _coordinator_config(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config) if args.config is not None else RunConfig()
     if args.rounds is not None:
-        config = config.replace(rounds=args.rounds)  # re-validated: --rounds 0 names run.rounds
+        config = config.replace(
+            run={"rounds": args.rounds}
+        )  # re-validated: --rounds 0 names run.rounds
     return config
 
 

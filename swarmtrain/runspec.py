@@ -1,9 +1,8 @@
-"""The run config (``run.toml``) and the run spec the coordinator signs.
+"""The run spec the coordinator signs.
 
-A run is defined by its config: model shape, DiLoCo settings, swarm deadlines, number of rounds,
-and, for a SWARM pipeline run (``[pipeline] stages > 0``), the stage count and its periods, and
-optionally a user's model (``[model] factory = "package.module:function"``; only its name is in
-the spec, and volunteers import it only when they allow it: ``swarmtrain.pipeline.model``).
+A run is defined by its config (``swarmtrain.config``: model shape, DiLoCo settings, swarm
+deadlines, number of rounds, and, for a SWARM pipeline run, the stage count and its periods, and
+optionally a user's model, of which only the name is in the spec).
 The coordinator reads ``run.toml`` (``tomllib``), validates it, fixes a run id, and signs the
 canonical encoding of the result with its Ed25519 identity: that is the *run spec*. Volunteers
 fetch the spec from the peer named in ``--join`` and check the signature against that peer's id
@@ -22,19 +21,14 @@ value past a volunteer either. No pickle, size-limited (``MAX_SPEC_BYTES``).
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import math
-import re
-import tomllib
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgpack
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID as PeerID
+
+from swarmtrain.config import ConfigError, RunConfig, config_from_mapping
 
 SPEC_VERSION = 1
 SIGNING_DOMAIN = b"swarmtrain/run-spec/1\x00"
@@ -42,266 +36,8 @@ MAX_SPEC_BYTES = 8192
 MAX_SIGNATURE_BYTES = 128
 
 
-class ConfigError(ValueError):
-    """A run config value is missing, unknown or invalid; the message names the key."""
-
-
 class SpecRefused(ValueError):
     """A run spec is unsigned, tampered with, issued by another peer, or malformed."""
-
-
-@dataclass(frozen=True)
-class _Field:
-    key: str  # "section.name" as written in run.toml
-    attr: str  # RunConfig attribute
-    kind: type  # int, float or str
-    check: Callable[[Any], bool]
-    rule: str  # what ``check`` demands, in words, for the error message
-    help: str  # the comment written above the key by ``swarmtrain init``
-
-
-def _positive(value: Any) -> bool:
-    return value > 0
-
-
-def _non_negative(value: Any) -> bool:
-    return value >= 0
-
-
-# ``package.module:function`` (``model.factory``): dotted identifiers, a colon, an identifier.
-FACTORY_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
-MAX_FACTORY_CHARS = 200
-
-
-def _factory_ok(value: Any) -> bool:
-    return value == "" or (
-        len(value) <= MAX_FACTORY_CHARS and re.fullmatch(FACTORY_PATTERN, value) is not None
-    )
-
-
-def _run_id_ok(value: Any) -> bool:
-    return len(value) <= 64 and "/" not in value and value.isprintable() and " " not in value
-
-
-FIELDS: tuple[_Field, ...] = (
-    _Field("run.id", "run_id", str, _run_id_ok, "at most 64 printable characters, no '/' "
-           "or space", 'run name peers share; "" lets the coordinator pick a fresh one'),
-    _Field("run.rounds", "rounds", int, _positive, "a positive integer",
-           "outer rounds; nodes exit with a summary after the last one"),
-    _Field("model.d_model", "d_model", int, _positive, "a positive integer",
-           "width of the byte-level transformer (embedded default model)"),
-    _Field("model.n_layers", "n_layers", int, _positive, "a positive integer",
-           "transformer blocks"),
-    _Field("model.n_heads", "n_heads", int, _positive, "a positive integer",
-           "attention heads; must divide d_model"),
-    _Field("model.context", "model_context", int, _positive, "a positive integer",
-           "longest sequence the model accepts (bytes)"),
-    _Field("model.factory", "model_factory", str, _factory_ok,
-           'empty or "package.module:function" (at most 200 characters)',
-           '"" trains the default model above. Pipeline runs only: "package.module:function" '
-           "trains\n# your own model instead (d_model, n_layers and n_heads are then unused):\n# "
-           "function() returns an nn.Sequential whose first layer takes byte ids (batch,\n# "
-           "training.sequence_length) and whose last returns (batch, sequence, 256) logits;\n# "
-           "it is called with torch seeded from the run; every stage server must install it "
-           "and\n# pass --allow-model with it (docs/pipelines.md)"),
-    _Field("training.inner_steps", "inner_steps", int, _positive, "a positive integer",
-           "DiLoCo's H: inner AdamW steps between two outer rounds"),
-    _Field("training.batch_size", "batch_size", int, _positive, "a positive integer",
-           "sequences per inner step on each peer"),
-    _Field("training.sequence_length", "sequence_length", int, _positive,
-           "a positive integer", "bytes per sequence; at most model.context"),
-    _Field("training.inner_lr", "inner_lr", float, _positive, "a positive number",
-           "AdamW learning rate of the inner steps"),
-    _Field("training.outer_lr", "outer_lr", float, _positive, "a positive number",
-           "Nesterov SGD learning rate of the outer step (OpenDiLoCo: 0.7)"),
-    _Field("training.outer_momentum", "outer_momentum", float,
-           lambda v: 0 <= v < 1, "a number in [0, 1)", "Nesterov momentum of the outer step"),
-    _Field("training.outer_momentum_warmup", "outer_momentum_warmup", int, _non_negative,
-           "a non-negative integer", "rounds over which the outer momentum ramps up from 0 "
-           "(0: constant); with few rounds\n# full momentum from round 0 overshoots: 12 of 16 "
-           "rounds is best in bench.diloco\n# (docs/diloco_tuning.md)"),
-    _Field("swarm.matchmaking_timeout_s", "matchmaking_timeout_s", float, _positive,
-           "a positive number", "seconds a round waits for peers to declare"),
-    _Field("swarm.allreduce_timeout_s", "allreduce_timeout_s", float, _positive,
-           "a positive number", "seconds an all-reduce may take before it fails"),
-    _Field("pipeline.stages", "pipeline_stages", int, _non_negative,
-           "a non-negative integer", "0: a DiLoCo run (every node trains the whole model). S > 0: "
-           "a SWARM pipeline run: the\n# model cut into S stages (at most model.n_layers), "
-           "served by stage servers (Adam at\n# training.inner_lr) and driven by trainers "
-           "(`swarmtrain node --role trainer`)"),
-    _Field("pipeline.microbatches", "pipeline_microbatches", int, _positive,
-           "a positive integer", "microbatches (of training.batch_size sequences) per trainer "
-           "round; run.rounds rounds"),
-    _Field("pipeline.average_every_s", "pipeline_average_every_s", float, _positive,
-           "a positive number", "seconds between two averagings of a stage's parameters by its "
-           "servers"),
-    _Field("pipeline.rebalance_every_s", "pipeline_rebalance_every_s", float, _non_negative,
-           "a non-negative number", "seconds between two rebalancing decisions (a server moves "
-           "to the bottleneck stage);\n# 0: servers never move"),
-    _Field("verify.rate", "verify_rate", float, lambda v: 0 <= v <= 1, "a number in [0, 1]",
-           "DiLoCo runs: the fraction of inner phases (tasks) a second peer re-executes; "
-           "above 0 every inner\n# phase runs under RepOps (bit-reproducible, slower) from a "
-           "fresh AdamW state, a task's\n# two commitments are compared and the coordinator "
-           "referees a difference; the loser's\n# contribution is left out and the loser "
-           "banned (docs/verification.md)"),
-    _Field("verify.timeout_s", "verify_timeout_s", float, _positive, "a positive number",
-           "seconds a verified round waits for a task's two commitments, or for the "
-           "coordinator's verdict"),
-)  # fmt: skip
-_BY_KEY = {f.key: f for f in FIELDS}
-_SECTIONS = tuple(dict.fromkeys(f.key.split(".")[0] for f in FIELDS))
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """One run's settings; the defaults are the embedded default run (``swarmtrain local``)."""
-
-    run_id: str = ""
-    rounds: int = 5
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    model_context: int = 128
-    inner_steps: int = 20
-    batch_size: int = 8
-    sequence_length: int = 64
-    inner_lr: float = 3e-3
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_momentum_warmup: int = 0
-    model_factory: str = ""
-    matchmaking_timeout_s: float = 4.0
-    allreduce_timeout_s: float = 30.0
-    pipeline_stages: int = 0
-    pipeline_microbatches: int = 8
-    pipeline_average_every_s: float = 5.0
-    pipeline_rebalance_every_s: float = 3.0
-    verify_rate: float = 0.0
-    verify_timeout_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        for spec in FIELDS:
-            _check_value(spec, getattr(self, spec.attr))
-        if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})"
-            )
-        if self.sequence_length > self.model_context:
-            raise ConfigError(
-                f"training.sequence_length ({self.sequence_length}) is longer than "
-                f"model.context ({self.model_context})"
-            )
-        if self.model_factory and not self.is_pipeline:
-            raise ConfigError(
-                f"model.factory ({self.model_factory}) needs a pipeline run (pipeline.stages "
-                "> 0): DiLoCo runs train the default model"
-            )
-        if self.verify_rate > 0 and self.is_pipeline:
-            raise ConfigError(
-                f"verify.rate ({self.verify_rate}) needs a DiLoCo run (pipeline.stages = 0): "
-                "pipeline stages are not verified"
-            )
-        # A factory's model has its own layers: stage servers check the count when they cut it.
-        if self.pipeline_stages > self.n_layers and not self.model_factory:
-            raise ConfigError(
-                f"pipeline.stages ({self.pipeline_stages}) is more than model.n_layers "
-                f"({self.n_layers}): every stage needs at least one transformer block"
-            )
-
-    def replace(self, **changes: Any) -> RunConfig:
-        return dataclasses.replace(self, **changes)
-
-    @property
-    def is_pipeline(self) -> bool:
-        """A SWARM pipeline run (stage servers and trainers) rather than a DiLoCo run."""
-        return self.pipeline_stages > 0
-
-    def items(self) -> list[tuple[str, Any]]:
-        """``[(toml key, value)]`` sorted by key: the canonical order the spec is signed in."""
-        return sorted((f.key, getattr(self, f.attr)) for f in FIELDS)
-
-
-def _check_value(spec: _Field, value: Any) -> None:
-    # bool is an int subclass in Python; "rounds = true" is a mistake, not 1.
-    if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) or not isinstance(value, spec.kind):
-        raise ConfigError(f"{spec.key} must be {spec.rule}, got {value!r}")
-    if spec.kind is float and not math.isfinite(value):
-        raise ConfigError(f"{spec.key} must be {spec.rule}, got {value!r}")
-    if not spec.check(value):
-        raise ConfigError(f"{spec.key} must be {spec.rule}, got {value!r}")
-
-
-def config_from_mapping(data: Mapping[str, Any], *, source: str = "run config") -> RunConfig:
-    """A ``RunConfig`` from parsed TOML (``{section: {key: value}}``); missing keys keep their
-    defaults. Raises ConfigError naming the first unknown section or key, or the bad value."""
-    values: dict[str, Any] = {}
-    for section, body in data.items():
-        if section not in _SECTIONS:
-            raise ConfigError(
-                f"{source}: unknown section [{section}] (known: {', '.join(_SECTIONS)})"
-            )
-        if not isinstance(body, dict):
-            raise ConfigError(f"{source}: {section} must be a [{section}] table")
-        for name, value in body.items():
-            spec = _BY_KEY.get(f"{section}.{name}")
-            if spec is None:
-                known = ", ".join(f.key for f in FIELDS if f.key.startswith(section + "."))
-                raise ConfigError(f"{source}: unknown key {section}.{name} (known: {known})")
-            if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
-                value = float(value)
-            try:
-                _check_value(spec, value)
-            except ConfigError as exc:
-                raise ConfigError(f"{source}: {exc}") from None
-            values[spec.attr] = value
-    try:
-        return RunConfig(**values)
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
-
-
-def load_config(path: Path) -> RunConfig:
-    """Read and validate ``run.toml``. Raises ConfigError (bad TOML or value, naming the key and
-    the file) or OSError (unreadable file)."""
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return config_from_mapping(data, source=str(path))
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
-
-
-def default_toml(config: RunConfig | None = None) -> str:
-    """The commented run config ``swarmtrain init`` writes (written by hand: tomllib only reads)."""
-    config = config or RunConfig()
-    lines = [
-        "# swarmtrain run config: `swarmtrain coordinator --config run.toml` validates it,",
-        "# signs it as the run spec, and every volunteer trains with exactly these settings.",
-        "# Defaults: the embedded default model (byte-level transformer) on the Python",
-        "# standard library's own source, so nothing is downloaded.",
-    ]
-    for section in _SECTIONS:
-        lines += ["", f"[{section}]"]
-        for spec in FIELDS:
-            if spec.key.split(".")[0] == section:
-                lines.append(f"# {spec.help}")
-                lines.append(
-                    f"{spec.key.split('.')[1]} = {_toml_value(getattr(config, spec.attr))}"
-                )
-    return "\n".join(lines) + "\n"
-
-
-def run_seed_of(run_id: str) -> int:
-    """The run's seed for the initial parameters and the data assignment: every peer of a run
-    derives the same one from the run id, so nobody has to download round 0's parameters."""
-    return int.from_bytes(hashlib.sha256(b"swarmtrain/run-seed/" + run_id.encode()).digest()[:8])
 
 
 # -- the signed spec ------------------------------------------------------------------------------
@@ -316,7 +52,7 @@ class RunSpec:
     created_at: float
 
     def __post_init__(self) -> None:
-        if not self.config.run_id:
+        if not self.config.run.id:
             raise SpecRefused("a run spec needs a run id")
 
     def to_bytes(self) -> bytes:

@@ -37,7 +37,7 @@ import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -61,7 +61,7 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
-from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig
+from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig, state_key
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import Session, SessionConfig
@@ -85,6 +85,16 @@ class SliceRequest(Message):
     group_id: bytes
     start: int
     stop: int
+
+
+class AveragingFaults(Protocol):
+    """Fault injection for tests and demos of the aggregation audit, handed to the ``Averager``
+    once (``swarmtrain.faults.Faults`` is one): the config carries no test flags."""
+
+    def tamper_reduced(self, round_number: int) -> Callable[[int, np.ndarray], np.ndarray] | None:
+        """What every part we reduce in this round goes through (part index, reduced values ->
+        values sent and claimed), or None for an honest round."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -112,9 +122,6 @@ class AveragerConfig:
     # Pace each pair's data channel at its share of ``bandwidth_bps`` (only when that is set:
     # pacing below a link's real rate would waste it; ``session_links.PACING_SHARE``).
     pace: bool = True
-    # A lying reducer, for tests and demos of the audit: in this round every part we reduce is
-    # sent (and claimed) with 1.0 added to its first value.
-    cheat_reduce_round: int | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -217,9 +224,12 @@ def _unflatten(vector: np.ndarray, specs: list[tuple[tuple[int, ...], Any]]) -> 
 class Averager:
     """Averages with the peers of ``config.run_id``. Serve with ``await nursery.start(a.run)``."""
 
-    def __init__(self, node: Node, config: AveragerConfig) -> None:
+    def __init__(
+        self, node: Node, config: AveragerConfig, *, faults: AveragingFaults | None = None
+    ) -> None:
         self.node = node
         self.config = config
+        self.faults = faults
         self.me = node.host.peer_id.to_bytes()
         self.next_round = 0
         self._bandwidth = BandwidthEstimate()
@@ -298,7 +308,7 @@ class Averager:
                 peer_timeout_s=self.config.peer_timeout_s,
                 heartbeat_s=self.config.heartbeat_s,
                 bulk=self.config.bulk,
-                cheat_reduce=self.config.cheat_reduce_round == r,
+                tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),
@@ -406,7 +416,7 @@ class Averager:
     # -- internals -------------------------------------------------------------------------------
 
     def _state_key(self, round_number: int) -> str:
-        return f"run/{self.config.run_id}/state/{round_number}"
+        return state_key(self.config.run_id, round_number)
 
     async def _form_group(
         self,

@@ -96,6 +96,13 @@ def round_key(run_id: str, round_number: int) -> bytes:
     return f"run/{run_id}/round/{round_number}".encode()
 
 
+def state_key(run_id: str, round_number: int) -> str:
+    """The DHT key members publish their state hash under after a round (``StateAgreement``)."""
+    if not run_id or "/" in run_id:
+        raise ValueError(f"run id must be non-empty and contain no '/': {run_id!r}")
+    return f"run/{run_id}/state/{round_number}"
+
+
 def _finite(value: float, name: str, *, minimum: float | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")

@@ -91,7 +91,8 @@ class SessionConfig:
     peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
     bulk: BulkConfig = field(default_factory=BulkConfig)
-    cheat_reduce: bool = False  # tests of the aggregation audit: our reduced parts are wrong
+    # Tests of the aggregation audit (``AveragingFaults``): every part we reduce goes through it.
+    tamper_reduced: Callable[[int, np.ndarray], np.ndarray] | None = None
     # Our upload link's rate, when known (configured, not measured): each pair's channel is then
     # paced at its share, rate x PACING_SHARE / (N - 1), so the N - 1 flows into a receiver fit
     # its link (equal links) instead of overflowing its queue and backing off (TCP incast).
@@ -153,7 +154,7 @@ class Session(PeerLinks):
         self._landed: set[int] = set()
         self._landing: set[int] = set()
         wire = self._values.wire_values(self.peers, bandwidths, self.chunks)
-        finalize = self._values.finalizer(config.cheat_reduce)
+        finalize = self._values.finalizer(config.tamper_reduced)
         # The round's clock starts here, on trio's clock: the machine's deadline, the reach
         # window and the streams' due time all count from it.
         self._t0 = trio.current_time()

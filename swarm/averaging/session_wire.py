@@ -153,13 +153,6 @@ def check_item(
     return start, stop, expected
 
 
-def _off_by_one(part_index: int, reduced: np.ndarray) -> np.ndarray:
-    out = reduced.copy()
-    if len(out):
-        out[0] += np.float32(1.0)
-    return out
-
-
 class RoundValues:
     """One session's values as the wire carries them (see the module docstring)."""
 
@@ -197,14 +190,15 @@ class RoundValues:
             out[start:stop] = self.layout.round_trip(self.local[start:stop], start)
         return out
 
-    def finalizer(self, cheat: bool) -> Callable[[int, np.ndarray], np.ndarray] | None:
-        """The machine's ``finalize``: a lossy codec's round trip, made wrong on purpose for the
-        aggregation audit's tests (``cheat``)."""
-        if cheat:
-            log.warning("round %s: cheating: every part we reduce is off", self.group.round)
+    def finalizer(
+        self, tamper: Callable[[int, np.ndarray], np.ndarray] | None
+    ) -> Callable[[int, np.ndarray], np.ndarray] | None:
+        """The machine's ``finalize``: a lossy codec's round trip, after ``tamper`` (the
+        aggregation audit's tests: ``AveragingFaults``) when given."""
+        if tamper is not None:
             if self.layout.lossless():
-                return _off_by_one
-            return lambda p, x: self._finalize(p, _off_by_one(p, x))
+                return tamper
+            return lambda p, x: self._finalize(p, tamper(p, x))
         return None if self.layout.lossless() else self._finalize
 
     def _finalize(self, part_index: int, reduced: np.ndarray) -> np.ndarray:

@@ -38,17 +38,11 @@ from p2p import (
     subkey_values,
 )
 from swarmtrain.commands.relay import RelayOptions, keep_serving, relay_node_config
-from swarmtrain.membership.progress import agreed_state, decode_all, progress_key
+from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.keys import progress_key
+from swarmtrain.membership.progress import agreed_state, decode_all
 from swarmtrain.pipeline.progress import pipeline_status
-from swarmtrain.runspec import (
-    MAX_SIGNATURE_BYTES,
-    MAX_SPEC_BYTES,
-    RunConfig,
-    RunSpec,
-    run_seed_of,
-    sign_spec,
-    verify_spec,
-)
+from swarmtrain.runspec import MAX_SIGNATURE_BYTES, MAX_SPEC_BYTES, RunSpec, sign_spec, verify_spec
 from swarmtrain.verified.referee import RefereeService
 
 log = logging.getLogger(__name__)
@@ -124,8 +118,8 @@ async def run_coordinator(
 ) -> None:
     """Run until cancelled (Ctrl+C). ``emit`` gets the run line, then the join command."""
     config = options.config
-    if not config.run_id:
-        config = config.replace(run_id=new_run_id())
+    if not config.run.id:
+        config = config.replace(run={"id": new_run_id()})
     async with open_node(relay_node_config(key_pair, options.relay)) as node:
         spec = RunSpec(config, str(node.host.peer_id), time.time())
         data, signature = sign_spec(spec, key_pair)
@@ -140,9 +134,9 @@ async def run_coordinator(
             if config.is_pipeline:
                 nursery.start_soon(_log_stages, node, config, PROGRESS_LOG_S)
             else:
-                nursery.start_soon(_log_progress, node, config.run_id, PROGRESS_LOG_S)
-            if config.verify_rate > 0:
-                referee = RefereeService(node, config, run_seed_of(config.run_id), emit)
+                nursery.start_soon(_log_progress, node, config.run.id, PROGRESS_LOG_S)
+            if config.verify.rate > 0:
+                referee = RefereeService(node, config, run_seed_of(config.run.id), emit)
                 nursery.start_soon(referee.run)
 
 
@@ -150,20 +144,20 @@ def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
     """The run line, then the command(s) volunteers run."""
     if not config.is_pipeline:
         return [
-            f"run {config.run_id}: {config.rounds} rounds, H={config.inner_steps}, "
+            f"run {config.run.id}: {config.run.rounds} rounds, H={config.training.inner_steps}, "
             f"spec signed by {coordinator}",
             f"swarmtrain node --join {join}",
         ]
     # A stage server imports a user's model only when it names it itself (--allow-model).
     model = (
-        f"model {config.model_factory} (servers need it installed), "
-        if config.model_factory
+        f"model {config.model.factory} (servers need it installed), "
+        if config.model.factory
         else ""
     )
-    allow = f" --allow-model {config.model_factory}" if config.model_factory else ""
+    allow = f" --allow-model {config.model.factory}" if config.model.factory else ""
     return [
-        f"run {config.run_id}: pipeline of {config.pipeline_stages} stages, {model}"
-        f"{config.rounds} trainer rounds of {config.pipeline_microbatches} microbatches, spec "
+        f"run {config.run.id}: pipeline of {config.pipeline.stages} stages, {model}"
+        f"{config.run.rounds} trainer rounds of {config.pipeline.microbatches} microbatches, spec "
         f"signed by {coordinator}; stage servers run the first command, trainers the second",
         f"swarmtrain node --join {join}{allow}",
         f"swarmtrain node --join {join} --role trainer",
@@ -176,7 +170,7 @@ async def _log_stages(node: Node, config: RunConfig, interval_s: float) -> None:
     while True:
         await trio.sleep(interval_s)
         try:
-            rows = await pipeline_status(node.dht, config.run_id, config.pipeline_stages)
+            rows = await pipeline_status(node.dht, config.run.id, config.pipeline.stages)
         except P2PError as exc:
             log.info("could not read the pipeline's servers: %s", exc)
             continue
@@ -186,7 +180,7 @@ async def _log_stages(node: Node, config: RunConfig, interval_s: float) -> None:
         last = servers
         log.info(
             "run %s: servers per stage %s, capacity %s samples/s",
-            config.run_id,
+            config.run.id,
             servers,
             [round(float(r["capacity"]), 1) for r in rows],
         )

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from swarmtrain.runspec import RunConfig, default_toml
+from swarmtrain.config import RunConfig, RunSection, TrainingSection, VerifySection, default_toml
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +234,9 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: [child.stop() for child in reversed(children)])
         config = RunConfig(
-            run_id=run_id,
-            rounds=options.rounds,
-            inner_steps=options.inner_steps,
-            verify_rate=options.verify_rate,
+            run=RunSection(id=run_id, rounds=options.rounds),
+            training=TrainingSection(inner_steps=options.inner_steps),
+            verify=VerifySection(rate=options.verify_rate),
         )
         join = _start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")

@@ -24,9 +24,11 @@ import swarm
 from diloco import load_stdlib_corpus
 from p2p import HostConfig, NodeConfig, PeerID, load_or_create_identity, peer_id_of
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
+from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
+from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.pipeline.node import ROLES, PipelineSummary, run_pipeline
-from swarmtrain.runspec import FACTORY_PATTERN, RunConfig, RunSpec, run_seed_of
+from swarmtrain.runspec import RunSpec
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.loop import NodeSummary, averager_config, train
 
@@ -49,11 +51,9 @@ class NodeOptions:
     role: str | None = None
     # Model factories ("module:function") a pipeline spec may make this node import (a server).
     allow_models: tuple[str, ...] = ()
-    # A verified run's cheater, for tests and demos: flip a bit of operator OP's output at inner
-    # step STEP of our task in round ROUND (``--cheat ROUND:STEP:OP``, hidden from --help).
-    cheat: tuple[int, int, int] | None = None
-    # ... and a lying reducer: every part it reduces in round ROUND is off (``--cheat-reduce``).
-    cheat_reduce: int | None = None
+    # A verified run's cheater, for tests and demos (``--cheat``, ``--cheat-reduce``, hidden
+    # from --help): handed to the averager and the verification, nowhere else.
+    faults: Faults = NO_FAULTS
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -113,19 +113,19 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         else:
             if options.role is not None:
                 raise ValueError(
-                    f"--role {options.role}: run {config.run_id} is a DiLoCo run "
+                    f"--role {options.role}: run {config.run.id} is a DiLoCo run "
                     "(pipeline.stages = 0), where every node trains the whole model; "
                     "run the node without --role"
                 )
             emit(
-                f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} "
-                f"verified; {config.rounds} rounds, H={config.inner_steps}"
+                f"run {config.run.id}: spec signed by coordinator {str(coordinator)[-8:]} "
+                f"verified; {config.run.rounds} rounds, H={config.training.inner_steps}"
             )
             averager = swarm.Averager(
-                node, averager_config(config, coordinator, options.cheat_reduce)
+                node, averager_config(config, coordinator), faults=options.faults
             )
             runtime.start(averager.run)
-            server = StateServer(node, config.run_id)
+            server = StateServer(node, config.run.id)
             runtime.call_sync(server.install)
             summary = train(
                 config,
@@ -138,7 +138,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 coordinator,
                 state_dir=options.state_dir,
                 join_wait_s=options.join_wait_s,
-                cheat=options.cheat,
+                faults=options.faults,
             )
             summary.peer_id = str(peer_id_of(key_pair))
     finally:
@@ -158,9 +158,9 @@ def _run_pipeline(
 ) -> PipelineSummary:
     role = options.role or "server"
     emit(
-        f"run {config.run_id}: spec signed by coordinator {str(coordinator)[-8:]} verified; "
-        f"pipeline of {config.pipeline_stages} stages, {config.rounds} trainer rounds of "
-        f"{config.pipeline_microbatches} microbatches; this node: {role}"
+        f"run {config.run.id}: spec signed by coordinator {str(coordinator)[-8:]} verified; "
+        f"pipeline of {config.pipeline.stages} stages, {config.run.rounds} trainer rounds of "
+        f"{config.pipeline.microbatches} microbatches; this node: {role}"
     )
     if options.device == "cuda":
         log.warning("--device cuda: pipeline roles run on the CPU")
@@ -168,7 +168,7 @@ def _run_pipeline(
         runtime,
         config,
         role,
-        seed=run_seed_of(config.run_id),
+        seed=run_seed_of(config.run.id),
         wait_for_servers_s=options.join_wait_s,
         emit=emit,
         allow_models=options.allow_models,

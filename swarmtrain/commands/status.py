@@ -26,10 +26,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, Node, NodeConfig, P2PError, PeerID, open_node, subkey_values
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
-from swarmtrain.membership.progress import Progress, agreed_state, decode_all, progress_key
+from swarmtrain.keys import progress_key, verdicts_key
+from swarmtrain.membership.progress import Progress, agreed_state, decode_all
 from swarmtrain.pipeline.progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.runspec import RunSpec
-from swarmtrain.verified.plan import AGGREGATION, Verdict, banned, decode_verdicts, verdicts_key
+from swarmtrain.verified.plan import AGGREGATION, Verdict, banned, decode_verdicts
 
 # A peer whose latest record is older than this is shown as silent (it may have left).
 SILENT_AFTER_S = 120.0
@@ -69,16 +70,16 @@ class StatusReport:
         at_latest = [p for p in self.records if p.round == latest]
         agreed = agreed_state(self.records)
         return {
-            "run_id": self.spec.config.run_id,
+            "run_id": self.spec.config.run.id,
             "coordinator": self.spec.coordinator,
-            "rounds": self.spec.config.rounds,
+            "rounds": self.spec.config.run.rounds,
             "round": latest,
             "peers": len(self.active()),
             "loss": _mean([p.loss for p in at_latest]),
             "tokens_per_s": round(sum(p.tokens_per_s for p in at_latest), 1),
             "state_hash": agreed.state_hash.hex() if agreed else None,
             "state_holders": len(agreed.holders) if agreed else 0,
-            "verify_rate": self.spec.config.verify_rate,
+            "verify_rate": self.spec.config.verify.rate,
             "verdicts": [_verdict_json(v) for v in self.verdicts],
             "banned": sorted(str(PeerID(p)) for p in banned(self.verdicts)),
             "nodes": [self._node_json(p) for p in self.records],
@@ -99,10 +100,10 @@ class StatusReport:
         latest = max((p.round for p in active.values()), default=None)
         at_latest = [p for p in active.values() if p.round == latest]
         return {
-            "run_id": self.spec.config.run_id,
+            "run_id": self.spec.config.run.id,
             "coordinator": self.spec.coordinator,
-            "rounds": self.spec.config.rounds,
-            "pipeline_stages": self.spec.config.pipeline_stages,
+            "rounds": self.spec.config.run.rounds,
+            "pipeline_stages": self.spec.config.pipeline.stages,
             "stages": [
                 {**row, "capacity": round(float(row["capacity"]), 2)} for row in self.stages
             ],
@@ -120,10 +121,10 @@ class StatusReport:
         summary = self._pipeline_json()
         config = self.spec.config
         lines = [
-            f"run {config.run_id} (coordinator {self.spec.coordinator}): pipeline of "
-            f"{config.pipeline_stages} stages, {summary['servers']} servers, "
+            f"run {config.run.id} (coordinator {self.spec.coordinator}): pipeline of "
+            f"{config.pipeline.stages} stages, {summary['servers']} servers, "
             f"{summary['trainers']} active trainers, round "
-            f"{summary['round'] if summary['round'] is not None else '-'} of {config.rounds}, "
+            f"{summary['round'] if summary['round'] is not None else '-'} of {config.run.rounds}, "
             f"loss {_text(summary['loss'])}, {summary['samples_per_s']} samples/s in all",
             f"{'stage':>5}{'servers':>9}{'relayed':>9}{'samples/s':>11}{'queue':>7}",
         ]
@@ -151,9 +152,9 @@ class StatusReport:
         summary = self.to_json()
         config = self.spec.config
         lines = [
-            f"run {config.run_id} (coordinator {self.spec.coordinator}): "
+            f"run {config.run.id} (coordinator {self.spec.coordinator}): "
             f"round {summary['round'] if summary['round'] is not None else '-'} of "
-            f"{config.rounds}, {summary['peers']} active peers, "
+            f"{config.run.rounds}, {summary['peers']} active peers, "
             f"loss {_text(summary['loss'])}, {summary['tokens_per_s']} tok/s in all",
         ]
         for v in self.verdicts:
@@ -214,13 +215,15 @@ async def run_status(
     config = NodeConfig(HostConfig(create_new_key_pair(), listen_addrs=listen), bootstrap=join)
     async with open_node(config) as node:
         spec = await fetch_spec(node, coordinator)
-        run = spec.config
-        if run.is_pipeline:
-            stages = await pipeline_status(node.dht, run.run_id, run.pipeline_stages)
-            trainers = await trainer_progress(node.dht, run.run_id)
+        settings = spec.config
+        if settings.is_pipeline:
+            stages = await pipeline_status(node.dht, settings.run.id, settings.pipeline.stages)
+            trainers = await trainer_progress(node.dht, settings.run.id)
             return StatusReport(spec, [], time.time(), stages, trainers)
-        records = await node.dht.get_records(progress_key(run.run_id), latest=True)
-        verdicts = await _verdicts(node, run.run_id, coordinator) if run.verify_rate > 0 else []
+        records = await node.dht.get_records(progress_key(settings.run.id), latest=True)
+        verdicts = (
+            await _verdicts(node, settings.run.id, coordinator) if settings.verify.rate > 0 else []
+        )
         now = time.time()
         values = subkey_values(records, now=now)
         by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}

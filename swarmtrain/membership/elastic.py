@@ -47,6 +47,7 @@ import trio
 
 from diloco import DiLoCo
 from p2p import PeerID
+from swarmtrain.keys import join_key, progress_key
 from swarmtrain.membership.plan import (
     Verdict,
     after_failed_round,
@@ -61,8 +62,6 @@ from swarmtrain.membership.progress import (
     Progress,
     agreed_state,
     decode_all,
-    join_key,
-    progress_key,
 )
 from swarmtrain.membership.state_sync import (
     Downloaded,

@@ -12,19 +12,24 @@ joiner downloads from, and the peers every member expects in the next round's ma
 joiner is announced. A joiner announces itself under ``run/<id>/join/<r>`` (``join_key``) once
 it holds the agreed state, naming the first round it will contribute to.
 
+The value is a ``p2p`` wire message, ``ProgressRecord``: typed, versioned and size-limited, so a
+malformed value is one ``RemoteProtocolError`` with its reason, and the record is ignored.
+
 This module is pure: encoding, decoding and the majority rule; drivers do the DHT calls.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgpack
+from p2p import Message, RemoteProtocolError, decode, encode, message
 
-PROGRESS_VERSION = 1
+log = logging.getLogger(__name__)
+
 MAX_PROGRESS_BYTES = 1024
 PROGRESS_TTL_S = 600.0
 # How the peer found itself (its dial-back verdict): reachable directly ("public"), only through
@@ -32,17 +37,43 @@ PROGRESS_TTL_S = 600.0
 REACHABILITY = ("public", "private", "unknown")
 
 
-def progress_key(run_id: str) -> str:
-    return f"run/{run_id}/progress"
+@message(500, max_bytes=MAX_PROGRESS_BYTES)
+class ProgressRecord(Message):
+    """The DHT value of one peer's latest round (``run/<id>/progress``, the peer's own subkey).
 
+    The peer id is not in the value: it is the record's owner, which the DHT layer has already
+    bound to the signature. ``reach`` is the peer's dial-back verdict, one of ``REACHABILITY``.
+    Raises ``ValueError`` when a field is out of range (``p2p.decode`` reports it as
+    ``RemoteProtocolError``, like every other malformed value).
+    """
 
-def join_key(run_id: str, round_number: int) -> str:
-    return f"run/{run_id}/join/{round_number}"
+    round: int
+    ok: bool
+    state_hash: bytes
+    loss: float
+    tokens_per_s: float
+    peers: int
+    bytes_sent: int
+    bytes_received: int
+    rounds_contributed: int
+    published_at: float
+    reach: str
+
+    def __post_init__(self) -> None:
+        counts = (self.round, self.peers, self.bytes_sent, self.bytes_received)
+        if min(*counts, self.rounds_contributed) < 0:
+            raise ValueError("round, peers, byte counts and rounds contributed must be >= 0")
+        if not all(math.isfinite(v) for v in (self.loss, self.tokens_per_s, self.published_at)):
+            raise ValueError("loss, tokens/s and publication time must be finite")
+        if len(self.state_hash) != 32:
+            raise ValueError(f"state hash must be 32 bytes, got {len(self.state_hash)}")
+        if self.reach not in REACHABILITY:
+            raise ValueError(f"reach {self.reach!r} is not one of {REACHABILITY}")
 
 
 @dataclass(frozen=True)
 class Progress:
-    """One peer's latest round, as it published it."""
+    """One peer's latest round, as it published it (its ``ProgressRecord`` and who owns it)."""
 
     peer_id: str
     round: int
@@ -61,52 +92,43 @@ class Progress:
         if self.reach not in REACHABILITY:
             raise ValueError(f"reach {self.reach!r} is not one of {REACHABILITY}")
 
-    def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            [
-                PROGRESS_VERSION,
-                self.round,
-                self.ok,
-                self.state_hash,
-                float(self.loss),
-                float(self.tokens_per_s),
-                self.peers,
-                self.bytes_sent,
-                self.bytes_received,
-                self.rounds_contributed,
-                float(self.published_at),
-                self.reach,
-            ],
-            use_bin_type=True,
+    def record(self) -> ProgressRecord:
+        return ProgressRecord(
+            self.round,
+            self.ok,
+            self.state_hash,
+            float(self.loss),
+            float(self.tokens_per_s),
+            self.peers,
+            self.bytes_sent,
+            self.bytes_received,
+            self.rounds_contributed,
+            float(self.published_at),
+            self.reach,
         )
+
+    def to_bytes(self) -> bytes:
+        """The DHT value. Raises ValueError when a field breaks ``ProgressRecord``'s rules (a
+        NaN loss): such a record is not published, since no reader would accept it."""
+        return encode(self.record())
+
+    @classmethod
+    def parse(cls, peer_id: str, data: bytes) -> Progress:
+        """The record ``peer_id`` published. Raises ``RemoteProtocolError`` (the one reason a
+        value is malformed) for anything that is not a valid ``ProgressRecord``."""
+        if len(data) > MAX_PROGRESS_BYTES:  # before any byte is parsed
+            raise RemoteProtocolError(f"progress record of {len(data)} bytes")
+        record = decode(data, ProgressRecord)
+        return cls(peer_id, *record.to_wire())
 
     @classmethod
     def from_bytes(cls, peer_id: str, data: bytes) -> Progress | None:
         """The record, or None when it is malformed (a bad peer's record is ignored, not fatal)."""
-        if len(data) > MAX_PROGRESS_BYTES:
-            return None
         try:
-            obj = msgpack.unpackb(data, raw=False)
-        except Exception:
+            return cls.parse(peer_id, data)
+        except RemoteProtocolError as exc:
+            log.debug("progress record of %s ignored: %s", peer_id[-8:], exc)
             return None
-        # 11 fields: a record from before ``reach``; the field is optional, not a new version.
-        if not isinstance(obj, list) or len(obj) not in (11, 12) or obj[0] != PROGRESS_VERSION:
-            return None
-        reach = obj[11] if len(obj) == 12 else "unknown"
-        if not isinstance(reach, str) or reach not in REACHABILITY:
-            return None
-        _, rnd, ok, digest, loss, tps, peers, sent, received, contributed, at = obj[:11]
-        ints = (rnd, peers, sent, received, contributed)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
-            return None
-        floats = (loss, tps, at)
-        if not all(isinstance(v, float) and math.isfinite(v) for v in floats):
-            return None
-        if not isinstance(ok, bool) or not isinstance(digest, bytes) or len(digest) != 32:
-            return None
-        return cls(
-            peer_id, rnd, ok, digest, loss, tps, peers, sent, received, contributed, at, reach
-        )
 
     def to_json(self) -> dict[str, object]:
         return {

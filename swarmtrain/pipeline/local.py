@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain.commands import local
+from swarmtrain.config import FACTORY_PATTERN
 from swarmtrain.pipeline.model import ModelContractError
 from swarmtrain.pipeline.progress import pipeline_status
 from swarmtrain.pipeline.roles import (
@@ -55,7 +56,6 @@ from swarmtrain.pipeline.roles import (
     stage_builder,
     train,
 )
-from swarmtrain.runspec import FACTORY_PATTERN
 
 # The model's cut and the status rows live in pipeline_roles / pipeline_progress (shared with
 # ``swarmtrain node``); tests and bench.swarm import them from here too.

@@ -28,7 +28,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from swarmtrain.runspec import FACTORY_PATTERN, SpecRefused
+from swarmtrain.config import FACTORY_PATTERN
+from swarmtrain.runspec import SpecRefused
 
 VOCAB = 256  # byte-level logits
 

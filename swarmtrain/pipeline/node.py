@@ -40,6 +40,7 @@ from typing import Any
 import trio
 
 from p2p import Node, P2PError
+from swarmtrain.config import RunConfig
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.progress import pipeline_status, servers_by_stage
 from swarmtrain.pipeline.roles import (
@@ -51,7 +52,6 @@ from swarmtrain.pipeline.roles import (
     shape_of,
     train,
 )
-from swarmtrain.runspec import RunConfig
 from swarmtrain.runtime import PeerRuntime
 
 ROLES = ("server", "trainer")
@@ -128,17 +128,17 @@ async def choose_stage(node: Node, run_id: str, num_stages: int) -> int:
 
 def server_settings(config: RunConfig, seed: int) -> ServerSettings:
     return ServerSettings(
-        run_id=config.run_id,
-        num_stages=config.pipeline_stages,
+        run_id=config.run.id,
+        num_stages=config.pipeline.stages,
         shape=shape_of(config),
         seed=seed,
-        batch_size=config.batch_size,
-        sequence_length=config.sequence_length,
-        lr=config.inner_lr,
-        average_every_s=config.pipeline_average_every_s,
-        rebalance_every_s=config.pipeline_rebalance_every_s or None,
+        batch_size=config.training.batch_size,
+        sequence_length=config.training.sequence_length,
+        lr=config.training.inner_lr,
+        average_every_s=config.pipeline.average_every_s,
+        rebalance_every_s=config.pipeline.rebalance_every_s or None,
         progress_every_s=PROGRESS_EVERY_S,
-        model_factory=config.model_factory,
+        model_factory=config.model.factory,
     )
 
 
@@ -146,12 +146,12 @@ def trainer_settings(
     config: RunConfig, seed: int, peer_id: bytes, wait_for_servers_s: float
 ) -> TrainerSettings:
     return TrainerSettings(
-        run_id=config.run_id,
-        num_stages=config.pipeline_stages,
-        batch_size=config.batch_size,
-        sequence_length=config.sequence_length,
-        rounds=config.rounds,
-        microbatches=config.pipeline_microbatches,
+        run_id=config.run.id,
+        num_stages=config.pipeline.stages,
+        batch_size=config.training.batch_size,
+        sequence_length=config.training.sequence_length,
+        rounds=config.run.rounds,
+        microbatches=config.pipeline.microbatches,
         data_seed=seed,
         route_seed=int.from_bytes(hashlib.sha256(peer_id).digest()[:8], "big"),
         wait_for_servers_s=wait_for_servers_s,
@@ -290,14 +290,14 @@ def run_pipeline(
 
     if role == "server":
         settings = server_settings(config, seed)
-        if config.model_factory:
-            check_allowed(config.model_factory, allow_models, run_id=config.run_id)
+        if config.model.factory:
+            check_allowed(config.model.factory, allow_models, run_id=config.run.id)
             check_model(settings)
             emit(
-                f"model {config.model_factory} (allowed by --allow-model) builds and cuts "
-                f"into {config.pipeline_stages} stages"
+                f"model {config.model.factory} (allowed by --allow-model) builds and cuts "
+                f"into {config.pipeline.stages} stages"
             )
-        stage = runtime.call(choose_stage, node, config.run_id, config.pipeline_stages)
+        stage = runtime.call(choose_stage, node, config.run.id, config.pipeline.stages)
         emit(f"stage server {node.host.peer_id} starting on stage {stage} (the least served)")
 
         async def work() -> None:
@@ -306,7 +306,7 @@ def run_pipeline(
                 async with trio.open_nursery() as nursery:
                     box["server"] = await nursery.start(serve, node, settings, current, on_event)
                     target = await wait_empty_stage(
-                        node, config.run_id, settings.num_stages, current
+                        node, config.run.id, settings.num_stages, current
                     )
                     nursery.cancel_scope.cancel()
                 emit(f"stage {target} has no server: restarting on it (initial parameters)")

@@ -20,17 +20,13 @@ import msgpack
 import trio
 
 from p2p import Node, P2PError, PeerID, subkey_values
+from swarmtrain.keys import servers_key, trainers_key
 
 log = logging.getLogger(__name__)
 
 TRAINER_PROGRESS_VERSION = 1
 MAX_TRAINER_PROGRESS_BYTES = 512
 TRAINER_PROGRESS_TTL_S = 600.0
-
-
-def trainers_key(run_id: str) -> str:
-    """The DHT key every trainer of ``run_id`` publishes its latest round under (own subkey)."""
-    return f"pipeline/{run_id}/trainers"
 
 
 @dataclass(frozen=True)
@@ -113,7 +109,7 @@ async def trainer_progress(dht: Any, run_id: str) -> dict[str, TrainerProgress]:
 
 async def servers_by_stage(dht: Any, run_id: str, num_stages: int) -> list[list[bytes]]:
     """The peer ids announced on each stage (sorted); raises P2PError when the read fails."""
-    from swarm.pipeline import decode_announcements, servers_key
+    from swarm.pipeline import decode_announcements
 
     records = await dht.get_records(servers_key(run_id), latest=True)
     found = decode_announcements(
@@ -129,7 +125,7 @@ async def pipeline_status(dht: Any, run_id: str, num_stages: int) -> list[dict[s
     """What ``swarmtrain status`` shows for a pipeline run, read from the servers' records: per
     stage, its servers, how many are relayed, capacity (effective samples/s) and queued requests.
     ``dht`` is a running ``p2p.Dht``; raises ``P2PError`` when the read fails."""
-    from swarm.pipeline import RebalanceConfig, decode_announcements, servers_key, stage_status
+    from swarm.pipeline import RebalanceConfig, decode_announcements, stage_status
 
     records = await dht.get_records(servers_key(run_id), latest=True)
     found = decode_announcements(

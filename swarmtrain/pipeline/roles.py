@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from p2p import Node
+from swarmtrain.config import RunConfig
 from swarmtrain.pipeline.progress import TrainerProgress, publish_trainer_progress
-from swarmtrain.runspec import RunConfig
 
 if TYPE_CHECKING:
     from diloco import ByteTransformerConfig
@@ -60,10 +60,10 @@ def shape_of(config: RunConfig) -> ByteTransformerConfig:
     from diloco import ByteTransformerConfig
 
     return ByteTransformerConfig(
-        d_model=config.d_model,
-        n_layers=config.n_layers,
-        n_heads=config.n_heads,
-        context=config.model_context,
+        d_model=config.model.d_model,
+        n_layers=config.model.n_layers,
+        n_heads=config.model.n_heads,
+        context=config.model.context,
     )
 
 

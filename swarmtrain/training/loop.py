@@ -40,11 +40,12 @@ from diloco import (
     inner_batches,
 )
 from p2p import PeerID
+from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.elastic import Elastic
 from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.pipeline.roles import shape_of
-from swarmtrain.runspec import RunConfig, run_seed_of
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.swarm_average import SwarmAverage
 from swarmtrain.verified.volunteer import Banned, Verification
@@ -105,28 +106,25 @@ class NodeSummary:
         )
 
 
-def averager_config(
-    config: RunConfig, coordinator: PeerID | None = None, cheat_reduce: int | None = None
-) -> swarm.AveragerConfig:
+def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swarm.AveragerConfig:
     # compression=None lets the swarm pick per tensor (int8 above 64K elements, exact below). Its
     # quantization is deterministic, so the state stays bit-identical either way; for the default
     # 0.9M-parameter model nearly every tensor is below the threshold, so this is close to exact.
     # A verified run averages exactly, so the coordinator can recompute any part's sum from its
     # inputs (an aggregation audit), and lets only the coordinator fetch our slices.
-    verified = config.verify_rate > 0
+    verified = config.verify.rate > 0
     return swarm.AveragerConfig(
-        run_id=config.run_id,
-        matchmaking_timeout_s=config.matchmaking_timeout_s,
-        allreduce_timeout_s=config.allreduce_timeout_s,
+        run_id=config.run.id,
+        matchmaking_timeout_s=config.swarm.matchmaking_timeout_s,
+        allreduce_timeout_s=config.swarm.allreduce_timeout_s,
         compression=swarm.Compression.NONE if verified else None,
         audit=verified,
         auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
-        cheat_reduce_round=cheat_reduce,
     )
 
 
 def build_model(config: RunConfig) -> ByteTransformer:
-    return ByteTransformer(shape_of(config), seed=run_seed_of(config.run_id))
+    return ByteTransformer(shape_of(config), seed=run_seed_of(config.run.id))
 
 
 def _reach(runtime: PeerRuntime) -> str:
@@ -151,29 +149,29 @@ def train(
     *,
     state_dir: Path,
     join_wait_s: float,
-    cheat: tuple[int, int, int] | None = None,
+    faults: Faults = NO_FAULTS,
 ) -> NodeSummary:
     """Train the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
     catching up with the swarm, waiting at most ``join_wait_s`` for a round boundary); ``emit``
-    gets one progress line per round. ``cheat``: a verified run's tampering test hook."""
+    gets one progress line per round. ``faults``: a verified run's tampering test hook."""
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = build_model(config).to(device)
-    inner = torch.optim.AdamW(model.parameters(), lr=config.inner_lr)
+    inner = torch.optim.AdamW(model.parameters(), lr=config.training.inner_lr)
     elastic_box: list[Elastic] = []
     verification = None
-    if config.verify_rate > 0:
+    if config.verify.rate > 0:
         verification = Verification(
             runtime,
             config,
             corpus,
-            run_seed_of(config.run_id),
+            run_seed_of(config.run.id),
             coordinator,
-            cheat=cheat,
+            faults=faults,
             emit=emit,
         )
         emit(
-            f"verified run: {config.verify_rate:.0%} of tasks re-executed by a second peer; "
+            f"verified run: {config.verify.rate:.0%} of tasks re-executed by a second peer; "
             "inner phases run under RepOps"
         )
     average = SwarmAverage(
@@ -188,24 +186,24 @@ def train(
         model,
         inner,
         average,
-        inner_steps=config.inner_steps,
-        outer_lr=config.outer_lr,
-        outer_momentum=config.outer_momentum,
-        outer_momentum_warmup=config.outer_momentum_warmup,
+        inner_steps=config.training.inner_steps,
+        outer_lr=config.training.outer_lr,
+        outer_momentum=config.training.outer_momentum,
+        outer_momentum_warmup=config.training.outer_momentum_warmup,
         state_dir=state_dir,
-        run_id=config.run_id,
+        run_id=config.run.id,
     )
-    elastic = Elastic(runtime, server, config.run_id, diloco, emit, rounds=config.rounds)
+    elastic = Elastic(runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds)
     elastic_box.append(elastic)
     peer = runtime.peer_id
     how = "resumed from checkpoint at" if diloco.round else "starting at"
-    emit(f"node {peer} {how} round {diloco.round} of {config.rounds} on {device}")
+    emit(f"node {peer} {how} round {diloco.round} of {config.run.rounds} on {device}")
     try:
         if diloco.round:
             elastic.serve_current()  # our checkpoint may be what a peer behind us needs
-        elastic.catch_up(join_wait_s, config.rounds)
+        elastic.catch_up(join_wait_s, config.run.rounds)
         summary = NodeSummary(str(peer), first_round=diloco.round)
-        while diloco.round < config.rounds:
+        while diloco.round < config.run.rounds:
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
@@ -215,7 +213,7 @@ def train(
                 summary.banned = str(exc)
                 emit(f"this peer was {exc}; stopping")
                 break
-        if summary.last_round == config.rounds - 1 and summary.agree:
+        if summary.last_round == config.run.rounds - 1 and summary.agree:
             elastic.linger(summary.last_round, FINAL_LINGER_S)
     finally:
         diloco.close()
@@ -224,7 +222,7 @@ def train(
     summary.bytes_sent, summary.bytes_received = average.bytes_sent, average.bytes_received
     # Held-out loss of the global parameters (the model holds them after an applied round).
     summary.eval_loss = evaluate(
-        model, eval_batches(corpus, batches=4, context=config.sequence_length)
+        model, eval_batches(corpus, batches=4, context=config.training.sequence_length)
     )
     return summary
 
@@ -244,12 +242,12 @@ def _native_inner_phase(
     """H AdamW steps on our shard; the H-th runs the round. (losses, tokens, inner seconds)"""
     batches = inner_batches(
         corpus,
-        run_seed=run_seed_of(config.run_id),
+        run_seed=run_seed_of(config.run.id),
         round=diloco.round,
         peer_id=peer_bytes,
-        steps=config.inner_steps,
-        batch_size=config.batch_size,
-        context=config.sequence_length,
+        steps=config.training.inner_steps,
+        batch_size=config.training.batch_size,
+        context=config.training.sequence_length,
     )
     started = time.perf_counter()
     losses: list[float] = []
@@ -281,7 +279,9 @@ def _verified_inner_phase(
     inner_s = time.perf_counter() - started
     verification.settle(r)
     local = torch.cat([torch.from_numpy(work.params[n]).reshape(-1) for n in params])
-    tokens = config.inner_steps * config.batch_size * config.sequence_length
+    tokens = (
+        config.training.inner_steps * config.training.batch_size * config.training.sequence_length
+    )
     diloco.finish_inner_phase(local, samples=tokens)
     return work.losses, tokens, inner_s
 
@@ -349,7 +349,9 @@ def _train_round(
         # still be in the round: its deadlines bound how long it can outlast ours.
         # A peer ahead of live members waits for them: per round of gap, the round's own
         # duration as we saw it plus those deadlines (membership_plan.wait_budget_s).
-        outcome_wait_s = config.matchmaking_timeout_s + config.allreduce_timeout_s + round_s
+        outcome_wait_s = (
+            config.swarm.matchmaking_timeout_s + config.swarm.allreduce_timeout_s + round_s
+        )
         if elastic.after_round(r, ok=False, wait_s=outcome_wait_s) is not None:
             summary.agree = True
         return

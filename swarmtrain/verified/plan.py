@@ -50,14 +50,6 @@ AGREE = "commitments agree"  # decide's reason when the owner's and verifier's c
 VERDICTS_TTL_S = 7 * 24 * 3600.0
 
 
-def verify_key(run_id: str, round_number: int) -> str:
-    return f"run/{run_id}/verify/{round_number}"
-
-
-def verdicts_key(run_id: str) -> str:
-    return f"run/{run_id}/verdicts"
-
-
 def _digest(*parts: bytes) -> bytes:
     h = hashlib.sha256()
     for part in parts:
@@ -324,16 +316,6 @@ def disputes(records: Mapping[bytes, RoundClaims]) -> list[tuple[bytes, bytes]]:
 
 
 # -- aggregation audits (issue 5, point 9) --------------------------------------------------------
-
-
-def aggregate_key(run_id: str, round_number: int) -> str:
-    """Where members publish their ``swarm.AuditRecord`` after a verified round."""
-    return f"run/{run_id}/aggregate/{round_number}"
-
-
-def audits_key(run_id: str) -> str:
-    """The coordinator's signed list of ``AuditResult``."""
-    return f"run/{run_id}/audits"
 
 
 MAX_AUDIT_RESULTS = 64

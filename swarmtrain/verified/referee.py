@@ -39,21 +39,18 @@ import trio
 import swarm
 from diloco import Corpus, load_stdlib_corpus
 from p2p import Node, P2PError, PeerID, call_stream, subkey_values, verify_peer_signature
-from swarmtrain.runspec import RunConfig
+from swarmtrain.config import RunConfig
+from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
 from swarmtrain.verified.plan import (
     AGGREGATION,
     VERDICTS_TTL_S,
     AuditResult,
     RoundClaims,
     Verdict,
-    aggregate_key,
-    audits_key,
     disputes,
     encode_audit_results,
     encode_verdicts,
     majority_start,
-    verdicts_key,
-    verify_key,
 )
 from swarmtrain.verified.task import DATA_LABELS, Task, make_task, model_shape
 from verify import TaskSpec, tensor_hash
@@ -91,7 +88,7 @@ class RefereeService:
             newest = self._oldest
             for r in range(self._oldest, self._oldest + WATCH_ROUNDS):
                 records = await self._read(
-                    verify_key(self.config.run_id, r), RoundClaims.from_bytes
+                    verify_key(self.config.run.id, r), RoundClaims.from_bytes
                 )
                 if not records:
                     continue
@@ -121,7 +118,7 @@ class RefereeService:
                 return None
             return tensor_hash(task.step.batch(index)[DATA_LABELS[label]])
 
-        answer_s = max(5.0, self.config.verify_timeout_s / 4)
+        answer_s = max(5.0, self.config.verify.timeout_s / 4)
         referee = Referee(
             spec,
             run_op,
@@ -163,9 +160,9 @@ class RefereeService:
 
     async def _audit_round(self, r: int) -> None:
         """Audit the drawn parts of every group of round ``r`` whose records are in."""
-        values = await self._read_all(aggregate_key(self.config.run_id, r), swarm.decode_audits)
+        values = await self._read_all(aggregate_key(self.config.run.id, r), swarm.decode_audits)
         groups = swarm.records_by_group(values, r)
-        grace_s = self.config.verify_timeout_s / 2
+        grace_s = self.config.verify.timeout_s / 2
         for gid, members in sorted(groups.items()):
             seen = self._first_seen.setdefault((r, gid), trio.current_time())
             votes = Counter(rec.reducers for rec in members.values())
@@ -174,8 +171,8 @@ class RefereeService:
                 key = (r, gid, p)
                 if key in self._audited:
                     continue
-                rate, n = self.config.verify_rate, len(reducers)
-                drawn = swarm.audited(self.config.run_id, r, gid, p, rate, n)
+                rate, n = self.config.verify.rate, len(reducers)
+                drawn = swarm.audited(self.config.run.id, r, gid, p, rate, n)
                 if not drawn and not any(p in rec.disputed for rec in members.values()):
                     continue
                 own = members.get(reducer)
@@ -204,7 +201,7 @@ class RefereeService:
                 slices[peer] = found
 
         def signed(peer: bytes, weight: float, digest: bytes, proof: bytes) -> bool:
-            message = swarm.proof_message(self.config.run_id, r, gid, claim.part, weight, digest)
+            message = swarm.proof_message(self.config.run.id, r, gid, claim.part, weight, digest)
             return verify_peer_signature(peer, message, proof)
 
         async with trio.open_nursery() as nursery:
@@ -269,10 +266,10 @@ class RefereeService:
             )
             self.verdicts.append(ruling)
             await self._publish()
-        await self._store(audits_key(self.config.run_id), encode_audit_results(self.audit_results))
+        await self._store(audits_key(self.config.run.id), encode_audit_results(self.audit_results))
 
     async def _publish(self) -> None:
-        await self._store(verdicts_key(self.config.run_id), encode_verdicts(self.verdicts))
+        await self._store(verdicts_key(self.config.run.id), encode_verdicts(self.verdicts))
 
     async def _store(self, key: str, data: bytes) -> None:
         try:

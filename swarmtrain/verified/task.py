@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from diloco import Corpus, inner_batches
-from swarmtrain.runspec import RunConfig
+from swarmtrain.config import RunConfig
 from swarmtrain.verified.plan import task_seed
 from verify import StepResult, TaskSpec, state_hash
 from verify.dispute import Provider
@@ -37,12 +37,14 @@ DATA_LABELS = {"inputs": 0, "targets": 1}
 
 
 def model_shape(config: RunConfig) -> ModelShape:
-    return ModelShape(config.d_model, config.n_layers, config.n_heads, config.model_context)
+    return ModelShape(
+        config.model.d_model, config.model.n_layers, config.model.n_heads, config.model.context
+    )
 
 
 def inner_optimizer(config: RunConfig) -> AdamWConfig:
     """``torch.optim.AdamW(lr=training.inner_lr)``'s defaults, as the native inner phase uses."""
-    return AdamWConfig(lr=config.inner_lr)
+    return AdamWConfig(lr=config.training.inner_lr)
 
 
 class TaskStep(RepOpsStep):
@@ -57,7 +59,7 @@ class TaskStep(RepOpsStep):
         self.seed = seed
         self.shape = model_shape(config)
         self.optimizer = inner_optimizer(config)
-        self.batch_size = config.batch_size
+        self.batch_size = config.training.batch_size
         self.device = torch.device("cpu")
         self.losses: dict[int, float] = {}
 
@@ -98,12 +100,12 @@ def make_task(
             run_seed=run_seed,
             round=round_number,
             peer_id=owner,
-            steps=config.inner_steps,
-            batch_size=config.batch_size,
-            context=config.sequence_length,
+            steps=config.training.inner_steps,
+            batch_size=config.training.batch_size,
+            context=config.training.sequence_length,
         )
     ]
-    seed = task_seed(config.run_id, round_number, owner)
+    seed = task_seed(config.run.id, round_number, owner)
     step = TaskStep(batches, seed, config)
     start = initial_state(params, step.shape)
     return Task(owner, round_number, step, start, TaskSpec(state_hash(start), seed, len(batches)))

@@ -33,7 +33,9 @@ import numpy as np
 import swarm
 from diloco import AveragingFailed, Corpus
 from p2p import Message, PeerID
-from swarmtrain.runspec import RunConfig
+from swarmtrain.config import RunConfig
+from swarmtrain.faults import NO_FAULTS, Faults
+from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.verified.plan import (
     AGREE,
@@ -43,16 +45,12 @@ from swarmtrain.verified.plan import (
     Decision,
     RoundClaims,
     Verdict,
-    aggregate_key,
     assignments,
-    audits_key,
     banned,
     decide,
     decode_audit_results,
     decode_verdicts,
     selected,
-    verdicts_key,
-    verify_key,
 )
 from swarmtrain.verified.task import Task, make_task, run_fast, run_traced
 from verify import Commitment
@@ -94,7 +92,7 @@ class Verification:
         run_seed: int,
         coordinator: PeerID,
         *,
-        cheat: tuple[int, int, int] | None = None,  # (round, step, op): tests and demos only
+        faults: Faults = NO_FAULTS,  # tests and demos only
         emit: Callable[[str], None] = lambda line: None,
     ) -> None:
         self.runtime = runtime
@@ -102,7 +100,7 @@ class Verification:
         self.corpus = corpus
         self.run_seed = run_seed
         self.coordinator = coordinator
-        self.cheat = cheat
+        self.faults = faults
         self.emit = emit
         self.me = runtime.peer_id.to_bytes()
         self.verdicts: list[Verdict] = []
@@ -148,18 +146,16 @@ class Verification:
         members = self._members.get(round_number)
         if not members:
             return []
-        return assignments(self.config.run_id, round_number, members, self.config.verify_rate)
+        return assignments(self.config.run.id, round_number, members, self.config.verify.rate)
 
     def run_tasks(self, round_number: int, params: dict[str, np.ndarray]) -> RoundWork:
         """Run our task and those we verify, publish our claims. ``params`` are the round's
         global parameters by name."""
-        r, rate = round_number, self.config.verify_rate
+        r, rate = round_number, self.config.verify.rate
         own = self._task(r, self.me, params)
         claims: dict[bytes, Commitment] = {}
-        tamper = None
-        if self.cheat is not None and self.cheat[0] == r:
-            tamper = (self.cheat[1], self.cheat[2])
-        if selected(self.config.run_id, r, self.me, rate):
+        tamper = self.faults.tamper_task(r)
+        if selected(self.config.run.id, r, self.me, rate):
             provider = run_traced(own, tamper)
             self._keep(r, provider)
             claims[self.me] = provider.commitment
@@ -173,7 +169,7 @@ class Verification:
                 claims[a.owner] = provider.commitment
         record = RoundClaims(own.spec.start_state_hash, claims)
         try:
-            self.runtime.store(verify_key(self.config.run_id, r), record.to_bytes(), CLAIMS_TTL_S)
+            self.runtime.store(verify_key(self.config.run.id, r), record.to_bytes(), CLAIMS_TTL_S)
         except Exception as exc:  # the gate then leaves our task out: logged, not fatal
             log.warning("round %d: could not publish our commitments: %s", r, exc)
         return RoundWork({n: final[n] for n in params}, own.losses)
@@ -186,7 +182,7 @@ class Verification:
         verify timeout passed. Raises ``Banned`` when a verdict names us."""
         r = round_number
         plan = self._plan(r)
-        deadline = time.monotonic() + self.config.verify_timeout_s
+        deadline = time.monotonic() + self.config.verify.timeout_s
         while True:
             self._read_verdicts()
             mine = banned(self.verdicts).get(self.me)
@@ -223,14 +219,14 @@ class Verification:
         is not our slice; wait for the referee's audits of the round's drawn parts and of those
         we dispute. Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong
         (every member waits for the drawn parts, so all of them skip the round)."""
-        r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify_rate
+        r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify.rate
         record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
         self._publish_audits(record)
-        run = self.config.run_id
+        run = self.config.run.id
         n = len(result.parts)
         drawn = {p for p in range(n) if swarm.audited(run, r, gid, p, rate, n)}
         disputed: set[int] = set()
-        deadline = time.monotonic() + self.config.verify_timeout_s
+        deadline = time.monotonic() + self.config.verify.timeout_s
         ruled: dict[int, AuditResult] = {}
         while True:
             for other in self._read_group_records(r, gid):
@@ -271,7 +267,7 @@ class Verification:
             self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(awaited)}"
 
     def _publish_audits(self, record: swarm.AuditRecord) -> None:
-        key = aggregate_key(self.config.run_id, record.round)
+        key = aggregate_key(self.config.run.id, record.round)
         try:
             for i, data in enumerate(swarm.split_record(record)):
                 self.runtime.store(key, data, CLAIMS_TTL_S, tag=b"a%d" % i)
@@ -281,7 +277,7 @@ class Verification:
     def _read_group_records(self, r: int, gid: bytes) -> list[swarm.AuditRecord]:
         """Each member's record of round ``r`` in group ``gid`` (its values merged)."""
         try:
-            values = self.runtime.read_all(aggregate_key(self.config.run_id, r))
+            values = self.runtime.read_all(aggregate_key(self.config.run.id, r))
         except Exception as exc:
             log.info("round %d: could not read the reducers' claims: %s", r, exc)
             return []
@@ -290,7 +286,7 @@ class Verification:
         return list(swarm.records_by_group(found, r).get(gid, {}).values())
 
     def _read_audit_results(self) -> list[AuditResult]:
-        return self._coordinators_list(audits_key(self.config.run_id), decode_audit_results)
+        return self._coordinators_list(audits_key(self.config.run.id), decode_audit_results)
 
     def _coordinators_list(self, key: str, decode: Callable[[bytes], list[T]]) -> list[T]:
         """The coordinator's signed entry under ``key``, decoded (entries others wrote there
@@ -315,7 +311,7 @@ class Verification:
         return found if found is not None else frozenset(banned(self.verdicts))
 
     def _read_verdicts(self) -> None:
-        for v in self._coordinators_list(verdicts_key(self.config.run_id), decode_verdicts):
+        for v in self._coordinators_list(verdicts_key(self.config.run.id), decode_verdicts):
             if v not in self.verdicts:
                 self.verdicts.append(v)
                 if v.cheater is not None:
@@ -326,7 +322,7 @@ class Verification:
 
     def _read_claims(self, r: int) -> dict[bytes, RoundClaims]:
         try:
-            values = self.runtime.read(verify_key(self.config.run_id, r))
+            values = self.runtime.read(verify_key(self.config.run.id, r))
         except Exception as exc:
             log.info("round %d: could not read the commitments: %s", r, exc)
             return {}

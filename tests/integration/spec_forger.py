@@ -23,17 +23,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from p2p import join_addr, load_or_create_identity, open_node
 from swarmtrain.commands.coordinator import serve_spec
 from swarmtrain.commands.relay import RelayOptions, relay_node_config
-from swarmtrain.runspec import RunConfig, RunSpec, sign_spec
+from swarmtrain.config import RunConfig, RunSection
+from swarmtrain.runspec import RunSpec, sign_spec
 
 
 async def main(identity: Path, mode: str) -> None:
     key_pair = load_or_create_identity(identity)
     options = RelayOptions(listen=("/ip4/127.0.0.1/tcp/0",))
     async with open_node(relay_node_config(key_pair, options)) as node:
-        spec = RunSpec(RunConfig(run_id="forged", rounds=3), str(node.host.peer_id), time.time())
+        spec = RunSpec(
+            RunConfig(run=RunSection(id="forged", rounds=3)), str(node.host.peer_id), time.time()
+        )
         data, signature = sign_spec(spec, key_pair)
         if mode == "tampered":
-            forged = RunSpec(spec.config.replace(rounds=9), spec.coordinator, spec.created_at)
+            forged = RunSpec(
+                spec.config.replace(run={"rounds": 9}), spec.coordinator, spec.created_at
+            )
             data = forged.to_bytes()  # the original signature no longer covers these bytes
         else:
             signature = b""

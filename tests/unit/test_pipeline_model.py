@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from swarm.pipeline.records import param_digest
 from swarmtrain.commands.coordinator import join_lines
 from swarmtrain.commands.node import NodeOptions
+from swarmtrain.config import config_from_mapping
 from swarmtrain.pipeline.model import (
     ModelContractError,
     ModelRefused,
@@ -25,7 +26,6 @@ from swarmtrain.pipeline.model import (
 )
 from swarmtrain.pipeline.node import server_settings
 from swarmtrain.pipeline.roles import stage_builder
-from swarmtrain.runspec import RunConfig
 
 FACTORY = "pipeline_user_model:build"  # tests/ is on pytest's path
 
@@ -137,13 +137,19 @@ def test_a_broken_factory_is_a_one_line_error(factory: str, stages: int, message
 
 
 def test_the_spec_factory_reaches_servers_and_the_printed_server_command() -> None:
-    config = RunConfig(run_id="u1", n_layers=2, pipeline_stages=3, model_factory=FACTORY)
+    config = config_from_mapping(
+        {
+            "run": {"id": "u1"},
+            "model": {"n_layers": 2, "factory": FACTORY},
+            "pipeline": {"stages": 3},
+        }
+    )
     assert server_settings(config, seed=3).model_factory == FACTORY
     lines = join_lines(config, "12D3coord", "/ip4/1.2.3.4/tcp/1/p2p/12D3coord")
     assert f"model {FACTORY}" in lines[0]
     assert lines[1].endswith(f"--join /ip4/1.2.3.4/tcp/1/p2p/12D3coord --allow-model {FACTORY}")
     assert lines[2].endswith("--role trainer")  # trainers never import the model
     plain = join_lines(
-        config.replace(model_factory="", n_layers=3), "12D3coord", "/ip4/x/p2p/12D3coord"
+        config.replace(model={"factory": "", "n_layers": 3}), "12D3coord", "/ip4/x/p2p/12D3coord"
     )
     assert "--allow-model" not in plain[1] and "model " not in plain[0]

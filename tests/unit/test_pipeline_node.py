@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from swarm.pipeline.records import param_digest
 from swarmtrain.commands.status import StatusReport
+from swarmtrain.config import config_from_mapping
 from swarmtrain.pipeline.node import (
     PipelineSummary,
     describe,
@@ -21,20 +22,20 @@ from swarmtrain.pipeline.node import (
 )
 from swarmtrain.pipeline.progress import TrainerProgress
 from swarmtrain.pipeline.roles import shape_of, stage_builder
-from swarmtrain.runspec import RunConfig, RunSpec
+from swarmtrain.runspec import RunSpec
 
-CONFIG = RunConfig(
-    run_id="p1",
-    rounds=4,
-    d_model=32,
-    n_layers=3,
-    model_context=16,
-    sequence_length=8,
-    batch_size=2,
-    pipeline_stages=3,
-    pipeline_microbatches=5,
-    pipeline_average_every_s=2.0,
-    pipeline_rebalance_every_s=0.0,
+CONFIG = config_from_mapping(
+    {
+        "run": {"id": "p1", "rounds": 4},
+        "model": {"d_model": 32, "n_layers": 3, "context": 16},
+        "training": {"sequence_length": 8, "batch_size": 2},
+        "pipeline": {
+            "stages": 3,
+            "microbatches": 5,
+            "average_every_s": 2.0,
+            "rebalance_every_s": 0.0,
+        },
+    }
 )
 
 
@@ -67,7 +68,7 @@ def test_one_server_of_the_most_served_stage_fills_an_empty_one() -> None:
 
 def test_settings_come_from_the_spec() -> None:
     server = server_settings(CONFIG, seed=11)
-    assert (server.num_stages, server.seed, server.lr) == (3, 11, CONFIG.inner_lr)
+    assert (server.num_stages, server.seed, server.lr) == (3, 11, CONFIG.training.inner_lr)
     assert (server.batch_size, server.sequence_length) == (2, 8)
     assert server.average_every_s == 2.0 and server.rebalance_every_s is None
     assert (server.shape.d_model, server.shape.n_layers, server.shape.context) == (32, 3, 16)

@@ -11,18 +11,17 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID as PeerID
 
-from swarmtrain.runspec import (
-    SIGNING_DOMAIN,
+from swarmtrain.config import (
     ConfigError,
+    ModelSection,
+    PipelineSection,
     RunConfig,
-    RunSpec,
-    SpecRefused,
+    RunSection,
     config_from_mapping,
     default_toml,
     load_config,
-    sign_spec,
-    verify_spec,
 )
+from swarmtrain.runspec import SIGNING_DOMAIN, RunSpec, SpecRefused, sign_spec, verify_spec
 
 
 def test_default_toml_round_trips_to_the_defaults() -> None:
@@ -33,7 +32,7 @@ def test_default_toml_round_trips_to_the_defaults() -> None:
 
 def test_outer_momentum_warmup_is_a_run_setting() -> None:
     config = config_from_mapping({"training": {"outer_momentum_warmup": 12}})
-    assert config.outer_momentum_warmup == 12
+    assert config.training.outer_momentum_warmup == 12
     assert ("training.outer_momentum_warmup", 12) in config.items()  # signed with the spec
 
 
@@ -85,11 +84,11 @@ def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
 
 
 def test_ints_are_accepted_for_float_keys() -> None:
-    assert config_from_mapping({"training": {"outer_lr": 1}}).outer_lr == 1.0
+    assert config_from_mapping({"training": {"outer_lr": 1}}).training.outer_lr == 1.0
 
 
 def test_pipeline_keys_default_to_a_diloco_run_and_init_writes_them_commented() -> None:
-    assert not RunConfig().is_pipeline and RunConfig().pipeline_stages == 0
+    assert not RunConfig().is_pipeline and RunConfig().pipeline.stages == 0
     text = default_toml()
     assert "[pipeline]" in text and "\nstages = 0\n" in text and "--role trainer" in text
     body = text[text.index("[pipeline]") :]
@@ -97,7 +96,7 @@ def test_pipeline_keys_default_to_a_diloco_run_and_init_writes_them_commented() 
     config = config_from_mapping(
         {"model": {"n_layers": 2}, "pipeline": {"stages": 2, "average_every_s": 3}}
     )
-    assert config.is_pipeline and config.pipeline_average_every_s == 3.0
+    assert config.is_pipeline and config.pipeline.average_every_s == 3.0
 
 
 def test_a_model_factory_is_written_commented_and_frees_the_stage_count() -> None:
@@ -108,14 +107,14 @@ def test_a_model_factory_is_written_commented_and_frees_the_stage_count() -> Non
         {"model": {"factory": "my_pkg.models:tiny_mlp", "n_layers": 2}, "pipeline": {"stages": 5}}
     )
     # The user's model has its own layers: stage servers check S against them when they cut it.
-    assert config.model_factory == "my_pkg.models:tiny_mlp" and config.pipeline_stages == 5
-    assert RunConfig().model_factory == ""
+    assert config.model.factory == "my_pkg.models:tiny_mlp" and config.pipeline.stages == 5
+    assert RunConfig().model.factory == ""
 
 
 def test_the_model_factory_is_signed_and_swapping_it_is_refused() -> None:
     key_pair = create_new_key_pair()
     coordinator = PeerID.from_pubkey(key_pair.public_key)
-    config = PIPELINE.replace(model_factory="my_pkg.models:tiny_mlp")
+    config = PIPELINE.replace(model={"factory": "my_pkg.models:tiny_mlp"})
     data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
     assert verify_spec(data, signature, coordinator).config == config
     obj = msgpack.unpackb(data, raw=False)
@@ -134,13 +133,9 @@ def test_the_model_factory_is_signed_and_swapping_it_is_refused() -> None:
 
 PIPELINE_KEYS = ("stages", "microbatches", "average_every_s", "rebalance_every_s")
 PIPELINE = RunConfig(
-    run_id="p1",
-    rounds=3,
-    n_layers=3,
-    pipeline_stages=3,
-    pipeline_microbatches=6,
-    pipeline_average_every_s=2.5,
-    pipeline_rebalance_every_s=0.0,
+    run=RunSection(id="p1", rounds=3),
+    model=ModelSection(n_layers=3),
+    pipeline=PipelineSection(stages=3, microbatches=6, average_every_s=2.5, rebalance_every_s=0.0),
 )
 
 
@@ -184,7 +179,7 @@ def test_a_validly_signed_spec_with_a_bad_pipeline_value_is_refused_naming_the_k
 def _signed() -> tuple[bytes, bytes, PeerID]:
     key_pair = create_new_key_pair()
     coordinator = PeerID.from_pubkey(key_pair.public_key)
-    spec = RunSpec(RunConfig(run_id="r1", rounds=3), str(coordinator), 1.5)
+    spec = RunSpec(RunConfig(run=RunSection(id="r1", rounds=3)), str(coordinator), 1.5)
     data, signature = sign_spec(spec, key_pair)
     return data, signature, coordinator
 
@@ -192,7 +187,7 @@ def _signed() -> tuple[bytes, bytes, PeerID]:
 def test_a_signed_spec_verifies_and_round_trips() -> None:
     data, signature, coordinator = _signed()
     spec = verify_spec(data, signature, coordinator)
-    assert spec.config == RunConfig(run_id="r1", rounds=3)
+    assert spec.config == RunConfig(run=RunSection(id="r1", rounds=3))
     assert spec.coordinator == str(coordinator) and spec.created_at == 1.5
 
 

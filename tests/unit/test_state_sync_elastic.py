@@ -14,8 +14,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
 from p2p import PeerID
+from swarmtrain.keys import join_key, progress_key
 from swarmtrain.membership.elastic import Elastic
-from swarmtrain.membership.progress import Progress, join_key, progress_key
+from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.membership.state_sync_plan import Piece
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import msgpack
+import pytest
 
-from swarmtrain.membership.progress import Progress, agreed_state, decode_all
+from swarmtrain.membership.progress import Progress, ProgressRecord, agreed_state, decode_all
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 
@@ -16,15 +17,24 @@ def _p(peer: str, rnd: int, ok: bool, digest: bytes) -> Progress:
 def test_records_round_trip_and_malformed_ones_are_skipped() -> None:
     good = _p("a", 4, True, H1)
     assert Progress.from_bytes("a", good.to_bytes()) == good
+    code = ProgressRecord.TYPE_CODE
     bad = {
-        "short": msgpack.packb([1, 4, True]),
-        "hash": _p("x", 4, True, b"\x01" * 31).to_bytes(),
-        "negative": msgpack.packb([1, -1, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0]),
-        "bool round": msgpack.packb([1, True, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0]),
-        "nan": msgpack.packb([1, 1, True, H1, float("nan"), 1.0, 1, 1, 1, 1, 1.0]),
+        "short": msgpack.packb([1, code, [4, True]]),
+        "hash": msgpack.packb([1, code, [4, True, H1[:31], 1.0, 1.0, 1, 1, 1, 1, 1.0, "public"]]),
+        "negative": msgpack.packb([1, code, [-1, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0, "public"]]),
+        "bool round": msgpack.packb(
+            [1, code, [True, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0, "public"]]
+        ),
+        "nan": msgpack.packb(
+            [1, code, [1, True, H1, float("nan"), 1.0, 1, 1, 1, 1, 1.0, "public"]]
+        ),
+        "version": msgpack.packb([2, code, [1, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0, "public"]]),
+        "other type": msgpack.packb([1, 1, [1, True, H1, 1.0, 1.0, 1, 1, 1, 1, 1.0, "public"]]),
         "huge": b"\x00" * 2000,
         "garbage": b"\xc1",
     }
+    with pytest.raises(ValueError):  # a record no reader would accept is never written
+        _p("x", 4, True, b"\x01" * 31).to_bytes()
     assert all(Progress.from_bytes(k, v) is None for k, v in bad.items())
     assert decode_all({"a": good.to_bytes(), **bad}) == [good]
 

@@ -7,8 +7,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import PeerID
 from swarmtrain.commands.status import StatusReport
+from swarmtrain.config import RunConfig, RunSection, VerifySection
 from swarmtrain.membership.progress import Progress
-from swarmtrain.runspec import RunConfig, RunSpec
+from swarmtrain.runspec import RunSpec
 from swarmtrain.verified.plan import AGGREGATION, Verdict
 
 
@@ -23,7 +24,11 @@ def test_status_lists_task_and_aggregation_verdicts_and_the_banned_peers() -> No
         Verdict(3, reducer, reducer, reducer, None, 0, AGGREGATION, "the sum is wrong"),
         Verdict(4, verifier, owner, None, None, None, "", "both silent"),
     ]
-    spec = RunSpec(RunConfig(run_id="r", verify_rate=0.5), "12D3KooWcoordinator", 1.0)
+    spec = RunSpec(
+        RunConfig(run=RunSection(id="r"), verify=VerifySection(rate=0.5)),
+        "12D3KooWcoordinator",
+        1.0,
+    )
     report = StatusReport(spec, [], 1000.0, verdicts=verdicts)
     shown = report.to_json()
     assert shown["verify_rate"] == 0.5
@@ -50,13 +55,13 @@ def test_status_shows_each_peers_reachability_published_or_probed() -> None:
         _progress(public, "public"),
         _progress(private, "private"),
         _progress(punched, "private"),
-        # A record from a node without the field: 11 elements, read as "unknown".
-        Progress.from_bytes(old, msgpack.packb(msgpack.unpackb(_progress(old).to_bytes())[:11])),
+        # A node that does not know its reachability publishes "unknown".
+        Progress.from_bytes(old, _progress(old).to_bytes()),
     ]
     assert records[3] is not None and records[3].reach == "unknown"
     for p in records[:3]:
         assert Progress.from_bytes(p.peer_id, p.to_bytes()) == p
-    spec = RunSpec(RunConfig(run_id="r"), "12D3KooWcoordinator", 1.0)
+    spec = RunSpec(RunConfig(run=RunSection(id="r")), "12D3KooWcoordinator", 1.0)
     report = StatusReport(spec, records, 1000.0, reached={punched: "punched"})  # type: ignore[arg-type]
     shown = {n["peer_id"]: n for n in report.to_json()["nodes"]}  # type: ignore[union-attr]
     assert shown[public]["reach"] == "public" and shown[private]["reach"] == "private"
@@ -67,7 +72,8 @@ def test_status_shows_each_peers_reachability_published_or_probed() -> None:
 
 
 def test_a_reachability_field_that_is_not_one_of_the_known_words_is_refused() -> None:
-    good = msgpack.unpackb(_progress("p", "public").to_bytes())
+    version, code, good = msgpack.unpackb(_progress("p", "public").to_bytes())
     for bad in ["direct", "x" * 5000, 7, None]:
-        assert Progress.from_bytes("p", msgpack.packb([*good[:11], bad])) is None
-    assert Progress.from_bytes("p", msgpack.packb([*good, "public"])) is None  # 13 fields
+        assert Progress.from_bytes("p", msgpack.packb([version, code, [*good[:10], bad]])) is None
+    assert Progress.from_bytes("p", msgpack.packb([version, code, [*good, "public"]])) is None
+    assert Progress.from_bytes("p", msgpack.packb([version, code, good[:10]])) is None

@@ -43,7 +43,7 @@ for _package in ("p2p", "swarm", "verify", "swarmtrain"):
         importlib.import_module(f"{_package}.{_module.name}")
 
 from swarm.pipeline import wire as pipeline_wire  # noqa: E402  (imported above; named for the strategies)
-from swarmtrain.membership import state_sync  # noqa: E402
+from swarmtrain.membership import progress, state_sync  # noqa: E402
 
 
 def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
@@ -173,11 +173,31 @@ def _bulk_control_messages() -> dict[type, Any]:
     }
 
 
+def _progress_records() -> st.SearchStrategy[Message]:
+    count = st.integers(0, 2**40)
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    return st.builds(
+        progress.ProgressRecord,
+        count,
+        st.booleans(),
+        st.binary(min_size=32, max_size=32),
+        finite,
+        finite,
+        count,
+        count,
+        count,
+        count,
+        finite,
+        st.sampled_from(progress.REACHABILITY),
+    )
+
+
 # Types whose invariants tie fields together get a strategy that builds valid instances.
 CUSTOM_STRATEGIES = {
     p2p.tensors.TensorHeader: _tensor_headers,
     **_pipeline_messages(),
     **_bulk_control_messages(),
+    progress.ProgressRecord: _progress_records,
 }
 
 

@@ -1,0 +1,352 @@
+"""The run config (``run.toml``): one frozen dataclass per TOML section, validated on load.
+
+``RunConfig`` nests ``RunSection`` ([run]), ``ModelSection`` ([model]), ``TrainingSection``
+([training]), ``SwarmSection`` ([swarm]), ``PipelineSection`` ([pipeline]) and ``VerifySection``
+([verify]); ``config.training.inner_steps`` is ``inner_steps`` under ``[training]``. Each field
+carries, in its metadata, the rule it must meet (checked when the section is built, so no invalid
+section exists) and the comment ``swarmtrain init`` writes above it; rules across sections
+(``n_heads`` divides ``d_model``, ...) are checked by ``RunConfig``. Every error is a
+``ConfigError`` naming the key as written in ``run.toml``.
+
+``items()`` lists ``(section.key, value)`` sorted by key: the canonical order the run spec is
+signed in (``swarmtrain.runspec``), so the signed bytes depend on the keys, not on this layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+class ConfigError(ValueError):
+    """A run config value is missing, unknown or invalid; the message names the key."""
+
+
+# ``package.module:function`` (``model.factory``): dotted identifiers, a colon, an identifier.
+FACTORY_PATTERN = r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*"
+MAX_FACTORY_CHARS = 200
+
+
+def _positive(value: Any) -> bool:
+    return value > 0
+
+
+def _non_negative(value: Any) -> bool:
+    return value >= 0
+
+
+def _factory_ok(value: Any) -> bool:
+    return value == "" or (
+        len(value) <= MAX_FACTORY_CHARS and re.fullmatch(FACTORY_PATTERN, value) is not None
+    )
+
+
+def _run_id_ok(value: Any) -> bool:
+    return len(value) <= 64 and "/" not in value and value.isprintable() and " " not in value
+
+
+def _key(default: Any, check: Callable[[Any], bool], rule: str, help: str) -> Any:
+    """A section field: its default, the rule it must meet (``check``, and ``rule`` in words for
+    the error message) and ``help``, the comment written above it by ``swarmtrain init``."""
+    return field(default=default, metadata={"check": check, "rule": rule, "help": help})
+
+
+_POSITIVE_INT = (_positive, "a positive integer")
+_POSITIVE = (_positive, "a positive number")
+
+
+def _check_value(key: str, kind: type, check: Callable[[Any], bool], rule: str, value: Any) -> Any:
+    # bool is an int subclass in Python; "rounds = true" is a mistake, not 1.
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+    if not check(value):
+        raise ConfigError(f"{key} must be {rule}, got {value!r}")
+    return value
+
+
+_KINDS = {"int": int, "float": float, "str": str}
+
+
+class _Section:
+    """A TOML section: ``NAME`` is its header; fields are its keys (``_key``)."""
+
+    NAME: ClassVar[str]
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            kind = _KINDS[f.type] if isinstance(f.type, str) else f.type
+            value = _check_value(
+                f"{self.NAME}.{f.name}",
+                kind,
+                f.metadata["check"],
+                f.metadata["rule"],
+                getattr(self, f.name),
+            )
+            object.__setattr__(self, f.name, value)  # an int given for a float becomes float
+
+
+@dataclass(frozen=True)
+class RunSection(_Section):
+    NAME: ClassVar[str] = "run"
+    id: str = _key(
+        "",
+        _run_id_ok,
+        "at most 64 printable characters, no '/' or space",
+        'run name peers share; "" lets the coordinator pick a fresh one',
+    )
+    rounds: int = _key(5, *_POSITIVE_INT,
+                       "outer rounds; nodes exit with a summary after the last one")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    NAME: ClassVar[str] = "model"
+    d_model: int = _key(
+        128, *_POSITIVE_INT, "width of the byte-level transformer (embedded default model)"
+    )
+    n_layers: int = _key(4, *_POSITIVE_INT, "transformer blocks")
+    n_heads: int = _key(4, *_POSITIVE_INT, "attention heads; must divide d_model")
+    context: int = _key(128, *_POSITIVE_INT, "longest sequence the model accepts (bytes)")
+    factory: str = _key(
+        "", _factory_ok, 'empty or "package.module:function" (at most 200 characters)',
+        '"" trains the default model above. Pipeline runs only: "package.module:function" '
+        "trains\n# your own model instead (d_model, n_layers and n_heads are then unused):\n# "
+        "function() returns an nn.Sequential whose first layer takes byte ids (batch,\n# "
+        "training.sequence_length) and whose last returns (batch, sequence, 256) logits;\n# "
+        "it is called with torch seeded from the run; every stage server must install it "
+        "and\n# pass --allow-model with it (docs/pipelines.md)",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TrainingSection(_Section):
+    NAME: ClassVar[str] = "training"
+    inner_steps: int = _key(
+        20, *_POSITIVE_INT, "DiLoCo's H: inner AdamW steps between two outer rounds"
+    )
+    batch_size: int = _key(8, *_POSITIVE_INT, "sequences per inner step on each peer")
+    sequence_length: int = _key(64, *_POSITIVE_INT, "bytes per sequence; at most model.context")
+    inner_lr: float = _key(3e-3, *_POSITIVE, "AdamW learning rate of the inner steps")
+    outer_lr: float = _key(
+        0.7, *_POSITIVE, "Nesterov SGD learning rate of the outer step (OpenDiLoCo: 0.7)"
+    )
+    outer_momentum: float = _key(
+        0.9, lambda v: 0 <= v < 1, "a number in [0, 1)", "Nesterov momentum of the outer step"
+    )
+    outer_momentum_warmup: int = _key(
+        0, _non_negative, "a non-negative integer",
+        "rounds over which the outer momentum ramps up from 0 (0: constant); with few rounds\n"
+        "# full momentum from round 0 overshoots: 12 of 16 rounds is best in bench.diloco\n"
+        "# (docs/diloco_tuning.md)",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SwarmSection(_Section):
+    NAME: ClassVar[str] = "swarm"
+    matchmaking_timeout_s: float = _key(
+        4.0, *_POSITIVE, "seconds a round waits for peers to declare"
+    )
+    allreduce_timeout_s: float = _key(30.0, *_POSITIVE,
+                                      "seconds an all-reduce may take before it fails")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PipelineSection(_Section):
+    NAME: ClassVar[str] = "pipeline"
+    stages: int = _key(
+        0,
+        _non_negative,
+        "a non-negative integer",
+        "0: a DiLoCo run (every node trains the whole model). S > 0: a SWARM pipeline run: the\n"
+        "# model cut into S stages (at most model.n_layers), served by stage servers (Adam at\n"
+        "# training.inner_lr) and driven by trainers (`swarmtrain node --role trainer`)",
+    )
+    microbatches: int = _key(
+        8,
+        *_POSITIVE_INT,
+        "microbatches (of training.batch_size sequences) per trainer round; run.rounds rounds",
+    )
+    average_every_s: float = _key(
+        5.0, *_POSITIVE, "seconds between two averagings of a stage's parameters by its servers"
+    )
+    rebalance_every_s: float = _key(
+        3.0, _non_negative, "a non-negative number",
+        "seconds between two rebalancing decisions (a server moves to the bottleneck stage);"
+        "\n# 0: servers never move",
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class VerifySection(_Section):
+    NAME: ClassVar[str] = "verify"
+    rate: float = _key(
+        0.0,
+        lambda v: 0 <= v <= 1,
+        "a number in [0, 1]",
+        "DiLoCo runs: the fraction of inner phases (tasks) a second peer re-executes; above 0 "
+        "every inner\n# phase runs under RepOps (bit-reproducible, slower) from a fresh AdamW "
+        "state, a task's\n# two commitments are compared and the coordinator referees a "
+        "difference; the loser's\n# contribution is left out and the loser banned "
+        "(docs/verification.md)",
+    )
+    timeout_s: float = _key(60.0, *_POSITIVE, "seconds a verified round waits for a task's two "
+                            "commitments, or for the coordinator's verdict")  # fmt: skip
+
+
+# The sections in the order ``swarmtrain init`` writes them.
+SECTIONS: dict[str, type[_Section]] = {
+    s.NAME: s
+    for s in (
+        RunSection,
+        ModelSection,
+        TrainingSection,
+        SwarmSection,
+        PipelineSection,
+        VerifySection,
+    )
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run's settings; the defaults are the embedded default run (``swarmtrain local``)."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    swarm: SwarmSection = field(default_factory=SwarmSection)
+    pipeline: PipelineSection = field(default_factory=PipelineSection)
+    verify: VerifySection = field(default_factory=VerifySection)
+
+    def __post_init__(self) -> None:
+        for name, kind in SECTIONS.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"[{name}] must be a {kind.__name__}")
+        model, training = self.model, self.training
+        if model.d_model % model.n_heads:
+            raise ConfigError(
+                f"model.n_heads ({model.n_heads}) must divide model.d_model ({model.d_model})"
+            )
+        if training.sequence_length > model.context:
+            raise ConfigError(
+                f"training.sequence_length ({training.sequence_length}) is longer than "
+                f"model.context ({model.context})"
+            )
+        if model.factory and not self.is_pipeline:
+            raise ConfigError(
+                f"model.factory ({model.factory}) needs a pipeline run (pipeline.stages "
+                "> 0): DiLoCo runs train the default model"
+            )
+        if self.verify.rate > 0 and self.is_pipeline:
+            raise ConfigError(
+                f"verify.rate ({self.verify.rate}) needs a DiLoCo run (pipeline.stages = 0): "
+                "pipeline stages are not verified"
+            )
+        # A factory's model has its own layers: stage servers check the count when they cut it.
+        if self.pipeline.stages > model.n_layers and not model.factory:
+            raise ConfigError(
+                f"pipeline.stages ({self.pipeline.stages}) is more than model.n_layers "
+                f"({model.n_layers}): every stage needs at least one transformer block"
+            )
+
+    def replace(self, **changes: Mapping[str, Any]) -> RunConfig:
+        """A copy with some keys changed, by section: ``config.replace(run={"rounds": 9})``;
+        re-validated (raises ConfigError)."""
+        sections = {}
+        for name, values in changes.items():
+            if name not in SECTIONS:
+                raise ConfigError(f"unknown section [{name}]")
+            try:
+                sections[name] = dataclasses.replace(getattr(self, name), **values)
+            except TypeError as exc:
+                raise ConfigError(f"[{name}]: {exc}") from None
+        return dataclasses.replace(self, **sections)
+
+    @property
+    def is_pipeline(self) -> bool:
+        """A SWARM pipeline run (stage servers and trainers) rather than a DiLoCo run."""
+        return self.pipeline.stages > 0
+
+    def items(self) -> list[tuple[str, Any]]:
+        """``[(toml key, value)]`` sorted by key: the canonical order the spec is signed in."""
+        return sorted(
+            (f"{name}.{f.name}", getattr(getattr(self, name), f.name))
+            for name, kind in SECTIONS.items()
+            for f in dataclasses.fields(kind)
+        )
+
+
+def config_from_mapping(data: Mapping[str, Any], *, source: str = "run config") -> RunConfig:
+    """A ``RunConfig`` from parsed TOML (``{section: {key: value}}``); missing keys keep their
+    defaults. Raises ConfigError naming the first unknown section or key, or the bad value."""
+    sections: dict[str, _Section] = {}
+    for name, body in data.items():
+        kind = SECTIONS.get(name)
+        if kind is None:
+            raise ConfigError(f"{source}: unknown section [{name}] (known: {', '.join(SECTIONS)})")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: {name} must be a [{name}] table")
+        keys = [f.name for f in dataclasses.fields(kind)]
+        for key in body:
+            if key not in keys:
+                known = ", ".join(f"{name}.{k}" for k in keys)
+                raise ConfigError(f"{source}: unknown key {name}.{key} (known: {known})")
+        try:
+            sections[name] = kind(**body)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    try:
+        return RunConfig(**sections)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def load_config(path: Path) -> RunConfig:
+    """Read and validate ``run.toml``. Raises ConfigError (bad TOML or value, naming the key and
+    the file) or OSError (unreadable file)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return config_from_mapping(data, source=str(path))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)
+
+
+def default_toml(config: RunConfig | None = None) -> str:
+    """The commented run config ``swarmtrain init`` writes (written by hand: tomllib only reads)."""
+    config = config or RunConfig()
+    lines = [
+        "# swarmtrain run config: `swarmtrain coordinator --config run.toml` validates it,",
+        "# signs it as the run spec, and every volunteer trains with exactly these settings.",
+        "# Defaults: the embedded default model (byte-level transformer) on the Python",
+        "# standard library's own source, so nothing is downloaded.",
+    ]
+    for name, kind in SECTIONS.items():
+        lines += ["", f"[{name}]"]
+        for f in dataclasses.fields(kind):
+            lines.append(f"# {f.metadata['help']}")
+            lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, name), f.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def run_seed_of(run_id: str) -> int:
+    """The run's seed for the initial parameters and the data assignment: every peer of a run
+    derives the same one from the run id, so nobody has to download round 0's parameters."""
+    return int.from_bytes(hashlib.sha256(b"swarmtrain/run-seed/" + run_id.encode()).digest()[:8])
