@@ -34,20 +34,22 @@ async def poll(
     timeout_s: float,
     wait_first: bool = False,
 ) -> T | None:
-    """Await ``probe()`` every ``interval_s`` until ``done(value)``, for at most ``timeout_s``
-    (``wait_first``: sleep one interval before the first probe). Returns the last value probed
-    (the one that was done, or the last before the deadline), None when no probe finished in
-    time. Exceptions of ``probe`` and ``done`` propagate."""
-    last: T | None = None
-    with trio.move_on_after(timeout_s):
-        if wait_first:
-            await trio.sleep(interval_s)
-        while True:
-            last = await probe()
-            if done(last):
-                return last
-            await trio.sleep(interval_s)
-    return last
+    """Await ``probe()`` every ``interval_s`` until ``done(value)`` or ``timeout_s`` passed
+    (``wait_first``: sleep one interval before the first probe, none at all when ``timeout_s``
+    is not positive). The last probe is the first one at or past the deadline, as a loop of
+    "probe, stop if done or late, sleep" would have it. Returns the last value probed (the one
+    that was done, or the one at the deadline), None when there was no probe. Exceptions of
+    ``probe`` and ``done`` propagate; cancellation (the node closing) ends the wait."""
+    deadline = trio.current_time() + timeout_s
+    if wait_first:
+        if timeout_s <= 0:
+            return None
+        await trio.sleep(interval_s)
+    while True:
+        value = await probe()
+        if done(value) or trio.current_time() >= deadline:
+            return value
+        await trio.sleep(interval_s)
 
 
 class NodeThread:
