@@ -99,8 +99,8 @@ async def _main(args: argparse.Namespace) -> None:
             cpu_start = time.process_time()
             _emit({"event": "start", "round": r, "t": t_call})
             try:
-                result = await averager.average(
-                    [vector],
+                result = await averager.average_vector(
+                    vector,
                     float(request.get("weight", 1.0)),
                     round_number=r,
                     expected_peers=peers,
@@ -120,7 +120,7 @@ async def _main(args: argparse.Namespace) -> None:
                 continue
             t_return = time.time()
             last = result
-            out = result.tensors[0]
+            out = result.vector
             idx = sample_indices(out.size, int(request.get("sample", 0)))
             if request.get("dump"):
                 np.save(request["dump"], out)

@@ -175,12 +175,9 @@ class _Wire:
         return torch.from_numpy(out)
 
     def finish(self, average: Any) -> Any:
-        def wrapped(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
-            outcome = average(round, tensors, weight)
-            flat = torch.cat([t.reshape(-1) for t in outcome.tensors])
-            mean = self.round_trip(flat).split(self.sizes)
-            shaped = [m.view(t.shape) for m, t in zip(mean, outcome.tensors, strict=True)]
-            return dataclasses.replace(outcome, tensors=shaped)
+        def wrapped(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+            outcome = average(round, vector, weight)
+            return dataclasses.replace(outcome, vector=self.round_trip(outcome.vector))
 
         return wrapped
 

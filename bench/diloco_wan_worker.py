@@ -56,13 +56,14 @@ from diloco import (
     ByteTransformer,
     Corpus,
     DiLoCo,
+    RoundOutcome,
     eval_batches,
     evaluate,
     load_stdlib_corpus,
 )
 from p2p import HostConfig, NodeConfig
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.training.swarm_average import SwarmAverage
+from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
 
 log = logging.getLogger("bench.diloco_wan_worker")
 
@@ -227,19 +228,24 @@ class VotingAverage:
         self.allreduce_s = 0.0
         self.go_on: bool | None = None  # the last successful round's verdict
         self.applied_round = -1
+        self.bytes_sent = self.bytes_received = 0
 
-    def __call__(self, round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+    def __call__(self, round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
         self.go_on = None
         started = time.perf_counter()
+        report: RoundReport | None = None
         try:
-            outcome = self.inner(round, [*tensors, vote(self.t_end, self.lead_s)], weight)
+            # The vote rides as one more segment at the end of the vector.
+            outcome = self.inner(round, torch.cat([vector, vote(self.t_end, self.lead_s)]), weight)
+            report = outcome.detail
         finally:
             self.lead_s = time.perf_counter() - started
             self.comm_s += self.lead_s
-            report = self.inner.last
-            if report is not None and report.ok:
+            if report is not None:
                 self.matchmaking_s += report.matchmaking_s
                 self.allreduce_s += report.allreduce_s
+                self.bytes_sent += report.bytes_sent
+                self.bytes_received += report.bytes_received
             log.info(
                 "round %d: %s, %.2f s in the call", round, report, time.perf_counter() - started
             )
@@ -247,9 +253,9 @@ class VotingAverage:
             raise AveragingFailed(
                 f"round {round}: {len(outcome.contributors)} of {self.peers} peers; not applied"
             )
-        self.go_on = verdict(float(outcome.tensors[-1][0]), outcome.contributors)
+        self.go_on = verdict(float(outcome.vector[-1]), outcome.contributors)
         self.applied_round = round
-        return AverageOutcome(outcome.tensors[:-1], outcome.contributors)
+        return AverageOutcome(outcome.vector[:-1], outcome.contributors, outcome.detail)
 
 
 def train_diloco(
@@ -264,7 +270,9 @@ def train_diloco(
     """DiLoCo with H inner AdamW steps, pseudo-gradients averaged through ``SwarmAverage``."""
     model = ByteTransformer(seed=0)
     inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
-    average = VotingAverage(SwarmAverage(runtime, averager, lambda _: expected), args.peers, t_end)
+    sizes = [*(p.numel() for p in model.parameters()), 1]  # the parameters, then the vote
+    swarm_average = SwarmAverage(runtime, averager, lambda _: expected, sizes=sizes)
+    average = VotingAverage(swarm_average, args.peers, t_end)
     compress = _codec(swarm.Compression.INT8) if args.compression == "int8" else None
     tally = Tally(within=flat_params(model))
     with DiLoCo(
@@ -278,13 +286,14 @@ def train_diloco(
     ) as diloco:
         while True:
             r = diloco.round
+            outcome: RoundOutcome | None = None
             for inputs, targets in _batches(corpus, args, r, args.rank):
                 model.loss(inputs, targets).backward()
-                diloco.step(samples=inputs.shape[0])  # the H-th step runs round r in this call
+                # The H-th step runs round r in this call and returns its outcome.
+                outcome = diloco.step(samples=inputs.shape[0]) or outcome
                 diloco.zero_grad()
                 tally.steps += 1
                 tally.tokens += inputs.numel()
-            report = average.inner.last
             if average.applied_round == r and average.go_on is not None:
                 tally.rounds += 1
                 go_on = average.go_on
@@ -293,7 +302,7 @@ def train_diloco(
                     tally.steps_within, tally.rounds_within = tally.steps, tally.rounds
             else:
                 tally.rounds_failed += 1
-                why = report.error if report is not None and not report.ok else "not all peers"
+                why = outcome.error if outcome is not None else "no round"
                 tally.errors.append(f"round {r}: {why}")
                 go_on = time.time() < t_end
             if not go_on:
@@ -302,8 +311,7 @@ def train_diloco(
         final = diloco.global_state.params.clone()
     tally.comm_s = average.comm_s
     tally.matchmaking_s, tally.allreduce_s = average.matchmaking_s, average.allreduce_s
-    tally.bytes_sent = average.inner.bytes_sent
-    tally.bytes_received = average.inner.bytes_received
+    tally.bytes_sent, tally.bytes_received = average.bytes_sent, average.bytes_received
     return final, tally
 
 

@@ -38,7 +38,7 @@ from diloco.data import (
     is_heldout,
     load_stdlib_corpus,
 )
-from diloco.loop import DiLoCo, DiLoCoStatistics
+from diloco.loop import DiLoCo, DiLoCoStatistics, RoundOutcome
 from diloco.model import VOCAB_SIZE, ByteTransformer, ByteTransformerConfig
 from diloco.outer import OuterConfig, nesterov_update, outer_step, skipped_round
 from diloco.state import GlobalState, layout_digest
@@ -57,6 +57,7 @@ __all__ = [
     "GlobalState",
     "LocalAverage",
     "OuterConfig",
+    "RoundOutcome",
     "assignment_seed",
     "eval_batches",
     "evaluate",

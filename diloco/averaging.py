@@ -2,8 +2,10 @@
 
 DiLoCo does not know how pseudo-gradients are averaged: the swarm all-reduce, a torch.distributed
 group or threads in one process all fit ``Average``. It is a blocking call made once per round by
-every participating peer; it returns the weighted mean (identical bits on every peer that gets an
-outcome) or raises, and a raise means the round failed for this peer.
+every participating peer with the round's pseudo-gradient as one flat float32 vector (the
+parameters concatenated, DiLoCo's own form of it); it returns the weighted mean as one flat
+vector (identical bits on every peer that gets an outcome) or raises, and a raise means the round
+failed for this peer.
 
 ``LocalAverage`` averages among N peers in one process through a condition variable. It is a real
 implementation for single-machine simulation (tests, benchmarks), with the same determinism rule as
@@ -16,7 +18,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,20 +28,22 @@ from swarm import AveragingFailed
 
 @dataclass(frozen=True)
 class AverageOutcome:
-    """``tensors``: the weighted means (float32, the contributed shapes, in contributed order).
-    ``contributors``: peer id -> weight of every contribution included in the mean."""
+    """``vector``: the weighted mean (flat float32, the contributed length).
+    ``contributors``: peer id -> weight of every contribution included in the mean.
+    ``detail``: what the implementation reports beyond that (the swarm's: its ``RoundReport``),
+    handed back to the caller of ``DiLoCo.step`` in the round's ``RoundOutcome``."""
 
-    tensors: list[torch.Tensor]
+    vector: torch.Tensor
     contributors: dict[str, float]
+    detail: Any = None
 
 
 class Average(Protocol):
-    """Average ``tensors`` with the other peers of ``round``, weighted by ``weight`` (samples
-    processed). Blocks until done; raises any Exception when the round fails for this peer."""
+    """Average the flat float32 ``vector`` with the other peers of ``round``, weighted by
+    ``weight`` (samples processed). Blocks until done; raises any Exception when the round fails
+    for this peer."""
 
-    def __call__(
-        self, round: int, tensors: list[torch.Tensor], weight: float
-    ) -> AverageOutcome: ...
+    def __call__(self, round: int, vector: torch.Tensor, weight: float) -> AverageOutcome: ...
 
 
 def weighted_mean(
@@ -67,8 +71,8 @@ def weighted_mean(
 
 @dataclass
 class _Round:
-    contributions: dict[str, tuple[list[torch.Tensor], float]] = field(default_factory=dict)
-    result: list[torch.Tensor] | None = None
+    contributions: dict[str, tuple[torch.Tensor, float]] = field(default_factory=dict)
+    result: torch.Tensor | None = None
     failed: bool = False
     arrived: int = 0
     collected: int = 0
@@ -88,16 +92,16 @@ class LocalAverage:
         self._condition = threading.Condition()
         self._rounds: dict[int, _Round] = {}
 
-    def member(self, peer_id: str) -> Callable[[int, list[torch.Tensor], float], AverageOutcome]:
-        def average(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
-            return self._average(peer_id, round, tensors, weight)
+    def member(self, peer_id: str) -> Callable[[int, torch.Tensor, float], AverageOutcome]:
+        def average(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+            return self._average(peer_id, round, vector, weight)
 
         return average
 
     def _average(
-        self, peer_id: str, round: int, tensors: list[torch.Tensor], weight: float
+        self, peer_id: str, round: int, vector: torch.Tensor, weight: float
     ) -> AverageOutcome:
-        snapshot = [t.detach().to("cpu", torch.float32, copy=True) for t in tensors]
+        snapshot = vector.detach().to("cpu", torch.float32, copy=True)
         with self._condition:
             state = self._rounds.setdefault(round, _Round())
             if state.failed:
@@ -107,7 +111,9 @@ class LocalAverage:
             state.contributions[peer_id] = (snapshot, weight)
             state.arrived += 1
             if len(state.contributions) == self._peers:
-                state.result = weighted_mean(state.contributions)
+                # One "tensor" per peer: the same float64 accumulation, element for element.
+                lists = {p: ([v], w) for p, (v, w) in state.contributions.items()}
+                state.result = weighted_mean(lists)[0]
                 self._condition.notify_all()
             else:
                 self._condition.wait_for(
@@ -121,7 +127,7 @@ class LocalAverage:
                     f"round {round}: {state.arrived} of {self._peers} peers arrived"
                 )
             contributors = {p: w for p, (_, w) in sorted(state.contributions.items())}
-            outcome = AverageOutcome([t.clone() for t in state.result], contributors)
+            outcome = AverageOutcome(state.result.clone(), contributors)
             state.collected += 1
             if state.collected == self._peers:
                 del self._rounds[round]

@@ -8,10 +8,11 @@ call. ``close()`` (or leaving the ``with`` block) removes the hook.
 
 A round, without overlap (the default):
   1. pseudo-gradient = global params - local params (one float32 subtraction, flat);
-  2. ``average(round, per-parameter tensors, weight=samples since the last applied round)``;
+  2. ``average(round, flat pseudo-gradient, weight=samples since the last applied round)``: the
+     vector goes to the averaging and comes back as one vector, never split per parameter;
   3. on success every peer applies the same Nesterov step to the same global state and copies the
      new global params into its model: global state and its hash are bit-identical across peers;
-  4. on failure (``average`` raised, or returned tensors of the wrong shapes) no outer update is
+  4. on failure (``average`` raised, or returned a vector of the wrong shape) no outer update is
      applied, the round number still advances, and the local params and their sample count are
      kept, so this peer's work counts in the next round it makes (issue 4 point 2) instead of
      being thrown away. The inner optimizer's state is kept across rounds in either case.
@@ -24,6 +25,10 @@ progress not yet averaged: local = G_{r+1} - d_{r+1}, which becomes the next anc
 sequence is the synchronous one, applied one round late, and the averaging hides behind a whole
 inner phase. When round r failed, d_r is added to d_{r+1} and sent with it (weights added too),
 matching the synchronous mode's rule that failed work counts in the next round.
+
+The call that ran a round (the H-th ``step``, ``finish_inner_phase``) returns its
+``RoundOutcome``: applied or not, the contributors, why it failed and the averaging's own report
+(torchft's ``should_commit()`` answer), so the caller reads it there and not from a side channel.
 
 Error feedback (``compress``): the pseudo-gradient sent is compress(progress + residual), and the
 residual keeps what quantization dropped, committed only when the round is applied.
@@ -47,7 +52,7 @@ from typing import Any
 import torch
 
 from diloco import checkpoint
-from diloco.averaging import Average, AverageOutcome
+from diloco.averaging import Average, AverageOutcome, AveragingFailed
 from diloco.outer import OuterConfig, outer_step, skipped_round
 from diloco.state import GlobalState, layout_digest
 
@@ -61,6 +66,24 @@ class DiLoCoStatistics:
     rounds_applied: int
     rounds_failed: int
     last_contributors: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How round ``round`` went on this peer. ``ok``: averaged and applied; ``contributors``:
+    peer id -> weight of the mean (empty when not ok); ``error``: why it failed (the
+    averaging's ``AveragingFailed`` message, else ``ExceptionType: message``); ``detail``: the
+    averaging's report of the round (``AverageOutcome.detail``; None when it raised)."""
+
+    round: int
+    ok: bool
+    contributors: dict[str, float] = field(default_factory=dict)
+    error: str = ""
+    detail: Any = None
+
+    @property
+    def peers(self) -> int:
+        return len(self.contributors)
 
 
 @dataclass
@@ -94,7 +117,7 @@ class DiLoCo:
         self,
         model: torch.nn.Module,
         inner_optimizer: torch.optim.Optimizer,
-        average: Average | Callable[[int, list[torch.Tensor], float], AverageOutcome],
+        average: Average | Callable[[int, torch.Tensor, float], AverageOutcome],
         *,
         inner_steps: int | Sequence[int],
         outer_lr: float = 0.7,
@@ -136,6 +159,7 @@ class DiLoCo:
         self._executor: ThreadPoolExecutor | None = None
         self._applied = self._failed = 0
         self._last_contributors: dict[str, float] = {}
+        self._outcome: RoundOutcome | None = None  # of the round the running ``step`` ended
 
         if state_dir is not None:
             found = checkpoint.load_latest(state_dir, self.fingerprint)
@@ -148,24 +172,30 @@ class DiLoCo:
 
     # -- the user's loop ---------------------------------------------------------------------
 
-    def step(self, samples: float = 1.0) -> None:
+    def step(self, samples: float = 1.0) -> RoundOutcome | None:
         """One inner optimizer step that processed ``samples`` samples (tokens, sequences: any
         unit, the same on all peers). Runs the outer round when this is the H-th step; in that case
         this call blocks for the averaging (without overlap) and may log a failed round, which it
-        never raises."""
+        never raises. Returns the outcome of the round this call finished (with overlap: the
+        previous round's, whose averaging it waited for), None when it finished none."""
         self._step_samples = samples
+        self._outcome = None
         try:
             self.inner_optimizer.step()
         finally:
             self._step_samples = None
+        # The hook ran the round inside ``inner_optimizer.step()``; it leaves the outcome here.
+        outcome, self._outcome = self._outcome, None
+        return outcome
 
-    def finish_inner_phase(self, local: torch.Tensor, samples: float) -> None:
+    def finish_inner_phase(self, local: torch.Tensor, samples: float) -> RoundOutcome:
         """Run the round for an inner phase computed outside the inner optimizer, from the
         global parameters (a verified run's RepOps task): ``local`` is the flat float32 vector
         of parameters it ended at, ``samples`` what it processed. Progress an earlier failed
         round carried is dropped with its weight: the task started from the global state, not
         from it. Blocks for the averaging and checkpoints, as the H-th ``step`` does. Raises
-        ValueError for a vector of the wrong shape, or in overlap mode (no such phase there)."""
+        ValueError for a vector of the wrong shape, or in overlap mode (no such phase there).
+        Returns the round's outcome."""
         if self.overlap:
             raise ValueError("finish_inner_phase needs synchronous rounds (overlap=False)")
         if local.dtype != torch.float32 or local.shape != self._state.params.shape:
@@ -175,6 +205,9 @@ class DiLoCo:
         self._local_step = 0
         self._synchronous_round()
         self._save_checkpoint()
+        outcome, self._outcome = self._outcome, None
+        assert outcome is not None
+        return outcome
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -288,7 +321,7 @@ class DiLoCo:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
         weight, self._samples = self._samples, 0.0
         sent, residual = self._contribution(delta)
-        future = self._executor.submit(self._average, self._state.round, self._split(sent), weight)
+        future = self._executor.submit(self._average, self._state.round, sent, weight)
         self._pending = _Pending(future, delta, weight, residual)
 
     def _finish_pending(self, delta: torch.Tensor) -> torch.Tensor:
@@ -328,16 +361,19 @@ class DiLoCo:
         weight: float | None,
         future: Future[AverageOutcome] | None = None,
     ) -> torch.Tensor | None:
-        """The averaged flat pseudo-gradient, or None when the round failed (logged, counted)."""
+        """The averaged flat pseudo-gradient, or None when the round failed (logged, counted).
+        Either way the round's ``RoundOutcome`` is left for the call that ran it to return."""
         try:
             if future is None:
                 assert weight is not None
-                outcome = self._average(round, self._split(sent), weight)
+                outcome = self._average(round, sent, weight)
             else:
                 outcome = future.result()
             averaged = self._check_outcome(outcome)
         except Exception as error:
             self._failed += 1
+            why = str(error) if isinstance(error, AveragingFailed) else _describe(error)
+            self._outcome = RoundOutcome(round, ok=False, error=why)
             logger.warning(
                 "round %d: averaging failed (%s: %s); no outer update, local progress kept for "
                 "the next round",
@@ -348,15 +384,19 @@ class DiLoCo:
             return None
         self._applied += 1
         self._last_contributors = dict(outcome.contributors)
+        self._outcome = RoundOutcome(
+            round, ok=True, contributors=dict(outcome.contributors), detail=outcome.detail
+        )
         return averaged
 
     def _check_outcome(self, outcome: AverageOutcome) -> torch.Tensor:
-        if len(outcome.tensors) != len(self._params):
-            raise ValueError(f"{len(outcome.tensors)} averaged tensors for {len(self._params)}")
-        for tensor, param in zip(outcome.tensors, self._params, strict=True):
-            if tensor.shape != param.shape or tensor.dtype != torch.float32:
-                raise ValueError("averaged tensors differ from the parameters in shape or dtype")
-        return torch.cat([t.detach().to("cpu").reshape(-1) for t in outcome.tensors])
+        vector = outcome.vector
+        if vector.shape != self._state.params.shape or vector.dtype != torch.float32:
+            raise ValueError(
+                f"the averaged vector is {vector.dtype} of shape {tuple(vector.shape)}, the "
+                f"parameters float32 of {tuple(self._state.params.shape)}"
+            )
+        return vector.detach().to("cpu")
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -390,6 +430,10 @@ class DiLoCo:
         with torch.no_grad():
             for chunk, param in zip(self._split(flat), self._params, strict=True):
                 param.copy_(chunk)
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
 
 
 def _fingerprint(

@@ -6,6 +6,7 @@ This package imports nothing else of swarmtrain's; everything above builds on th
 from libp2p.abc import INetStream as Stream
 from libp2p.peer.id import ID as PeerID
 
+from p2p.blocking import NodeThread, poll
 from p2p.bulk.channel import BulkChannel, accept_channel, open_channel
 from p2p.bulk.control import PROTOCOL as BULK_PROTOCOL
 from p2p.bulk.listener import BulkListener
@@ -84,6 +85,7 @@ __all__ = [
     "NatService",
     "Node",
     "NodeConfig",
+    "NodeThread",
     "P2PError",
     "PeerID",
     "PeerUnreachable",
@@ -117,6 +119,7 @@ __all__ = [
     "open_node",
     "peer_id_from_public_key",
     "peer_id_of",
+    "poll",
     "receive_array",
     "receive_bulk",
     "receive_tensor",

@@ -1,8 +1,11 @@
 """Averaging tensors with the other peers of a run: the public API over matchmaking + all-reduce.
 
-``Averager`` (trio) and ``BlockingAverager`` (a trio loop in a thread, for torch code) take a list
-of tensors and a weight and return the weighted mean over the peers of this round's group, with
-the set of peers whose contributions it holds. One call is one round:
+``Averager`` (trio) and ``BlockingAverager`` (a trio loop in a thread, for torch code) take one
+flat float32 vector (``average_vector``, the round's own form: DiLoCo's pseudo-gradient goes to
+the wire and back without a split or a concatenation) or a list of tensors (``average``, a thin
+face over it that flattens and unflattens), and a weight, and return the weighted mean over the
+peers of this round's group, with the set of peers whose contributions it holds. One call is one
+round:
 
 1. Matchmaking (``swarm.averaging.matchmaking_driver``): declare for round r in the DHT; the group
 forms as soon as every expected peer declared (the previous round's survivors plus whoever had
@@ -28,11 +31,10 @@ rechecking a part.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import hashlib
 import logging
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -47,12 +49,12 @@ from p2p import (
     Message,
     Node,
     NodeConfig,
+    NodeThread,
     PeerID,
     RemoteProtocolError,
     RpcStream,
     Stream,
     message,
-    open_node,
     serve_stream,
 )
 from swarm.averaging.allreduce import all_finite
@@ -135,10 +137,11 @@ class AveragerConfig:
 
 @dataclass(frozen=True)
 class AveragingResult:
-    """One round's outcome on this peer. ``tensors`` match the inputs' types, shapes, dtypes;
-    ``vector`` is their flat float32 concatenation, the bytes every survivor holds. Float32
-    tensors are views of ``vector``, which the round may still serve to peers that lost a reducer
-    until it closes: copy before changing them in place ahead of the next call."""
+    """One round's outcome on this peer. ``tensors`` match the inputs' types, shapes, dtypes
+    (``average``; empty from ``average_vector``); ``vector`` is their flat float32 concatenation,
+    the bytes every survivor holds. Float32 tensors are views of ``vector``, which the round may
+    still serve to peers that lost a reducer until it closes: copy before changing them in place
+    ahead of the next call."""
 
     tensors: list[Any]
     vector: np.ndarray
@@ -269,7 +272,9 @@ class Averager:
         expected_peers: Iterable[bytes] | None = None,
         exclude: Iterable[bytes] = (),
     ) -> AveragingResult:
-        """Average ``tensors`` (torch tensors or numpy arrays) weighted by ``weight``.
+        """Average ``tensors`` (torch tensors or numpy arrays) weighted by ``weight``: the list
+        face of ``average_vector``, which flattens them in a worker thread (each tensor one
+        segment) and gives ``tensors`` back shaped like the inputs.
 
         ``exclude``: peers whose declarations this round ignores (the run banned them, or their
         contribution failed verification); they are neither waited for nor grouped with us.
@@ -277,16 +282,61 @@ class Averager:
         Raises ``AveragingFailed`` (matchmaking or the all-reduce failed: the message says
         why) and ``ValueError`` for bad local input (NaN/inf, non-positive weight).
         """
+        r = self._begin(weight, round_number)
+        vector, specs = await trio.to_thread.run_sync(_flatten, tensors, self._buffers.take)
+        sizes = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]
+        result = await self._average(r, vector, sizes, weight, expected_peers, exclude)
+        averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
+        return dataclasses.replace(result, tensors=averaged)
+
+    async def average_vector(
+        self,
+        vector: Any,
+        weight: float = 1.0,
+        *,
+        sizes: Sequence[int] | None = None,
+        round_number: int | None = None,
+        expected_peers: Iterable[bytes] | None = None,
+        exclude: Iterable[bytes] = (),
+    ) -> AveragingResult:
+        """Average one flat vector (a 1-D torch tensor or numpy array, taken as float32): the
+        round's own form, so nothing is split or concatenated. ``sizes``: the segments (e.g.
+        parameters) the vector is made of, which pick each one's codec when
+        ``config.compression`` is None; one segment when not given. The result's ``vector`` is
+        the mean (``tensors`` is empty). Arguments and errors otherwise as ``average``."""
+        r = self._begin(weight, round_number)
+        if getattr(vector, "ndim", None) != 1:
+            raise ValueError("average_vector takes a 1-D vector")
+        sizes = [len(vector)] if sizes is None else [int(n) for n in sizes]
+        if sum(sizes) != len(vector) or any(n < 0 for n in sizes):
+            raise ValueError(f"sizes add up to {sum(sizes)}, the vector holds {len(vector)}")
+        # One copy into a pooled buffer: the round may still serve it after we return, when the
+        # caller may already have changed its own vector.
+        owned, _ = await trio.to_thread.run_sync(_flatten, [vector], self._buffers.take)
+        return await self._average(r, owned, sizes, weight, expected_peers, exclude)
+
+    def _begin(self, weight: float, round_number: int | None) -> int:
+        """Check that we serve and ``weight`` is good; the round this call averages."""
         if self._nursery is None:
             raise RuntimeError("Averager.run is not running")
         if not (isinstance(weight, int | float) and np.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be positive and finite, got {weight!r}")
         r = self.next_round if round_number is None else round_number
         self.next_round = r + 1
-        vector, specs = await trio.to_thread.run_sync(_flatten, tensors, self._buffers.take)
-        layout = Layout.for_sizes(
-            [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs], self.config.compression
-        )
+        return r
+
+    async def _average(
+        self,
+        r: int,
+        vector: np.ndarray,
+        sizes: Sequence[int],
+        weight: float,
+        expected_peers: Iterable[bytes] | None,
+        exclude: Iterable[bytes],
+    ) -> AveragingResult:
+        """Round ``r`` for ``vector`` (ours: a pooled buffer nobody else writes)."""
+        assert self._nursery is not None
+        layout = Layout.for_sizes(sizes, self.config.compression)
         started = time.perf_counter()
         group = await self._form_group(r, weight, expected_peers, frozenset(exclude))
         matched = time.perf_counter()
@@ -335,7 +385,6 @@ class Averager:
         self._suspect(gone)
         if self.config.bandwidth_bps is None:
             self._bandwidth.observe(session.upload_bps)
-        averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
         audits: list[PartAudit] = []
         mine: list[bytes] = []
         if self.config.audit:
@@ -346,7 +395,7 @@ class Averager:
             for key in sorted(self._contributed)[:-KEEP_CONTRIBUTIONS]:
                 del self._contributed[key]
         return AveragingResult(
-            tensors=averaged,
+            tensors=[],
             vector=result.vector,
             contributors={str(PeerID(p)): w for p, w in result.contributors},
             round=r,
@@ -500,7 +549,8 @@ class Averager:
 
 
 class BlockingAverager:
-    """``Averager`` for synchronous (torch) code: a node and its trio loop run in a thread.
+    """``Averager`` for synchronous (torch) code: a node and its trio loop run in a thread
+    (``p2p.NodeThread``).
 
     ``with BlockingAverager(node_config, config) as averager: averager.average(tensors, w)``.
     """
@@ -508,70 +558,38 @@ class BlockingAverager:
     def __init__(
         self, node_config: NodeConfig, config: AveragerConfig, *, start_timeout_s: float = 60.0
     ) -> None:
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._cancel: trio.CancelScope | None = None
         self.averager: Averager | None = None
-        self.node: Node | None = None
-        self._thread = threading.Thread(
-            target=self._main, args=(node_config, config), name="swarm-averager", daemon=True
+
+        async def setup(node: Node, nursery: trio.Nursery) -> None:
+            self.averager = Averager(node, config)
+            await nursery.start(self.averager.run)
+
+        self._loop = NodeThread(
+            node_config, name="swarm-averager", start_timeout_s=start_timeout_s, setup=setup
         )
-        self._thread.start()
-        if not self._ready.wait(start_timeout_s):
-            raise TimeoutError(f"the node did not start within {start_timeout_s} s")
-        if self._error is not None:
-            raise self._error
-
-    def _main(self, node_config: NodeConfig, config: AveragerConfig) -> None:
-        async def main() -> None:
-            try:
-                async with open_node(node_config) as node, trio.open_nursery() as nursery:
-                    self.node = node
-                    self.averager = Averager(node, config)
-                    await nursery.start(self.averager.run)
-                    self._token = trio.lowlevel.current_trio_token()
-                    self._cancel = nursery.cancel_scope
-                    self._ready.set()
-            except BaseException as exc:
-                self._error = exc
-                raise
-
-        try:
-            trio.run(main)
-        except BaseException as exc:
-            self._error = self._error or exc
-        finally:
-            self._ready.set()
-
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._token is None or self._error is not None:
-            raise RuntimeError(f"the averager is not running: {self._error!r}")
-
-        async def call() -> Any:
-            return await fn(*args, **kwargs)
-
-        return trio.from_thread.run(call, trio_token=self._token)
+        self.node: Node | None = self._loop.node
 
     def average(self, tensors: Sequence[Any], weight: float = 1.0, **kwargs: Any) -> Any:
         """Blocking ``Averager.average``; same arguments, same result and errors."""
         assert self.averager is not None
-        return self._call(self.averager.average, tensors, weight, **kwargs)
+        return self._loop.call(functools.partial(self.averager.average, tensors, weight, **kwargs))
+
+    def average_vector(self, vector: Any, weight: float = 1.0, **kwargs: Any) -> AveragingResult:
+        """Blocking ``Averager.average_vector``; same arguments, same result and errors."""
+        assert self.averager is not None
+        averager = self.averager
+        return self._loop.call(functools.partial(averager.average_vector, vector, weight, **kwargs))
 
     def publish_state_hash(self, round_number: int, digest: bytes) -> int:
         assert self.averager is not None
-        return self._call(self.averager.publish_state_hash, round_number, digest)
+        return self._loop.call(self.averager.publish_state_hash, round_number, digest)
 
     def state_agreement(self, round_number: int) -> StateAgreement:
         assert self.averager is not None
-        return self._call(self.averager.state_agreement, round_number)
+        return self._loop.call(self.averager.state_agreement, round_number)
 
     def close(self) -> None:
-        if self._token is not None and self._cancel is not None and self._thread.is_alive():
-            cancel = self._cancel
-            with contextlib.suppress(trio.RunFinishedError):
-                trio.from_thread.run_sync(cancel.cancel, trio_token=self._token)
-        self._thread.join(timeout=10)
+        self._loop.close()
 
     def __enter__(self) -> BlockingAverager:
         return self

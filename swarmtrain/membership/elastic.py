@@ -41,7 +41,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -49,6 +49,7 @@ from diloco import DiLoCo
 from p2p import PeerID
 from swarmtrain.keys import join_key, progress_key
 from swarmtrain.membership.plan import (
+    Rejoin,
     Verdict,
     after_failed_round,
     past_round,
@@ -74,6 +75,7 @@ from swarmtrain.membership.state_sync import (
 from swarmtrain.runtime import PeerRuntime
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.2
 SETTLE_S = 1.0  # a round's peers publish within milliseconds; this covers a loaded machine
@@ -121,11 +123,37 @@ class Elastic:
     # -- records -------------------------------------------------------------------------------
 
     def records(self) -> list[Progress]:
+        return self.runtime.call(self._records)
+
+    async def _records(self) -> list[Progress]:
+        """``records`` in the node's loop, for the probes ``_poll`` awaits there."""
         try:
-            return decode_all(self.runtime.read(progress_key(self.run_id)))
+            return decode_all(await self.runtime.read_async(progress_key(self.run_id)))
         except Exception as exc:
             log.warning("could not read the run's progress records: %s", exc)
             return []
+
+    def _poll(
+        self,
+        probe: Callable[[list[Progress]], T | None],
+        timeout_s: float,
+        *,
+        wait_first: bool = False,
+    ) -> T | None:
+        """Read the progress records every ``POLL_S`` until ``probe(records)`` returns a value
+        (returned) or ``timeout_s`` passed (None): a trio wait in the node's loop
+        (``p2p.poll``), not sleeps on this thread. ``wait_first``: the first read after one
+        interval (when the records were just read)."""
+        found: list[T] = []
+
+        async def read() -> bool:
+            value = probe(await self._records())
+            if value is not None:
+                found.append(value)
+            return value is not None
+
+        self.runtime.poll(read, bool, interval_s=POLL_S, timeout_s=timeout_s, wait_first=wait_first)
+        return found[0] if found else None
 
     def publish(self, progress: Progress) -> None:
         self._last_progress = progress
@@ -215,13 +243,15 @@ class Elastic:
             # We will adopt the state after the round in progress, agreed.round + 1, and
             # contribute to the one after it: say so now, well before that round opens.
             self._announce(agreed.round + 2)
-        deadline = time.monotonic() + (wait_s if progressing else 0.0)
-        while time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            newer = agreed_state(self.records())
-            if newer is not None and newer.round > agreed.round:
-                agreed = self._settled(newer.round) or newer
-                break
+        previous = agreed
+
+        def boundary(records: list[Progress]) -> AgreedState | None:
+            newer = agreed_state(records)
+            return newer if newer is not None and newer.round > previous.round else None
+
+        newer = self._poll(boundary, wait_s if progressing else 0.0, wait_first=True)
+        if newer is not None:
+            agreed = self._settled(newer.round) or newer
         report = self._adopt_from_live(agreed)
         if report is not None:
             if self.diloco.round >= rounds:
@@ -317,21 +347,23 @@ class Elastic:
         itself after the last round (it waits for this boundary, then downloads the final
         state) counts as behind until its record shows it holds the state (``_hold_final``)."""
         ours = bytes.fromhex(self.diloco.state_hash())
-        deadline = time.monotonic() + max_s
-        while time.monotonic() < deadline:
-            records = self.records()
+        announcements = join_key(self.run_id, round_number + 1)
+
+        async def settled() -> bool:
+            records = await self._records()
             at_last = [p for p in records if p.round == round_number]
             now = time.time()
             live = [p for p in records if now - p.published_at < LIVE_S]
             behind = [p for p in live if p.round < round_number]
             try:
-                announced = set(self.runtime.read(join_key(self.run_id, round_number + 1)))
+                announced = set(await self.runtime.read_async(announcements))
             except Exception:
                 announced = set()
             waiting = announced - {p.peer_id for p in at_last} - {self.me}
-            if all(p.ok and p.state_hash == ours for p in at_last) and not behind and not waiting:
-                return
-            time.sleep(POLL_S)
+            return all(p.ok and p.state_hash == ours for p in at_last) and not (behind or waiting)
+
+        if self.runtime.poll(settled, bool, interval_s=POLL_S, timeout_s=max_s):
+            return
         log.info("left after %.0f s with peers of round %d still out of sync", max_s, round_number)
 
     def _announce(self, round_number: int) -> None:
@@ -357,37 +389,44 @@ class Elastic:
         ``wait_s`` per round of gap, see ``wait_budget_s``; one whose newest record is older than
         ``wait_s`` counts as gone), so that we open the next round together; else train on."""
         started = time.monotonic()
-        budget_s: float | None = None
-        while True:
-            records = self.records()
-            plan = after_failed_round(
+
+        def plan_of(records: list[Progress]) -> Rejoin:
+            return after_failed_round(
                 records, self.me, round_number, self.rounds, time.time(), live_s=wait_s
             )
-            if plan.verdict is Verdict.ADOPT:
-                assert plan.target is not None
-                if plan.target.round == round_number:
-                    return self._settled(round_number)
-                return plan.target
-            if budget_s is None:
-                budget_s = wait_budget_s(records, self.me, round_number, wait_s)
-                if plan.verdict is Verdict.WAIT:
-                    log.info("round %d failed: %s; waiting up to %.0f s for them",
-                             round_number, plan.reason, budget_s)  # fmt: skip
-            if plan.verdict is Verdict.ALONE or time.monotonic() - started >= budget_s:
-                return None
-            time.sleep(POLL_S)
+
+        def decided(records: list[Progress]) -> Rejoin | None:
+            plan = plan_of(records)
+            return None if plan.verdict is Verdict.WAIT else plan
+
+        records = self.records()
+        plan = plan_of(records)
+        if plan.verdict is Verdict.WAIT:
+            budget_s = wait_budget_s(records, self.me, round_number, wait_s)
+            log.info("round %d failed: %s; waiting up to %.0f s for them",
+                     round_number, plan.reason, budget_s)  # fmt: skip
+            left_s = budget_s - (time.monotonic() - started)
+            plan = self._poll(decided, left_s, wait_first=True) or plan
+        if plan.verdict is not Verdict.ADOPT:
+            return None
+        assert plan.target is not None
+        if plan.target.round == round_number:
+            return self._settled(round_number)
+        return plan.target
 
     def _settled(self, round_number: int) -> AgreedState | None:
         """The agreed state of ``round_number`` once its successful records stop arriving."""
-        deadline = time.monotonic() + SETTLE_S
         seen = agreed_state(self.records(), round_number)
-        while time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            now = agreed_state(self.records(), round_number)
+
+        def stable(records: list[Progress]) -> AgreedState | None:
+            nonlocal seen
+            now = agreed_state(records, round_number)
             if seen is not None and now is not None and now.published == seen.published:
                 return now
             seen = now or seen
-        return seen
+            return None
+
+        return self._poll(stable, SETTLE_S, wait_first=True) or seen
 
     def _adopt(self, agreed: AgreedState) -> SyncReport:
         sources = [PeerID.from_base58(p) for p in agreed.holders if p != self.me]

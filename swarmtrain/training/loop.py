@@ -35,6 +35,7 @@ from diloco import (
     ByteTransformer,
     Corpus,
     DiLoCo,
+    RoundOutcome,
     eval_batches,
     evaluate,
     inner_batches,
@@ -47,7 +48,7 @@ from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.pipeline.roles import shape_of
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.training.swarm_average import SwarmAverage
+from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
 from swarmtrain.verified.volunteer import Banned, Verification
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,6 @@ def train(
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = build_model(config).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=config.training.inner_lr)
-    elastic_box: list[Elastic] = []
     verification = None
     if config.verify.rate > 0:
         verification = Verification(
@@ -177,10 +177,10 @@ def train(
     average = SwarmAverage(
         runtime,
         averager,
-        expected=lambda r: elastic_box[0].expected_peers(r),
-        exclude=lambda r: _excluded(r, elastic_box[0], verification),
         check=verification.check_aggregation if verification is not None else None,
-        behind=lambda r: elastic_box[0].behind(r),
+        # DiLoCo's vector is its trainable parameters in model order; each is one segment, so
+        # the averager picks codecs per parameter.
+        sizes=[p.numel() for p in model.parameters() if p.requires_grad],
     )
     diloco = DiLoCo(
         model,
@@ -194,7 +194,12 @@ def train(
         run_id=config.run.id,
     )
     elastic = Elastic(runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds)
-    elastic_box.append(elastic)
+    # The membership needs DiLoCo, which needs the averaging: its rules come last.
+    average.set_rules(
+        expected=elastic.expected_peers,
+        exclude=lambda r: _excluded(r, elastic, verification),
+        behind=elastic.behind,
+    )
     peer = runtime.peer_id
     how = "resumed from checkpoint at" if diloco.round else "starting at"
     emit(f"node {peer} {how} round {diloco.round} of {config.run.rounds} on {device}")
@@ -219,7 +224,6 @@ def train(
         diloco.close()
     summary.syncs = elastic.syncs
     summary.state_hash = diloco.state_hash()
-    summary.bytes_sent, summary.bytes_received = average.bytes_sent, average.bytes_received
     # Held-out loss of the global parameters (the model holds them after an applied round).
     summary.eval_loss = evaluate(
         model, eval_batches(corpus, batches=4, context=config.training.sequence_length)
@@ -238,8 +242,9 @@ def _excluded(round_number: int, elastic: Elastic, verification: Verification | 
 
 def _native_inner_phase(
     config: RunConfig, diloco: DiLoCo, corpus: Corpus, peer_bytes: bytes
-) -> tuple[list[float], int, float]:
-    """H AdamW steps on our shard; the H-th runs the round. (losses, tokens, inner seconds)"""
+) -> tuple[list[float], int, float, RoundOutcome]:
+    """H AdamW steps on our shard; the H-th runs the round.
+    (losses, tokens, inner seconds, the round's outcome)"""
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run.id),
@@ -253,6 +258,7 @@ def _native_inner_phase(
     losses: list[float] = []
     tokens = 0
     inner_s = 1e-9
+    outcome: RoundOutcome | None = None
     device = next(diloco.model.parameters()).device
     for step, (inputs, targets) in enumerate(batches):
         inputs, targets = inputs.to(device), targets.to(device)
@@ -262,14 +268,16 @@ def _native_inner_phase(
         tokens += inputs.numel()
         if step == len(batches) - 1:
             inner_s = time.perf_counter() - started
-        diloco.step(samples=inputs.numel())  # the H-th step runs the outer round in this call
+        # The H-th step runs the outer round in this call and returns its outcome.
+        outcome = diloco.step(samples=inputs.numel()) or outcome
         diloco.zero_grad()
-    return losses, tokens, inner_s
+    assert outcome is not None, "the inner phase ended without its round"
+    return losses, tokens, inner_s, outcome
 
 
 def _verified_inner_phase(
     config: RunConfig, diloco: DiLoCo, verification: Verification
-) -> tuple[list[float], int, float]:
+) -> tuple[list[float], int, float, RoundOutcome]:
     """Our RepOps task (and those we verify), the verification gate, then the round.
     Raises ``Banned`` when the coordinator named us a cheater."""
     r = diloco.round
@@ -282,8 +290,8 @@ def _verified_inner_phase(
     tokens = (
         config.training.inner_steps * config.training.batch_size * config.training.sequence_length
     )
-    diloco.finish_inner_phase(local, samples=tokens)
-    return work.losses, tokens, inner_s
+    outcome = diloco.finish_inner_phase(local, samples=tokens)
+    return work.losses, tokens, inner_s, outcome
 
 
 def _train_round(
@@ -300,17 +308,19 @@ def _train_round(
     r = diloco.round
     started = time.perf_counter()
     if verification is None:
-        losses, tokens, inner_s = _native_inner_phase(config, diloco, corpus, peer_bytes)
+        losses, tokens, inner_s, outcome = _native_inner_phase(config, diloco, corpus, peer_bytes)
     else:
-        losses, tokens, inner_s = _verified_inner_phase(config, diloco, verification)
+        losses, tokens, inner_s, outcome = _verified_inner_phase(config, diloco, verification)
     round_s = time.perf_counter() - started
     mean_loss = sum(losses) / len(losses)
-    report = average.last
-    ok = report is not None and report.ok and report.round == r
+    # The round's outcome as ``DiLoCo`` returned it; the swarm's report of it when it succeeded.
+    report = outcome.detail if outcome.ok and outcome.round == r else None
+    assert report is None or isinstance(report, RoundReport)
+    ok = report is not None
     summary.last_round = r
     summary.round_seconds.append(round_s)
     if verification is not None:
-        verification.round_done(r, ok, diloco.statistics().last_contributors)
+        verification.round_done(r, ok, outcome.contributors)
     summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
     summary.loss_last = mean_loss
     state_hash = diloco.state_hash()
@@ -318,11 +328,12 @@ def _train_round(
     # Before the record that tells joiners to ask us for it; after a failed round as well: when
     # the agreed state's holders are all gone, a joiner takes a live member's state from there.
     elastic.serve_current()
-    if ok:
+    if report is not None:
         summary.rounds_contributed += 1
+        summary.bytes_sent += report.bytes_sent
+        summary.bytes_received += report.bytes_received
     else:
         summary.rounds_failed += 1
-    assert report is not None or not ok
     elastic.publish(
         Progress(
             peer_id=str(summary.peer_id),
@@ -331,16 +342,16 @@ def _train_round(
             state_hash=bytes.fromhex(state_hash),
             loss=mean_loss,
             tokens_per_s=tokens / inner_s,
-            peers=report.peers if report is not None and ok else 0,
-            bytes_sent=average.bytes_sent,
-            bytes_received=average.bytes_received,
+            peers=report.peers if report is not None else 0,
+            bytes_sent=summary.bytes_sent,
+            bytes_received=summary.bytes_received,
             rounds_contributed=summary.rounds_contributed,
             published_at=time.time(),
             reach=_reach(elastic.runtime),
         )
     )
-    if not ok:
-        why = report.error if report is not None else "no averaging"
+    if report is None:
+        why = outcome.error or "no averaging"
         emit(
             f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s FAILED ({why}); "
             f"state {state_hash[:12]} {round_s:.1f} s"
@@ -355,7 +366,6 @@ def _train_round(
         if elastic.after_round(r, ok=False, wait_s=outcome_wait_s) is not None:
             summary.agree = True
         return
-    assert report is not None
     average.publish_state(r, state_hash)
     agreement = average.agreement(r, report.peers, AGREEMENT_TIMEOUT_S)
     summary.agree = agreement.agrees if agreement is not None else None

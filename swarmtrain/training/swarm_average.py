@@ -1,31 +1,35 @@
 """``SwarmAverage``: diloco's ``Average`` protocol on top of the swarm's ``Averager``.
 
-DiLoCo calls ``average(round, tensors, weight)`` once per outer round and treats any raise as a
-failed round (no outer update, local progress kept). So this adapter only translates: DiLoCo's
-round number becomes the swarm round number (every peer of a run derives it from the same
-checkpointed counter, which is what lines up matchmaking keys across processes), the result's
-contributors pass through, and ``AveragingFailed`` (one class: diloco re-exports swarm's) passes
-through.
+DiLoCo calls ``average(round, vector, weight)`` once per outer round with its flat float32
+pseudo-gradient and treats any raise as a failed round (no outer update, local progress kept).
+So this adapter only translates: the vector goes to ``Averager.average_vector`` as it is (the
+parameter ``sizes`` pick each segment's codec, as they would per tensor), DiLoCo's round number
+becomes the swarm round number (every peer of a run derives it from the same checkpointed
+counter, which is what lines up matchmaking keys across processes), the mean comes back as one
+vector with its contributors and a ``RoundReport`` (the outcome's ``detail``, which
+``DiLoCo.step`` hands to the training loop), and ``AveragingFailed`` (one class: diloco
+re-exports swarm's) passes through.
 
 The state hash only exists after DiLoCo applied the outer step, i.e. after ``__call__`` returned,
 so publishing it is a separate call the training loop makes (``publish_state``); ``agreement``
-reads back what the round's peers published.
+reads back what the round's peers published, polling in the node's loop (``p2p.poll``).
 
 The averager runs in the node's trio loop (``swarmtrain.runtime.PeerRuntime``); DiLoCo calls from
-the torch thread. ``expected`` (optional) names the peers matchmaking should wait for in a round,
-which is how an announced joiner gets into its first round (``swarmtrain.membership.elastic``);
-``exclude`` (optional) names the peers a round must leave out (banned, or whose task failed
-verification: ``swarmtrain.verified.volunteer``); ``behind`` (optional) returns why a round cannot
-meet anyone (the swarm already averaged it: ``swarmtrain.membership.elastic``), failing it before
-matchmaking; ``check`` (optional) may still fail a finished all-reduce by raising
-``AveragingFailed`` before DiLoCo applies it (a verified run's aggregation audit).
+the torch thread. The membership rules (``set_rules``, given once the membership that answers
+them exists, since it needs the ``DiLoCo`` built on this object): ``expected`` names the peers
+matchmaking should wait for in a round, which is how an announced joiner gets into its first
+round (``swarmtrain.membership.elastic``); ``exclude`` names the peers a round must leave out
+(banned, or whose task failed verification: ``swarmtrain.verified.volunteer``); ``behind``
+returns why a round cannot meet anyone (the swarm already averaged it:
+``swarmtrain.membership.elastic``), failing it before matchmaking. ``check`` (optional) may still
+fail a finished all-reduce by raising ``AveragingFailed`` before DiLoCo applies it (a verified
+run's aggregation audit).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,20 +45,21 @@ AGREEMENT_POLL_S = 0.1
 
 @dataclass(frozen=True)
 class RoundReport:
-    """What the swarm said about one round on this peer (success or failure)."""
+    """What the swarm said about one successful round on this peer."""
 
     round: int
-    ok: bool
-    peers: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    matchmaking_s: float = 0.0
-    allreduce_s: float = 0.0
-    error: str = ""
+    peers: int
+    bytes_sent: int
+    bytes_received: int
+    matchmaking_s: float
+    allreduce_s: float
 
 
 class SwarmAverage:
-    """Callable as diloco's ``Average``; keeps a ``RoundReport`` of the last call in ``last``."""
+    """Callable as diloco's ``Average``; the outcome's ``detail`` is the round's ``RoundReport``.
+
+    ``sizes``: the segments of DiLoCo's vector (its trainable parameters' sizes, in order); one
+    segment when not given."""
 
     def __init__(
         self,
@@ -64,61 +69,62 @@ class SwarmAverage:
         exclude: Callable[[int], Iterable[bytes]] | None = None,
         check: Callable[[swarm.AveragingResult], None] | None = None,
         behind: Callable[[int], str | None] | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
     ) -> None:
         self._runtime = runtime
         self._averager = averager
+        self._check = check
+        self._sizes = None if sizes is None else tuple(sizes)
+        self.set_rules(expected=expected, exclude=exclude, behind=behind)
+
+    def set_rules(
+        self,
+        *,
+        expected: Callable[[int], Iterable[bytes] | None] | None = None,
+        exclude: Callable[[int], Iterable[bytes]] | None = None,
+        behind: Callable[[int], str | None] | None = None,
+    ) -> None:
+        """The membership's answers for each round (see the module docstring); None: no rule."""
         self._expected = expected
         self._exclude = exclude
-        self._check = check
         self._behind = behind
-        self.last: RoundReport | None = None
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
-    def __call__(self, round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+    def __call__(self, round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
         """Average with the peers of ``round``. Raises diloco's ``AveragingFailed`` when the swarm
         round fails; ``ValueError`` (NaN/inf input, bad weight) and ``RuntimeError`` (the node
         stopped) pass through, and DiLoCo counts them as a failed round as well."""
-        self.last = RoundReport(round, ok=False, error="in progress")
         why = self._behind(round) if self._behind is not None else None
         if why is not None:
-            self.last = RoundReport(round, ok=False, error=why)
             raise AveragingFailed(why)
         expected = self._expected(round) if self._expected is not None else None
         exclude = frozenset(self._exclude(round)) if self._exclude is not None else frozenset()
-        averager = self._averager
+        averager, sizes = self._averager, self._sizes
 
         async def average() -> swarm.AveragingResult:
-            return await averager.average(
-                tensors, weight, round_number=round, expected_peers=expected, exclude=exclude
+            return await averager.average_vector(
+                vector,
+                weight,
+                sizes=sizes,
+                round_number=round,
+                expected_peers=expected,
+                exclude=exclude,
             )
 
-        try:
-            result = self._runtime.call(average)
-        except AveragingFailed as exc:
-            self.last = RoundReport(round, ok=False, error=str(exc))
-            raise
-        except Exception as exc:
-            self.last = RoundReport(round, ok=False, error=f"{type(exc).__name__}: {exc}")
-            raise
+        result = self._runtime.call(average)  # AveragingFailed passes through
         if self._check is not None:
-            try:
-                self._check(result)
-            except AveragingFailed as exc:
-                self.last = RoundReport(round, ok=False, error=str(exc))
-                raise
-        self.bytes_sent += result.bytes_sent
-        self.bytes_received += result.bytes_received
-        self.last = RoundReport(
+            self._check(result)
+        report = RoundReport(
             round,
-            ok=True,
             peers=len(result.contributors),
             bytes_sent=result.bytes_sent,
             bytes_received=result.bytes_received,
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
         )
-        return AverageOutcome(list(result.tensors), dict(result.contributors))
+        # A view of the round's vector, no copy: DiLoCo only reads it (the outer step).
+        mean = torch.from_numpy(result.vector)
+        return AverageOutcome(mean, dict(result.contributors), detail=report)
 
     def publish_state(self, round: int, state_hash_hex: str) -> None:
         """Publish our state digest after round ``round``; a DHT failure is logged, not raised,
@@ -135,13 +141,21 @@ class SwarmAverage:
         visible after ``timeout_s`` (the round's peers publish within milliseconds of each other,
         so waiting is short; a peer that died after the all-reduce never publishes). None when
         the DHT could not be read at all."""
-        deadline = time.monotonic() + timeout_s
+        averager = self._averager
         seen: swarm.StateAgreement | None = None
-        while True:
+
+        async def read() -> swarm.StateAgreement | None:
+            nonlocal seen
             try:
-                seen = self._runtime.call(self._averager.state_agreement, round)
+                seen = await averager.state_agreement(round)
             except Exception as exc:
                 log.warning("round %d: could not read the state hashes: %s", round, exc)
-            if (seen is not None and seen.peers >= peers) or time.monotonic() >= deadline:
-                return seen
-            time.sleep(AGREEMENT_POLL_S)
+            return seen
+
+        self._runtime.poll(
+            read,
+            lambda s: s is not None and s.peers >= peers,
+            interval_s=AGREEMENT_POLL_S,
+            timeout_s=timeout_s,
+        )
+        return seen

@@ -172,8 +172,10 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                     # Blocks the event loop: a stall (a long GC pause, a blocking call, no CPU)
                     # that the others must wait out, not read as a death.
                     _after_group_forms(averager, lambda: time.sleep(stall))
-                result = await averager.average(
-                    [local],
+                # "flat": the vector API (one segment), else the list API with one tensor
+                average = averager.average_vector if request.get("flat") else averager.average
+                result = await average(
+                    local if request.get("flat") else [local],  # type: ignore[arg-type]
                     request.get("weight", 1.0),
                     round_number=request["round"],
                     expected_peers=None

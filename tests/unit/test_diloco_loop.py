@@ -16,6 +16,7 @@ from diloco import (
     ByteTransformerConfig,
     DiLoCo,
     LocalAverage,
+    RoundOutcome,
     eval_batches,
     evaluate,
     inner_batches,
@@ -126,10 +127,10 @@ def test_a_failed_round_applies_nothing_and_keeps_local_progress() -> None:
     def work(peer: int) -> tuple[list[str], dict[str, float]]:
         member = averaging.member(f"peer-{peer}")
 
-        def flaky(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+        def flaky(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
             if round == 1:
                 raise ConnectionError("simulated lost round")
-            return member(round, tensors, weight)
+            return member(round, vector, weight)
 
         diloco, model = _peer(flaky, inner_steps=2)
         with diloco:
@@ -153,14 +154,45 @@ def test_a_failed_round_applies_nothing_and_keeps_local_progress() -> None:
     assert weights_a == {"peer-0": 2 * 2.0 * BATCH * 32, "peer-1": 2 * 2.0 * BATCH * 32}
 
 
+def test_the_step_that_ran_a_round_returns_its_outcome() -> None:
+    member = LocalAverage(1).member("solo")
+
+    def reporting(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        if round == 1:
+            raise AveragingFailed("nobody came")
+        if round == 2:
+            raise ConnectionError("link down")
+        mean = member(round, vector, weight)
+        return AverageOutcome(mean.vector, mean.contributors, detail=("report", round))
+
+    diloco, model = _peer(reporting, inner_steps=2)
+    outcomes = []
+    with diloco:
+        for _ in range(4):
+            for inputs, targets in _batches(diloco.round, 0, 2):
+                model.loss(inputs, targets).backward()
+                outcomes.append(diloco.step(samples=inputs.numel()))
+                diloco.zero_grad()
+    assert outcomes[0::2] == [None] * 4  # the first step of each phase runs no round
+    weight = 2.0 * BATCH * CONFIG.context
+    assert outcomes[1::2] == [
+        RoundOutcome(0, ok=True, contributors={"solo": weight}, detail=("report", 0)),
+        RoundOutcome(1, ok=False, error="nobody came"),
+        RoundOutcome(2, ok=False, error="ConnectionError: link down"),
+        # the failed rounds' samples ride in this one's weight
+        RoundOutcome(3, ok=True, contributors={"solo": 3 * weight}, detail=("report", 3)),
+    ]
+    assert outcomes[1].peers == 1 and outcomes[3].peers == 0
+
+
 def test_local_average_fails_the_round_when_a_peer_never_arrives(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     averaging = LocalAverage(2, timeout_s=0.2)
     with pytest.raises(AveragingFailed, match="1 of 2"):
-        averaging.member("a")(0, [torch.ones(2)], 1.0)
+        averaging.member("a")(0, torch.ones(2), 1.0)
     with pytest.raises(AveragingFailed):
-        averaging.member("b")(0, [torch.ones(2)], 1.0)  # arrives after the round failed
+        averaging.member("b")(0, torch.ones(2), 1.0)  # arrives after the round failed
     diloco, model = _peer(averaging.member("a"), inner_steps=1)
     with caplog.at_level(logging.WARNING, logger="diloco.loop"), diloco:
         _train_phase(diloco, model, 0)
@@ -168,9 +200,9 @@ def test_local_average_fails_the_round_when_a_peer_never_arrives(
     assert diloco.round == 1 and diloco.statistics().rounds_failed == 1
 
 
-def test_averaged_tensors_of_the_wrong_shape_fail_the_round() -> None:
-    def wrong(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
-        return AverageOutcome([torch.zeros(3)], {"x": weight})
+def test_an_averaged_vector_of_the_wrong_shape_fails_the_round() -> None:
+    def wrong(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        return AverageOutcome(torch.zeros(3), {"x": weight})
 
     diloco, model = _peer(wrong, inner_steps=1)
     start = diloco.global_state
@@ -300,10 +332,10 @@ def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_res
     residual = torch.zeros(0)
     observed: list[int] = []
 
-    def checking(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+    def checking(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
         nonlocal residual
         diloco = holder[0]
-        sent = torch.cat([t.reshape(-1) for t in tensors])
+        sent = vector
         progress = torch.sub(diloco.global_state.params, _flat(diloco.model))
         corrected = torch.add(progress, residual)
         assert torch.equal(sent, _coarse(corrected))
@@ -312,7 +344,7 @@ def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_res
         if round == 1:
             raise ConnectionError("lost")  # the residual must stay as it was
         residual = torch.sub(corrected, sent)
-        return member(round, tensors, weight)
+        return member(round, vector, weight)
 
     diloco, model = _peer(checking, inner_steps=2, compress=_coarse)
     residual = torch.zeros_like(diloco.global_state.params)
@@ -367,10 +399,10 @@ def test_finish_inner_phase_averages_a_phase_computed_elsewhere_and_drops_carrie
     def work(peer: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         member = averaging.member(f"peer-{peer}")
 
-        def flaky(round: int, tensors: list[torch.Tensor], weight: float) -> AverageOutcome:
+        def flaky(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
             if round == 0:
                 raise ConnectionError("simulated lost round")
-            return member(round, tensors, weight)
+            return member(round, vector, weight)
 
         diloco, model = _peer(flaky, inner_steps=2)
         with diloco:

@@ -3,6 +3,7 @@ majority re-sync after a failed or drifted round, catching up at start, the expe
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -12,6 +13,7 @@ import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
+import p2p
 from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
 from p2p import PeerID
 from swarmtrain.keys import join_key, progress_key
@@ -39,6 +41,9 @@ class FakeRuntime:
     def read(self, key: str) -> dict[str, bytes]:
         return dict(self.dht.get(key, {}))
 
+    async def read_async(self, key: str) -> dict[str, bytes]:
+        return self.read(key)
+
     def store(self, key: str, value: bytes, ttl_s: float, *, version: int = 0) -> int:
         self.dht.setdefault(key, {})[str(self.peer_id)] = value
         return 1
@@ -48,6 +53,9 @@ class FakeRuntime:
 
     def call_sync(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
+
+    def poll(self, probe: Callable[[], Any], done: Callable[[Any], bool], **timing: Any) -> Any:
+        return trio.run(functools.partial(p2p.poll, probe, done, **timing))
 
 
 def _diloco() -> DiLoCo:
