@@ -178,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_node.add_argument("--cheat", type=_cheat, default=None, help=argparse.SUPPRESS)
     # ... and a lying reducer: every part this node reduces in round ROUND is off.
     p_node.add_argument("--cheat-reduce", type=int, default=None, help=argparse.SUPPRESS)
+    # A pipeline node's test and demo settings, repeatable (swarmtrain.pipeline.node.PipelineHooks:
+    # a server's starting stage, a slowed stage, ...); swarmtrain local --pipeline-stages sets them.
+    p_node.add_argument(
+        "--pipeline-hook", action="append", default=[], metavar="KEY=VALUE", help=argparse.SUPPRESS
+    )
 
     p_init = sub.add_parser("init", help="write a commented default run config")
     p_init.add_argument("path", type=Path, nargs="?", default=Path("run.toml"), help="[run.toml]")
@@ -284,6 +289,7 @@ def _cheat(text: str) -> tuple[int, int, int]:
 def _main_node(args: argparse.Namespace) -> int:
     # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
     from swarmtrain.commands.node import NodeOptions, run_node
+    from swarmtrain.pipeline.node import PipelineHooks
 
     _setup_logging(args.verbose)
     state_dir = args.state_dir or _default_state_dir()
@@ -300,6 +306,7 @@ def _main_node(args: argparse.Namespace) -> int:
             allow_models=tuple(args.allow_model),
             cheat=args.cheat,
             cheat_reduce=args.cheat_reduce,
+            pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:

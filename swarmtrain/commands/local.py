@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,7 +118,7 @@ class LocalSummary:
 
 class Child:
     """A child process; a thread hands its stdout lines to ``on_line``, stderr goes to a file.
-    ``swarmtrain.pipeline.local`` extends it for children that print JSON events."""
+    ``swarmtrain.pipeline.local`` extends it to read a pipeline node's lines as events."""
 
     def __init__(
         self, name: str, argv: list[str], log_path: Path, on_line: Callable[[str], None]
@@ -171,10 +171,11 @@ class Child:
         self._log.close()
 
 
-def _start_coordinator(
+def start_coordinator(
     workdir: Path, config: RunConfig, children: list[Child], emit: Callable[[str], None]
 ) -> str:
-    """Start the coordinator on ``config`` and return the join address it prints."""
+    """Start the coordinator on ``config`` (written to ``workdir/run.toml``, as ``swarmtrain
+    init`` writes it) and return the join address it prints. Raises LocalFailed."""
     config_path = workdir / "run.toml"
     config_path.write_text(default_toml(config))
     lines: queue.Queue[str] = queue.Queue()
@@ -239,7 +240,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             inner_steps=options.inner_steps,
             verify_rate=options.verify_rate,
         )
-        join = _start_coordinator(workdir, config, children, emit)
+        join = start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[Child] = []
         delayed, delay_s = options.delay_node or (-1, 0.0)
@@ -248,23 +249,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             if index == delayed:
                 emit(f"starting node {index} {delay_s:.0f} s after the others (--delay-node)")
                 time.sleep(delay_s)  # the delay is the point: a late volunteer
-            node_dir = workdir / f"node{index}"
-            argv = [
-                *SWARMTRAIN,
-                "node",
-                "--join",
-                join,
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--state-dir",
-                str(node_dir),
-                "--threads",
-                str(threads),
-                "--json",
-                str(node_dir / "summary.json"),
-            ]
-            if options.verbose:
-                argv.append("-v")
+            argv = node_argv(join, workdir / f"node{index}", threads, verbose=options.verbose)
             child = Child(
                 f"node {index}", argv, workdir / f"node{index}.log", emit_from(f"[{index}]")
             )
@@ -286,7 +271,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
                     f"{child.last_log_line() or 'no log'}"
                 )
         summaries = [
-            _read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
+            read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
         ]
     summary = _combine(options, summaries, time.monotonic() - started)
     if options.json_path is not None:
@@ -295,7 +280,26 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
     return summary
 
 
-def _read_summary(path: Path) -> dict[str, object]:
+def node_argv(
+    join: str,
+    node_dir: Path,
+    threads: int,
+    *,
+    verbose: bool = False,
+    extra: Sequence[str] = (),
+    program: Sequence[str] = SWARMTRAIN,
+) -> list[str]:
+    """``swarmtrain node`` on loopback with its state in ``node_dir`` and its ``--json`` summary
+    at ``node_dir / "summary.json"``; ``extra`` options appended."""
+    argv = [
+        *program, "node", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0",
+        "--state-dir", str(node_dir), "--threads", str(threads),
+        "--json", str(node_dir / "summary.json"), *extra,
+    ]  # fmt: skip
+    return [*argv, "-v"] if verbose else argv
+
+
+def read_summary(path: Path) -> dict[str, object]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
