@@ -416,7 +416,8 @@ def run_pipeline(
     KeyboardInterrupt once it wrote the summary). Raises ``ModelRefused`` (a server, for a
     spec's model factory not in ``allow_models``) and ``ModelContractError`` (it cannot be
     imported or breaks the contract) before serving, ValueError for a hooked stage outside the
-    run's; else what the role raised (``NoServers``, P2PError, ValueError), with the role already stopped."""
+    run's; else what the role raised (``NoServers``, P2PError, ValueError), with the role
+    already stopped."""
     hooks = hooks or PipelineHooks()
     node = runtime.node
     assert node is not None
