@@ -18,7 +18,8 @@ It reads what those commands show anyone: their stdout lines (``swarmtrain.pipel
 stage, moves and the digests of its latest averaging rounds; a trainer its losses and
 failovers). ``--json`` writes ``{stages, servers_per_stage, loss_first, loss_last,
 stage_hashes_agree, averaging_rounds, rebalances, failovers, seconds}``. Every child runs in its
-own session, gets SIGINT when done and SIGKILL after a grace period, so nothing outlives us.
+own session, gets SIGINT when done and SIGKILL after a grace period, and stops by itself a
+minute after our deadline (the ``lifetime_s`` hook), so nothing outlives us.
 
 API: ``add_arguments(parser)`` adds the ``--pipeline-*`` options (the ``local`` parser already
 has ``--peers``, ``--rounds``, ``--json`` and ``-v``); ``run(args) -> int`` runs it. The pieces
@@ -208,7 +209,7 @@ def start_node(
     return Child(name, argv, workdir / f"{name}.log", node_dir / "summary.json", on_line)
 
 
-def stop_all(children: Sequence[Child], grace_s: float = STOP_GRACE_S) -> None:
+def stop_all(children: Sequence[local.Child], grace_s: float = STOP_GRACE_S) -> None:
     """Interrupt every child at once, then wait for each (their shutdowns overlap)."""
     for child in children:
         child.interrupt()
@@ -346,13 +347,15 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
     allow = ["--allow-model", factory] if factory else []
     verbose = bool(getattr(args, "verbose", False))
     threads = max(1, (os.cpu_count() or 1) // (peers + TRAINERS))
+    # Nodes stop by themselves a while after our deadline, should we die without stopping them.
+    lifetime_s = timeout_s + 60
     lock = threading.Lock()
 
     def show(child: Child, line: str) -> None:
         with lock:
             emit(f"[{child.name}] {line}")
 
-    children: list[Child] = []
+    children: list[local.Child] = []  # the coordinator, then the nodes
     started = time.monotonic()
     with ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-pipe-")))
@@ -362,7 +365,9 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
         emit(f"run {config.run_id}: {peers} stage servers and {TRAINERS} trainers join {join}")
         servers = []
         for i in range(peers):
-            hooks = PipelineHooks(stage=i % stages, slow_stage=slow_stage, slow_ms=slow_ms)
+            hooks = PipelineHooks(
+                stage=i % stages, slow_stage=slow_stage, slow_ms=slow_ms, lifetime_s=lifetime_s
+            )
             server = start_node(
                 f"server{i}", workdir, join, threads=threads, extra=[*hooks.argv(), *allow],
                 verbose=verbose, on_line=show,
@@ -374,7 +379,8 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
         trainers = []
         for i in range(TRAINERS):
             trainer = start_node(
-                f"trainer{i}", workdir, join, threads=threads, extra=["--role", "trainer"],
+                f"trainer{i}", workdir, join, threads=threads,
+                extra=["--role", "trainer", *PipelineHooks(lifetime_s=lifetime_s).argv()],
                 verbose=verbose, on_line=show,
             )  # fmt: skip
             trainers.append(trainer)

@@ -84,7 +84,9 @@ class PipelineHooks:
     ``--pipeline-slow-stage``), ``machine_slow_ms`` (a delay per call of any stage: a slower
     machine), ``rebalance_after_s`` (no move before this long after starting). A trainer:
     ``in_flight`` microbatches, ``hop_timeout_s``, ``duration_s`` (rounds until then instead of
-    ``run.rounds``), ``stop_on_failure`` (no failover or retry: a fixed pipeline, bench.swarm)."""
+    ``run.rounds``), ``stop_on_failure`` (no failover or retry: a fixed pipeline, bench.swarm).
+    Either: ``lifetime_s``, after which it stops as on Ctrl+C, so that a server started by a
+    program that died (``swarmtrain local``, a test) does not serve forever."""
 
     stage: int | None = None
     slow_stage: int | None = None
@@ -95,6 +97,7 @@ class PipelineHooks:
     hop_timeout_s: float | None = None
     duration_s: float | None = None
     stop_on_failure: bool | None = None
+    lifetime_s: float | None = None
 
     @classmethod
     def parse(cls, items: Sequence[str]) -> PipelineHooks:
@@ -487,9 +490,12 @@ def run_pipeline(
             done.set()
 
     runtime.start(service)
+    until = None if hooks.lifetime_s is None else began + hooks.lifetime_s
     try:
         while not done.wait(0.5):
-            pass
+            if until is not None and time.monotonic() > until:
+                emit(f"lifetime of {hooks.lifetime_s:.0f} s (--pipeline-hook) is over: stopping")
+                raise KeyboardInterrupt  # the one way a role stops: as on Ctrl+C
     except KeyboardInterrupt:
         runtime.close()  # cancels the role: the server stops serving, the trainer its round
         summary.stopped = True
