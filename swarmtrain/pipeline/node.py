@@ -1,16 +1,17 @@
 """``swarmtrain node`` on a pipeline run spec (``pipeline.stages > 0``): stage server or trainer.
 
 ``swarmtrain.commands.node.run_node`` fetches and verifies the spec, then hands its running node
-(``PeerRuntime``) here. The roles are ``swarmtrain.pipeline.roles``' (what ``swarmtrain local
---pipeline-stages`` runs), with every setting from the spec: the model shape (``[model]``), the
-microbatch (``training.batch_size`` x ``training.sequence_length``), the servers' learning rate
-(``training.inner_lr``), the trainer's rounds (``run.rounds`` of ``pipeline.microbatches``) and the
-servers' clock epochs (``pipeline.average_every_s``, ``pipeline.rebalance_every_s``). Every server
-builds the initial parameters from the run id's seed, so the servers of a stage agree before they
-first average. A spec may name a user's model (``[model] factory``): a server imports it only
-when its own ``--allow-model`` list names it (``pipeline_model.check_allowed``), and builds and
-cuts it once before it joins, so a missing module or a broken model is a one-line error.
-Trainers never import the model (they send bytes and read logits), so they need no flag.
+(``PeerRuntime``) here (``swarmtrain local --pipeline-stages`` starts such nodes). The roles are
+``swarmtrain.pipeline.roles``', with every setting from the spec (the hooks aside, below): the model
+shape (``[model]``), the microbatch (``training.batch_size`` x ``training.sequence_length``), the
+servers' learning rate (``training.inner_lr``), the trainer's rounds (``run.rounds`` of
+``pipeline.microbatches``) and the servers' clock epochs (``pipeline.average_every_s``,
+``pipeline.rebalance_every_s``). Every server builds the initial parameters from the run id's seed,
+so the servers of a stage agree before they first average. A spec may name a user's model
+(``[model] factory``): a server imports it only when its own ``--allow-model`` list names it
+(``pipeline_model.check_allowed``), and builds and cuts it once before it joins, so a missing module
+or a broken model is a one-line error. Trainers never import the model (they send bytes and read
+logits), so they need no flag.
 
 * A **server** starts on the stage with the fewest servers in the DHT records (ties broken by a
   hash of its peer id and the stage, so servers that start together spread out), then serves
