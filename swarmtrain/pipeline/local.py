@@ -67,7 +67,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 60.0
-STOP_GRACE_S = 10.0
 TRAINERS = 2
 AVERAGE_EVERY_S = 5.0
 REBALANCE_EVERY_S = 3.0
@@ -187,9 +186,6 @@ class Child(local.Child):
             return None
         return dict(data)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        super().stop(grace_s)
-
 
 def start_node(
     name: str,
@@ -209,8 +205,9 @@ def start_node(
     return Child(name, argv, workdir / f"{name}.log", node_dir / "summary.json", on_line)
 
 
-def stop_all(children: Sequence[local.Child], grace_s: float = STOP_GRACE_S) -> None:
-    """Interrupt every child at once, then wait for each (their shutdowns overlap)."""
+def stop_all(children: Sequence[local.Child], grace_s: float = local.STOP_GRACE_S) -> None:
+    """Interrupt every child at once, then wait for each (their shutdowns overlap; a node's
+    takes seconds, more on a loaded machine, and a server writes its summary at the end)."""
     for child in children:
         child.interrupt()
     for child in children:
