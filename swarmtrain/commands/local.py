@@ -125,6 +125,7 @@ class Child:
     ) -> None:
         self.name = name
         self.log_path = log_path
+        self._interrupted = False
         self._log: IO[bytes] = log_path.open("wb")
         self.proc = subprocess.Popen(
             argv,
@@ -154,13 +155,16 @@ class Child:
         return lines[-1] if lines else ""
 
     def interrupt(self) -> None:
-        if self.proc.poll() is None:
+        """SIGINT, once: a second one would cut the node's clean stop short (a pipeline server
+        writes its summary at the end of it)."""
+        if self.proc.poll() is None and not self._interrupted:
+            self._interrupted = True
             self.proc.send_signal(signal.SIGINT)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGINT (the node's Ctrl+C path: checkpoint kept), SIGKILL after ``grace_s``."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.interrupt()
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
