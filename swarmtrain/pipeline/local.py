@@ -12,7 +12,7 @@ then runs, as separate processes on 127.0.0.1, exactly what volunteers run
   ``--allow-model`` for a user's model);
 * 2 ``swarmtrain node --role trainer`` that train ``--rounds`` rounds of microbatches.
 
-It reads what those commands show anyone: their stdout lines (``swarmtrain.pipeline.node``'s
+It reads what those commands show anyone: their stdout lines (``swarmtrain.pipeline.lines``'
 ``read_line``: which stage a server serves, its averaging rounds) while they run, and their
 ``--json`` summaries at the end (a stage server writes its own on SIGINT, how it stops: its
 stage, moves and the digests of its latest averaging rounds; a trainer its losses and
@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from swarmtrain.commands import local
-from swarmtrain.pipeline.node import PipelineHooks, read_line
+from swarmtrain.pipeline.lines import read_line
+from swarmtrain.pipeline.node import PipelineHooks
 from swarmtrain.runspec import FACTORY_PATTERN, RunConfig
 
 __all__ = [

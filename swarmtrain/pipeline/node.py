@@ -23,12 +23,12 @@ logits), so they need no flag.
   server) restarts there from the initial parameters, which are all an unserved stage has left.
 * A **trainer** waits (bounded) until every stage has a server, trains its rounds and exits.
 
-The roles report events (dicts); here they become lines for a human (``describe``, one template
-per kind in ``LINES``), and ``read_line`` reads such a line back into its fields: the lines are
-what ``swarmtrain local --pipeline-stages`` and the pipeline tests read of a running node. The
-role runs as a task in the runtime's nursery; the calling thread waits on an event it can be
-interrupted in, so Ctrl+C cancels the role (shutdown is cancellation), prints a summary line
-and returns the summary marked ``stopped`` (``swarmtrain node`` writes its ``--json`` then).
+The roles report events (dicts); here they become lines for a human
+(``swarmtrain.pipeline.lines``, which also reads them back for ``swarmtrain local
+--pipeline-stages`` and the tests). The role runs as a task in the runtime's nursery; the
+calling thread waits on an event it can be interrupted in, so Ctrl+C cancels the role
+(shutdown is cancellation), prints a summary line and returns the summary marked ``stopped``
+(``swarmtrain node`` writes its ``--json`` then).
 
 ``PipelineHooks`` are test and demo settings that are no part of a run spec (a server's starting
 stage, a slowed stage, a trainer's microbatches in flight ...): ``swarmtrain node
@@ -40,8 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +49,7 @@ from typing import Any
 import trio
 
 from p2p import Node, P2PError
+from swarmtrain.pipeline.lines import LINES, describe, format_loss
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.progress import pipeline_status, servers_by_stage
 from swarmtrain.pipeline.roles import (
@@ -109,8 +108,8 @@ class PipelineHooks:
             key, sep, text = item.partition("=")
             kind = kinds.get(key.replace("-", "_"))
             if not sep or kind is None:
-                raise ValueError(f"--pipeline-hook {item!r}: expected KEY=VALUE, KEY one of "
-                                 f"{', '.join(kinds)}")  # fmt: skip
+                names = ", ".join(kinds)
+                raise ValueError(f"--pipeline-hook {item!r}: expected KEY=VALUE, KEY in {names}")
             try:
                 if kind.startswith("bool"):
                     value: Any = {"1": True, "true": True, "0": False, "false": False}[text]
@@ -257,90 +256,6 @@ def trainer_settings(
     )
 
 
-def _loss(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else "n/a"
-
-
-# The line of each event kind worth one: ``describe`` fills it in, ``read_line`` reads it back.
-# A field is one word or a [list], or the rest of the line when its template ends with it.
-LINES = {
-    "serving": "serving stage {stage} (probe: {throughput} samples/s)",
-    "joined": "joined stage {stage}: downloaded its servers' parameters of averaging round {round}",
-    "averaged": "stage {stage}: averaged round {round} with {group} servers, stage hash {digest}; "
-    "{forwards} forwards, {backwards} backwards",
-    "moved": "moved from stage {from_stage} to stage {to_stage} (the bottleneck), parameters "
-    "{hash}",
-    "progress": "stage {stage}: {forwards} forwards, {backwards} backwards, {averaged_rounds} "
-    "averaged rounds, {moves} moves, {throughput} samples/s",
-    "ready": "trainer ready: servers per stage {servers_per_stage}",
-    "round": "round {round} loss {loss} microbatches {microbatches} {samples_per_s} samples/s "
-    "failovers {failovers} servers per stage {servers_per_stage} {seconds} s",
-    "microbatch_failed": "microbatch failed (attempt {attempt}): {reason}",
-    "restarting": "stage {stage} has no server: restarting on it (initial parameters)",
-}
-_FIELD = re.compile(r"\{(\w+)\}")
-
-
-def _pattern(template: str) -> re.Pattern[str]:
-    parts = _FIELD.split(template)  # text, field, text, ..., text
-    return re.compile(
-        "".join(
-            re.escape(part)
-            if i % 2 == 0
-            else f"(?P<{part}>.+)"
-            if i == len(parts) - 2 and not parts[-1]
-            else rf"(?P<{part}>\[[^\]]*\]|\S+)"
-            for i, part in enumerate(parts)
-        )
-        + "$"
-    )
-
-
-_PATTERNS = {kind: _pattern(template) for kind, template in LINES.items()}
-_TEXT = {"digest", "hash", "reason"}  # read as shown (a hash prefix can be all digits)
-
-
-def describe(event: dict[str, Any]) -> str | None:
-    """A role's event as a progress line for a human, or None for events not worth a line."""
-    kind = event.get("event")
-    if kind not in LINES or (kind == "ready" and "servers_per_stage" not in event):
-        return None  # a server's "ready": its "serving" line says it
-    fields = {"forwards": 0, "backwards": 0, **event}
-    if kind == "averaged":
-        fields["digest"] = str(event["digest"])[:12]
-    elif kind == "moved":
-        fields["hash"] = str(event["hash"])[:12]
-    elif kind == "round":
-        fields["loss"] = _loss(event["loss"])
-    elif kind == "microbatch_failed":
-        fields["attempt"] = event["attempt"] + 1  # counted from 1 for a human
-    return LINES[kind].format(**fields)
-
-
-def read_line(line: str) -> dict[str, Any] | None:
-    """The event a ``describe`` line shows (``{"event": kind, field: value}``; numbers and lists
-    parsed, ``n/a`` as None, the attempt counted from 1, hashes as their 12-digit prefix), or
-    None for any other line."""
-    for kind, pattern in _PATTERNS.items():
-        match = pattern.match(line)
-        if match:
-            fields = match.groupdict().items()
-            return {"event": kind, **{k: v if k in _TEXT else _value(v) for k, v in fields}}
-    return None
-
-
-def _value(text: str) -> Any:
-    if text == "n/a":
-        return None
-    if text.startswith("["):
-        with contextlib.suppress(ValueError):
-            return json.loads(text)
-    for kind in (int, float):
-        with contextlib.suppress(ValueError):
-            return kind(text)
-    return text
-
-
 @dataclass
 class PipelineSummary:
     """What a pipeline node did: a server's final counts and its latest averaging rounds (stage,
@@ -396,8 +311,9 @@ class PipelineSummary:
                 f"averaged rounds ({s.get('failed_rounds', 0)} failed), {s.get('moves', 0)} moves"
             )
         return (
-            f"{head}: trainer, {summary['rounds']} rounds, loss {_loss(summary['loss_first'])} "
-            f"-> {_loss(summary['loss_last'])}, {summary['microbatches']} microbatches, "
+            f"{head}: trainer, {summary['rounds']} rounds, loss "
+            f"{format_loss(summary['loss_first'])} -> {format_loss(summary['loss_last'])}, "
+            f"{summary['microbatches']} microbatches, "
             f"{summary['failovers']} failovers in {summary['seconds']} s"
         )
 

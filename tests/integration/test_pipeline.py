@@ -4,7 +4,7 @@ Every process is what ``swarmtrain local --pipeline-stages`` runs: ``swarmtrain 
 a pipeline spec and ``swarmtrain node`` servers (pinned to their stages by the hidden
 ``--pipeline-hook``) and trainers, through ``pipeline_peer.py``, which adds faults that happen for
 real. What the tests see is what the nodes show: their lines (read back by
-``swarmtrain.pipeline.node.read_line``, timed on arrival) and their ``--json`` summaries.
+``swarmtrain.pipeline.lines.read_line``, timed on arrival) and their ``--json`` summaries.
 Checks: loss falls and the servers of each stage hold bit-identical parameters after every
 averaging round; a server SIGKILLed inside a forward costs the microbatch a retry on another
 server and training goes on; a deliberately slowed stage gets a server moved to it within

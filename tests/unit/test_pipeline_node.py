@@ -11,13 +11,12 @@ from hypothesis import strategies as st
 
 from swarm.pipeline.records import param_digest
 from swarmtrain.commands.status import StatusReport
+from swarmtrain.pipeline.lines import describe, read_line
 from swarmtrain.pipeline.node import (
     PipelineHooks,
     PipelineSummary,
-    describe,
     empty_stage_move,
     least_served,
-    read_line,
     server_settings,
     trainer_settings,
 )
