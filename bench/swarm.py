@@ -1,8 +1,10 @@
 """SWARM parallelism under heterogeneity and churn: throughput of four set-ups, side by side.
 
-Each scenario is a fresh swarm on 127.0.0.1 (a relay, stage servers, 2 trainers; the processes of
-``swarmtrain local --pipeline-stages``) trained for ``--seconds``; throughput is the trainers'
-completed samples per second over that window:
+Each scenario is a fresh swarm on 127.0.0.1 (a coordinator, stage servers, 2 trainers: the
+``swarmtrain coordinator`` and ``swarmtrain node`` processes of ``swarmtrain local
+--pipeline-stages``, set up through the hidden ``--pipeline-hook``) trained for ``--seconds``;
+throughput is the trainers' completed samples per second over that window (their ``--json``
+summaries):
 
 * ``rebalanced``: stochastic wiring + failover + rebalancing, with churn;
 * ``wiring_only``: the same swarm and churn, rebalancing off;
@@ -34,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import git_sha
-from swarmtrain.pipeline.local import Child, role_argv, start_relay, stop_all
+from swarmtrain.commands import local
+from swarmtrain.pipeline.local import Child, pipeline_config, start_node, stop_all
+from swarmtrain.pipeline.node import PipelineHooks
 
 
 def run_scenario(
@@ -50,50 +54,52 @@ def run_scenario(
     rng = random.Random(seed)
     run_id = f"bench-{name}-{os.urandom(3).hex()}"
     stages = args.stages
-    children: list[Child] = []
+    children: list[local.Child] = []  # the coordinator, then the nodes
+    nodes: list[Child] = []
+    lifetime_s = args.seconds + 120
+    config = pipeline_config(
+        run_id,
+        stages,
+        rounds=1,  # the trainers train for --seconds instead (the duration_s hook)
+        microbatches=8,
+        average_every_s=args.average_every_s,
+        rebalance_every_s=args.rebalance_every_s if rebalance else 0.0,
+    )
     with tempfile.TemporaryDirectory(prefix="bench-swarm-") as tmp:
         workdir = Path(tmp)
         try:
-            join = start_relay(workdir, children)
+            join = local.start_coordinator(workdir, config, children, lambda line: None)
             stage_of = [i % stages for i in range(servers_n)]
             last_stage = [i for i in reversed(range(servers_n)) if stage_of[i] == stages - 1]
             slow = set() if fixed else set(last_stage[: args.slow_servers])
 
-            def server_argv(i: int) -> list[str]:
-                extra = [
-                    *("--stage", str(stage_of[i]), "--average-every-s", str(args.average_every_s)),
-                    *("--rebalance-every-s", str(args.rebalance_every_s if rebalance else 0)),
-                    *("--rebalance-after-s", "4", "--lifetime-s", str(args.seconds + 120)),
-                ]
-                # Every server is a "machine" whose speed is a delay per call, so stage capacity,
-                # not this box's shared CPU, is what limits the pipeline.
-                delay = args.slow_ms if i in slow else args.base_ms
-                extra += ["--machine-slow-ms", str(delay)]
-                return role_argv("_server", join, workdir / f"s{i}.key", run_id, stages, extra)
+            def start_node_(name: str, hooks: PipelineHooks, extra: list[str]) -> Child:
+                child = start_node(name, workdir, join, extra=[*extra, *hooks.argv()])
+                children.append(child)
+                nodes.append(child)
+                return child
 
             def start_server(i: int) -> Child:
-                child = Child(f"s{i}", server_argv(i), workdir / f"s{i}.log", lambda c, e: None)
-                children.append(child)
-                return child
+                # Every server is a "machine" whose speed is a delay per call, so stage capacity,
+                # not this box's shared CPU, is what limits the pipeline. A restart keeps its
+                # state directory: the same identity, the same initial stage.
+                delay = args.slow_ms if i in slow else args.base_ms
+                hooks = PipelineHooks(
+                    stage=stage_of[i], machine_slow_ms=delay, rebalance_after_s=4,
+                    lifetime_s=lifetime_s,
+                )  # fmt: skip
+                return start_node_(f"s{i}", hooks, [])
 
             servers = [start_server(i) for i in range(servers_n)]
             for s in servers:
-                s.wait_event("ready", 90)
-            trainer_extra = [
-                *("--duration-s", str(args.seconds), "--microbatches", "8"),
-                *("--in-flight", str(args.in_flight)),
-                *("--lifetime-s", str(args.seconds + 120), "--hop-timeout-s", "5"),
+                s.wait_event("serving", 90)
+            trainer_hooks = PipelineHooks(
+                duration_s=args.seconds, in_flight=args.in_flight, hop_timeout_s=5,
+                stop_on_failure=fixed or None, lifetime_s=lifetime_s,
+            )  # fmt: skip
+            trainers = [
+                start_node_(f"t{i}", trainer_hooks, ["--role", "trainer"]) for i in range(2)
             ]
-            if fixed:
-                trainer_extra.append("--stop-on-failure")
-            trainers = []
-            for i in range(2):
-                argv = role_argv(
-                    "_trainer", join, workdir / f"t{i}.key", run_id, stages,
-                    ["--seed", str(seed * 10 + i), *trainer_extra],
-                )  # fmt: skip
-                trainers.append(Child(f"t{i}", argv, workdir / f"t{i}.log", lambda c, e: None))
-            children.extend(trainers)
             for t in trainers:
                 t.wait_event("ready", 90)
             kills = 0
@@ -120,12 +126,10 @@ def run_scenario(
             done.set()
             if churn:
                 thread.join(timeout=5)
-            finals = [
-                next((e for e in t.events if e.get("event") == "final"), {}) for t in trainers
-            ]
+            finals = [t.summary() or {} for t in trainers]
             samples = sum(int(f.get("samples", 0)) for f in finals)
-            moves = sum(1 for s in children for e in s.events if e.get("event") == "moved")
-            rounds = [e for t in trainers for e in t.events if e.get("event") == "round"]
+            moves = sum(len(s.of("moved")) for s in nodes)
+            rounds = [e for t in trainers for e in t.of("round")]
             return {
                 "sps": samples / args.seconds,
                 "rounds": len(rounds),
@@ -133,7 +137,7 @@ def run_scenario(
                 "kills": kills,
                 "moves": moves,
                 "failovers": sum(int(f.get("failovers", 0)) for f in finals),
-                "stopped": any("stopped" in f for f in finals),
+                "stopped": any(f.get("gave_up") for f in finals),
             }
         finally:
             stop_all(list(reversed(children)), 5)

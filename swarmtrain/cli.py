@@ -180,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_node.add_argument("--cheat", type=_cheat, default=None, help=argparse.SUPPRESS)
     # ... and a lying reducer: every part this node reduces in round ROUND is off.
     p_node.add_argument("--cheat-reduce", type=int, default=None, help=argparse.SUPPRESS)
+    # A pipeline node's test and demo settings, repeatable (swarmtrain.pipeline.node.PipelineHooks:
+    # a server's starting stage, a slowed stage, ...); swarmtrain local --pipeline-stages sets them.
+    p_node.add_argument(
+        "--pipeline-hook", action="append", default=[], metavar="KEY=VALUE", help=argparse.SUPPRESS
+    )
 
     p_init = sub.add_parser("init", help="write a commented default run config")
     p_init.add_argument("path", type=Path, nargs="?", default=Path("run.toml"), help="[run.toml]")
@@ -286,6 +291,7 @@ def _cheat(text: str) -> tuple[int, int, int]:
 def _main_node(args: argparse.Namespace) -> int:
     # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
     from swarmtrain.commands.node import NodeOptions, run_node
+    from swarmtrain.pipeline.node import PipelineHooks
 
     _setup_logging(args.verbose)
     state_dir = args.state_dir or _default_state_dir()
@@ -301,6 +307,7 @@ def _main_node(args: argparse.Namespace) -> int:
             role=args.role,
             allow_models=tuple(args.allow_model),
             faults=Faults(task=args.cheat, reduce_round=args.cheat_reduce),
+            pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,13 +118,14 @@ class LocalSummary:
 
 class Child:
     """A child process; a thread hands its stdout lines to ``on_line``, stderr goes to a file.
-    ``swarmtrain.pipeline.local`` extends it for children that print JSON events."""
+    ``swarmtrain.pipeline.local`` extends it to read a pipeline node's lines as events."""
 
     def __init__(
         self, name: str, argv: list[str], log_path: Path, on_line: Callable[[str], None]
     ) -> None:
         self.name = name
         self.log_path = log_path
+        self._interrupted = False
         self._log: IO[bytes] = log_path.open("wb")
         self.proc = subprocess.Popen(
             argv,
@@ -154,13 +155,16 @@ class Child:
         return lines[-1] if lines else ""
 
     def interrupt(self) -> None:
-        if self.proc.poll() is None:
+        """SIGINT, once: a second one would cut the node's clean stop short (a pipeline server
+        writes its summary at the end of it)."""
+        if self.proc.poll() is None and not self._interrupted:
+            self._interrupted = True
             self.proc.send_signal(signal.SIGINT)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """SIGINT (the node's Ctrl+C path: checkpoint kept), SIGKILL after ``grace_s``."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.interrupt()
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -171,10 +175,11 @@ class Child:
         self._log.close()
 
 
-def _start_coordinator(
+def start_coordinator(
     workdir: Path, config: RunConfig, children: list[Child], emit: Callable[[str], None]
 ) -> str:
-    """Start the coordinator on ``config`` and return the join address it prints."""
+    """Start the coordinator on ``config`` (written to ``workdir/run.toml``, as ``swarmtrain
+    init`` writes it) and return the join address it prints. Raises LocalFailed."""
     config_path = workdir / "run.toml"
     config_path.write_text(default_toml(config))
     lines: queue.Queue[str] = queue.Queue()
@@ -238,7 +243,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             training=TrainingSection(inner_steps=options.inner_steps),
             verify=VerifySection(rate=options.verify_rate),
         )
-        join = _start_coordinator(workdir, config, children, emit)
+        join = start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[Child] = []
         delayed, delay_s = options.delay_node or (-1, 0.0)
@@ -247,23 +252,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             if index == delayed:
                 emit(f"starting node {index} {delay_s:.0f} s after the others (--delay-node)")
                 time.sleep(delay_s)  # the delay is the point: a late volunteer
-            node_dir = workdir / f"node{index}"
-            argv = [
-                *SWARMTRAIN,
-                "node",
-                "--join",
-                join,
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-                "--state-dir",
-                str(node_dir),
-                "--threads",
-                str(threads),
-                "--json",
-                str(node_dir / "summary.json"),
-            ]
-            if options.verbose:
-                argv.append("-v")
+            argv = node_argv(join, workdir / f"node{index}", threads, verbose=options.verbose)
             child = Child(
                 f"node {index}", argv, workdir / f"node{index}.log", emit_from(f"[{index}]")
             )
@@ -285,7 +274,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
                     f"{child.last_log_line() or 'no log'}"
                 )
         summaries = [
-            _read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
+            read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
         ]
     summary = _combine(options, summaries, time.monotonic() - started)
     if options.json_path is not None:
@@ -294,7 +283,26 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
     return summary
 
 
-def _read_summary(path: Path) -> dict[str, object]:
+def node_argv(
+    join: str,
+    node_dir: Path,
+    threads: int,
+    *,
+    verbose: bool = False,
+    extra: Sequence[str] = (),
+    program: Sequence[str] = SWARMTRAIN,
+) -> list[str]:
+    """``swarmtrain node`` on loopback with its state in ``node_dir`` and its ``--json`` summary
+    at ``node_dir / "summary.json"``; ``extra`` options appended."""
+    argv = [
+        *program, "node", "--join", join, "--listen", "/ip4/127.0.0.1/tcp/0",
+        "--state-dir", str(node_dir), "--threads", str(threads),
+        "--json", str(node_dir / "summary.json"), *extra,
+    ]  # fmt: skip
+    return [*argv, "-v"] if verbose else argv
+
+
+def read_summary(path: Path) -> dict[str, object]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

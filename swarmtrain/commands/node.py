@@ -27,7 +27,7 @@ from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
 from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.state_sync import StateServer
-from swarmtrain.pipeline.node import ROLES, PipelineSummary, run_pipeline
+from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_pipeline
 from swarmtrain.runspec import RunSpec
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.loop import NodeSummary, averager_config, train
@@ -54,6 +54,8 @@ class NodeOptions:
     # A verified run's cheater, for tests and demos (``--cheat``, ``--cheat-reduce``, hidden
     # from --help): handed to the averager and the verification, nowhere else.
     faults: Faults = NO_FAULTS
+    # A pipeline node's test and demo settings (``--pipeline-hook KEY=VALUE``, hidden).
+    pipeline_hooks: PipelineHooks | None = None
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -83,9 +85,10 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     stage server (until Ctrl+C) or, with ``role="trainer"``, a trainer
     (``swarmtrain.pipeline.node``). Returns the summary (also written to ``options.json_path``).
     KeyboardInterrupt propagates after the node is closed (the last round boundary's checkpoint
-    is on disk). Raises SpecRefused (the spec is unsigned or tampered with), P2PError when the
-    node cannot join or reach the coordinator, ValueError for a checkpoint of another config or
-    a ``role`` on a DiLoCo run, RuntimeError when the agreed state cannot be downloaded or a
+    is on disk); a pipeline role interrupted writes its summary first (how a stage server
+    ends). Raises SpecRefused (the spec is unsigned or tampered with), P2PError when the node
+    cannot join or reach the coordinator, ValueError for a checkpoint of another config or a
+    ``role`` on a DiLoCo run, RuntimeError when the agreed state cannot be downloaded or a
     pipeline stage has no server."""
     device = resolve_device(options.device)
     if options.threads:
@@ -146,6 +149,8 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(summary.to_json()) + "\n")
+    if isinstance(summary, PipelineSummary) and summary.stopped:
+        raise KeyboardInterrupt
     return summary
 
 
@@ -172,4 +177,5 @@ def _run_pipeline(
         wait_for_servers_s=options.join_wait_s,
         emit=emit,
         allow_models=options.allow_models,
+        hooks=options.pipeline_hooks,
     )

@@ -1,16 +1,17 @@
 """``swarmtrain node`` on a pipeline run spec (``pipeline.stages > 0``): stage server or trainer.
 
 ``swarmtrain.commands.node.run_node`` fetches and verifies the spec, then hands its running node
-(``PeerRuntime``) here. The roles are ``swarmtrain.pipeline.roles``' (what ``swarmtrain local
---pipeline-stages`` runs), with every setting from the spec: the model shape (``[model]``), the
-microbatch (``training.batch_size`` x ``training.sequence_length``), the servers' learning rate
-(``training.inner_lr``), the trainer's rounds (``run.rounds`` of ``pipeline.microbatches``) and the
-servers' clock epochs (``pipeline.average_every_s``, ``pipeline.rebalance_every_s``). Every server
-builds the initial parameters from the run id's seed, so the servers of a stage agree before they
-first average. A spec may name a user's model (``[model] factory``): a server imports it only
-when its own ``--allow-model`` list names it (``pipeline_model.check_allowed``), and builds and
-cuts it once before it joins, so a missing module or a broken model is a one-line error.
-Trainers never import the model (they send bytes and read logits), so they need no flag.
+(``PeerRuntime``) here (``swarmtrain local --pipeline-stages`` starts such nodes). The roles are
+``swarmtrain.pipeline.roles``', with every setting from the spec (the hooks aside, below): the model
+shape (``[model]``), the microbatch (``training.batch_size`` x ``training.sequence_length``), the
+servers' learning rate (``training.inner_lr``), the trainer's rounds (``run.rounds`` of
+``pipeline.microbatches``) and the servers' clock epochs (``pipeline.average_every_s``,
+``pipeline.rebalance_every_s``). Every server builds the initial parameters from the run id's seed,
+so the servers of a stage agree before they first average. A spec may name a user's model
+(``[model] factory``): a server imports it only when its own ``--allow-model`` list names it
+(``pipeline_model.check_allowed``), and builds and cuts it once before it joins, so a missing module
+or a broken model is a one-line error. Trainers never import the model (they send bytes and read
+logits), so they need no flag.
 
 * A **server** starts on the stage with the fewest servers in the DHT records (ties broken by a
   hash of its peer id and the stage, so servers that start together spread out), then serves
@@ -22,14 +23,22 @@ Trainers never import the model (they send bytes and read logits), so they need 
   server) restarts there from the initial parameters, which are all an unserved stage has left.
 * A **trainer** waits (bounded) until every stage has a server, trains its rounds and exits.
 
-The roles report events (dicts); here they become lines for a human (``describe``). The role
-runs as a task in the runtime's nursery; the calling thread waits on an event it can be
-interrupted in, so Ctrl+C cancels the role (shutdown is cancellation) and prints a summary.
+The roles report events (dicts); here they become lines for a human
+(``swarmtrain.pipeline.lines``, which also reads them back for ``swarmtrain local
+--pipeline-stages`` and the tests). The role runs as a task in the runtime's nursery; the
+calling thread waits on an event it can be interrupted in, so Ctrl+C cancels the role
+(shutdown is cancellation), prints a summary line and returns the summary marked ``stopped``
+(``swarmtrain node`` writes its ``--json`` then).
+
+``PipelineHooks`` are test and demo settings that are no part of a run spec (a server's starting
+stage, a slowed stage, a trainer's microbatches in flight ...): ``swarmtrain node
+--pipeline-hook KEY=VALUE``, hidden from ``--help``, as ``--cheat`` is for verified runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import threading
 import time
@@ -41,6 +50,7 @@ import trio
 
 from p2p import Node, P2PError
 from swarmtrain.config import RunConfig
+from swarmtrain.pipeline.lines import LINES, describe, format_loss
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.progress import pipeline_status, servers_by_stage
 from swarmtrain.pipeline.roles import (
@@ -55,10 +65,71 @@ from swarmtrain.pipeline.roles import (
 from swarmtrain.runtime import PeerRuntime
 
 ROLES = ("server", "trainer")
+# A server's summary keeps its latest averaging rounds (the server keeps 256 events in all).
+MAX_SUMMARY_AVERAGES = 128
 # A server prints its counts this often (when they changed): its only sign of life when it is
 # alone on its stage and never averages.
 PROGRESS_EVERY_S = 15.0
 EMPTY_CHECK_S = 3.0
+
+
+@dataclass(frozen=True)
+class PipelineHooks:
+    """Settings for tests and demos that a run spec does not hold: ``None`` keeps the role's
+    default. They shape one process only (where it starts, how slow it is, how it drives), never
+    what the servers of a run must agree on (clock epochs, model, learning rate: the spec).
+
+    A server: ``stage`` it starts on (no least-served choice, and no empty-stage restarts: the
+    caller placed every server), ``slow_stage`` and ``slow_ms`` (a delay per call of that stage,
+    ``--pipeline-slow-stage``), ``machine_slow_ms`` (a delay per call of any stage: a slower
+    machine), ``rebalance_after_s`` (no move before this long after starting). A trainer:
+    ``in_flight`` microbatches, ``hop_timeout_s``, ``duration_s`` (rounds until then instead of
+    ``run.rounds``), ``stop_on_failure`` (no failover or retry: a fixed pipeline, bench.swarm).
+    Either: ``lifetime_s``, after which it stops as on Ctrl+C, so that a server started by a
+    program that died (``swarmtrain local``, a test) does not serve forever."""
+
+    stage: int | None = None
+    slow_stage: int | None = None
+    slow_ms: float | None = None
+    machine_slow_ms: float | None = None
+    rebalance_after_s: float | None = None
+    in_flight: int | None = None
+    hop_timeout_s: float | None = None
+    duration_s: float | None = None
+    stop_on_failure: bool | None = None
+    lifetime_s: float | None = None
+
+    @classmethod
+    def parse(cls, items: Sequence[str]) -> PipelineHooks:
+        """From ``KEY=VALUE`` items; raises ValueError for an unknown key or a bad value."""
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for item in items:
+            key, sep, text = item.partition("=")
+            kind = kinds.get(key.replace("-", "_"))
+            if not sep or kind is None:
+                names = ", ".join(kinds)
+                raise ValueError(f"--pipeline-hook {item!r}: expected KEY=VALUE, KEY in {names}")
+            try:
+                if kind.startswith("bool"):
+                    value: Any = {"1": True, "true": True, "0": False, "false": False}[text]
+                else:
+                    value = (int if kind.startswith("int") else float)(text)
+            except (KeyError, ValueError):
+                raise ValueError(f"--pipeline-hook {item!r}: bad value for {key}") from None
+            if not isinstance(value, bool) and value < 0:
+                raise ValueError(f"--pipeline-hook {item!r}: must not be negative")
+            values[key.replace("-", "_")] = value
+        return cls(**values)
+
+    def argv(self) -> list[str]:
+        """These hooks as ``swarmtrain node`` options."""
+        out: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                out += ["--pipeline-hook", f"{f.name}={str(value).lower()}"]
+        return out
 
 
 def least_served(servers_per_stage: list[int], peer_id: bytes) -> int:
@@ -126,8 +197,16 @@ async def choose_stage(node: Node, run_id: str, num_stages: int) -> int:
     return least_served([0] * num_stages, node.host.peer_id.to_bytes())
 
 
-def server_settings(config: RunConfig, seed: int) -> ServerSettings:
-    return ServerSettings(
+def _hooked(settings: Any, **fields: Any) -> Any:
+    """``settings`` with the hooks that are set (``fields``: hook value by settings field)."""
+    return dataclasses.replace(settings, **{k: v for k, v in fields.items() if v is not None})
+
+
+def server_settings(
+    config: RunConfig, seed: int, hooks: PipelineHooks | None = None
+) -> ServerSettings:
+    hooks = hooks or PipelineHooks()
+    settings = ServerSettings(
         run_id=config.run.id,
         num_stages=config.pipeline.stages,
         shape=shape_of(config),
@@ -140,12 +219,24 @@ def server_settings(config: RunConfig, seed: int) -> ServerSettings:
         progress_every_s=PROGRESS_EVERY_S,
         model_factory=config.model.factory,
     )
+    return _hooked(
+        settings,
+        slow_stage=hooks.slow_stage,
+        slow_s=None if hooks.slow_ms is None else hooks.slow_ms / 1000,
+        machine_slow_s=None if hooks.machine_slow_ms is None else hooks.machine_slow_ms / 1000,
+        rebalance_after_s=hooks.rebalance_after_s,
+    )
 
 
 def trainer_settings(
-    config: RunConfig, seed: int, peer_id: bytes, wait_for_servers_s: float
+    config: RunConfig,
+    seed: int,
+    peer_id: bytes,
+    wait_for_servers_s: float,
+    hooks: PipelineHooks | None = None,
 ) -> TrainerSettings:
-    return TrainerSettings(
+    hooks = hooks or PipelineHooks()
+    settings = TrainerSettings(
         run_id=config.run.id,
         num_stages=config.pipeline.stages,
         batch_size=config.training.batch_size,
@@ -156,62 +247,27 @@ def trainer_settings(
         route_seed=int.from_bytes(hashlib.sha256(peer_id).digest()[:8], "big"),
         wait_for_servers_s=wait_for_servers_s,
     )
-
-
-def _loss(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else "n/a"
-
-
-def describe(event: dict[str, Any]) -> str | None:
-    """A role's event as a progress line for a human, or None for events not worth a line."""
-    kind = event.get("event")
-    if kind == "serving":
-        return f"serving stage {event['stage']} (probe: {event['throughput']} samples/s)"
-    if kind == "joined":
-        return (
-            f"joined stage {event['stage']}: downloaded its servers' parameters of averaging "
-            f"round {event['round']}"
-        )
-    if kind == "averaged":
-        return (
-            f"stage {event['stage']}: averaged round {event['round']} with {event['group']} "
-            f"servers, stage hash {str(event['digest'])[:12]}; {event.get('forwards', 0)} "
-            f"forwards, {event.get('backwards', 0)} backwards"
-        )
-    if kind == "moved":
-        return (
-            f"moved from stage {event['from_stage']} to stage {event['to_stage']} (the "
-            f"bottleneck), parameters {str(event['hash'])[:12]}"
-        )
-    if kind == "progress":
-        return (
-            f"stage {event['stage']}: {event['forwards']} forwards, {event['backwards']} "
-            f"backwards, {event['averaged_rounds']} averaged rounds, {event['moves']} moves, "
-            f"{event['throughput']} samples/s"
-        )
-    if kind == "ready" and "servers_per_stage" in event:
-        return f"trainer ready: servers per stage {event['servers_per_stage']}"
-    if kind == "round":
-        return (
-            f"round {event['round']} loss {_loss(event['loss'])} microbatches "
-            f"{event['microbatches']} {event['samples_per_s']} samples/s failovers "
-            f"{event['failovers']} servers per stage {event['servers_per_stage']} "
-            f"{event['seconds']} s"
-        )
-    if kind == "microbatch_failed":
-        return f"microbatch failed (attempt {event['attempt'] + 1}): {event['reason']}"
-    return None
+    return _hooked(
+        settings,
+        in_flight=hooks.in_flight,
+        hop_timeout_s=hooks.hop_timeout_s,
+        duration_s=hooks.duration_s,
+        stop_on_failure=hooks.stop_on_failure,
+    )
 
 
 @dataclass
 class PipelineSummary:
-    """What a pipeline node did: a server's final counts, or a trainer's rounds and losses."""
+    """What a pipeline node did: a server's final counts and its latest averaging rounds (stage,
+    round, digest, group: the servers of a stage agree when their digests of a round do), or a
+    trainer's rounds, losses and microbatch counts."""
 
     role: str
     peer_id: str
     stopped: bool = False  # interrupted (Ctrl+C) rather than finished
-    server: dict[str, Any] = field(default_factory=dict)  # server_final()
+    server: dict[str, Any] = field(default_factory=dict)  # server_final() + "averages"
     rounds: list[dict[str, Any]] = field(default_factory=list)  # the trainer's round events
+    trained: dict[str, Any] = field(default_factory=dict)  # what roles.train() returned
     seconds: float = 0.0
 
     def losses(self) -> list[float]:
@@ -236,6 +292,10 @@ class PipelineSummary:
                     "loss_last": losses[-1] if losses else None,
                     "microbatches": sum(int(r["microbatches"]) for r in self.rounds),
                     "failovers": self.rounds[-1]["failovers"] if self.rounds else 0,
+                    "samples": self.trained.get("samples", 0),
+                    "failed": self.trained.get("failed", 0),  # microbatch attempts
+                    # with stop_on_failure: the failure that ended training
+                    "gave_up": self.trained.get("stopped"),
                 }
             )
         return out
@@ -251,8 +311,9 @@ class PipelineSummary:
                 f"averaged rounds ({s.get('failed_rounds', 0)} failed), {s.get('moves', 0)} moves"
             )
         return (
-            f"{head}: trainer, {summary['rounds']} rounds, loss {_loss(summary['loss_first'])} "
-            f"-> {_loss(summary['loss_last'])}, {summary['microbatches']} microbatches, "
+            f"{head}: trainer, {summary['rounds']} rounds, loss "
+            f"{format_loss(summary['loss_first'])} -> {format_loss(summary['loss_last'])}, "
+            f"{summary['microbatches']} microbatches, "
             f"{summary['failovers']} failovers in {summary['seconds']} s"
         )
 
@@ -266,14 +327,18 @@ def run_pipeline(
     wait_for_servers_s: float,
     emit: Callable[[str], None],
     allow_models: Sequence[str] = (),
+    hooks: PipelineHooks | None = None,
 ) -> PipelineSummary:
     """Run ``role`` on the runtime's node: a server until Ctrl+C, a trainer until its last round.
 
-    Returns the summary. On Ctrl+C the role is cancelled, the summary line is emitted and
-    KeyboardInterrupt propagates. Raises ``ModelRefused`` (a server, for a spec's model factory
-    not in ``allow_models``) and ``ModelContractError`` (it cannot be imported or breaks the
-    contract) before serving; else what the role raised (``NoServers``, P2PError,
-    ValueError), with the role already stopped."""
+    Returns the summary. On Ctrl+C once the role runs, the role is cancelled, the summary line
+    is emitted and the summary returned with ``stopped`` set (the caller re-raises
+    KeyboardInterrupt once it wrote the summary). Raises ``ModelRefused`` (a server, for a
+    spec's model factory not in ``allow_models``) and ``ModelContractError`` (it cannot be
+    imported or breaks the contract) before serving, ValueError for a hooked stage outside the
+    run's; else what the role raised (``NoServers``, P2PError, ValueError), with the role
+    already stopped."""
+    hooks = hooks or PipelineHooks()
     node = runtime.node
     assert node is not None
     summary = PipelineSummary(role, str(node.host.peer_id))
@@ -289,7 +354,7 @@ def run_pipeline(
             emit(line)
 
     if role == "server":
-        settings = server_settings(config, seed)
+        settings = server_settings(config, seed, hooks)
         if config.model.factory:
             check_allowed(config.model.factory, allow_models, run_id=config.run.id)
             check_model(settings)
@@ -297,11 +362,23 @@ def run_pipeline(
                 f"model {config.model.factory} (allowed by --allow-model) builds and cuts "
                 f"into {config.pipeline.stages} stages"
             )
-        stage = runtime.call(choose_stage, node, config.run.id, config.pipeline.stages)
-        emit(f"stage server {node.host.peer_id} starting on stage {stage} (the least served)")
+        pinned = hooks.stage
+        if pinned is not None and not 0 <= pinned < config.pipeline.stages:
+            raise ValueError(f"--pipeline-hook stage={pinned}: the run has stages 0 to "
+                             f"{config.pipeline.stages - 1}")  # fmt: skip
+        if pinned is None:
+            stage = runtime.call(choose_stage, node, config.run.id, config.pipeline.stages)
+            emit(f"stage server {node.host.peer_id} starting on stage {stage} (the least served)")
+        else:
+            stage = pinned
+            emit(f"stage server {node.host.peer_id} starting on stage {stage} (pinned)")
 
         async def work() -> None:
             current = stage
+            if pinned is not None:  # placed by the caller: it serves no empty stage here
+                async with trio.open_nursery() as nursery:
+                    box["server"] = await nursery.start(serve, node, settings, current, on_event)
+                return
             while True:
                 async with trio.open_nursery() as nursery:
                     box["server"] = await nursery.start(serve, node, settings, current, on_event)
@@ -309,14 +386,16 @@ def run_pipeline(
                         node, config.run.id, settings.num_stages, current
                     )
                     nursery.cancel_scope.cancel()
-                emit(f"stage {target} has no server: restarting on it (initial parameters)")
+                emit(LINES["restarting"].format(stage=target))
                 current = target
     else:
         emit(f"trainer {node.host.peer_id}: waiting until every stage has a server")
-        trainer = trainer_settings(config, seed, node.host.peer_id.to_bytes(), wait_for_servers_s)
+        trainer = trainer_settings(
+            config, seed, node.host.peer_id.to_bytes(), wait_for_servers_s, hooks
+        )
 
         async def work() -> None:
-            await train(node, trainer, on_event)
+            box["trained"] = await train(node, trainer, on_event)
 
     async def service(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -328,15 +407,18 @@ def run_pipeline(
             done.set()
 
     runtime.start(service)
+    until = None if hooks.lifetime_s is None else began + hooks.lifetime_s
     try:
         while not done.wait(0.5):
-            pass
+            if until is not None and time.monotonic() > until:
+                emit(f"lifetime of {hooks.lifetime_s:.0f} s (--pipeline-hook) is over: stopping")
+                raise KeyboardInterrupt  # the one way a role stops: as on Ctrl+C
     except KeyboardInterrupt:
         runtime.close()  # cancels the role: the server stops serving, the trainer its round
         summary.stopped = True
         _finish(summary, box, began)
         emit(summary.done_line())
-        raise
+        return summary
     _finish(summary, box, began)
     if "error" in box:
         raise box["error"]
@@ -345,5 +427,12 @@ def run_pipeline(
 
 def _finish(summary: PipelineSummary, box: dict[str, Any], began: float) -> None:
     summary.seconds = time.monotonic() - began
+    summary.trained = box.get("trained", {})
     if "server" in box:
-        summary.server = server_final(box["server"])
+        server = box["server"]
+        averages = [
+            {k: e[k] for k in ("stage", "round", "digest", "group")}
+            for e in list(server.statistics.events)
+            if e.get("event") == "averaged"
+        ]
+        summary.server = {**server_final(server), "averages": averages[-MAX_SUMMARY_AVERAGES:]}

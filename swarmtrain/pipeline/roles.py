@@ -1,5 +1,6 @@
-"""The two roles of a SWARM pipeline run, shared by ``swarmtrain local --pipeline-stages`` (its
-child processes) and ``swarmtrain node`` (a run spec with ``pipeline.stages > 0``).
+"""The two roles of a SWARM pipeline run, which ``swarmtrain node`` runs for a run spec with
+``pipeline.stages > 0`` (``swarmtrain.pipeline.node``; ``swarmtrain local --pipeline-stages``
+starts such nodes).
 
 * The model: ``diloco.ByteTransformer`` of a given ``ByteTransformerConfig``, cut into S stages
   (embedding + first blocks / middle blocks / last blocks + head), or a user's model
@@ -12,9 +13,9 @@ child processes) and ``swarmtrain node`` (a run spec with ``pipeline.stages > 0`
   figures (``swarmtrain.pipeline.progress``) for ``swarmtrain status``.
 
 Both report what happens as event dicts (``{"event": "averaged", ...}``) to an ``emit`` callback:
-``pipeline_local``'s children print them as JSON lines for their parent, ``swarmtrain node``
-turns them into lines for a human (``swarmtrain.pipeline.node.describe``). Torch and the model
-are imported inside the functions: importing this module stays cheap for the CLI.
+``swarmtrain node`` turns them into lines for a human (``swarmtrain.pipeline.node.describe``).
+Torch and the model are imported inside the functions: importing this module stays cheap for the
+CLI.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
-"""A pipeline role (stage server or trainer) in its own process, with an optional fault.
+"""``swarmtrain`` in its own process, with an optional fault for a pipeline stage server.
 
-``python pipeline_peer.py _server|_trainer [role options] [--fault SPEC]`` runs exactly what
-``swarmtrain.pipeline.local`` runs for that role (same options, same JSON event lines), after
-installing the fault, which then happens for real in this process:
+``python pipeline_peer.py node ... [--fault SPEC]`` runs exactly ``swarmtrain node ...`` (the
+same options, the same lines, the same ``--json`` summary), after installing the fault, which
+then happens for real in this process:
 
     kill-after-forwards:N   SIGKILL ourselves inside our (N+1)th forward: the request has arrived,
-                            the reply never leaves (a server dying mid-microbatch)
+                            the reply never leaves (a server dying mid-microbatch); the line
+                            ``dying`` comes first
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import sys
 
 from swarm.pipeline.server import StageServer
-from swarmtrain.pipeline.local import role_main
+from swarmtrain.cli import main as swarmtrain_main
 
 
 def install_fault(spec: str) -> None:
@@ -27,7 +28,7 @@ def install_fault(spec: str) -> None:
 
     def dying_forward(self, *args):  # type: ignore[no-untyped-def]
         if self.statistics.forwards >= limit:
-            print('{"event": "dying"}', flush=True)
+            print("dying", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return forward(self, *args)
 
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
         at = argv.index("--fault")
         install_fault(argv[at + 1])
         argv = argv[:at] + argv[at + 2 :]
-    return role_main(argv)
+    return swarmtrain_main(argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
-"""SWARM pipelines with real processes on 127.0.0.1: a relay, stage servers and 2 trainers.
+"""SWARM pipelines with real processes on 127.0.0.1: a coordinator, stage servers and 2 trainers.
 
-Every process is what ``swarmtrain local --pipeline-stages`` runs (``pipeline_peer.py`` adds
-faults that happen for real). Checks: loss falls and the servers of each stage hold bit-identical
-parameters after every averaging round; a server SIGKILLed inside a forward costs the microbatch a
-retry on another server and training goes on; a deliberately slowed stage gets a server moved to
-it within bounded time and the pipeline gets faster.
+Every process is what ``swarmtrain local --pipeline-stages`` runs: ``swarmtrain coordinator`` on
+a pipeline spec and ``swarmtrain node`` servers (pinned to their stages by the hidden
+``--pipeline-hook``) and trainers, through ``pipeline_peer.py``, which adds faults that happen for
+real. What the tests see is what the nodes show: their lines (read back by
+``swarmtrain.pipeline.lines.read_line``, timed on arrival) and their ``--json`` summaries.
+Checks: loss falls and the servers of each stage hold bit-identical parameters after every
+averaging round; a server SIGKILLed inside a forward costs the microbatch a retry on another
+server and training goes on; a deliberately slowed stage gets a server moved to it within
+bounded time and the pipeline gets faster.
 """
 
 from __future__ import annotations
@@ -16,22 +20,28 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 from p2p import HostConfig, NodeConfig, load_or_create_identity, open_node
+from swarmtrain.commands import local
 from swarmtrain.pipeline.local import (
     Child,
-    pipeline_status,
-    role_argv,
-    start_relay,
+    pipeline_config,
+    start_node,
     stop_all,
     summarize,
 )
+from swarmtrain.pipeline.node import PipelineHooks
+from swarmtrain.pipeline.progress import pipeline_status
 
-SCRIPT = str(Path(__file__).with_name("pipeline_peer.py"))
+PEER = (sys.executable, str(Path(__file__).with_name("pipeline_peer.py")))
 START_S = 60.0
+# pipeline.average_every_s must be positive: an epoch this long never comes within a test.
+NEVER_S = 1e7
+LIFETIME_S = 300.0  # every node stops by itself after this, should the test die first
 pytestmark = pytest.mark.timeout(150)
 
 
@@ -50,52 +60,65 @@ def pipeline(
     stages: int,
     server_stages: Sequence[int],
     *,
-    server_options: Sequence[str] = (),
+    rounds: int,
+    microbatches: int,
+    average_every_s: float = NEVER_S,
+    rebalance_every_s: float = 0.0,
+    server_hooks: dict[str, Any] | None = None,
     per_server: dict[int, list[str]] | None = None,
-    trainer_options: Sequence[str] = (),
+    trainer_hooks: dict[str, Any] | None = None,
     trainers_after_servers: bool = True,
+    verbose: bool = False,
 ) -> Iterator[Swarm]:
     run_id = f"test-{os.urandom(3).hex()}"
-    children: list[Child] = []
+    config = pipeline_config(
+        run_id,
+        stages,
+        rounds,
+        microbatches,
+        average_every_s=average_every_s,
+        rebalance_every_s=rebalance_every_s,
+    )
+    children: list[local.Child] = []  # the coordinator, then the nodes
     with ExitStack() as stack:
         stack.callback(lambda: stop_all(list(reversed(children)), 5))
-        join = start_relay(tmp_path, children)
+        join = local.start_coordinator(tmp_path, config, children, lambda line: None)
 
-        def argv(role: str, name: str, extra: Sequence[str]) -> list[str]:
-            base = role_argv(role, join, tmp_path / f"{name}.key", run_id, stages, extra)
-            return [sys.executable, SCRIPT, *base[3:]]  # the same role, through the fault hook
+        def node(name: str, extra: list[str]) -> Child:
+            child = start_node(name, tmp_path, join, extra=extra, verbose=verbose, program=PEER)
+            children.append(child)
+            return child
 
         servers = [
-            Child(
+            node(
                 f"server{i}",
-                argv(
-                    "_server",
-                    f"server{i}",
-                    ["--stage", str(stage), *server_options, *(per_server or {}).get(i, [])],
-                ),
-                tmp_path / f"server{i}.log",
-                lambda child, event: None,
+                [
+                    *PipelineHooks(
+                        stage=stage, lifetime_s=LIFETIME_S, **(server_hooks or {})
+                    ).argv(),
+                    *(per_server or {}).get(i, []),
+                ],
             )
             for i, stage in enumerate(server_stages)
         ]
-        children.extend(servers)
-        # Trainers start once every server has announced, so their first read of the DHT sees all
-        # of them: a trainer that knew only the server about to die would fail a microbatch over
+        # Trainers start once every server serves, so their first read of the DHT sees all of
+        # them: a trainer that knew only the server about to die would fail a microbatch over
         # to nobody (it retries it after a refresh, but the kill test counts such failures).
         for s in servers if trainers_after_servers else ():
-            s.wait_event("ready", START_S)
+            s.wait_event("serving", START_S)
         trainers = [
-            Child(
+            node(
                 f"trainer{i}",
-                argv("_trainer", f"trainer{i}", ["--seed", str(i), *trainer_options]),
-                tmp_path / f"trainer{i}.log",
-                lambda child, event: None,
+                [
+                    "--role",
+                    "trainer",
+                    *PipelineHooks(lifetime_s=LIFETIME_S, **(trainer_hooks or {})).argv(),
+                ],
             )
             for i in range(2)
         ]
-        children.extend(trainers)
         for s in servers:
-            s.wait_event("ready", START_S)
+            s.wait_event("serving", START_S)
         yield Swarm(servers, trainers, stages, join, run_id)
 
 
@@ -113,11 +136,11 @@ def finish(trainers: Sequence[Child], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for t in trainers:
         t.proc.wait(max(0.1, deadline - time.monotonic()))
-        assert t.proc.returncode == 0, (t.name, t.last_log_line(), t.events[-3:])
+        assert t.proc.returncode == 0, (t.name, t.last_log_line(), t.lines[-3:])
 
 
 def events(child: Child, kind: str) -> list[dict]:
-    return [e for e in child.events if e.get("event") == kind]
+    return child.of(kind)
 
 
 def test_loss_falls_and_stage_hashes_agree_after_every_averaging(tmp_path: Path) -> None:
@@ -125,9 +148,11 @@ def test_loss_falls_and_stage_hashes_agree_after_every_averaging(tmp_path: Path)
         tmp_path,
         3,
         [0, 1, 2, 0, 1, 2],
-        # the default learning rate: see the two-stage CLI test for what 6e-3 did
-        server_options=["--average-every-s", "3", "--rebalance-every-s", "0", "--lr", "3e-3"],
-        trainer_options=["--rounds", "4", "--microbatches", "5"],
+        # pipeline_config's learning rate, the default: see the two-stage CLI test for what 6e-3
+        # did
+        average_every_s=3,
+        rounds=4,
+        microbatches=5,
     ) as swarm:
         finish(swarm.trainers, 90)
         # Servers average on clock epochs whether or not trainers are busy: wait for one more
@@ -138,7 +163,7 @@ def test_loss_falls_and_stage_hashes_agree_after_every_averaging(tmp_path: Path)
             while len(events(server, "averaged")) <= count and time.monotonic() < deadline:
                 time.sleep(0.1)
         rows = trio.run(status_of, swarm, tmp_path / "status.key")
-        stop_all(swarm.servers, 5)
+        stop_all(swarm.servers)  # a server writes its summary then
         summary = summarize(3, swarm.servers, swarm.trainers)
     # what swarmtrain status shows, read from the DHT by an outside node
     assert [r["servers"] for r in rows] == [2, 2, 2], rows
@@ -158,16 +183,18 @@ def test_server_killed_mid_microbatch_costs_a_retry_not_the_run(tmp_path: Path) 
         tmp_path,
         2,
         [0, 1, 0, 1, 0],
-        server_options=["--average-every-s", "0", "--rebalance-every-s", "0"],
         per_server={1: ["--fault", "kill-after-forwards:3"]},
-        trainer_options=["--rounds", "4", "--microbatches", "6", "--hop-timeout-s", "10", "-v"],
+        rounds=4,
+        microbatches=6,
+        trainer_hooks={"hop_timeout_s": 10},
+        verbose=True,
     ) as swarm:
         finish(swarm.trainers, 90)
         victim = swarm.servers[1]
         assert victim.proc.wait(5) == -9, "the faulty server died by SIGKILL"
-        assert events(victim, "dying")
-        summary = summarize(2, swarm.servers, swarm.trainers)
-    finals = [events(t, "final")[0] for t in swarm.trainers]
+        assert "dying" in victim.lines
+        summary = summarize(2, swarm.servers, swarm.trainers)  # the trainers' summaries
+    finals = [t.summary() or {} for t in swarm.trainers]
     rounds = [events(t, "round") for t in swarm.trainers]
     # no microbatch was lost: every round of every trainer completed all of them
     assert all(r["microbatches"] == 6 for trainer in rounds for r in trainer)
@@ -182,18 +209,17 @@ def test_slowed_stage_gets_a_server_and_the_pipeline_speeds_up(tmp_path: Path) -
         tmp_path,
         2,
         [0, 0, 0, 1],
-        server_options=[
-            *("--average-every-s", "0", "--rebalance-every-s", "2"),
-            *("--rebalance-after-s", "6", "--slow-stage", "1", "--slow-ms", "150"),
-        ],
-        trainer_options=["--rounds", "14", "--microbatches", "4"],
+        rebalance_every_s=2,
+        server_hooks={"rebalance_after_s": 6, "slow_stage": 1, "slow_ms": 150},
+        rounds=14,
+        microbatches=4,
         # rebalancing starts 6 s after the servers do: trainers starting with them see the
         # slow pipeline for a few rounds before the first move
         trainers_after_servers=False,
     ) as swarm:
-        ready = max(s.wait_event("ready", 1)["at"] for s in swarm.servers)
+        ready = max(s.wait_event("serving", 1)["at"] for s in swarm.servers)
         finish(swarm.trainers, 100)
-        stop_all(swarm.servers, 5)
+        stop_all(swarm.servers)  # a server writes its summary then
         summary = summarize(2, swarm.servers, swarm.trainers)
     moves = sorted((e for s in swarm.servers for e in events(s, "moved")), key=lambda e: e["at"])
     assert moves and all((m["from_stage"], m["to_stage"]) == (0, 1) for m in moves), moves
@@ -217,8 +243,10 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
         tmp_path,
         2,
         [0, 1, 0, 1],
-        server_options=["--average-every-s", "3", "--rebalance-every-s", "0", "-v"],
-        trainer_options=["--rounds", "6", "--microbatches", "4"],
+        average_every_s=3,
+        rounds=6,
+        microbatches=4,
+        verbose=True,
     ) as swarm:
         victim, peer = swarm.servers[3], swarm.servers[1]
         # Kill only once both servers of stage 1 hold a round: killed as soon as it alone
@@ -235,11 +263,11 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
         first = max(common)
         victim.proc.kill()
         assert victim.proc.wait(5) == -9
-        reborn = Child(
+        reborn = Child(  # the same command: the same state directory, identity and stage
             "server3-again",
             victim.proc.args,  # type: ignore[arg-type]
             tmp_path / "server3-again.log",
-            lambda child, event: None,
+            victim.summary_path,
         )
         swarm.servers.append(reborn)
         try:
@@ -249,8 +277,8 @@ def test_restarted_server_rejoins_with_the_stage_parameters(tmp_path: Path) -> N
                 time.sleep(0.1)
             finish(swarm.trainers, 90)
         finally:
-            reborn.stop(5)
-        stop_all(swarm.servers, 5)
+            reborn.stop()
+        stop_all(swarm.servers)  # a server writes its summary then
         summary = summarize(2, swarm.servers, swarm.trainers)
     assert joined["stage"] == 1 and joined["round"] >= first, (joined, first)
     after = events(reborn, "averaged")

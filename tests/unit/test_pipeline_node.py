@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 from swarm.pipeline.records import param_digest
 from swarmtrain.commands.status import StatusReport
 from swarmtrain.config import config_from_mapping
+from swarmtrain.pipeline.lines import describe, read_line
 from swarmtrain.pipeline.node import (
+    PipelineHooks,
     PipelineSummary,
-    describe,
     empty_stage_move,
     least_served,
     server_settings,
@@ -117,6 +118,55 @@ def test_events_become_readable_lines() -> None:
     assert describe({"event": "something else"}) is None
 
 
+def test_lines_read_back_as_their_events() -> None:
+    """What ``swarmtrain local --pipeline-stages`` and the pipeline tests read of a node."""
+    events = [
+        {"event": "serving", "stage": 2, "throughput": 41.5},
+        {"event": "joined", "stage": 1, "round": 12},
+        {"event": "averaged", "stage": 0, "round": 3, "digest": "ef" * 32, "group": 3,
+         "forwards": 7, "backwards": 6},
+        {"event": "moved", "from_stage": 1, "to_stage": 0, "hash": "01" * 32},
+        {"event": "round", "round": 2, "loss": 2.5, "microbatches": 4, "samples_per_s": 9.75,
+         "failovers": 0, "servers_per_stage": [3, 1, 2], "seconds": 3.5},
+        {"event": "ready", "servers_per_stage": [1, 1]},
+        {"event": "microbatch_failed", "attempt": 2, "reason": "stage 1: no server (timeout)"},
+        {"event": "restarting", "stage": 1},
+    ]  # fmt: skip
+    for event in events:
+        line = describe(event)
+        assert line is not None
+        read = read_line(line)
+        assert read is not None and read["event"] == event["event"], line
+        for key, value in read.items():
+            if key == "digest" or key == "hash":
+                assert str(event[key]).startswith(value) and len(value) == 12
+            elif key == "attempt":
+                assert value == event["attempt"] + 1  # as a human counts
+            else:
+                assert value == event[key], (key, line)
+    nothing = describe({"event": "round", "round": 0, "loss": None, "microbatches": 0,
+                        "samples_per_s": 0.0, "failovers": 0, "servers_per_stage": [1],
+                        "seconds": 1.0})  # fmt: skip
+    assert nothing is not None and read_line(nothing)["loss"] is None  # type: ignore[index]
+    for other in ("", "done: trainer, 3 rounds", "run r: spec signed", "round 1 loss"):
+        assert read_line(other) is None
+
+
+def test_hooks_change_only_the_settings_they_name() -> None:
+    plain = server_settings(CONFIG, seed=5)
+    assert server_settings(CONFIG, 5, PipelineHooks()) == plain
+    hooked = server_settings(
+        CONFIG, 5, PipelineHooks(stage=2, slow_stage=1, slow_ms=150, rebalance_after_s=6)
+    )
+    assert (hooked.slow_stage, hooked.slow_s, hooked.rebalance_after_s) == (1, 0.15, 6)
+    assert hooked.average_every_s == plain.average_every_s and hooked.lr == plain.lr
+    trainer = trainer_settings(
+        CONFIG, 5, b"peer", 30.0, PipelineHooks(in_flight=4, duration_s=9, stop_on_failure=True)
+    )
+    assert (trainer.in_flight, trainer.duration_s, trainer.stop_on_failure) == (4, 9, True)
+    assert trainer.hop_timeout_s == trainer_settings(CONFIG, 5, b"peer", 30.0).hop_timeout_s
+
+
 def test_summaries_say_what_the_role_did() -> None:
     server = PipelineSummary("server", "12D3", stopped=True, seconds=9.0)
     server.server = {"event": "final", "stage": 1, "forwards": 5, "backwards": 5, "moves": 0,
@@ -133,6 +183,12 @@ def test_summaries_say_what_the_role_did() -> None:
         "done: trainer, 3 rounds, loss 5.000 -> 3.500, 8 microbatches, 2 failovers in 20.0 s"
     )
     assert trainer.to_json()["losses"] == [5.0, None, 3.5]
+    trainer.trained = {"samples": 64, "failed": 1, "stopped": "stage 1: no server"}
+    assert {k: trainer.to_json()[k] for k in ("samples", "failed", "gave_up")} == {
+        "samples": 64, "failed": 1, "gave_up": "stage 1: no server",
+    }  # fmt: skip
+    server.server["averages"] = [{"stage": 1, "round": 4, "digest": "ab", "group": 2}]
+    assert server.to_json()["averages"] == server.server["averages"]
 
 
 def test_trainer_progress_round_trips() -> None:
