@@ -21,6 +21,7 @@ from libp2p.network.stream.exceptions import StreamError, StreamReset
 import p2p.rpc
 import p2p.tensors
 from p2p.errors import LocalProtocolError, RemoteProtocolError, StreamEnded
+from p2p.reachability import MAX_DIALBACK_ADDRS, DialBackResponse
 from p2p.wire import (
     PROTOCOL_VERSION,
     FrameDecoder,
@@ -136,7 +137,24 @@ def _pipeline_messages() -> dict[type, Any]:
 
 
 # Types whose invariants tie fields together get a strategy that builds valid instances.
-CUSTOM_STRATEGIES = {p2p.tensors.TensorHeader: _tensor_headers, **_pipeline_messages()}
+def _dial_back_responses() -> st.SearchStrategy[Message]:
+    """Three parallel tuples of one length: random tuples almost never match, and filtering
+    them out made Hypothesis give up now and then (a flaky health check)."""
+
+    def build(ip: str, dials: list[tuple[str, bool, str]]) -> Message:
+        return DialBackResponse(ip, *(tuple(col) for col in zip(*dials, strict=True)))  # type: ignore[arg-type]
+
+    dial = st.tuples(st.text(max_size=60), st.booleans(), st.text(max_size=60))
+    empty = st.just(DialBackResponse("", (), (), ()))
+    dials = st.lists(dial, min_size=1, max_size=2 * MAX_DIALBACK_ADDRS)
+    return st.one_of(empty, st.builds(build, st.text(max_size=40), dials))
+
+
+CUSTOM_STRATEGIES = {
+    p2p.tensors.TensorHeader: _tensor_headers,
+    **_pipeline_messages(),
+    DialBackResponse: _dial_back_responses,
+}
 
 
 def _instances(cls: type[Message]) -> st.SearchStrategy[Message]:
