@@ -23,6 +23,7 @@ import p2p.rpc
 import p2p.tensors
 from p2p.bulk import control as bulk_control
 from p2p.errors import LocalProtocolError, RemoteProtocolError, StreamEnded
+from p2p.nat.reachability import MAX_DIALBACK_ADDRS, DialBackResponse
 from p2p.wire import (
     PROTOCOL_VERSION,
     FrameDecoder,
@@ -193,11 +194,25 @@ def _progress_records() -> st.SearchStrategy[Message]:
 
 
 # Types whose invariants tie fields together get a strategy that builds valid instances.
+def _dial_back_responses() -> st.SearchStrategy[Message]:
+    """Three parallel tuples of one length: random tuples almost never match, and filtering
+    them out made Hypothesis give up now and then (a flaky health check)."""
+
+    def build(ip: str, dials: list[tuple[str, bool, str]]) -> Message:
+        return DialBackResponse(ip, *(tuple(col) for col in zip(*dials, strict=True)))  # type: ignore[arg-type]
+
+    dial = st.tuples(st.text(max_size=60), st.booleans(), st.text(max_size=60))
+    empty = st.just(DialBackResponse("", (), (), ()))
+    dials = st.lists(dial, min_size=1, max_size=2 * MAX_DIALBACK_ADDRS)
+    return st.one_of(empty, st.builds(build, st.text(max_size=40), dials))
+
+
 CUSTOM_STRATEGIES = {
     p2p.tensors.TensorHeader: _tensor_headers,
     **_pipeline_messages(),
     **_bulk_control_messages(),
     progress.ProgressRecord: _progress_records,
+    DialBackResponse: _dial_back_responses,
 }
 
 
