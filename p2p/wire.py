@@ -184,7 +184,10 @@ def decode(data: bytes, *expected: type[M]) -> M:
     """Parse one message; with ``expected`` given, any other type is a protocol error.
 
     Raises ``RemoteProtocolError`` for every malformed input; no other exception escapes.
+    With ``expected`` given, a value over their largest limit is refused before it is parsed.
     """
+    if expected and len(data) > max(t.MAX_BYTES for t in expected):
+        raise RemoteProtocolError(f"message of {len(data)} bytes is over its limit")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises a zoo of types for garbage
