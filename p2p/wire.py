@@ -12,9 +12,9 @@ four bytes. ``FrameDecoder`` is the sans-IO half (bytes in, frames out); ``read_
 
 Field schemas are the dataclass annotations, checked on decode: ``int``, ``float``, ``str``,
 ``bytes``, ``bool``, an ``enum.IntEnum`` (sent as its value), ``X | None``,
-``list[X]``/``tuple[X, ...]``, a fixed ``tuple[X, Y, ...]`` of given length, ``dict[str, X]`` and
-another registered message type (sent as its body, without envelope: a DHT value that is a list of records
-nests them). Types may add their own invariants in
+``list[X]``/``tuple[X, ...]``, a fixed-length ``tuple[X, Y]``, ``dict[str, X]`` and another
+registered message type (sent as its body, without envelope: a DHT value that is a list of
+records nests them). Types may add their own invariants in
 ``__post_init__`` (raising ``ValueError`` or ``LocalProtocolError``), which decode reports as a
 ``RemoteProtocolError`` too: one function turns every decode failure into that one error. A
 rejection names a remote value by its type and size, never by its bytes (issue 15: one 17 KiB

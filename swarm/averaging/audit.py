@@ -93,7 +93,7 @@ class PartAudit(Message):
     output: bytes
 
     def __post_init__(self) -> None:
-        if not (0 <= self.part and 0 <= self.start <= self.stop):
+        if not (self.part >= 0 and 0 <= self.start <= self.stop):
             raise ValueError("a part audit needs part >= 0 and 0 <= start <= stop")
         if not 0 < len(self.inputs) <= MAX_INPUTS:
             raise ValueError(f"a part audit lists 1..{MAX_INPUTS} inputs, not {len(self.inputs)}")

@@ -211,7 +211,8 @@ class Verdict(Message):
 
 @message(503, max_bytes=MAX_VERDICTS_BYTES)
 class VerdictList(Message):
-    """The DHT value under ``run/<id>/verdicts``: the coordinator's newest verdicts, oldest first."""
+    """The DHT value under ``run/<id>/verdicts``: the coordinator's newest verdicts, oldest
+    first."""
 
     verdicts: tuple[Verdict, ...]
 
