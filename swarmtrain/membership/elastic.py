@@ -61,6 +61,8 @@ from swarmtrain.membership.progress import (
     AgreedState,
     Progress,
     agreed_state,
+    announced_joiners,
+    announcement,
     decode_all,
 )
 from swarmtrain.membership.state_sync import (
@@ -150,7 +152,9 @@ class Elastic:
         """The expected set for ``round_number``'s matchmaking, or None for the averager's own
         rule (no joiner announced and we did not just join)."""
         try:
-            joiners = set(self.runtime.read(join_key(self.run_id, round_number)))
+            joiners = announced_joiners(
+                self.runtime.read(join_key(self.run_id, round_number)), round_number
+            )
         except Exception as exc:
             log.warning("round %d: could not read announced joiners: %s", round_number, exc)
             joiners = set()
@@ -325,7 +329,10 @@ class Elastic:
             live = [p for p in records if now - p.published_at < LIVE_S]
             behind = [p for p in live if p.round < round_number]
             try:
-                announced = set(self.runtime.read(join_key(self.run_id, round_number + 1)))
+                joining = round_number + 1
+                announced = announced_joiners(
+                    self.runtime.read(join_key(self.run_id, joining)), joining
+                )
             except Exception:
                 announced = set()
             waiting = announced - {p.peer_id for p in at_last} - {self.me}
@@ -336,7 +343,8 @@ class Elastic:
 
     def _announce(self, round_number: int) -> None:
         try:
-            self.runtime.store(join_key(self.run_id, round_number), b"\x01", PROGRESS_TTL_S)
+            value = announcement(round_number)
+            self.runtime.store(join_key(self.run_id, round_number), value, PROGRESS_TTL_S)
         except Exception as exc:
             log.warning("could not announce ourselves for round %d: %s", round_number, exc)
 
