@@ -45,6 +45,7 @@ for _package in ("p2p", "swarm", "verify", "swarmtrain"):
         importlib.import_module(_module.name)
 
 from swarm.averaging import audit, matchmaking  # noqa: E402  (imported above; named for the strategies)
+from swarm.pipeline import records as pipeline_records  # noqa: E402
 from swarm.pipeline import wire as pipeline_wire  # noqa: E402
 from swarmtrain.membership import progress, state_sync  # noqa: E402
 from swarmtrain.pipeline import progress as pipeline_progress  # noqa: E402
@@ -251,6 +252,15 @@ def _dht_values() -> dict[type, Any]:
             finite,
         ),
         progress.JoinAnnouncement: lambda: st.builds(progress.JoinAnnouncement, count),
+        pipeline_records.ServerRecord: lambda: st.builds(
+            pipeline_records.ServerRecord,
+            st.integers(0, pipeline_records.MAX_STAGES - 1),
+            st.floats(0.0, pipeline_records.MAX_THROUGHPUT),
+            st.integers(0, pipeline_records.MAX_QUEUE),
+            st.booleans(),
+            st.integers(-1, 2**53),
+            digest,
+        ),
     }
 
 
