@@ -12,7 +12,9 @@ four bytes. ``FrameDecoder`` is the sans-IO half (bytes in, frames out); ``read_
 
 Field schemas are the dataclass annotations, checked on decode: ``int``, ``float``, ``str``,
 ``bytes``, ``bool``, an ``enum.IntEnum`` (sent as its value), ``X | None``,
-``list[X]``/``tuple[X, ...]`` and ``dict[str, X]``. Types may add their own invariants in
+``list[X]``/``tuple[X, ...]``, a fixed-length ``tuple[X, Y]``, ``dict[str, X]`` and another
+registered message type (sent as its body, without envelope: a DHT value that is a list of
+records nests them). Types may add their own invariants in
 ``__post_init__`` (raising ``ValueError`` or ``LocalProtocolError``), which decode reports as a
 ``RemoteProtocolError`` too: one function turns every decode failure into that one error. A
 rejection names a remote value by its type and size, never by its bytes (issue 15: one 17 KiB
@@ -47,9 +49,13 @@ class Message:
     TYPE_CODE: ClassVar[int]
     MAX_BYTES: ClassVar[int] = DEFAULT_MAX_MESSAGE_BYTES
     _FIELDS: ClassVar[tuple[tuple[str, Any], ...]]
+    _NESTED: ClassVar[tuple[bool, ...]]  # per field: does its schema hold a message type?
 
     def to_wire(self) -> list[Any]:
-        return [getattr(self, name) for name, _ in self._FIELDS]
+        return [
+            _plain(getattr(self, name)) if nested else getattr(self, name)
+            for (name, _), nested in zip(self._FIELDS, self._NESTED, strict=True)
+        ]
 
     @classmethod
     def from_wire(cls: type[M], body: Any) -> M:
@@ -81,6 +87,7 @@ def message(
             )
         hints = typing.get_type_hints(cls)
         cls._FIELDS = tuple((f.name, hints[f.name]) for f in dataclasses.fields(cls))
+        cls._NESTED = tuple(_holds_message(hint) for _, hint in cls._FIELDS)
         cls.TYPE_CODE = code
         cls.MAX_BYTES = max_bytes
         _REGISTRY[code] = cls
@@ -91,6 +98,23 @@ def message(
 
 def registered_types() -> dict[int, type[Message]]:
     return dict(_REGISTRY)
+
+
+def _holds_message(hint: Any) -> bool:
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return True
+    return any(_holds_message(arg) for arg in typing.get_args(hint))
+
+
+def _plain(value: Any) -> Any:
+    """A field value with every nested message replaced by its body (what msgpack can pack)."""
+    if isinstance(value, Message):
+        return value.to_wire()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:
@@ -113,6 +137,10 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise RemoteProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         args = typing.get_args(hint)
+        if origin is tuple and len(args) > 1 and args[-1] is not Ellipsis:  # a fixed shape
+            if len(value) != len(args):
+                raise RemoteProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
+            return tuple(_check(v, a, f"{where}[]") for v, a in zip(value, args, strict=True))
         item = args[0] if args else Any
         checked = [_check(v, item, f"{where}[]") for v in value]
         return tuple(checked) if origin is tuple else checked
@@ -126,6 +154,8 @@ def _check(value: Any, hint: Any, where: str) -> Any:
         }
     if hint is Any:
         return value
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return hint.from_wire(value)
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RemoteProtocolError(f"{where}: expected float, got {type(value).__name__}")
@@ -154,7 +184,10 @@ def decode(data: bytes, *expected: type[M]) -> M:
     """Parse one message; with ``expected`` given, any other type is a protocol error.
 
     Raises ``RemoteProtocolError`` for every malformed input; no other exception escapes.
+    With ``expected`` given, a value over their largest limit is refused before it is parsed.
     """
+    if expected and len(data) > max(t.MAX_BYTES for t in expected):
+        raise RemoteProtocolError(f"message of {len(data)} bytes is over its limit")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises a zoo of types for garbage

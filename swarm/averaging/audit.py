@@ -16,7 +16,10 @@ hashes and recomputes the part (``recheck``):
 
 ``audited`` draws which parts a referee checks: SHA-256 of (run, round, group, part) under a
 rate, so every member knows which results to wait for. ``encode_audits``/``decode_audits`` are
-a member's published ``AuditRecord`` (sizes bounded; garbage decodes to None).
+a member's published ``AuditRecord``, a ``p2p`` wire message (code 132, its ``PartAudit`` claims
+nested as code 131): sizes bounded, every field checked when it is built, so a writer cannot
+publish what readers refuse, and a malformed value is one ``RemoteProtocolError`` (the record is
+ignored: ``decode_audits`` returns None).
 
 Pure: no IO.
 """
@@ -24,16 +27,19 @@ Pure: no IO.
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-import msgpack
 import numpy as np
 
+from p2p import LocalProtocolError, Message, RemoteProtocolError, decode, encode, message
 from swarm.averaging.allreduce import AllReduce, reduce_part
 
-VERSION = 1
+log = logging.getLogger(__name__)
+
 MAX_AUDIT_RECORD_BYTES = 15872  # under p2p.dht.records.MAX_VALUE_BYTES (16 KiB)
 MAX_PARTS = 256
 # Parts per round the audit covers: a member's record lists every part's reducer (~40 bytes) and
@@ -44,6 +50,8 @@ MAX_INPUTS = 256
 _SLICE_TAG = b"swarmtrain/slice/1"
 _PROOF_TAG = b"swarmtrain/slice-proof/1"
 MAX_PROOF_BYTES = 128
+MAX_PEER_ID_BYTES = 64
+DIGEST_BYTES = 32
 
 
 def proof_message(
@@ -72,10 +80,11 @@ def slice_hash(values: np.ndarray) -> bytes:
     return hashlib.sha256(_SLICE_TAG + memoryview(data).cast("B")).digest()
 
 
-@dataclass(frozen=True)
-class PartAudit:
+@message(131, max_bytes=MAX_AUDIT_RECORD_BYTES)
+class PartAudit(Message):
     """A reducer's claim about one part: its range, each input (peer, weight, slice hash, the
-    peer's signature over them) in sorted peer order, and the output's hash."""
+    peer's signature over them) in sorted peer order, and the output's hash. Raises
+    ``ValueError`` when a field is out of range."""
 
     part: int
     start: int
@@ -83,8 +92,19 @@ class PartAudit:
     inputs: tuple[tuple[bytes, float, bytes, bytes], ...]
     output: bytes
 
-    def to_wire(self) -> list[object]:
-        return [self.part, self.start, self.stop, [list(i) for i in self.inputs], self.output]
+    def __post_init__(self) -> None:
+        if not (self.part >= 0 and 0 <= self.start <= self.stop):
+            raise ValueError("a part audit needs part >= 0 and 0 <= start <= stop")
+        if not 0 < len(self.inputs) <= MAX_INPUTS:
+            raise ValueError(f"a part audit lists 1..{MAX_INPUTS} inputs, not {len(self.inputs)}")
+        for peer, weight, digest, proof in self.inputs:
+            _check_peer(peer)
+            if not (math.isfinite(weight) and weight > 0):
+                raise ValueError("an input's weight must be positive and finite")
+            if len(digest) != DIGEST_BYTES or len(proof) > MAX_PROOF_BYTES:
+                raise ValueError("an input's hash or signature has a bad length")
+        if len(self.output) != DIGEST_BYTES:
+            raise ValueError(f"the output hash must be {DIGEST_BYTES} bytes")
 
 
 def audits_of(
@@ -169,17 +189,33 @@ def audited(
     return int.from_bytes(digest[:8], "little") < rate * 2**64
 
 
-@dataclass(frozen=True)
-class AuditRecord:
+@message(132, max_bytes=MAX_AUDIT_RECORD_BYTES)
+class AuditRecord(Message):
     """What a member publishes after a round: the round, its group, every part's reducer (as
     this member saw the round end), its claims about the parts it reduced itself, and the parts
-    it disputes (asks a referee to audit, drawn or not)."""
+    it disputes (asks a referee to audit, drawn or not). Raises ``ValueError`` when a field is
+    out of range."""
 
     round: int
     group_id: bytes
     reducers: tuple[bytes, ...]
     audits: tuple[PartAudit, ...]
     disputed: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.round < 0:
+            raise ValueError("round must be >= 0")
+        if max(len(self.reducers), len(self.audits), len(self.disputed)) > MAX_PARTS:
+            raise ValueError(f"reducers, claims and disputes are at most {MAX_PARTS} each")
+        for reducer in self.reducers:
+            _check_peer(reducer)
+        if any(p < 0 for p in self.disputed):
+            raise ValueError("a disputed part must be >= 0")
+
+
+def _check_peer(peer: bytes) -> None:
+    if not 0 < len(peer) <= MAX_PEER_ID_BYTES:
+        raise ValueError(f"a peer id must be 1..{MAX_PEER_ID_BYTES} bytes")
 
 
 def split_record(record: AuditRecord) -> list[bytes]:
@@ -245,55 +281,19 @@ def contested(record: AuditRecord, me: bytes, mine: Sequence[bytes]) -> list[int
 
 
 def encode_audits(record: AuditRecord) -> bytes:
-    """Raises ValueError when over the record limit."""
-    body = [a.to_wire() for a in record.audits]
-    data = msgpack.packb(
-        [
-            VERSION, record.round, record.group_id, list(record.reducers), body,
-            list(record.disputed),
-        ],
-        use_bin_type=True,
-    )  # fmt: skip
-    if len(data) > MAX_AUDIT_RECORD_BYTES:
-        raise ValueError(f"{len(body)} part audits are {len(data)} bytes, over the limit")
-    return data
+    """Raises ValueError when over the record limit (``split_record`` then splits it)."""
+    try:
+        return encode(record)
+    except LocalProtocolError as exc:
+        raise ValueError(f"{len(record.audits)} part audits are over the limit: {exc}") from None
 
 
 def decode_audits(data: bytes) -> AuditRecord | None:
-    """None for anything malformed."""
-    if len(data) > MAX_AUDIT_RECORD_BYTES:
+    """The record, or None when it is malformed (``RemoteProtocolError``, logged)."""
+    if len(data) > MAX_AUDIT_RECORD_BYTES:  # before any byte is parsed
         return None
     try:
-        version, round_number, group_id, reducers, body, disputed = msgpack.unpackb(data, raw=False)
-        if not isinstance(disputed, list) or len(disputed) > MAX_PARTS:
-            return None
-        if not all(type(p) is int and p >= 0 for p in disputed):
-            return None
-        if version != VERSION or type(round_number) is not int or not isinstance(group_id, bytes):
-            return None
-        if not isinstance(body, list) or len(body) > MAX_PARTS:
-            return None
-        if not isinstance(reducers, list) or len(reducers) > MAX_PARTS:
-            return None
-        if not all(isinstance(r, bytes) and 0 < len(r) <= 64 for r in reducers):
-            return None
-        audits = []
-        for part, start, stop, inputs, output in body:
-            if not all(type(x) is int for x in (part, start, stop)) or not 0 <= start <= stop:
-                return None
-            if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_INPUTS:
-                return None
-            checked = []
-            for peer, weight, digest, proof in inputs:
-                ok = isinstance(peer, bytes) and isinstance(weight, float) and weight > 0
-                if not (ok and isinstance(digest, bytes) and len(digest) == 32):
-                    return None
-                if not (isinstance(proof, bytes) and len(proof) <= MAX_PROOF_BYTES):
-                    return None
-                checked.append((peer, weight, digest, proof))
-            if not (isinstance(output, bytes) and len(output) == 32):
-                return None
-            audits.append(PartAudit(part, start, stop, tuple(checked), output))
-    except (ValueError, TypeError, msgpack.UnpackException):
+        return decode(data, AuditRecord)
+    except RemoteProtocolError as exc:
+        log.debug("audit record ignored: %s", exc)
         return None
-    return AuditRecord(round_number, group_id, tuple(reducers), tuple(audits), tuple(disputed))

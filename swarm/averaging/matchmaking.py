@@ -79,10 +79,10 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from p2p import LocalProtocolError, RemoteProtocolError
+from p2p import LocalProtocolError, Message, RemoteProtocolError, message
 
-DECLARATION_VERSION = 1
 MAX_PEER_ID_BYTES = 64
+MAX_DECLARATION_BYTES = 512
 _SEED_DOMAIN = b"swarmtrain/matchmaking/order/1\x00"
 _GROUP_DOMAIN = b"swarmtrain/matchmaking/group/1\x00"
 
@@ -110,9 +110,12 @@ def _finite(value: float, name: str, *, minimum: float | None = None) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class Declaration:
+@message(130, max_bytes=MAX_DECLARATION_BYTES)
+class Declaration(Message):
     """One peer's wish to average in one round, stored as its signed subkey in the DHT.
+
+    The value is this ``p2p`` wire message (``p2p.encode``); ``p2p.decode`` reports anything
+    malformed as ``RemoteProtocolError``.
 
     ``weight`` scales its contribution, ``bandwidth_bps`` sizes its all-reduce part,
     ``declared_at`` is its clock when it published (unix seconds), ``expected_group_size`` is its
@@ -139,30 +142,6 @@ class Declaration:
 
     def _rank(self) -> tuple[float, float, float, int]:
         return (self.declared_at, self.weight, self.bandwidth_bps, self.expected_group_size)
-
-    def to_wire(self) -> list:
-        """Positional list ``[version, peer_id, round, weight, bandwidth, declared_at, hint]``."""
-        return [
-            DECLARATION_VERSION,
-            self.peer_id,
-            self.round,
-            float(self.weight),
-            float(self.bandwidth_bps),
-            float(self.declared_at),
-            self.expected_group_size,
-        ]
-
-    @classmethod
-    def from_wire(cls, obj: object) -> Declaration:
-        """Decode ``to_wire`` output; anything malformed raises ``RemoteProtocolError``."""
-        if not isinstance(obj, list | tuple) or len(obj) != 7:
-            raise RemoteProtocolError("declaration: expected a list of 7 fields")
-        if obj[0] != DECLARATION_VERSION or isinstance(obj[0], bool):
-            raise RemoteProtocolError(f"declaration: unknown version {obj[0]!r}")
-        try:
-            return cls(*obj[1:])
-        except (TypeError, ValueError) as exc:
-            raise RemoteProtocolError(f"declaration: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)

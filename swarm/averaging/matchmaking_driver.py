@@ -16,10 +16,9 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 
-import msgpack
 import trio
 
-from p2p import Dht, P2PError, PeerID, RemoteProtocolError, SignedRecord
+from p2p import Dht, P2PError, PeerID, RemoteProtocolError, SignedRecord, decode, encode
 from swarm.averaging.matchmaking import (
     DeadlineReached,
     Declaration,
@@ -39,7 +38,6 @@ from swarm.averaging.matchmaking import (
 log = logging.getLogger(__name__)
 
 DECLARATION_TTL_S = 600.0
-MAX_DECLARATION_BYTES = 512
 POLL_FIRST_S = 0.05
 POLL_MAX_S = 0.25
 REPUBLISH_S = 1.0
@@ -50,18 +48,18 @@ class MatchmakingFailed(Exception):
 
 
 def encode_declaration(declaration: Declaration) -> bytes:
-    return msgpack.packb(declaration.to_wire(), use_bin_type=True)
+    return encode(declaration)
 
 
 def decode_declarations(records: dict[bytes, SignedRecord]) -> tuple[Declaration, ...]:
     """Declarations from a read of the round key; malformed or misattributed ones are skipped."""
     found = []
     for record in records.values():
-        if len(record.value) > MAX_DECLARATION_BYTES:
+        if len(record.value) > Declaration.MAX_BYTES:  # before any byte is parsed
             continue
         try:
-            declaration = Declaration.from_wire(msgpack.unpackb(record.value, raw=False))
-        except (RemoteProtocolError, ValueError, msgpack.UnpackException) as exc:
+            declaration = decode(record.value, Declaration)
+        except RemoteProtocolError as exc:
             log.debug("skipped a malformed declaration: %r", exc)
             continue
         if declaration.peer_id == record.owner:

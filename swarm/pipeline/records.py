@@ -6,11 +6,11 @@ expiry, so a server that dies drops out of every reader's view within that expir
 by these records (``swarm.pipeline.routing``) and servers rebalance by them
 (``swarm.pipeline.rebalance``).
 
-The value is ``msgpack([version, stage, throughput, queue, relayed, param_round, param_hash])``.
-The peer id is not in the value: it is the record's owner, which the DHT layer has already bound
-to the signature, so nobody can announce for someone else. ``decode_announcement`` turns every
-malformed value into ``RemoteProtocolError``; ``decode_announcements`` skips such records, since
-one bad entry must not hide the good ones.
+The value is a ``p2p`` wire message, ``ServerRecord`` (code 133: stage, throughput, queue,
+relayed, param_round, param_hash). The peer id is not in the value: it is the record's owner,
+which the DHT layer has already bound to the signature, so nobody can announce for someone else.
+``decode_announcement`` turns every malformed value into ``RemoteProtocolError``;
+``decode_announcements`` skips such records, since one bad entry must not hide the good ones.
 
 Relayed servers count for less (Petals #428: a relayed server's measured compute rate overstates
 what a trainer gets through the relay): their throughput is multiplied by ``relay_factor``.
@@ -26,12 +26,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 
-from p2p import RemoteProtocolError
+from p2p import Message, RemoteProtocolError, decode, encode, message
 
-ANNOUNCEMENT_VERSION = 1
 MAX_ANNOUNCEMENT_BYTES = 256
 MAX_STAGES = 256
 MAX_THROUGHPUT = 1e9  # samples/s: far above any real stage; a bigger claim is a lie
@@ -55,18 +53,11 @@ def _number(value: Any, name: str, lo: float, hi: float) -> None:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {value!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class ServerAnnouncement:
-    """One stage server's state as it announced it.
+@message(133, max_bytes=MAX_ANNOUNCEMENT_BYTES)
+class ServerRecord(Message):
+    """The DHT value of a ``ServerAnnouncement`` (its fields but the owner's peer id). Raises
+    ``ValueError`` when a field is out of range."""
 
-    ``throughput``: measured samples/s through forward + backward of its stage.
-    ``queue``: requests waiting or running on it. ``relayed``: reachable only through a relay.
-    ``param_round``/``param_hash``: the averaging round of the parameters it serves for download
-    and their SHA-256 (``param_digest``); round -1 means the initial parameters.
-    Raises ``ValueError`` when a field is out of range.
-    """
-
-    peer_id: bytes
     stage: int
     throughput: float
     queue: int
@@ -75,8 +66,6 @@ class ServerAnnouncement:
     param_hash: bytes
 
     def __post_init__(self) -> None:
-        if not isinstance(self.peer_id, bytes) or not 0 < len(self.peer_id) <= MAX_PEER_ID_BYTES:
-            raise ValueError("peer id must be 1..64 bytes")
         for name, lo, hi in (
             ("stage", 0, MAX_STAGES - 1),
             ("queue", 0, MAX_QUEUE),
@@ -91,16 +80,36 @@ class ServerAnnouncement:
         if not isinstance(self.param_hash, bytes) or len(self.param_hash) != PARAM_HASH_BYTES:
             raise ValueError(f"param_hash must be {PARAM_HASH_BYTES} bytes")
 
-    def to_wire(self) -> list[Any]:
-        return [
-            ANNOUNCEMENT_VERSION,
-            self.stage,
-            float(self.throughput),
-            self.queue,
-            self.relayed,
-            self.param_round,
-            self.param_hash,
-        ]
+
+@dataclass(frozen=True, slots=True)
+class ServerAnnouncement:
+    """One stage server's state as it announced it.
+
+    ``throughput``: measured samples/s through forward + backward of its stage.
+    ``queue``: requests waiting or running on it. ``relayed``: reachable only through a relay.
+    ``param_round``/``param_hash``: the averaging round of the parameters it serves for download
+    and their SHA-256 (``param_digest``); round -1 means the initial parameters.
+    Raises ``ValueError`` when a field is out of range (``ServerRecord``'s rules).
+    """
+
+    peer_id: bytes
+    stage: int
+    throughput: float
+    queue: int
+    relayed: bool
+    param_round: int
+    param_hash: bytes
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, bytes) or not 0 < len(self.peer_id) <= MAX_PEER_ID_BYTES:
+            raise ValueError("peer id must be 1..64 bytes")
+        self.record()  # the value's rules
+
+    def record(self) -> ServerRecord:
+        """The DHT value (``encode_announcement`` encodes it)."""
+        return ServerRecord(
+            self.stage, self.throughput, self.queue, self.relayed, self.param_round, self.param_hash
+        )
 
     def effective_throughput(self, relay_factor: float = DEFAULT_RELAY_FACTOR) -> float:
         """Throughput as a trainer gets it: relayed servers count ``relay_factor`` as much."""
@@ -108,27 +117,18 @@ class ServerAnnouncement:
 
 
 def encode_announcement(announcement: ServerAnnouncement) -> bytes:
-    return msgpack.packb(announcement.to_wire(), use_bin_type=True)
+    return encode(announcement.record())
 
 
 def decode_announcement(peer_id: bytes, data: bytes) -> ServerAnnouncement:
     """Parse the value of ``peer_id``'s record. Raises ``RemoteProtocolError`` for any bad input
     (and nothing else)."""
-    if not isinstance(data, bytes | bytearray) or len(data) > MAX_ANNOUNCEMENT_BYTES:
-        raise RemoteProtocolError("announcement missing or over its size limit")
+    if not isinstance(data, bytes | bytearray):
+        raise RemoteProtocolError("announcement missing")
+    record = decode(bytes(data), ServerRecord)
     try:
-        obj = msgpack.unpackb(
-            bytes(data), raw=False, max_bin_len=64, max_str_len=64, max_array_len=16, max_map_len=0
-        )
-    except Exception as exc:  # msgpack raises a zoo of types for garbage
-        raise RemoteProtocolError(f"undecodable announcement: {type(exc).__name__}") from exc
-    if not isinstance(obj, list) or len(obj) != 7:
-        raise RemoteProtocolError("announcement must be a list of 7 fields")
-    if obj[0] != ANNOUNCEMENT_VERSION or type(obj[0]) is not int:
-        raise RemoteProtocolError(f"unsupported announcement version {obj[0]!r}")
-    try:
-        return ServerAnnouncement(peer_id, *obj[1:])
-    except (ValueError, TypeError) as exc:
+        return ServerAnnouncement(peer_id, *record.to_wire())
+    except ValueError as exc:  # the owner's peer id
         raise RemoteProtocolError(f"bad announcement: {exc}") from exc
 
 

@@ -62,6 +62,8 @@ from swarmtrain.membership.progress import (
     AgreedState,
     Progress,
     agreed_state,
+    announced_joiners,
+    announcement,
     decode_all,
 )
 from swarmtrain.membership.state_sync import (
@@ -178,7 +180,9 @@ class Elastic:
         """The expected set for ``round_number``'s matchmaking, or None for the averager's own
         rule (no joiner announced and we did not just join)."""
         try:
-            joiners = set(self.runtime.read(join_key(self.run_id, round_number)))
+            joiners = announced_joiners(
+                self.runtime.read(join_key(self.run_id, round_number)), round_number
+            )
         except Exception as exc:
             log.warning("round %d: could not read announced joiners: %s", round_number, exc)
             joiners = set()
@@ -356,7 +360,9 @@ class Elastic:
             live = [p for p in records if now - p.published_at < LIVE_S]
             behind = [p for p in live if p.round < round_number]
             try:
-                announced = set(await self.runtime.read_async(announcements))
+                announced = announced_joiners(
+                    await self.runtime.read_async(announcements), round_number + 1
+                )
             except Exception:
                 announced = set()
             waiting = announced - {p.peer_id for p in at_last} - {self.me}
@@ -368,7 +374,8 @@ class Elastic:
 
     def _announce(self, round_number: int) -> None:
         try:
-            self.runtime.store(join_key(self.run_id, round_number), b"\x01", PROGRESS_TTL_S)
+            value = announcement(round_number)
+            self.runtime.store(join_key(self.run_id, round_number), value, PROGRESS_TTL_S)
         except Exception as exc:
             log.warning("could not announce ourselves for round %d: %s", round_number, exc)
 

@@ -12,8 +12,9 @@ joiner downloads from, and the peers every member expects in the next round's ma
 joiner is announced. A joiner announces itself under ``run/<id>/join/<r>`` (``join_key``) once
 it holds the agreed state, naming the first round it will contribute to.
 
-The value is a ``p2p`` wire message, ``ProgressRecord``: typed, versioned and size-limited, so a
-malformed value is one ``RemoteProtocolError`` with its reason, and the record is ignored.
+Both values are ``p2p`` wire messages, ``ProgressRecord`` (code 500) and ``JoinAnnouncement``
+(507): typed, versioned and size-limited, so a malformed value is one ``RemoteProtocolError``
+with its reason, and the record is ignored.
 
 This module is pure: encoding, decoding and the majority rule; drivers do the DHT calls.
 """
@@ -69,6 +70,35 @@ class ProgressRecord(Message):
             raise ValueError(f"state hash must be 32 bytes, got {len(self.state_hash)}")
         if self.reach not in REACHABILITY:
             raise ValueError(f"reach {self.reach!r} is not one of {REACHABILITY}")
+
+
+@message(507, max_bytes=64)
+class JoinAnnouncement(Message):
+    """The value under ``join_key(run, r)``: its owner joins, contributing from round ``r``."""
+
+    first_round: int
+
+    def __post_init__(self) -> None:
+        if self.first_round < 0:
+            raise ValueError("a joiner's first round must be >= 0")
+
+
+def announcement(round_number: int) -> bytes:
+    """The value a joiner stores under ``join_key(run, round_number)``."""
+    return encode(JoinAnnouncement(round_number))
+
+
+def announced_joiners(values: dict[str, bytes], round_number: int) -> set[str]:
+    """The peers of a read of ``join_key(run, round_number)`` whose value announces that round;
+    a malformed value (or one naming another round) is ignored."""
+    found = set()
+    for peer, value in values.items():
+        try:
+            if decode(value, JoinAnnouncement).first_round == round_number:
+                found.add(peer)
+        except RemoteProtocolError as exc:
+            log.debug("join announcement of %s ignored: %s", peer[-8:], exc)
+    return found
 
 
 @dataclass(frozen=True)

@@ -5,28 +5,59 @@ Stage servers already announce themselves (``swarm.pipeline.records``, under
 (servers, relayed, capacity in effective samples/s, queue). Trainers add, after every round, one
 ``TrainerProgress`` record as their own signed subkey under ``pipeline/<run>/trainers``: round,
 mean loss, microbatches done, samples/s, failovers. Like ``swarmtrain.membership.progress`` for
-DiLoCo runs, each is only what that peer claims; a malformed record is skipped.
+DiLoCo runs, each is only what that peer claims. The value is a ``p2p`` wire message,
+``TrainerProgressRecord`` (code 506): a malformed value is one ``RemoteProtocolError`` and the
+record is skipped; a round no reader would accept (a NaN loss) is not published.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import trio
 
-from p2p import Node, P2PError, PeerID, subkey_values
+from p2p import (
+    Message,
+    Node,
+    P2PError,
+    PeerID,
+    RemoteProtocolError,
+    decode,
+    encode,
+    message,
+    subkey_values,
+)
 from swarmtrain.keys import servers_key, trainers_key
 
 log = logging.getLogger(__name__)
 
-TRAINER_PROGRESS_VERSION = 1
 MAX_TRAINER_PROGRESS_BYTES = 512
 TRAINER_PROGRESS_TTL_S = 600.0
+
+
+@message(506, max_bytes=MAX_TRAINER_PROGRESS_BYTES)
+class TrainerProgressRecord(Message):
+    """The DHT value of a ``TrainerProgress`` (``pipeline/<run>/trainers``, the trainer's own
+    subkey). Raises ``ValueError`` when a count is negative or a figure is not finite."""
+
+    round: int
+    loss: float | None
+    microbatches: int
+    samples_per_s: float
+    failovers: int
+    published_at: float
+
+    def __post_init__(self) -> None:
+        if min(self.round, self.microbatches, self.failovers) < 0:
+            raise ValueError("round, microbatches and failovers must be >= 0")
+        figures = (self.samples_per_s, self.published_at, 0.0 if self.loss is None else self.loss)
+        if not all(math.isfinite(v) for v in figures):
+            raise ValueError("loss, samples/s and publication time must be finite")
 
 
 @dataclass(frozen=True)
@@ -42,38 +73,17 @@ class TrainerProgress:
     published_at: float
 
     def to_bytes(self) -> bytes:
-        return msgpack.packb(
-            [
-                TRAINER_PROGRESS_VERSION,
-                self.round,
-                None if self.loss is None else float(self.loss),
-                self.microbatches,
-                float(self.samples_per_s),
-                self.failovers,
-                float(self.published_at),
-            ],
-            use_bin_type=True,
-        )
+        """The DHT value. Raises ValueError for a round no reader would accept (a NaN loss)."""
+        return encode(TrainerProgressRecord(*dataclasses.astuple(self)))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TrainerProgress | None:
         """The record, or None when it is malformed (a bad record is skipped, not fatal)."""
-        if len(data) > MAX_TRAINER_PROGRESS_BYTES:
-            return None
         try:
-            obj = msgpack.unpackb(data, raw=False)
-        except Exception:
+            return cls(*decode(data, TrainerProgressRecord).to_wire())
+        except RemoteProtocolError as exc:
+            log.debug("trainer progress ignored: %s", exc)
             return None
-        if not isinstance(obj, list) or len(obj) != 7 or obj[0] != TRAINER_PROGRESS_VERSION:
-            return None
-        _, rnd, loss, microbatches, sps, failovers, at = obj
-        ints = (rnd, microbatches, failovers)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ints):
-            return None
-        floats = (sps, at) if loss is None else (loss, sps, at)
-        if not all(isinstance(v, float) and math.isfinite(v) for v in floats):
-            return None
-        return cls(rnd, loss, microbatches, sps, failovers, at)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,13 +97,13 @@ class TrainerProgress:
 
 
 async def publish_trainer_progress(node: Node, run_id: str, progress: TrainerProgress) -> None:
-    """Store our latest round; a failed store is only logged (status is best effort)."""
+    """Store our latest round; a failed store, or a round no reader would accept, is only
+    logged (status is best effort)."""
     try:
+        value = progress.to_bytes()
         with trio.move_on_after(10):
-            await node.dht.store(
-                trainers_key(run_id), progress.to_bytes(), time.time() + TRAINER_PROGRESS_TTL_S
-            )
-    except P2PError as exc:
+            await node.dht.store(trainers_key(run_id), value, time.time() + TRAINER_PROGRESS_TTL_S)
+    except (P2PError, ValueError) as exc:
         log.info("publishing the trainer's progress failed: %s", exc)
 
 

@@ -20,6 +20,10 @@ parameters with a fresh optimizer state, on that peer's data shard of that round
 * ``decide``: a peer's decision about one assignment before the round's averaging: accept the
   owner's contribution, leave it out, or wait.
 
+What peers and the coordinator publish are ``p2p`` wire messages (codes 501-505): typed,
+versioned and size-limited, every field checked when it is built (so nobody publishes what
+readers refuse), and a malformed value is one ``RemoteProtocolError``.
+
 Pure: encodings, draws and decisions; ``swarmtrain.verified.volunteer`` and
 ``swarmtrain.verified.referee`` do the IO.
 """
@@ -28,15 +32,17 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
-import msgpack
-
+from p2p import LocalProtocolError, Message, RemoteProtocolError, decode, encode, message
 from verify import Commitment
 
-VERSION = 1
+log = logging.getLogger(__name__)
+
 HASH_BYTES = 32
 MAX_CLAIMS = 16  # tasks one peer may claim in a round: its own and those it verifies
 MAX_CLAIMS_BYTES = 4096
@@ -108,6 +114,30 @@ def assignments(
 # -- what peers publish ---------------------------------------------------------------------------
 
 
+# A task's claim on the wire: (owner, steps, task root, final state hash).
+TaskClaim = tuple[bytes, int, bytes, bytes]
+
+
+@message(501, max_bytes=MAX_CLAIMS_BYTES)
+class ClaimsRecord(Message):
+    """The DHT value of a ``RoundClaims`` (``run/<id>/verify/<r>``, the peer's own subkey):
+    its claims sorted by owner. Raises ``ValueError`` when a field is out of range."""
+
+    start_state_hash: bytes
+    claims: tuple[TaskClaim, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.claims) > MAX_CLAIMS:
+            raise ValueError(f"{len(self.claims)} claims are over the limit of {MAX_CLAIMS}")
+        if not _is_hash(self.start_state_hash):
+            raise ValueError(f"the start state hash must be {HASH_BYTES} bytes")
+        for owner, steps, root, final in self.claims:
+            if not 0 < len(owner) <= PEER_ID_MAX_BYTES or steps <= 0:
+                raise ValueError("a claim needs an owner of 1..64 bytes and steps > 0")
+            if not (_is_hash(root) and _is_hash(final)):
+                raise ValueError(f"a claim's hashes must be {HASH_BYTES} bytes")
+
+
 @dataclass(frozen=True)
 class RoundClaims:
     """One peer's record for a round: the start state hash its tasks began from (every task of
@@ -118,37 +148,25 @@ class RoundClaims:
     claims: Mapping[bytes, Commitment]
 
     def to_bytes(self) -> bytes:
-        body = [
-            [owner, c.steps, c.task_root, c.final_state_hash]
+        """The DHT value. Raises ValueError for what no reader would accept (too many claims)."""
+        body = tuple(
+            (owner, c.steps, c.task_root, c.final_state_hash)
             for owner, c in sorted(self.claims.items())
-        ]
-        data = msgpack.packb([VERSION, self.start_state_hash, body], use_bin_type=True)
-        if len(body) > MAX_CLAIMS or len(data) > MAX_CLAIMS_BYTES:
-            raise ValueError(f"{len(body)} claims ({len(data)} bytes) are over the limit")
-        return data
+        )
+        return encode(ClaimsRecord(self.start_state_hash, body))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RoundClaims | None:
         """None for anything malformed (a peer's record is its claim; garbage claims nothing)."""
-        if len(data) > MAX_CLAIMS_BYTES:
-            return None
         try:
-            obj = msgpack.unpackb(data, raw=False)
-            version, start, body = obj
-            if version != VERSION or not _is_hash(start) or not isinstance(body, list):
-                return None
-            if len(body) > MAX_CLAIMS:
-                return None
-            claims: dict[bytes, Commitment] = {}
-            for owner, steps, root, final in body:
-                ok = isinstance(owner, bytes) and 0 < len(owner) <= PEER_ID_MAX_BYTES
-                ok = ok and type(steps) is int and steps > 0
-                if not (ok and _is_hash(root) and _is_hash(final)):
-                    return None
-                claims[owner] = Commitment(steps, root, final)
-        except (ValueError, TypeError, msgpack.UnpackException):
+            record = decode(data, ClaimsRecord)
+        except RemoteProtocolError as exc:
+            log.debug("verification claims ignored: %s", exc)
             return None
-        return cls(start, claims)
+        claims = {
+            owner: Commitment(steps, root, final) for owner, steps, root, final in record.claims
+        }
+        return cls(record.start_state_hash, claims)
 
 
 def _is_hash(value: object) -> bool:
@@ -163,9 +181,10 @@ def majority_start(records: Iterable[RoundClaims]) -> bytes | None:
     return max(counts, key=lambda h: (counts[h], h))
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """The coordinator's ruling on one disputed task. ``cheater`` None: nobody could be named."""
+@message(502, max_bytes=MAX_VERDICTS_BYTES)
+class Verdict(Message):
+    """The coordinator's ruling on one disputed task. ``cheater`` None: nobody could be named.
+    Published in a ``VerdictList``, its reason cut to ``MAX_REASON_CHARS``."""
 
     round: int
     owner: bytes
@@ -176,6 +195,10 @@ class Verdict:
     op_name: str
     reason: str
 
+    def __post_init__(self) -> None:
+        if self.round < 0:
+            raise ValueError("a verdict's round must be >= 0")
+
     def describe(self) -> str:
         """Where the cheating was: ``round r, step s, operator o (name)``, or an all-reduce part
         (its reducer, ``owner``, got it wrong, or a contributor served other bytes than it
@@ -185,61 +208,44 @@ class Verdict:
             return f"round {self.round}, part {self.op} of the all-reduce ({how})"
         return f"round {self.round}, step {self.step}, operator {self.op} ({self.op_name})"
 
-    def to_wire(self) -> list[object]:
-        return [
-            self.round, self.owner, self.verifier, self.cheater,
-            self.step, self.op, self.op_name, self.reason[:MAX_REASON_CHARS],
-        ]  # fmt: skip
+
+@message(503, max_bytes=MAX_VERDICTS_BYTES)
+class VerdictList(Message):
+    """The DHT value under ``run/<id>/verdicts``: the coordinator's newest verdicts, oldest
+    first."""
+
+    verdicts: tuple[Verdict, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.verdicts) > MAX_VERDICTS:
+            raise ValueError(f"a verdict list holds at most {MAX_VERDICTS}")
 
 
-def _newest_that_fit(items: list[list[object]], most: int) -> bytes:
-    """The newest ``most`` items (older ones dropped while over the record size limit)."""
-    kept = items[-most:]
-    data = msgpack.packb([VERSION, kept], use_bin_type=True)
-    while len(data) > MAX_VERDICTS_BYTES and kept:
-        kept = kept[1:]
-        data = msgpack.packb([VERSION, kept], use_bin_type=True)
-    return data
+def _newest_that_fit(
+    items: Sequence[Verdict | AuditResult], most: int, wrap: Callable[[tuple[Any, ...]], Message]
+) -> bytes:
+    """``wrap(newest items)`` encoded: the newest ``most``, older ones dropped while over the
+    list's size limit; each reason cut to ``MAX_REASON_CHARS``."""
+    kept = [replace(item, reason=item.reason[:MAX_REASON_CHARS]) for item in items[-most:]]
+    while True:
+        try:
+            return encode(wrap(tuple(kept)))
+        except LocalProtocolError:
+            if not kept:
+                raise
+            kept = kept[1:]
 
 
 def encode_verdicts(verdicts: Iterable[Verdict]) -> bytes:
     """The newest verdicts that fit (the cheaters they name stay banned by the peers that read
     them; a peer reading later sees only these)."""
-    return _newest_that_fit([v.to_wire() for v in verdicts], MAX_VERDICTS)
-
-
-def _list_body(data: bytes, what: str, most: int) -> list[object]:
-    """The items of one of the coordinator's signed lists. Raises ValueError when it is malformed
-    (a bug or an attack worth a loud error, not a value to skip)."""
-    if len(data) > MAX_VERDICTS_BYTES:
-        raise ValueError(f"{what} list of {len(data)} bytes is over {MAX_VERDICTS_BYTES}")
-    try:
-        version, body = msgpack.unpackb(data, raw=False)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise ValueError(f"malformed {what} list: {exc}") from None
-    if version != VERSION or not isinstance(body, list) or len(body) > most:
-        raise ValueError(f"unknown {what} list version or layout")
-    return body
+    return _newest_that_fit(list(verdicts), MAX_VERDICTS, VerdictList)
 
 
 def decode_verdicts(data: bytes) -> list[Verdict]:
-    """Raises ValueError for a malformed list."""
-    body = _list_body(data, "verdict", MAX_VERDICTS)
-    try:
-        out = []
-        for r, owner, verifier, cheater, step, op, op_name, reason in body:
-            if not (type(r) is int and r >= 0 and isinstance(owner, bytes)):
-                raise ValueError("bad verdict round or owner")
-            if not isinstance(verifier, bytes) or not isinstance(cheater, bytes | None):
-                raise ValueError("bad verdict peer ids")
-            if not all(x is None or type(x) is int for x in (step, op)):
-                raise ValueError("bad verdict step or op")
-            if not (isinstance(op_name, str) and isinstance(reason, str)):
-                raise ValueError("bad verdict text")
-            out.append(Verdict(r, owner, verifier, cheater, step, op, op_name, reason))
-    except TypeError as exc:  # an item that is not a list of the right length
-        raise ValueError(f"malformed verdict list: {exc}") from None
-    return out
+    """Raises ``RemoteProtocolError`` for a malformed list (the coordinator's own: a bug or an
+    attack worth a loud error, not a value to skip)."""
+    return list(decode(data, VerdictList).verdicts)
 
 
 def banned(verdicts: Iterable[Verdict]) -> dict[bytes, Verdict]:
@@ -321,12 +327,13 @@ def disputes(records: Mapping[bytes, RoundClaims]) -> list[tuple[bytes, bytes]]:
 MAX_AUDIT_RESULTS = 64
 
 
-@dataclass(frozen=True)
-class AuditResult:
+@message(504, max_bytes=MAX_VERDICTS_BYTES)
+class AuditResult(Message):
     """The referee's ruling on one part of one group's round: ``ok`` True (recomputed, equal),
     False (``cheater`` named: the reducer, whose sum is wrong or claims an input nobody signed,
     or a contributor serving other bytes than it signed) or None (could not tell: a contributor
-    did not serve its slice)."""
+    did not serve its slice). Published in an ``AuditResultList``, its reason cut to
+    ``MAX_REASON_CHARS``."""
 
     round: int
     group_id: bytes
@@ -341,31 +348,23 @@ class AuditResult:
         """The part everyone received is not what its inputs sum to: the round must not apply."""
         return self.ok is False and self.cheater == self.reducer
 
-    def to_wire(self) -> list[object]:
-        return [
-            self.round, self.group_id, self.part, self.reducer, self.ok,
-            self.reason[:MAX_REASON_CHARS], self.cheater,
-        ]  # fmt: skip
+
+@message(505, max_bytes=MAX_VERDICTS_BYTES)
+class AuditResultList(Message):
+    """The DHT value under ``run/<id>/audits``: the referee's newest results, oldest first."""
+
+    results: tuple[AuditResult, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.results) > MAX_AUDIT_RESULTS:
+            raise ValueError(f"an audit result list holds at most {MAX_AUDIT_RESULTS}")
 
 
 def encode_audit_results(results: Iterable[AuditResult]) -> bytes:
     """The newest results that fit: members wait only for their current round's."""
-    return _newest_that_fit([r.to_wire() for r in results], MAX_AUDIT_RESULTS)
+    return _newest_that_fit(list(results), MAX_AUDIT_RESULTS, AuditResultList)
 
 
 def decode_audit_results(data: bytes) -> list[AuditResult]:
-    """Raises ValueError for a malformed list."""
-    body = _list_body(data, "audit", MAX_AUDIT_RESULTS)
-    try:
-        out = []
-        for r, group_id, part, reducer, ok, reason, cheater in body:
-            if not (type(r) is int and type(part) is int and isinstance(group_id, bytes)):
-                raise ValueError("bad audit round, group or part")
-            if not (isinstance(reducer, bytes) and isinstance(ok, bool | None)):
-                raise ValueError("bad audit reducer or outcome")
-            if not (isinstance(reason, str) and isinstance(cheater, bytes | None)):
-                raise ValueError("bad audit reason or cheater")
-            out.append(AuditResult(r, group_id, part, reducer, ok, reason, cheater))
-    except TypeError as exc:
-        raise ValueError(f"malformed audit list: {exc}") from None
-    return out
+    """Raises ``RemoteProtocolError`` for a malformed list."""
+    return list(decode(data, AuditResultList).results)

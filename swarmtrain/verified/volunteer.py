@@ -32,7 +32,7 @@ import numpy as np
 
 import swarm
 from diloco import AveragingFailed, Corpus
-from p2p import Message, PeerID
+from p2p import Message, PeerID, RemoteProtocolError
 from swarmtrain.config import RunConfig
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
@@ -294,7 +294,7 @@ class Verification:
         try:
             data = self.runtime.read(key).get(str(self.coordinator))
             return [] if data is None else decode(data)
-        except ValueError as exc:
+        except RemoteProtocolError as exc:
             log.warning("the coordinator's %s is malformed: %s", key, exc)
         except Exception as exc:
             log.info("could not read %s: %s", key, exc)

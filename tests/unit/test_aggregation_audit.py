@@ -170,17 +170,23 @@ def test_records_round_trip_and_garbage_decodes_to_none() -> None:
     record = AuditRecord(5, b"g" * 32, tuple(net.ids), (audit,))
     assert decode_audits(encode_audits(record)) == record
     entry = [b"a", 1.0, b"h" * 32, b"s" * 64]
+
+    def value(*body: object, version: int = 1) -> bytes:
+        return msgpack.packb([version, AuditRecord.TYPE_CODE, list(body)])
+
     for bad in (
         b"",
         b"\xc1",
-        msgpack.packb([2, 5, b"g", [], [], []]),
-        msgpack.packb([1, 5, b"g", ["not bytes"], [], []]),
-        msgpack.packb([1, 5, b"g", [], [[0, 5, 1, [entry], b"o" * 32]], []]),
-        msgpack.packb([1, 5, b"g", [], [[0, 0, 1, [[b"a", -1.0, *entry[2:]]], b"o" * 32]], []]),
-        msgpack.packb([1, 5, b"g", [], [[0, 0, 1, [[*entry[:2], b"short", entry[3]]], b"o"]], []]),
-        msgpack.packb([1, 5, b"g", [], [[0, 0, 1, [[*entry[:3], b"s" * 500]], b"o" * 32]], []]),
-        msgpack.packb([1, 5, b"g", [], [[0, 0, 1, [], b"o" * 32]], []]),
-        msgpack.packb([1, 5, b"g", [], [], [-1]]),
+        value(5, b"g", [], [], [], version=2),
+        msgpack.packb([1, PartAudit.TYPE_CODE, [0, 0, 1, [entry], b"o" * 32]]),  # another type
+        value(5, b"g", ["not bytes"], [], []),
+        value(5, b"g", [], [[0, 5, 1, [entry], b"o" * 32]], []),
+        value(5, b"g", [], [[0, 0, 1, [[b"a", -1.0, *entry[2:]]], b"o" * 32]], []),
+        value(5, b"g", [], [[0, 0, 1, [[*entry[:2], b"short", entry[3]]], b"o"]], []),
+        value(5, b"g", [], [[0, 0, 1, [[*entry[:3], b"s" * 500]], b"o" * 32]], []),
+        value(5, b"g", [], [[0, 0, 1, [], b"o" * 32]], []),
+        value(5, b"g", [], [[0, 0, 1, [entry[:3]], b"o" * 32]], []),  # an input of 3 fields
+        value(5, b"g", [], [], [-1]),
         b"\x00" * (MAX_AUDIT_RECORD_BYTES + 1),
     ):
         assert decode_audits(bad) is None

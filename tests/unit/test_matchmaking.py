@@ -5,12 +5,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from p2p import LocalProtocolError, RemoteProtocolError
+from p2p import LocalProtocolError, RemoteProtocolError, decode, encode
 from swarm.averaging.matchmaking import (
     DeadlineReached,
     Declaration,
@@ -105,19 +106,23 @@ def test_two_rounds_of_a_full_grid_mix_every_column() -> None:
 
 def test_declaration_wire_round_trip_and_rejects() -> None:
     d = decl(3, 5, 12.5)
+    assert decode(encode(d), Declaration) == d
     assert Declaration.from_wire(d.to_wire()) == d
     assert round_key("abc", 7) == b"run/abc/round/7"
+    code = Declaration.TYPE_CODE
     for bad in (
         None,
         [],
-        [2, *d.to_wire()[1:]],
-        [1, b"", 0, 1.0, 1.0, 0.0, 0],
-        [1, b"x", -1, 1, 1, 0, 0],
+        [b"", 0, 1.0, 1.0, 0.0, 0],
+        [b"x", -1, 1, 1, 0, 0],
+        [b"x", 0, float("nan"), 1.0, 0.0, 0],
     ):
         with pytest.raises(RemoteProtocolError):
             Declaration.from_wire(bad)
-    with pytest.raises(RemoteProtocolError):
-        Declaration.from_wire([1, b"x", 0, float("nan"), 1.0, 0.0, 0])
+        with pytest.raises(RemoteProtocolError):
+            decode(msgpack.packb([1, code, bad]), Declaration)
+    with pytest.raises(RemoteProtocolError):  # another version of the envelope
+        decode(msgpack.packb([2, code, d.to_wire()]), Declaration)
 
 
 wire_values = st.recursive(

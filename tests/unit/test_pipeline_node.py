@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgpack
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,7 +23,7 @@ from swarmtrain.pipeline.node import (
     server_settings,
     trainer_settings,
 )
-from swarmtrain.pipeline.progress import TrainerProgress
+from swarmtrain.pipeline.progress import TrainerProgress, TrainerProgressRecord
 from swarmtrain.pipeline.roles import shape_of, stage_builder
 from swarmtrain.runspec import RunSpec
 
@@ -196,6 +198,19 @@ def test_trainer_progress_round_trips() -> None:
     assert TrainerProgress.from_bytes(record.to_bytes()) == record
     empty = TrainerProgress(0, None, 0, 0.0, 0, 1000.0)
     assert TrainerProgress.from_bytes(empty.to_bytes()) == empty
+    code = TrainerProgressRecord.TYPE_CODE
+    for bad in (
+        [-1, 2.5, 8, 12.25, 1, 1000.0],
+        [3, float("nan"), 8, 12.25, 1, 1000.0],
+        [3, 2.5, True, 12.25, 1, 1000.0],
+        [3, 2.5, 8, 12.25, 1],
+    ):
+        assert TrainerProgress.from_bytes(msgpack.packb([1, code, bad])) is None
+    assert (
+        TrainerProgress.from_bytes(msgpack.packb([2, code, [3, 2.5, 8, 12.25, 1, 1000.0]])) is None
+    )
+    with pytest.raises(ValueError):  # a round no reader would accept is never published
+        TrainerProgress(3, float("nan"), 8, 12.25, 1, 1000.0).to_bytes()
 
 
 @given(st.binary(max_size=600))

@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from p2p import LocalProtocolError, RemoteProtocolError
 from swarm.pipeline.records import (
     ServerAnnouncement,
+    ServerRecord,
     decode_announcement,
     decode_announcements,
     encode_announcement,
@@ -92,16 +93,16 @@ def test_garbage_announcement_parses_or_raises_remote_protocol_error(data: bytes
 
 @given(announcements, st.integers(0, 6), st.sampled_from([-1, 1e10, float("nan"), True, "x"]))
 def test_out_of_range_fields_are_refused(a: ServerAnnouncement, index: int, bad: object) -> None:
-    wire = a.to_wire()
+    wire = [1, ServerRecord.TYPE_CODE, list(a.record().to_wire())]  # the p2p wire envelope
     if index == 0:
         wire[0] = 2  # unknown version
     else:
-        wire[index] = bad
+        wire[2][index - 1] = bad  # type: ignore[index]
     import msgpack
 
     data = msgpack.packb(wire, use_bin_type=True)
     if (index, bad) in ((5, -1), (4, True)):  # legal: round -1 is the initial parameters
-        assert decode_announcement(a.peer_id, data).to_wire()[index] == bad
+        assert decode_announcement(a.peer_id, data).record().to_wire()[index - 1] == bad
         return
     with pytest.raises(RemoteProtocolError):
         decode_announcement(a.peer_id, data)

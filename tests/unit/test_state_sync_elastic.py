@@ -18,7 +18,7 @@ from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
 from p2p import PeerID
 from swarmtrain.keys import join_key, progress_key
 from swarmtrain.membership.elastic import Elastic
-from swarmtrain.membership.progress import Progress
+from swarmtrain.membership.progress import Progress, announcement
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.membership.state_sync_plan import Piece
 
@@ -127,7 +127,7 @@ def test_a_peer_whose_round_failed_adopts_the_majority_state_and_announces_itsel
     assert report is not None and report.round == 3 and report.sources == 2
     assert elastic.diloco.state_hash() == majority.hex() and elastic.diloco.round == 3
     assert asked and set(asked) <= {b, c}  # only holders of the majority state, never d
-    assert dht[join_key(RUN, 3)] == {str(me): b"\x01"}  # announced for the next round
+    assert dht[join_key(RUN, 3)] == {str(me): announcement(3)}  # announced for the next round
     assert elastic.fresh and elastic.server._states == {majority: data}  # and serves it
     # ... and says it now holds round 2's agreed state (it counts as a source from now on).
     mine = Progress.from_bytes(str(me), dht[progress_key(RUN)][str(me)])
@@ -216,7 +216,7 @@ def test_a_failed_peer_whose_swarm_moved_on_adopts_the_newest_agreed_state() -> 
     report = elastic.after_round(2, ok=False, wait_s=30.0)
     assert time.monotonic() - started < 5
     assert report is not None and report.round == 4  # round 3's agreed state
-    assert dht[join_key(RUN, 4)] == {str(me): b"\x01"}  # expected by the next round's group
+    assert dht[join_key(RUN, 4)] == {str(me): announcement(4)}  # expected by the next round's group
 
 
 def test_a_failed_peer_does_not_wait_when_everyone_failed_or_left() -> None:
@@ -311,7 +311,7 @@ def test_the_last_rounds_holders_linger_for_a_joiner_until_it_holds_the_final_st
     holder.diloco.load_state(data)
     late = _elastic(joiner, dht, data, asked)
     late.rounds = 5
-    dht[join_key(RUN, 5)] = {str(joiner): b"\x01"}  # it announced itself after round 4
+    dht[join_key(RUN, 5)] = {str(joiner): announcement(5)}  # it announced itself after round 4
 
     left = threading.Event()
     thread = threading.Thread(target=lambda: (holder.linger(4, 30.0), left.set()))

@@ -5,7 +5,15 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from swarmtrain.membership.progress import Progress, ProgressRecord, agreed_state, decode_all
+from swarmtrain.membership.progress import (
+    JoinAnnouncement,
+    Progress,
+    ProgressRecord,
+    agreed_state,
+    announced_joiners,
+    announcement,
+    decode_all,
+)
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 
@@ -63,3 +71,18 @@ def test_a_tie_breaks_on_the_hash_so_every_reader_names_the_same_state() -> None
     one = [_p("a", 1, True, H1), _p("b", 1, True, H2)]
     assert agreed_state(one) == agreed_state(list(reversed(one)))
     assert agreed_state(one).state_hash == H2  # type: ignore[union-attr]
+
+
+def test_a_join_announcement_counts_only_when_it_names_the_round_of_its_key() -> None:
+    code = JoinAnnouncement.TYPE_CODE
+    values = {
+        "joiner": announcement(5),
+        "other round": announcement(4),
+        "old value": b"\x01",
+        "negative": msgpack.packb([1, code, [-5]]),
+        "bool": msgpack.packb([1, code, [True]]),
+        "progress": _p("x", 5, True, H1).to_bytes(),
+    }
+    assert announced_joiners(values, 5) == {"joiner"}
+    with pytest.raises(ValueError):  # an announcement no reader would accept is never written
+        announcement(-1)

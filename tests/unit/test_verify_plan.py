@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from p2p import RemoteProtocolError
 from swarmtrain.verified.plan import (
     AGGREGATION,
     MAX_AUDIT_RESULTS,
@@ -16,9 +17,12 @@ from swarmtrain.verified.plan import (
     MAX_VERDICTS_BYTES,
     Assignment,
     AuditResult,
+    AuditResultList,
+    ClaimsRecord,
     Decision,
     RoundClaims,
     Verdict,
+    VerdictList,
     assignments,
     banned,
     decide,
@@ -78,15 +82,19 @@ def test_task_seeds_differ_per_round_and_owner() -> None:
 def test_claims_round_trip_and_garbage_claims_nothing() -> None:
     record = RoundClaims(H[0], {PEERS[0]: _claim(1), PEERS[1]: _claim(2)})
     assert RoundClaims.from_bytes(record.to_bytes()) == record
+    code = ClaimsRecord.TYPE_CODE
     for bad in (
         b"",
         b"\xc1",
-        msgpack.packb([2, H[0], []]),
-        msgpack.packb([1, b"short", []]),
-        msgpack.packb([1, H[0], [[PEERS[0], 0, H[1], H[2]]]]),  # zero steps
-        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1][:5], H[2]]]]),
-        msgpack.packb([1, H[0], [[PEERS[0], 4, H[1]]]]),  # no final state hash
-        msgpack.packb([1, H[0], "x"]),
+        msgpack.packb([2, code, [H[0], []]]),
+        msgpack.packb([1, VerdictList.TYPE_CODE, [H[0], []]]),  # another type
+        msgpack.packb([1, code, [b"short", []]]),
+        msgpack.packb([1, code, [H[0], [[PEERS[0], 0, H[1], H[2]]]]]),  # zero steps
+        msgpack.packb([1, code, [H[0], [[PEERS[0], 4, H[1][:5], H[2]]]]]),
+        msgpack.packb([1, code, [H[0], [[PEERS[0], 4, H[1]]]]]),  # no final state hash
+        msgpack.packb([1, code, [H[0], [[PEERS[0], True, H[1], H[2]]]]]),  # steps a bool
+        msgpack.packb([1, code, [H[0], "x"]]),
+        msgpack.packb([1, code, [H[0], [[b"p" * 65, 4, H[1], H[2]]]]]),  # owner too long
         b"\x00" * 10_000,
     ):
         assert RoundClaims.from_bytes(bad) is None
@@ -110,10 +118,17 @@ def test_verdicts_round_trip_and_the_list_stays_under_the_record_limit() -> None
     decoded = decode_verdicts(data)
     assert decoded[-1].round == 199 and decoded[-1].reason == "x" * 200
     assert set(banned(decoded)) == {PEERS[0], PEERS[1]}
-    with pytest.raises(ValueError):
-        decode_verdicts(msgpack.packb([1, [[0, PEERS[0], PEERS[1], 5, 0, 0, "", ""]]]))
-    with pytest.raises(ValueError):
-        decode_verdicts(b"\x92\x01")
+    code = VerdictList.TYPE_CODE
+    for bad in (
+        msgpack.packb([1, code, [[[0, PEERS[0], PEERS[1], 5, 0, 0, "", ""]]]]),  # cheater an int
+        msgpack.packb([1, code, [[[-1, PEERS[0], PEERS[1], None, 0, 0, "", ""]]]]),
+        msgpack.packb([1, code, [[[0, PEERS[0], PEERS[1], None, 0, 0, ""]]]]),  # 7 fields
+        msgpack.packb([2, code, [[]]]),
+        b"\x92\x01",
+    ):
+        with pytest.raises(RemoteProtocolError):
+            decode_verdicts(bad)
+    assert decode_verdicts(msgpack.packb([1, code, [[]]])) == []
 
 
 def test_majority_start_and_disputes() -> None:
@@ -188,10 +203,15 @@ def test_audit_results_round_trip_and_a_malformed_list_is_refused() -> None:
     assert 40 < len(decoded) <= MAX_AUDIT_RESULTS and decoded[-1].round == 99
     assert [d.ok for d in decoded[-3:]] == [False, None, True]  # rounds 97, 98, 99
     assert decoded[-1].reason == ("why" * 100)[:200]
-    with pytest.raises(ValueError):
-        decode_audit_results(msgpack.packb([1, [[0, b"g", 0, PEERS[0], "yes", ""]]]))
-    with pytest.raises(ValueError):
-        decode_audit_results(b"\xc1")
+    code = AuditResultList.TYPE_CODE
+    for bad in (
+        msgpack.packb([1, code, [[[0, b"g", 0, PEERS[0], "yes", "", None]]]]),
+        msgpack.packb([1, code, [[[0, b"g", 0, PEERS[0], 1, "", None]]]]),  # ok an int
+        msgpack.packb([1, VerdictList.TYPE_CODE, [[]]]),  # another type
+        b"\xc1",
+    ):
+        with pytest.raises(RemoteProtocolError):
+            decode_audit_results(bad)
 
 
 def test_an_aggregation_verdict_does_not_settle_the_reducers_task() -> None:

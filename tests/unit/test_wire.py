@@ -39,12 +39,18 @@ from p2p.wire import (
 
 # Import every module of every package, so that every registered wire message is tested below
 # whatever else the session imported, and two modules can never claim one type code unnoticed.
+# Sub-packages are walked too: DHT values live in folders (swarm.averaging, swarmtrain.verified).
 for _package in ("p2p", "swarm", "verify", "swarmtrain"):
-    for _module in pkgutil.iter_modules(importlib.import_module(_package).__path__):
-        importlib.import_module(f"{_package}.{_module.name}")
+    _root = importlib.import_module(_package)
+    for _module in pkgutil.walk_packages(_root.__path__, prefix=f"{_package}."):
+        importlib.import_module(_module.name)
 
-from swarm.pipeline import wire as pipeline_wire  # noqa: E402  (imported above; named for the strategies)
+from swarm.averaging import audit, matchmaking  # noqa: E402  (imported above; named for the strategies)
+from swarm.pipeline import records as pipeline_records  # noqa: E402
+from swarm.pipeline import wire as pipeline_wire  # noqa: E402
 from swarmtrain.membership import progress, state_sync  # noqa: E402
+from swarmtrain.pipeline import progress as pipeline_progress  # noqa: E402
+from swarmtrain.verified import plan as verified_plan  # noqa: E402
 
 
 def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
@@ -54,9 +60,13 @@ def _strategy_for(hint: Any) -> st.SearchStrategy[Any]:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return st.one_of(*[_strategy_for(a) for a in typing.get_args(hint)])
+    if origin is tuple and len(typing.get_args(hint)) > 1 and typing.get_args(hint)[-1] != ...:
+        return st.tuples(*[_strategy_for(a) for a in typing.get_args(hint)])
     if origin in (list, tuple):
         (item,) = typing.get_args(hint)[:1]
         return st.lists(_strategy_for(item), max_size=4)
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return _instances(hint)
     if origin is dict:
         k, v = typing.get_args(hint)
         return st.dictionaries(_strategy_for(k), _strategy_for(v), max_size=4)
@@ -193,6 +203,68 @@ def _progress_records() -> st.SearchStrategy[Message]:
     )
 
 
+def _dht_values() -> dict[type, Any]:
+    """The DHT values of swarm and swarmtrain: counts >= 0, finite figures, sized hashes."""
+    count = st.integers(0, 2**40)
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    positive = st.floats(min_value=1e-9, max_value=1e9)
+    peer = st.binary(min_size=1, max_size=64)
+    digest = st.binary(min_size=32, max_size=32)
+    text = st.text(max_size=40)
+    inputs = st.tuples(peer, positive, digest, st.binary(max_size=audit.MAX_PROOF_BYTES))
+
+    def part_audit(part: int, start: int, length: int, ins: list[Any], out: bytes) -> Message:
+        return audit.PartAudit(part, start, start + length, tuple(ins), out)
+
+    part_audits = st.builds(
+        part_audit, count, count, count, st.lists(inputs, min_size=1, max_size=3), digest
+    )
+    claim = st.tuples(peer, st.integers(1, 2**40), digest, digest)
+    p = verified_plan
+    verdicts = st.builds(
+        p.Verdict, count, peer, peer, st.none() | peer, st.none() | count, st.none() | count,
+        text, text,
+    )  # fmt: skip
+    return {
+        matchmaking.Declaration: lambda: st.builds(
+            matchmaking.Declaration, peer, count, positive, positive, finite, count
+        ),
+        audit.PartAudit: lambda: part_audits,
+        audit.AuditRecord: lambda: st.builds(
+            audit.AuditRecord,
+            count,
+            st.binary(max_size=32),
+            st.lists(peer, max_size=4).map(tuple),
+            st.lists(part_audits, max_size=2).map(tuple),
+            st.lists(count, max_size=4).map(tuple),
+        ),
+        p.ClaimsRecord: lambda: st.builds(
+            p.ClaimsRecord, digest, st.lists(claim, max_size=p.MAX_CLAIMS).map(tuple)
+        ),
+        p.Verdict: lambda: verdicts,
+        p.VerdictList: lambda: st.builds(p.VerdictList, st.lists(verdicts, max_size=4).map(tuple)),
+        pipeline_progress.TrainerProgressRecord: lambda: st.builds(
+            pipeline_progress.TrainerProgressRecord,
+            count,
+            st.none() | finite,
+            count,
+            finite,
+            count,
+            finite,
+        ),
+        progress.JoinAnnouncement: lambda: st.builds(progress.JoinAnnouncement, count),
+        pipeline_records.ServerRecord: lambda: st.builds(
+            pipeline_records.ServerRecord,
+            st.integers(0, pipeline_records.MAX_STAGES - 1),
+            st.floats(0.0, pipeline_records.MAX_THROUGHPUT),
+            st.integers(0, pipeline_records.MAX_QUEUE),
+            st.booleans(),
+            st.integers(-1, 2**53),
+            digest,
+        ),
+    }
+
+
 # Types whose invariants tie fields together get a strategy that builds valid instances.
 def _dial_back_responses() -> st.SearchStrategy[Message]:
     """Three parallel tuples of one length: random tuples almost never match, and filtering
@@ -213,6 +285,7 @@ CUSTOM_STRATEGIES = {
     **_bulk_control_messages(),
     progress.ProgressRecord: _progress_records,
     DialBackResponse: _dial_back_responses,
+    **_dht_values(),
 }
 
 
@@ -328,6 +401,41 @@ def test_schema_violations_are_remote_protocol_errors() -> None:
     ]:
         with pytest.raises(RemoteProtocolError, match=why):
             decode(bad)
+
+
+@message(9002, max_bytes=256)
+class _Inner(Message):
+    pair: tuple[bytes, float]
+
+
+@message(9003, max_bytes=256)
+class _Outer(Message):
+    items: tuple[_Inner, ...]
+    best: _Inner | None
+
+
+def test_nested_messages_and_fixed_tuples_travel_as_bodies_and_are_checked() -> None:
+    msg = _Outer((_Inner((b"a", 1.0)), _Inner((b"b", 2))), None)
+    assert msg.to_wire() == [[[(b"a", 1.0)], [(b"b", 2)]], None]  # tuples pack as arrays
+    back = decode(encode(msg), _Outer)
+    assert back == msg and isinstance(back.items[1], _Inner) and back.items[1].pair == (b"b", 2.0)
+
+    def raw(body: Any) -> bytes:
+        return msgpack.packb([PROTOCOL_VERSION, 9003, body], use_bin_type=True)
+
+    for bad, why in [
+        ([[[[b"a", 1.0, 3]]], None], "expected 2 items"),
+        ([[[[1.0, b"a"]]], None], "expected bytes"),
+        ([[[b"a", 1.0]], None], "list of 1"),  # an inner body without its list
+        ([[], [[b"a"]]], "no union member matched"),
+    ]:
+        with pytest.raises(RemoteProtocolError, match=why):
+            decode(raw(bad), _Outer)
+
+
+def test_an_oversized_value_of_an_expected_type_is_refused_before_parsing() -> None:
+    with pytest.raises(RemoteProtocolError, match="over its limit"):
+        decode(b"\xc1" * 300, _Outer)  # garbage, but its size alone settles it
 
 
 def test_unexpected_type_is_rejected() -> None:
