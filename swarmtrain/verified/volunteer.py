@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
+import trio
 
 import swarm
 from diloco import AveragingFailed, Corpus
@@ -183,19 +184,19 @@ class Verification:
         r = round_number
         plan = self._plan(r)
         deadline = time.monotonic() + self.config.verify.timeout_s
-        while True:
+
+        def look() -> list[tuple[Assignment, Decision, str]]:
             self._read_verdicts()
             mine = banned(self.verdicts).get(self.me)
             if mine is not None:
                 raise Banned(mine)
             records = self._read_claims(r) if plan else {}
             timed_out = time.monotonic() >= deadline
-            decisions = [
-                (a, *decide(a, records, self.verdicts, r, timed_out=timed_out)) for a in plan
-            ]
-            if all(d is not Decision.WAIT for _, d, _ in decisions):
-                break
-            time.sleep(POLL_S)
+            return [(a, *decide(a, records, self.verdicts, r, timed_out=timed_out)) for a in plan]
+
+        decisions = self._poll(
+            look, lambda ds: all(d is not Decision.WAIT for _, d, _ in ds), deadline
+        )
         left_out = {a.owner for a, d, _ in decisions if d is Decision.EXCLUDE}
         for a, d, why in decisions:
             if why != AGREE:
@@ -227,12 +228,12 @@ class Verification:
         drawn = {p for p in range(n) if swarm.audited(run, r, gid, p, rate, n)}
         disputed: set[int] = set()
         deadline = time.monotonic() + self.config.verify.timeout_s
-        ruled: dict[int, AuditResult] = {}
-        while True:
+
+        def look() -> tuple[dict[int, AuditResult], set[int]]:
             for other in self._read_group_records(r, gid):
                 new = set(swarm.contested(other, self.me, result.slice_hashes)) - disputed
                 if new:
-                    disputed |= new
+                    disputed.update(new)
                     self.emit(
                         f"round {r}: disputing part(s) {sorted(new)}: their reducer claims an "
                         "input from us that we did not send"
@@ -251,9 +252,9 @@ class Verification:
                     f"round {r}: the referee found part {a.part} reduced by "
                     f"{str(PeerID(a.reducer))[-8:]} wrong: {a.reason}"
                 )
-            if len(ruled) == len(awaited) or time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
+            return ruled, awaited
+
+        ruled, awaited = self._poll(look, lambda got: len(got[0]) == len(got[1]), deadline)
         for a in ruled.values():
             if not a.ok:  # a contributor that lied to the referee is banned; the sum stands
                 log.warning("round %d: part %d: %s", r, a.part, a.reason)
@@ -299,6 +300,19 @@ class Verification:
         except Exception as exc:
             log.info("could not read %s: %s", key, exc)
         return []
+
+    def _poll(self, look: Callable[[], T], done: Callable[[T], bool], deadline: float) -> T:
+        """``look()`` every ``POLL_S`` until ``done`` or ``deadline`` (``time.monotonic``): the
+        runtime's trio-side ``poll``, each look in a worker thread (it reads the DHT through
+        the runtime, as the torch thread does). What ``look`` raises propagates."""
+
+        async def probe() -> T:
+            return await trio.to_thread.run_sync(look)
+
+        timeout_s = max(0.0, deadline - time.monotonic())
+        value = self.runtime.poll(probe, done, interval_s=POLL_S, timeout_s=timeout_s)
+        assert value is not None  # poll probes at least once when it does not wait first
+        return value
 
     def note(self, round_number: int) -> str:
         """For the round's progress line: `` verified K/N`` (tasks whose two commitments
