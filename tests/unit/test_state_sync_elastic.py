@@ -235,6 +235,23 @@ def test_a_failed_peer_does_not_wait_when_everyone_failed_or_left() -> None:
     assert time.monotonic() - started < 5
 
 
+def _dead_holder_fetcher(
+    dead: PeerID, data: bytes, asked: list[Hashable]
+) -> Callable[[Any, str, bytes], Callable[[Hashable, Piece], Any]]:
+    """Serves ``data`` from every source but ``dead``, whose relay no longer holds it."""
+
+    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
+        async def fetch(source: Hashable, piece: Piece) -> bytes:
+            asked.append(source)
+            if source == dead:
+                raise ConnectionError("Relay connection failed with status 204")
+            return data[piece.offset : piece.end]
+
+        return fetch
+
+    return fetcher
+
+
 def test_a_holder_that_died_before_the_download_does_not_send_a_joiner_back_to_round_0() -> None:
     # The progress read names b as the only holder of round 3's state; b died before the
     # download. c and d, alive, hold round 2's: the joiner takes that one, not a fresh start.
@@ -249,18 +266,8 @@ def test_a_holder_that_died_before_the_download_does_not_send_a_joiner_back_to_r
         }
     }
     asked: list[Hashable] = []
-
-    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
-        async def fetch(source: Hashable, piece: Piece) -> bytes:
-            asked.append(source)
-            if source == b:
-                raise ConnectionError("Relay connection failed with status 204")
-            return older[piece.offset : piece.end]
-
-        return fetch
-
     elastic = _elastic(me, dht, b"", [])
-    elastic._fetcher = fetcher
+    elastic._fetcher = _dead_holder_fetcher(b, older, asked)
     report = elastic.catch_up(wait_s=0.0, rounds=10)
     assert report is not None and report.round == 3, elastic.lines  # type: ignore[attr-defined]
     assert elastic.diloco.round == 3 and elastic.diloco.state_hash() == older_hash.hex()
@@ -283,18 +290,8 @@ def test_with_the_only_holder_dead_a_joiner_takes_the_survivors_state_after_its_
         }
     }
     asked: list[Hashable] = []
-
-    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
-        async def fetch(source: Hashable, piece: Piece) -> bytes:
-            asked.append(source)
-            if source == b:
-                raise ConnectionError("Relay connection failed with status 204")
-            return survivors[piece.offset : piece.end]
-
-        return fetch
-
     elastic = _elastic(me, dht, b"", [])
-    elastic._fetcher = fetcher
+    elastic._fetcher = _dead_holder_fetcher(b, survivors, asked)
     report = elastic.catch_up(wait_s=0.0, rounds=10)
     assert report is not None and report.round == 3, elastic.lines  # type: ignore[attr-defined]
     assert elastic.diloco.state_hash() == survivors_hash.hex() and set(asked) == {a, b}
