@@ -133,7 +133,7 @@ def test_node_without_listen_on_a_public_host_is_public(
     first = node.read_line(NODE_S)
     assert first.startswith("run "), (first, node.tail())
     log = node.stderr_path.read_text(errors="replace")
-    verdicts = re.findall(r"p2p\.nat: reachability (\w+): (.*)", log)
+    verdicts = re.findall(r"p2p\.nat\.traversal: reachability (\w+): (.*)", log)
     assert verdicts and verdicts[0][0] == "public", (verdicts, node.tail())
     assert "reserved a relay slot" not in log, node.tail()
     assert re.search(r"bulk listener on 0\.0\.0\.0:[1-9]\d*", log), node.tail()
