@@ -6,9 +6,10 @@ What 0.8.1 gives and where this layer departs from it (read ``libp2p/kad_dht/kad
   on ``/ipfs/kad/1.0.0``. A PUT is checked by the ``NamespacedValidator`` (we register namespace
   ``swarmtrain`` with strict validation, so keys outside a registered namespace are refused), then
   ``validator.select([held, incoming])`` decides: index 0 rejects and resets the stream, 1 calls
-  ``value_store.put_record``, which in 0.8.1 *replaces* the held value. Our ``_MergingValueStore``
-  merges instead, so a key keeps every owner's subkey; our ``select`` accepts any incoming value
-  that contributes at least one freshest entry.
+  ``value_store.put_record``, which in 0.8.1 *replaces* the held value. Our
+  ``MergingValueStore`` (``p2p.dht.store``) merges instead, so a key keeps every owner's
+  subkey; our ``select`` accepts any incoming value that contributes at least one freshest
+  entry.
 * **Client side is ours.** ``KadDHT.get_value`` first runs a full iterative FIND_NODE lookup, then
   queries candidates ALPHA at a time over a fresh stream each (a multistream-select negotiation,
   ~7 ms here, per request), keeps querying until candidates run out, then pushes "entry
@@ -34,8 +35,10 @@ Measured (``python -m bench.dht --peers 8 --keys 300``, loaded 2-core box): get 
 10.4 ms for keys the reader does not hold, a peer joins a formed swarm in 0.51 s (host start
 included); ``latest=True`` gets 19 ms p50; stores 42/s sequential (a lookup round, then the puts).
 
-This module is over the ~400-line guide: the libp2p hooks (validator, merging store) and the
-client that relies on their behaviour are kept together on purpose.
+What a server holds (the validator, the merging store and its quotas) is ``p2p.dht.store``.
+This module is over 600 lines on purpose: the admission of Kad servers, the answer filter, the
+routing table's refresh and the client's lookups all work on one routing table and one pool of
+streams; apart they would hand that state back and forth.
 """
 
 from __future__ import annotations
@@ -49,37 +52,37 @@ from typing import TYPE_CHECKING
 import msgpack
 import trio
 import varint
-from libp2p.abc import IHost
 from libp2p.custom_types import TProtocol
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.kad_dht.common import (
     BUCKET_SIZE,
     MAX_DHT_MESSAGE_SIZE,
     PROTOCOL_ID,
-    format_time_rfc3339,
 )
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
-from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
+from libp2p.kad_dht.pb.kademlia_pb2 import Message
 from libp2p.kad_dht.utils import maybe_consume_signed_record, sort_peer_ids_by_distance
-from libp2p.kad_dht.value_store import ValueStore
 from libp2p.network.stream.net_stream import INetStream
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.peer.peerstore import env_to_send_in_RPC
-from libp2p.records.validator import Validator
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
 from p2p.dht.records import (
     MAX_RECORD_SET_BYTES,
-    RecordRejected,
     RecordSigner,
     SignedRecord,
-    decode_record_set,
     encode_record_set,
     merge_records,
     subkey_values,
     valid_records,
+)
+from p2p.dht.store import (
+    NAMESPACE,
+    MergingValueStore,
+    StorageLimits,
+    SubkeyDictValidator,
 )
 from p2p.errors import P2PError, RemoteProtocolError
 from p2p.host import reset_quietly
@@ -89,27 +92,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "swarmtrain"
-_KEY_PREFIX = f"/{NAMESPACE}/".encode()
-ADDRS_KEY_PREFIX = "addrs/"
+ADDRSKEY_PREFIX = "addrs/"
 _MAX_ADDRS = 32
 _MAX_KAD_KEY_BYTES = 128
 FIRST_REFRESH_S = 1.0  # then doubling up to DhtConfig.refresh_interval_s
 ADMIT_WAIT_S = 3.0  # how long a peer that opened a Kad stream may take to prove it is a server
 MAX_ADMITTING = 256  # peers being looked at again at once
-
-
-@dataclass(frozen=True)
-class StorageLimits:
-    """What one identity may make a storing peer hold, and what the store holds in all.
-
-    An honest peer writes a few keys a round (declaration, progress, state hash, claims), each
-    living 10 minutes to an hour: a few thousand entries of under 1 KiB at one-second rounds.
-    """
-
-    max_entries_per_owner: int = 8192
-    max_bytes_per_owner: int = 8 << 20
-    max_bytes: int = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -134,173 +122,6 @@ class DhtStatistics:
     requests_failed: int
     bytes_held: int = 0
     refused_over_quota: int = 0
-
-
-class SubkeyDictValidator(Validator):
-    """libp2p's validator hook for namespace ``swarmtrain``: values are signed record sets."""
-
-    def validate(self, key: str, value: bytes) -> None:
-        """Raise ``RecordRejected`` unless every record in ``value`` is valid for ``key``."""
-        valid_records(value, key=key.encode(), now=time.time(), strict=True)
-
-    def select(self, key: str, values: list[bytes]) -> int:
-        """The last value that holds at least one entry of the merge of all of them.
-
-        In a PUT, ``values`` is ``[held, incoming]``: 1 (accept, then merge) unless the incoming
-        entries are all stale. Callers validate values first (kad does), so this only decodes.
-        """
-        now = time.time()
-        parsed: list[list[SignedRecord]] = []
-        for value in values:
-            try:
-                parsed.append(decode_record_set(value))
-            except RemoteProtocolError:
-                parsed.append([])
-        merged: dict[bytes, SignedRecord] = {}
-        for records in parsed:
-            merged = merge_records(merged, records, now=now)
-        for index in reversed(range(len(parsed))):
-            if any(merged.get(r.subkey) == r for r in parsed[index]):
-                return index
-        return 0
-
-
-class MergingValueStore(ValueStore):
-    """libp2p's value store, except that our keys merge subkey entries instead of replacing,
-    and what each owner (the identity that signed an entry) may make us hold is limited.
-
-    The parsed entries of each key are kept beside the encoded protobuf record that the Kad
-    handler serves, so a GET costs no decoding and a PUT verifies only the incoming entries.
-    ``_usage`` counts every owner's entries and bytes over all keys; a merge that would take an
-    owner, or the whole store, past ``StorageLimits`` is refused with ``RecordRejected("quota")``
-    and changes nothing (seen before: one identity stored 47.5 MiB in 9 s).
-    """
-
-    def __init__(self, host: IHost, local_peer_id: ID, limits: StorageLimits | None = None) -> None:
-        super().__init__(host, local_peer_id)
-        self.limits = limits or StorageLimits()
-        self._sets: dict[bytes, dict[bytes, SignedRecord]] = {}
-        self._usage: dict[bytes, list[int]] = {}  # owner -> [entries, bytes]
-        self.bytes_held = 0
-        self.refused_over_quota = 0
-
-    def put_record(self, key: bytes, record: Record) -> None:
-        if not key.startswith(_KEY_PREFIX):
-            super().put_record(key, record)
-            return
-        # The Kad handler validated already; validating again keeps this store safe on its own.
-        incoming = valid_records(record.value, key=key, now=time.time(), strict=True)
-        self.merge(key, incoming.values())
-
-    def merge(self, key: bytes, records: Iterable[SignedRecord]) -> None:
-        """Merge validated ``records`` into what we hold for ``key``; ValueError if too big,
-        ``RecordRejected`` (reason ``quota``) if an owner or the store would hold too much."""
-        now = time.time()
-        current = self.records(key, now)
-        merged = merge_records(current, records, now=now)
-        self._check_quota(current, merged)
-        self._write(key, merged)
-
-    def _check_quota(
-        self, current: dict[bytes, SignedRecord], merged: dict[bytes, SignedRecord]
-    ) -> None:
-        delta = _usage_delta(current, merged)
-        limits = self.limits
-        for owner, (entries, nbytes) in delta.items():
-            held = self._usage.get(owner, [0, 0])
-            if (entries > 0 and held[0] + entries > limits.max_entries_per_owner) or (
-                nbytes > 0 and held[1] + nbytes > limits.max_bytes_per_owner
-            ):
-                self.refused_over_quota += 1
-                raise RecordRejected(
-                    "quota",
-                    f"its owner would hold over {limits.max_entries_per_owner} entries or "
-                    f"{limits.max_bytes_per_owner} bytes here",
-                )
-        growth = sum(nbytes for _, nbytes in delta.values())
-        if growth > 0 and self.bytes_held + growth > limits.max_bytes:
-            self.refused_over_quota += 1
-            raise RecordRejected("quota", f"this store is full ({limits.max_bytes} bytes)")
-
-    def _write(self, key: bytes, merged: dict[bytes, SignedRecord]) -> None:
-        if not merged:
-            self.remove(key)
-            return
-        record = Record(key=key, value=encode_record_set(merged.values()))
-        record.timeReceived = format_time_rfc3339()
-        if key not in self.store:
-            self._evict_if_full()
-        self.store[key] = (record, max(r.expiration_time for r in merged.values()))
-        self._account(self._sets.get(key, {}), merged)
-        self._sets[key] = merged
-
-    def _account(self, old: dict[bytes, SignedRecord], new: dict[bytes, SignedRecord]) -> None:
-        for owner, (entries, nbytes) in _usage_delta(old, new).items():
-            held = self._usage.setdefault(owner, [0, 0])
-            held[0] += entries
-            held[1] += nbytes
-            self.bytes_held += nbytes
-            if held[0] <= 0:
-                del self._usage[owner]
-
-    def _forget_missing(self) -> None:
-        # libp2p's own expiry and eviction delete from ``store`` without telling us.
-        for key in [k for k in self._sets if k not in self.store]:
-            self._account(self._sets.pop(key), {})
-
-    def records(self, key: bytes, now: float) -> dict[bytes, SignedRecord]:
-        """Our unexpired entries for ``key``."""
-        if key not in self.store:
-            if key in self._sets:
-                self._account(self._sets.pop(key), {})
-            return {}
-        return {sk: r for sk, r in self._sets.get(key, {}).items() if r.expiration_time > now}
-
-    def get(self, key: bytes) -> Record | None:
-        held = self._sets.get(key)
-        if held is not None:
-            now = time.time()
-            if any(r.expiration_time <= now for r in held.values()):
-                self._write(key, self.records(key, now))
-        return super().get(key)
-
-    def remove(self, key: bytes) -> bool:
-        if key in self._sets:
-            self._account(self._sets.pop(key), {})
-        return super().remove(key)
-
-    def _evict_if_full(self) -> None:
-        super()._evict_if_full()
-        self._forget_missing()
-
-    def prune(self, now: float) -> None:
-        """Drop expired entries and keys."""
-        for key in list(self._sets):
-            self._write(key, self.records(key, now))
-        self.cleanup_expired()
-        self._forget_missing()
-
-    def usage(self, owner: bytes) -> tuple[int, int]:
-        """(entries, bytes) that ``owner``'s records take here."""
-        entries, nbytes = self._usage.get(owner, [0, 0])
-        return entries, nbytes
-
-
-def _entry_bytes(record: SignedRecord) -> int:
-    # What an entry costs us: its variable fields plus the fixed ones and the parsed object.
-    return len(record.value) + len(record.subkey) + len(record.key) + 256
-
-
-def _usage_delta(
-    old: dict[bytes, SignedRecord], new: dict[bytes, SignedRecord]
-) -> dict[bytes, tuple[int, int]]:
-    delta: dict[bytes, list[int]] = {}
-    for sign, records in ((-1, old), (1, new)):
-        for record in records.values():
-            held = delta.setdefault(record.owner, [0, 0])
-            held[0] += sign
-            held[1] += sign * _entry_bytes(record)
-    return {owner: (e, b) for owner, (e, b) in delta.items() if e or b}
 
 
 def dht_key(key: str) -> bytes:
@@ -660,13 +481,11 @@ class Dht:
     async def publish_addrs(self, addrs: Sequence[Multiaddr], expiration_time: float) -> int:
         """Publish where we can be reached (``/p2p-circuit`` relay addresses included)."""
         packed = msgpack.packb([a.to_bytes() for a in addrs[:_MAX_ADDRS]], use_bin_type=True)
-        return await self.store(
-            ADDRS_KEY_PREFIX + self.peer_id.to_base58(), packed, expiration_time
-        )
+        return await self.store(ADDRSKEY_PREFIX + self.peer_id.to_base58(), packed, expiration_time)
 
     async def find_addrs(self, peer_id: ID) -> list[Multiaddr]:
         """The addresses ``peer_id`` published about itself (only its own signed entry counts)."""
-        records = await self.get_records(ADDRS_KEY_PREFIX + peer_id.to_base58())
+        records = await self.get_records(ADDRSKEY_PREFIX + peer_id.to_base58())
         record = records.get(peer_id.to_bytes())
         if record is None:
             return []

@@ -226,7 +226,7 @@ def test_bit_flips_never_validate_as_someone_else(records: list[SignedRecord], d
 
 
 def test_kad_select_accepts_any_value_that_adds_a_freshest_entry() -> None:
-    from p2p.dht.kademlia import SubkeyDictValidator
+    from p2p.dht.store import SubkeyDictValidator
 
     select = SubkeyDictValidator().select
     key = KEY.decode()
@@ -243,7 +243,7 @@ def test_kad_select_accepts_any_value_that_adds_a_freshest_entry() -> None:
 def test_merging_value_store_keeps_every_owner_and_drops_expired() -> None:
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
-    from p2p.dht.kademlia import MergingValueStore
+    from p2p.dht.store import MergingValueStore
 
     store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
     key = b"/swarmtrain/members"
@@ -290,7 +290,7 @@ def test_a_record_that_expires_beyond_the_maximum_lifetime_is_refused() -> None:
 def test_the_store_holds_at_most_an_owners_quota_and_frees_it_when_entries_go() -> None:
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
-    from p2p.dht.kademlia import MergingValueStore, StorageLimits
+    from p2p.dht.store import MergingValueStore, StorageLimits
 
     limits = StorageLimits(max_entries_per_owner=4, max_bytes_per_owner=3 * 1400, max_bytes=10**6)
     store = MergingValueStore(host=None, local_peer_id=None, limits=limits)  # type: ignore[arg-type]
