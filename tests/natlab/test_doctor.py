@@ -51,6 +51,18 @@ REPORT_S = 45.0
 LINGER_S = 150
 
 
+def start_relay(
+    run_in: Callable[..., LabProcess], tmp_path: Path, name: str = "relay"
+) -> tuple[LabProcess, str]:
+    """``swarmtrain relay`` on pub (its key in ``tmp_path``, so a restart keeps the identity);
+    returns it and its join address, its first stdout line."""
+    key = str(tmp_path / "relay.key")
+    relay = run_in(name, "pub", *SWARMTRAIN, "relay", "--identity", key, "--listen", RELAY_LISTEN)
+    join = relay.read_line(REPORT_S)
+    assert join.startswith(RELAY_LISTEN + "/p2p/12D3KooW"), (join, relay.tail())
+    return relay, join
+
+
 def doctor(
     run_in: Callable[..., LabProcess],
     tmp_path: Path,
@@ -134,18 +146,7 @@ def test_doctor_across_nats(
 ) -> None:
     started = time.monotonic()
     lab(nat1="prc", nat2=nat2)
-    relay = run_in(
-        "relay",
-        "pub",
-        *SWARMTRAIN,
-        "relay",
-        "--identity",
-        str(tmp_path / "relay.key"),
-        "--listen",
-        RELAY_LISTEN,
-    )
-    join = relay.read_line(REPORT_S)
-    assert join.startswith(RELAY_LISTEN + "/p2p/12D3KooW"), (join, relay.tail())
+    relay, join = start_relay(run_in, tmp_path)
     relay_id = join.rsplit("/p2p/", 1)[1]
 
     c_proc = doctor(

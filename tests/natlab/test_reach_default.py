@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from test_doctor import start_relay
 
 if TYPE_CHECKING:
     from tests.natlab.conftest import LabProcess
@@ -43,18 +44,7 @@ def test_doctor_without_listen_on_a_public_host_is_public(
 ) -> None:
     started = time.monotonic()
     lab()
-    relay = run_in(
-        "relay",
-        "pub",
-        *SWARMTRAIN,
-        "relay",
-        "--identity",
-        str(tmp_path / "relay.key"),
-        "--listen",
-        PUB_LISTEN,
-    )
-    join = relay.read_line(REPORT_S)
-    assert join.startswith(PUB_LISTEN + "/p2p/"), (join, relay.tail())
+    relay, join = start_relay(run_in, tmp_path)
     relay_id = join.rsplit("/p2p/", 1)[1]
 
     # No --listen: what a volunteer types.

@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 
 import pytest
 from test_doctor import (
-    RELAY_LISTEN,
     REPORT_S,
-    SWARMTRAIN,
     check_private,
     check_public,
     doctor,
     report_of,
+    start_relay,
 )
 
 if TYPE_CHECKING:
@@ -36,19 +35,11 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.natlab
 
 
-def _relay(run_in: Callable[..., LabProcess], tmp_path: Path, name: str) -> tuple[LabProcess, str]:
-    key = str(tmp_path / "relay.key")
-    relay = run_in(name, "pub", *SWARMTRAIN, "relay", "--identity", key, "--listen", RELAY_LISTEN)
-    join = relay.read_line(REPORT_S)
-    assert join.startswith(RELAY_LISTEN + "/p2p/12D3KooW"), (join, relay.tail())
-    return relay, join
-
-
 def test_a_natted_peer_is_reachable_through_a_restarted_relay(
     lab: Callable[..., None], run_in: Callable[..., LabProcess], tmp_path: Path
 ) -> None:
     lab(nat1="prc", nat2="sym")
-    relay, join = _relay(run_in, tmp_path, "relay")
+    relay, join = start_relay(run_in, tmp_path)
     relay_id = join.rsplit("/p2p/", 1)[1]
     c_proc = doctor(
         run_in, tmp_path, "c", "c", "/ip4/198.51.100.3/tcp/4001", join, [relay_id], linger=True
@@ -64,7 +55,7 @@ def test_a_natted_peer_is_reachable_through_a_restarted_relay(
     check_private(b, relay_id)
 
     relay.stop()  # SIGINT: the relay process exits, its reservations with it
-    restarted, again = _relay(run_in, tmp_path, "relay-restarted")
+    restarted, again = start_relay(run_in, tmp_path, "relay-restarted")
     assert again == join  # same identity, same address: B's circuit address is unchanged
     back = time.monotonic()
 
