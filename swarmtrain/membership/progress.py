@@ -145,9 +145,8 @@ class Progress:
     @classmethod
     def parse(cls, peer_id: str, data: bytes) -> Progress:
         """The record ``peer_id`` published. Raises ``RemoteProtocolError`` (the one reason a
-        value is malformed) for anything that is not a valid ``ProgressRecord``."""
-        if len(data) > MAX_PROGRESS_BYTES:  # before any byte is parsed
-            raise RemoteProtocolError(f"progress record of {len(data)} bytes")
+        value is malformed) for anything that is not a valid ``ProgressRecord`` (one over its
+        size limit before any byte is parsed: ``decode`` checks that)."""
         record = decode(data, ProgressRecord)
         return cls(peer_id, *record.to_wire())
 
