@@ -289,9 +289,8 @@ def encode_audits(record: AuditRecord) -> bytes:
 
 
 def decode_audits(data: bytes) -> AuditRecord | None:
-    """The record, or None when it is malformed (``RemoteProtocolError``, logged)."""
-    if len(data) > MAX_AUDIT_RECORD_BYTES:  # before any byte is parsed
-        return None
+    """The record, or None when it is malformed (``RemoteProtocolError``, logged; one over
+    the record's size limit is refused by ``decode`` before any byte is parsed)."""
     try:
         return decode(data, AuditRecord)
     except RemoteProtocolError as exc:
