@@ -26,7 +26,10 @@ Policies by protocol:
   and transfer deadlines bound them.
 
 A read past its deadline resets the stream and raises ``StreamDeadlineExceeded`` (a
-``RemoteProtocolError``), which the host's guards count and log as a rejection.
+``RemoteProtocolError``), which the host's guards count and log as a rejection. One case is no
+fault: a stream that completed an exchange (we answered) and then stays idle is a client's pooled
+stream (our Kad client keeps them, so do others); it is reset and its read returns end of stream,
+which every handler takes as the peer closing it.
 """
 
 from __future__ import annotations
@@ -108,6 +111,10 @@ def bound_reads(
         with trio.move_on_at(deadline) as scope:
             data = await read(n)
         if scope.cancelled_caught:
+            if clock.wrote and clock.message_started is None:
+                with trio.move_on_after(1), contextlib.suppress(Exception):
+                    await stream.reset()
+                return b""
             waited = "for a message" if clock.message_started is None else "for the rest of one"
             if on_deadline is not None:
                 await on_deadline(stream, protocol or "negotiation")

@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING
 import msgpack
 import trio
 import varint
-from libp2p.custom_types import TProtocol
 from libp2p.identity.identify_push.identify_push import push_identify_to_peers
 from libp2p.kad_dht.common import (
     BUCKET_SIZE,
@@ -84,6 +83,7 @@ from p2p.dht.store import (
     StorageLimits,
     SubkeyDictValidator,
 )
+from p2p.dht.upkeep import TableUpkeep
 from p2p.errors import P2PError, RemoteProtocolError
 from p2p.host import reset_quietly
 
@@ -96,6 +96,9 @@ ADDRSKEY_PREFIX = "addrs/"
 _MAX_ADDRS = 32
 _MAX_KAD_KEY_BYTES = 128
 FIRST_REFRESH_S = 1.0  # then doubling up to DhtConfig.refresh_interval_s
+# A pooled stream idle longer is not reused: the serving peer closes Kad streams idle for its
+# read deadline (``HostConfig.control_read_timeout_s``, 10 s by default).
+POOLED_IDLE_S = 5.0
 ADMIT_WAIT_S = 3.0  # how long a peer that opened a Kad stream may take to prove it is a server
 MAX_ADMITTING = 256  # peers being looked at again at once
 
@@ -122,6 +125,7 @@ class DhtStatistics:
     requests_failed: int
     bytes_held: int = 0
     refused_over_quota: int = 0
+    peers_forgotten: int = 0  # departed peers removed from the routing table
 
 
 def dht_key(key: str) -> bytes:
@@ -213,10 +217,17 @@ class Dht:
         self._kad.add_peer = self._admit  # type: ignore[method-assign]
         self._admitting: set[ID] = set()
         self._nursery: trio.Nursery | None = None
-        self._idle: dict[ID, list[INetStream]] = {}
+        # Pooled streams and when each went idle (the peer resets one idle past its read deadline).
+        self._idle: dict[ID, list[tuple[INetStream, float]]] = {}
         self._slots: dict[ID, trio.Semaphore] = {}
         self._requests_failed = 0
         self._suspect_until: dict[ID, float] = {}
+        self.upkeep = TableUpkeep(
+            host,
+            self._kad.routing_table,
+            timeout_s=self.config.request_timeout_s,
+            on_forget=self._drop_pool,
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -230,6 +241,7 @@ class Dht:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                self.upkeep.start(nursery)
                 task_status.started()
                 delay = min(FIRST_REFRESH_S, self.config.refresh_interval_s)
                 while True:
@@ -237,11 +249,13 @@ class Dht:
                     delay = min(2 * delay, self.config.refresh_interval_s)
                     self.store_local.prune(time.time())
                     await self.refresh()
+                    await self.upkeep.sweep()
         finally:
             self._nursery = None
+            self.upkeep.stop()
             with trio.CancelScope(shield=True), trio.move_on_after(1):
                 for streams in self._idle.values():
-                    for stream in streams:
+                    for stream, _ in streams:
                         await reset_quietly(stream)
             self._idle.clear()
 
@@ -260,6 +274,16 @@ class Dht:
             await push_identify_to_peers(self._libp2p)
 
     # ------------------------------------------------------------------ routing table
+
+    def _drop_pool(self, peer: ID) -> None:
+        """Forget what we keep for a departed peer (its idle streams, its request slots)."""
+        streams = self._idle.pop(peer, [])
+        slots = self._slots.get(peer)
+        if slots is not None and slots.value == self.config.streams_per_peer:
+            del self._slots[peer]
+        if streams and self._nursery is not None:
+            for stream, _ in streams:
+                self._nursery.start_soon(reset_quietly, stream)
 
     async def _serve_kad(self, stream: INetStream) -> None:
         await self._kad.handle_stream(_AnswerFilter(stream, self._may_hand_out))  # type: ignore[arg-type]
@@ -338,6 +362,7 @@ class Dht:
             requests_failed=self._requests_failed,
             bytes_held=self.store_local.bytes_held,
             refused_over_quota=self.store_local.refused_over_quota,
+            peers_forgotten=self.upkeep.forgotten,
         )
 
     def suspect(self, peer_id: ID, seconds: float | None = None) -> None:
@@ -449,7 +474,11 @@ class Dht:
         asked: set[ID] = {self.peer_id}
         answered: list[ID] = [self.peer_id]
         named: list[ID] = []
-        for _ in range(self.config.lookup_rounds):
+        # A round in which nobody answered (departed peers another peer named) does not count
+        # towards ``lookup_rounds``, else a few dead peers closer to the key than the live ones
+        # end the lookup before it reaches them; such rounds are bounded on their own.
+        rounds = silent = 0
+        while rounds < self.config.lookup_rounds and silent < self.config.lookup_rounds:
             # Wider than ``width`` by the suspects, which are skipped below while others answer.
             known = self._kad.routing_table.find_local_closest_peers(
                 kbytes, width + len(self._suspect_until)
@@ -468,6 +497,10 @@ class Dht:
             async with trio.open_nursery() as nursery:
                 for peer in batch:
                     nursery.start_soon(self._get_one, peer, kbytes, answers)
+            if answers:
+                rounds += 1
+            else:
+                silent += 1
             for peer, held, closer in answers:
                 answered.append(peer)
                 named.extend(p for p in closer if p not in named)
@@ -552,18 +585,24 @@ class Dht:
         """The request itself, holding one of the peer's stream slots."""
         idle = [] if fresh else self._idle.get(peer)
         while idle:
-            stream = idle.pop()
+            stream, since = idle.pop()
             if stream.is_closed:
+                continue
+            if trio.current_time() - since > POOLED_IDLE_S:
+                await reset_quietly(stream)
                 continue
             # A pooled stream may have died while idle (peer restarted, reset): retry fresh.
             response = await self._exchange(peer, stream, payload, kind)
             if response is not None:
                 return response
         try:
-            stream = await self._libp2p.new_stream(peer, [TProtocol(PROTOCOL_ID)])
-        except Exception as exc:
+            stream = await self._host.open_stream(peer, str(PROTOCOL_ID))
+        except P2PError as exc:
             self._requests_failed += 1
-            log.debug("cannot open kad stream to %s: %r", peer, exc)
+            log.debug("cannot open kad stream to %s: %s", peer, exc)
+            # Gone, or no Kad server: out of the table, and skipped by lookups for a while.
+            self.upkeep.forget(peer, str(exc))
+            self.suspect(peer)
             return None
         response = await self._exchange(peer, stream, payload, kind)
         if response is None:
@@ -590,7 +629,7 @@ class Dht:
         finally:
             pool = self._idle.setdefault(peer, [])
             if ok and len(pool) < self.config.streams_per_peer:
-                pool.append(stream)
+                pool.append((stream, trio.current_time()))
             else:
                 with trio.CancelScope(shield=True):
                     await reset_quietly(stream)

@@ -225,3 +225,35 @@ def test_islands_that_meet_learn_each_other_within_seconds() -> None:
     finally:
         for peer in peers:
             peer.stop()
+
+
+def test_departed_peers_leave_a_long_lived_peers_table_and_a_newcomer_meets_the_live_ones() -> None:
+    # A bootstrap peer outlives its visitors. Before ``p2p.dht.upkeep`` it kept every departed
+    # one and named them in its answers: a newcomer's lookups ran out of rounds on dead peers,
+    # stored at the bootstrap alone while the others read at each other (a CI round split after
+    # one relay had seen 60 peers of earlier tests come and go).
+    peers = [Peer() for _ in range(8)]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for peer in peers:
+            peer.wait_ready(deadline)
+        bootstrap, *visitors, newcomer = peers
+        for i, visitor in enumerate(visitors, start=1):
+            assert visitor.ask("join", bootstrap.addr)["routing_table_size"] == i
+        departed, staying = visitors[:4], visitors[4:]
+        for peer in departed:
+            peer.stop()
+        left = time.monotonic()
+        size = bootstrap.ask("peers")["routing_table_size"]
+        while size > len(staying) and time.monotonic() - left < 15:
+            time.sleep(0.2)
+            size = bootstrap.ask("peers")["routing_table_size"]
+        assert size == len(staying), size  # a check dial 1 s after each departure refused
+        assert newcomer.ask("join", bootstrap.addr)["routing_table_size"] == len(staying) + 1
+        assert newcomer.ask("store", "late", b"new".hex(), "300")["stored"] >= 2
+        expected = {newcomer.peer_id.to_bytes().hex(): b"new".hex()}
+        for peer in staying:
+            assert peer.ask("get", "late")["values"] == expected
+    finally:
+        for peer in peers:
+            peer.stop()
