@@ -33,7 +33,12 @@ def _local(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     hashes = [n["state_hash"] for n in summary["nodes"]]
-    assert summary["state_hashes_agree"] is True, (hashes, result.stdout[-4000:])
+    if summary["state_hashes_agree"] is not True:
+        # pytest shows a failed test's captured output in full (its assert repr truncates)
+        print(result.stdout)
+        for log in sorted((tmp_path / "work").glob("*.log")):
+            print(f"== {log.name}", log.read_text(errors="replace")[-15000:], sep="\n")
+    assert summary["state_hashes_agree"] is True, hashes
     return summary
 
 
