@@ -2,9 +2,12 @@
 
     python -m bench.fuzz --inputs 100000
 
-Targets: a ``swarmtrain relay``, a ``swarmtrain coordinator`` and, while its run trains, one of
-the run's two ``swarmtrain node`` processes. The protocols of each are the ones it lists in
-identify (ours, and libp2p's: Kad, identify, ping, relay hop and stop, DCUtR). Inputs, drawn from
+Targets (``--targets``): ``relay``, a ``swarmtrain relay``; ``coordinator``; ``node``, one of a
+DiLoCo run's two ``swarmtrain node`` processes while the run trains (state, all-reduce, bulk);
+``stage``, a pipeline run's stage server (``node --role server`` of a 2-stage run: the pipeline
+protocols); ``verified``, one of a verified run's two nodes (``verify.rate = 1``: the dispute
+and slice protocols, audited all-reduce). The protocols of each are the ones it lists in identify
+(ours, and libp2p's: Kad, identify, ping, relay hop and stop, DCUtR). Inputs, drawn from
 ``random.Random(seed)``, come in categories (``--only`` picks some):
 
 - ``random``: random bytes; ``truncated``: a well-formed frame cut short; ``oversized``: a length
@@ -46,7 +49,7 @@ import swarm  # noqa: F401  (registers the wire messages of every layer)
 import swarmtrain.cli  # noqa: F401
 import verify  # noqa: F401
 from bench.common import git_sha
-from bench.targets import Target, start, stop
+from bench.targets import Target, start, stop, write_run_config
 from p2p import Host, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
 from p2p.wire import PROTOCOL_VERSION, frame, registered_types
@@ -245,8 +248,49 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+# A small model keeps the runs' rounds short on a 2-core machine; rounds enough for hours.
+SMALL_RUN = {"rounds": "100000", "d_model": "32", "n_layers": "1", "context": "32",
+             "sequence_length": "32", "inner_steps": "10"}  # fmt: skip
+PIPELINE_RUN = {**SMALL_RUN, "n_layers": "2", "stages": "2", "microbatches": "2"}
+VERIFIED_RUN = {**SMALL_RUN, "n_heads": "2", "rate": "1.0", "timeout_s": "30.0"}
+
+
+def _run_nodes(
+    workdir: Path, name: str, settings: dict[str, str], nodes: int, *extra: str
+) -> list[Target]:
+    """A coordinator of a run with ``settings`` (``swarmtrain init`` edited) and ``nodes``
+    nodes ``NAME0``, ``NAME1``, ... started with ``extra``; returns [coordinator, nodes...]."""
+    config = write_run_config(workdir / f"{name}.toml", settings)
+    coordinator = start(
+        f"{name}-coordinator",
+        ["coordinator", "--config", str(config), "--identity", str(workdir / f"{name}-c.key"),
+         "--listen", "/ip4/127.0.0.1/tcp/0"],
+        workdir, lambda line: "/p2p/" in line,
+    )  # fmt: skip
+    started = [coordinator]
+    # A stage server names itself ("stage server ID starting on stage S"), then serves.
+    server = "server" in extra
+    names_it = (lambda line: line.startswith("stage server ")) if server else None
+
+    def ready(line: str) -> bool:
+        return line.startswith("serving stage " if server else "node ")
+
+    for i in range(nodes):
+        port = _free_port()
+        node = start(
+            f"{name}{i}",
+            ["node", "--join", coordinator.addr, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+             "--threads", "1", "--state-dir", str(workdir / f"{name}-n{i}"), *extra],
+            workdir, ready, names_it=names_it, peer_word=2 if server else 1,
+        )  # fmt: skip
+        node.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.addr}"
+        started.append(node)
+    return started
+
+
 def start_targets(workdir: Path, names: tuple[str, ...]) -> list[Target]:
-    """The targets asked for; ``node`` also starts a coordinator and a second node (its run)."""
+    """The targets asked for, each with the processes its run needs; returns them all (the
+    fuzzed ones are named after ``names``, see ``fuzzed_targets``)."""
     listen = ["--listen", "/ip4/127.0.0.1/tcp/0"]
     targets: list[Target] = []
     if "relay" in names:
@@ -274,18 +318,31 @@ def start_targets(workdir: Path, names: tuple[str, ...]) -> list[Target]:
             node.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.addr}"
             nodes.append(node)
         targets.extend(nodes)
+    if "stage" in names:
+        targets.extend(_run_nodes(workdir, "stage", PIPELINE_RUN, 1, "--role", "server"))
+    if "verified" in names:
+        targets.extend(_run_nodes(workdir, "verified", VERIFIED_RUN, 2))
     return targets
+
+
+def fuzzed_targets(targets: list[Target], names: tuple[str, ...]) -> list[Target]:
+    """Of the started processes, those ``names`` asks to fuzz (a run's first node)."""
+    first = {"node": "node0", "stage": "stage0", "verified": "verified0"}
+    wanted = {first.get(name, name) for name in names}
+    return [t for t in targets if t.name in wanted]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--inputs", type=int, default=100_000, help="per target")
-    parser.add_argument("--targets", default="relay,coordinator,node")
+    parser.add_argument("--targets", default="relay,coordinator,node,stage,verified")
     parser.add_argument("--only", default=",".join(CATEGORIES), help="input categories")
     parser.add_argument("--check-every", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "CRITICAL"))
+    level = os.environ.get("BENCH_LOG_LEVEL", "CRITICAL")
+    logging.basicConfig(level=level)
+    logging.getLogger("libp2p").setLevel(level)  # the client's failed dials are expected
     categories = tuple(c for c in args.only.split(",") if c)
     names = tuple(n for n in args.targets.split(",") if n)
     result = {"bench": "fuzz", "config": vars(args), "git_sha": git_sha()}
@@ -299,7 +356,7 @@ def run(
     """Fuzz the ``names`` targets with ``inputs`` inputs each; the summary's figures."""
     with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
         targets = start_targets(Path(tmp), names)
-        fuzzed = [t for t in targets if t.name in names or (t.name == "node0" and "node" in names)]
+        fuzzed = fuzzed_targets(targets, names)
         try:
             counts = Counts()
             growth: dict[str, tuple[float, int]] = {}

@@ -4,6 +4,8 @@ watched through /proc, and stopped."""
 from __future__ import annotations
 
 import os
+import queue
+import re
 import subprocess
 import sys
 import threading
@@ -38,27 +40,48 @@ class Target:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
 
-def start(name: str, argv: list[str], workdir: Path, ready: Callable[[str], bool]) -> Target:
+def start(
+    name: str,
+    argv: list[str],
+    workdir: Path,
+    ready: Callable[[str], bool],
+    *,
+    names_it: Callable[[str], bool] | None = None,
+    peer_word: int = 1,
+) -> Target:
     """Run ``swarmtrain ARGV`` (stderr to ``workdir/NAME.log``) until it prints a line that
-    ``ready`` accepts; the target's address is that line's ``/p2p/`` word, else its second word
-    (a node's line names its peer id). Raises RuntimeError if no such line comes in 120 s."""
+    ``ready`` accepts. The target's address is the ``/p2p/`` word, else word number
+    ``peer_word`` (a node's line names its peer id), of the last line ``names_it`` accepted
+    before (default: the ready line). Raises RuntimeError if it exits or is not ready in 120 s."""
     with open(workdir / f"{name}.log", "wb") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "swarmtrain.cli", *argv], cwd=REPO, stdout=subprocess.PIPE,
             stderr=log_file, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
-    assert proc.stdout is not None
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:  # also keeps reading afterwards: a full pipe would stall the target
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            lines.put(raw.decode(errors="replace"))
+        lines.put("")
+
+    threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline().decode()
+    named = ""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
         if not line:
             break
+        if (names_it or ready)(line):
+            named = line
         if ready(line):
-            words = line.split()
+            words = named.split()
             addr = next((w for w in words if "/p2p/" in w), None)
-            # Keep reading what it prints, or a full pipe would stall it.
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return Target(name, proc, addr or (words[1] if len(words) > 1 else ""))
+            return Target(name, proc, addr or (words[peer_word] if len(words) > peer_word else ""))
     proc.kill()
     raise RuntimeError(f"{name} did not start: see {workdir / f'{name}.log'}")
 
@@ -70,3 +93,19 @@ def stop(targets: Iterable[Target]) -> None:
             target.proc.wait(10)
         except subprocess.TimeoutExpired:
             target.proc.kill()
+
+
+def write_run_config(path: Path, settings: dict[str, str]) -> Path:
+    """``swarmtrain init PATH``, then each ``key = value`` line of ``settings`` replaced (TOML
+    values; each key must occur once in the file). Returns ``path``."""
+    subprocess.run(
+        [sys.executable, "-m", "swarmtrain.cli", "init", str(path)],
+        cwd=REPO, capture_output=True, check=True, timeout=60,
+    )  # fmt: skip
+    text = path.read_text()
+    for key, value in settings.items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        if count != 1:
+            raise ValueError(f"run.toml has {count} lines for {key!r}")
+    path.write_text(text)
+    return path

@@ -88,6 +88,10 @@ SYNC_ATTEMPTS = 3
 LIVE_S = 60.0
 
 
+class RunOver(Exception):
+    """We joined a run whose last round is averaged and could not fetch its final state."""
+
+
 @dataclass(frozen=True)
 class SyncReport:
     round: int  # the state's round (the next round this node contributes to)
@@ -224,7 +228,8 @@ class Elastic:
         ``wait_s`` for the next round boundary (not when the run's last round, ``rounds``, is
         already agreed), then adopt that round's agreed state. Returns what was synced, or None
         when we already hold the agreed state, the run is new, or no holder could send it (then
-        we train on our own state and re-sync after a round)."""
+        we train on our own state and re-sync after a round). Raises ``RunOver`` when the run's
+        last round is averaged and no holder sent its final state: nothing is left to train."""
         records = self.records()
         # An agreed state to start from; the states of peers whose rounds failed are only a
         # fallback of ``_adopt_from_live`` (a peer alone waits for us instead: ``_outcome``).
@@ -236,7 +241,8 @@ class Elastic:
         # failed round past the agreed one, no new agreed round may ever come.
         newest = max(records, key=lambda p: (p.round, p.ok))
         progressing = newest.ok or newest.round <= agreed.round
-        if agreed.round + 1 >= rounds:
+        over = agreed.round + 1 >= rounds
+        if over:
             progressing = False  # the run is over: take the final state, nothing to wait for
         self.emit(
             f"the swarm's agreed state is round {agreed.round + 1}'s, ours is round "
@@ -247,6 +253,9 @@ class Elastic:
             # We will adopt the state after the round in progress, agreed.round + 1, and
             # contribute to the one after it: say so now, well before that round opens.
             self._announce(agreed.round + 2)
+        elif over:
+            # The holders of the final state linger while an announced joiner lacks it.
+            self._announce(agreed.round + 1)
         previous = agreed
 
         def boundary(records: list[Progress]) -> AgreedState | None:
@@ -261,6 +270,12 @@ class Elastic:
             if self.diloco.round >= rounds:
                 self._hold_final(records)
             return report
+        if over:
+            raise RunOver(
+                f"run {self.run_id} is over (its last round, {agreed.round}, was averaged) and "
+                f"none of the {len(agreed.holders)} holder(s) of its final state answered: "
+                "nothing is left to train"
+            )
         # Training on our own state is safe for the others (they apply the same average to the
         # same state whatever we send); our first round's hash check then re-syncs us.
         self.emit(

@@ -43,7 +43,7 @@ from diloco import (
 from p2p import PeerID
 from swarmtrain.config import RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
-from swarmtrain.membership.elastic import Elastic
+from swarmtrain.membership.elastic import Elastic, RunOver
 from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.pipeline.roles import shape_of
@@ -76,6 +76,7 @@ class NodeSummary:
     syncs: int = 0  # states downloaded from peers (joining, catching up, re-syncing)
     round_seconds: list[float] = field(default_factory=list)
     banned: str = ""  # a verified run's verdict against this peer
+    run_over: str = ""  # joined after the run's end and could not fetch its final state
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -94,6 +95,7 @@ class NodeSummary:
             "syncs": self.syncs,
             "round_seconds": [round(s, 3) for s in self.round_seconds],
             "banned": self.banned,
+            "run_over": self.run_over,
         }
 
     def done_line(self) -> str:
@@ -206,9 +208,15 @@ def train(
     try:
         if diloco.round:
             elastic.serve_current()  # our checkpoint may be what a peer behind us needs
-        elastic.catch_up(join_wait_s, config.run.rounds)
         summary = NodeSummary(str(peer), first_round=diloco.round)
-        while diloco.round < config.run.rounds:
+        try:
+            elastic.catch_up(join_wait_s, config.run.rounds)
+        except RunOver as exc:
+            # Training alone would end on a state nobody shares: a run's end is final.
+            emit(f"{exc}; stopping")
+            summary.run_over = str(exc)
+        summary.first_round = diloco.round
+        while diloco.round < config.run.rounds and not summary.run_over:
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,

@@ -1,6 +1,7 @@
 """A bounded sample of ``bench.fuzz`` (``python -m bench.fuzz --inputs 100000`` is the full one):
-real relay, coordinator and training-node processes take hostile input on every protocol they
-serve and still answer, without crashing, hanging, or growing memory or open files."""
+real relay, coordinator, training-node, pipeline stage server and verified-run node processes
+take hostile input on every protocol they serve and still answer, without crashing, hanging, or
+growing memory or open files."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ from bench.fuzz import CATEGORIES, run
 
 
 @pytest.mark.parametrize(
-    ("target", "inputs"), [("relay", 600), ("coordinator", 600), ("node", 300)]
+    ("target", "inputs", "ours"),
+    [
+        ("relay", 600, "/swarmtrain/dialback/1"),
+        ("coordinator", 600, "/swarmtrain/runspec/1"),
+        ("node", 300, "/swarmtrain/state/1"),
+        ("stage", 300, "/swarmtrain/pipeline/forward/1"),
+        ("verified", 300, "/swarmtrain/verify/step-open/1"),
+    ],
 )
-def test_a_target_survives_a_fuzz_sample(target: str, inputs: int) -> None:
+def test_a_target_survives_a_fuzz_sample(target: str, inputs: int, ours: str) -> None:
     summary = run((target,), inputs, CATEGORIES, check_every=150, seed=1)
     assert summary["inputs"] == inputs, summary
     assert summary["crashes"] == 0 and summary["hangs"] == 0, summary
@@ -20,4 +28,4 @@ def test_a_target_survives_a_fuzz_sample(target: str, inputs: int) -> None:
     # Open files may differ by the few connections still closing when counted.
     assert summary["fds_growth"] <= 4, summary
     protocols = summary["protocols"]
-    assert any("/swarmtrain/" in p for names in protocols.values() for p in names), protocols
+    assert any(ours in names for names in protocols.values()), protocols

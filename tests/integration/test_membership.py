@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from peerproc import SWARMTRAIN, PeerProcess
-from runproc import ROUND_LINE, node, start_coordinator
+from runproc import ROUND_LINE, node, start_coordinator, wait_exit
 
 
 def _local(
@@ -43,11 +43,35 @@ def _local(
 
 
 def test_local_with_one_node_started_10_s_late_ends_with_equal_hashes(tmp_path: Path) -> None:
-    summary = _local(tmp_path, "--delay-node", "2:10", timeout_s=115)
+    # Rounds enough that the late node (10 s, then its own start-up) comes before the others'
+    # end even on a quick machine: 5 rounds were over before it in CI, a case the next test
+    # covers apart (nothing is left to train then).
+    rounds = 10
+    summary = _local(tmp_path, "--delay-node", "2:10", timeout_s=115, rounds=rounds)
     late = summary["nodes"][2]
-    # It trained to the end on the others' state or, when the others were quicker than its
-    # start (a quiet machine), adopted their final state, the holders lingering for it.
-    assert late["last_round"] == 4 or (late["first_round"] == 5 and late["syncs"]), late
+    # It joined mid-run, synced to the others' state and trained to the end with them.
+    assert late["syncs"] and 0 < late["first_round"] < rounds, late
+    assert late["last_round"] == rounds - 1 and late["rounds_contributed"] > 0, late
+
+
+def test_a_node_that_joins_after_the_run_ended_stops_instead_of_training_alone(
+    tmp_path: Path,
+) -> None:
+    # The run's holders have left: its final state cannot be fetched, and training alone would
+    # end on a state nobody shares (before: 5 lone "FAILED ... catching up" rounds).
+    coordinator, join = start_coordinator(tmp_path, rounds=2, inner_steps=5)
+    try:
+        early = [node(join, tmp_path / f"n{i}") for i in range(2)]
+        for peer in early:
+            assert wait_exit(peer, 90) == 0, peer.stderr[-3000:]
+        late = node(join, tmp_path / "late")
+        assert wait_exit(late, 60) == 0, late.stderr[-3000:]
+        summary = json.loads((tmp_path / "late" / "summary.json").read_text())
+        assert "is over (its last round, 1, was averaged)" in summary["run_over"], summary
+        assert summary["rounds_contributed"] == 0 and summary["last_round"] == -1, summary
+        assert any("nothing is left to train; stopping" in line for line in late.lines)
+    finally:
+        coordinator.stop()
 
 
 def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -> None:
