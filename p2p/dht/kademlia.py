@@ -36,16 +36,17 @@ Measured (``python -m bench.dht --peers 8 --keys 300``, loaded 2-core box): get 
 included); ``latest=True`` gets 19 ms p50; stores 42/s sequential (a lookup round, then the puts).
 
 What a server holds (the validator, the merging store and its quotas) is ``p2p.dht.store``.
-This module is over 600 lines on purpose: the admission of Kad servers, the answer filter, the
-routing table's refresh and the client's lookups all work on one routing table and one pool of
-streams; apart they would hand that state back and forth.
+The answer filter (``p2p.dht.answers``) and the removal of departed peers (``p2p.dht.upkeep``)
+live apart. This module is over 600 lines on purpose: the admission of Kad servers, the routing
+table's refresh and the client's lookups all work on one routing table and one pool of streams;
+apart they would hand that state back and forth.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,6 +69,7 @@ from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
+from p2p.dht.answers import AnswerFilter
 from p2p.dht.records import (
     MAX_RECORD_SET_BYTES,
     RecordSigner,
@@ -135,56 +137,6 @@ def dht_key(key: str) -> bytes:
     if len(kbytes) > _MAX_KAD_KEY_BYTES:
         raise ValueError(f"DHT key over {_MAX_KAD_KEY_BYTES} bytes: {key!r}")
     return kbytes
-
-
-class _AnswerFilter:
-    """The Kad handler's view of an inbound stream: answers name only routing-table peers.
-
-    0.8.1 prepends the target of a FIND_NODE to the answer whenever the peerstore has an address
-    for it (go-libp2p's FIND_PEER rule), a client-mode or private peer included; askers then
-    dial it as a DHT server. The handler writes every answer as two writes, the varint length
-    then the message; this holds the length back, drops ``closerPeers`` that ``keep`` refuses,
-    and writes both at once. Any other write goes through unchanged.
-    """
-
-    def __init__(self, stream: INetStream, keep: Callable[[bytes], bool]) -> None:
-        self._stream = stream
-        self._keep = keep
-        self._prefix: tuple[bytes, int] | None = None
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stream, name)
-
-    async def read(self, n: int | None = None) -> bytes:
-        return await self._stream.read(n)
-
-    async def write(self, data: bytes) -> None:
-        if self._prefix is None and 0 < len(data) <= 10:
-            try:
-                length = varint.decode_bytes(data)
-            except Exception:
-                length = -1
-            if length >= 0 and len(varint.encode(length)) == len(data):
-                self._prefix = (data, length)
-                return
-        if self._prefix is not None:
-            prefix, length = self._prefix
-            self._prefix = None
-            data = self._filtered(data) if len(data) == length else prefix + data
-        await self._stream.write(data)
-
-    def _filtered(self, body: bytes) -> bytes:
-        message = Message()
-        try:
-            message.ParseFromString(body)
-        except Exception:  # not a Kad answer after all: pass it on as written
-            return varint.encode(len(body)) + body
-        kept = [p for p in message.closerPeers if self._keep(p.id)]
-        if len(kept) != len(message.closerPeers):
-            del message.closerPeers[:]
-            message.closerPeers.extend(kept)
-            body = message.SerializeToString()
-        return varint.encode(len(body)) + body
 
 
 class Dht:
@@ -286,7 +238,7 @@ class Dht:
                 self._nursery.start_soon(reset_quietly, stream)
 
     async def _serve_kad(self, stream: INetStream) -> None:
-        await self._kad.handle_stream(_AnswerFilter(stream, self._may_hand_out))  # type: ignore[arg-type]
+        await self._kad.handle_stream(AnswerFilter(stream, self._may_hand_out))  # type: ignore[arg-type]
 
     def _may_hand_out(self, peer: bytes) -> bool:
         """Only peers in our routing table (admitted servers) and we ourselves are named."""
