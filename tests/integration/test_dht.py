@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -83,23 +84,29 @@ class Peer:
             self.proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[list[Peer]]:
+@contextmanager
+def started(n: int) -> Iterator[list[Peer]]:
+    """``n`` peers, ready (their processes start together: imports dominate), stopped after."""
     peers: list[Peer] = []
     try:
-        # Processes start together (imports dominate); joins go one at a time so that what each
-        # peer knows afterwards is deterministic.
-        peers.extend(Peer() for _ in range(PEERS + 1))
+        peers.extend(Peer() for _ in range(n))
         deadline = time.monotonic() + START_TIMEOUT_S
         for peer in peers:
             peer.wait_ready(deadline)
-        for i, peer in enumerate(peers[1:], start=1):
-            # Everyone who joined before is found through the bootstrap peer alone.
-            assert peer.ask("join", peers[0].addr)["routing_table_size"] == i
         yield peers
     finally:
         for peer in peers:
             peer.stop()
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[list[Peer]]:
+    with started(PEERS + 1) as peers:
+        # Joins go one at a time so that what each peer knows afterwards is deterministic.
+        for i, peer in enumerate(peers[1:], start=1):
+            # Everyone who joined before is found through the bootstrap peer alone.
+            assert peer.ask("join", peers[0].addr)["routing_table_size"] == i
+        yield peers
 
 
 def test_peers_join_through_one_bootstrap(swarm: list[Peer]) -> None:
@@ -205,11 +212,7 @@ def test_islands_that_meet_learn_each_other_within_seconds() -> None:
     # X joined through R1 and Y through R2; then R2 joins R1. Nobody asks Y about X or X about
     # Y: only a refresh of the routing table does, and the first ones come 1, 2, 4, ... s after
     # the start (peers that join at one moment miss each other the same way).
-    peers = [Peer() for _ in range(4)]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for peer in peers:
-            peer.wait_ready(deadline)
+    with started(4) as peers:
         r1, r2, x, y = peers
         assert x.ask("join", r1.addr)["routing_table_size"] == 1
         assert y.ask("join", r2.addr)["routing_table_size"] == 1
@@ -222,9 +225,6 @@ def test_islands_that_meet_learn_each_other_within_seconds() -> None:
                 break
             time.sleep(0.5)
         assert sizes == [3, 3], sizes
-    finally:
-        for peer in peers:
-            peer.stop()
 
 
 def test_departed_peers_leave_a_long_lived_peers_table_and_a_newcomer_meets_the_live_ones() -> None:
@@ -232,11 +232,7 @@ def test_departed_peers_leave_a_long_lived_peers_table_and_a_newcomer_meets_the_
     # one and named them in its answers: a newcomer's lookups ran out of rounds on dead peers,
     # stored at the bootstrap alone while the others read at each other (a CI round split after
     # one relay had seen 60 peers of earlier tests come and go).
-    peers = [Peer() for _ in range(8)]
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for peer in peers:
-            peer.wait_ready(deadline)
+    with started(8) as peers:
         bootstrap, *visitors, newcomer = peers
         for i, visitor in enumerate(visitors, start=1):
             assert visitor.ask("join", bootstrap.addr)["routing_table_size"] == i
@@ -254,6 +250,3 @@ def test_departed_peers_leave_a_long_lived_peers_table_and_a_newcomer_meets_the_
         expected = {newcomer.peer_id.to_bytes().hex(): b"new".hex()}
         for peer in staying:
             assert peer.ask("get", "late")["values"] == expected
-    finally:
-        for peer in peers:
-            peer.stop()
