@@ -18,10 +18,12 @@ and slice protocols, audited all-reduce). The protocols of each are the ones it 
 - ``streams``: many streams opened at once on one connection and left; ``connections``: many
   connections opened and dropped.
 
-Every ``--check-every`` inputs a fresh client must connect and get a ping answered within 10 s
-(else a *hang*), and each target must still run (else a *crash*). RSS and open files are read
-from /proc after a warm-up batch and at the end. The last stdout line is one JSON object with
-``inputs``, ``crashes``, ``hangs``, ``rss_growth_mib``, ``fds_growth``. Target: 0, 0, < 50, 0.
+``--inputs`` counts them in all, shared evenly by the targets, which are fuzzed one after the
+other. Every ``--check-every`` inputs a fresh client must connect and get a ping answered within
+10 s (else a *hang*), and each target must still run (else a *crash*). RSS and open files are read
+from /proc after a warm-up batch and at the end; the RSS at every check is in ``rss_trace_mib``.
+The last stdout line is one JSON object with ``inputs``, ``crashes``, ``hangs``,
+``rss_growth_mib``, ``fds_growth``. Target: 0, 0, < 50, 0.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class Counts:
     crashes: int = 0
     hangs: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    # Each target's RSS at every check: a leak climbs to the end, a warm-up levels off.
+    rss_mib: dict[str, list[float]] = field(default_factory=dict)
 
 
 async def _send(host: Host, target: Target, protocol: str, payload: bytes, slow: bool) -> None:
@@ -232,6 +236,7 @@ async def fuzz_target(
             if warm is None:
                 warm = (target.rss_mib(), target.fds())
             with contextlib.suppress(Exception):  # a node may finish its run meanwhile
+                counts.rss_mib.setdefault(target.name, []).append(round(target.rss_mib(), 1))
                 on_progress(
                     f"{target.name}: {done}/{inputs} inputs, crashes={counts.crashes} "
                     f"hangs={counts.hangs} rss={target.rss_mib():.0f} MiB fds={target.fds()}"
@@ -334,7 +339,7 @@ def fuzzed_targets(targets: list[Target], names: tuple[str, ...]) -> list[Target
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--inputs", type=int, default=100_000, help="per target")
+    parser.add_argument("--inputs", type=int, default=100_000, help="in all, shared by the targets")
     parser.add_argument("--targets", default="relay,coordinator,node,stage,verified")
     parser.add_argument("--only", default=",".join(CATEGORIES), help="input categories")
     parser.add_argument("--check-every", type=int, default=500)
@@ -353,7 +358,8 @@ def main() -> None:
 def run(
     names: tuple[str, ...], inputs: int, categories: tuple[str, ...], check_every: int, seed: int
 ) -> dict[str, object]:
-    """Fuzz the ``names`` targets with ``inputs`` inputs each; the summary's figures."""
+    """Fuzz the ``names`` targets with ``inputs`` inputs in all, shared evenly, one target after
+    the other; the summary's figures."""
     with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
         targets = start_targets(Path(tmp), names)
         fuzzed = fuzzed_targets(targets, names)
@@ -364,8 +370,9 @@ def run(
             async def drive() -> None:
                 for index, target in enumerate(fuzzed):
                     rng = random.Random(seed * 1000 + index)
+                    share = inputs // len(fuzzed) + (index < inputs % len(fuzzed))
                     rss, fds = await fuzz_target(
-                        target, inputs, categories, rng, counts, check_every,
+                        target, share, categories, rng, counts, check_every,
                         lambda line: print(line, flush=True),
                     )  # fmt: skip
                     if target.proc.poll() is None:
@@ -380,6 +387,7 @@ def run(
                 "fds_growth": max((g[1] for g in growth.values()), default=0),
                 "per_target": {k: {"rss_growth_mib": round(v[0], 1), "fds_growth": v[1]}
                                for k, v in growth.items()},
+                "rss_trace_mib": counts.rss_mib,
                 "protocols": {t.name: t.protocols for t in fuzzed},
                 "client_errors": counts.errors,
             }  # fmt: skip
