@@ -27,7 +27,8 @@ Policies by protocol:
 
 A read past its deadline resets the stream and raises ``StreamDeadlineExceeded`` (a
 ``RemoteProtocolError``), which the host's guards count and log as a rejection. One case is no
-fault: a stream that completed an exchange (we answered) and then stays idle is a client's pooled
+fault: a stream that completed an exchange (we answered a request, not just the protocol
+negotiation) and then stays idle is a client's pooled
 stream (our Kad client keeps them, so do others); it is reset and its read returns end of stream,
 which every handler takes as the peer closing it.
 """
@@ -85,6 +86,8 @@ class _Clock:
         self.last_activity = now
         self.message_started: float | None = None
         self.wrote = False
+        # We wrote once the protocol was negotiated: an answer (negotiation's echo does not count).
+        self.answered = False
 
     def deadline(self, policy: ReadPolicy) -> float:
         if policy.handshake_only and self.wrote:
@@ -111,7 +114,7 @@ def bound_reads(
         with trio.move_on_at(deadline) as scope:
             data = await read(n)
         if scope.cancelled_caught:
-            if clock.wrote and clock.message_started is None:
+            if clock.answered and clock.message_started is None:
                 with trio.move_on_after(1), contextlib.suppress(Exception):
                     await stream.reset()
                 return b""
@@ -132,6 +135,8 @@ def bound_reads(
         clock.last_activity = trio.current_time()
         clock.message_started = None
         clock.wrote = True
+        if _protocol(stream) is not None:
+            clock.answered = True
 
     stream.read = bounded_read
     stream.write = tracked_write

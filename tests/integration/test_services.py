@@ -16,10 +16,12 @@ from pathlib import Path
 import multiaddr
 import pytest
 import trio
+import varint
 from libp2p.abc import INetStream
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.kad_dht.pb.kademlia_pb2 import Message as KadMessage
 from libp2p.peer.id import ID
+from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from peerproc import SWARMTRAIN, PeerProcess, python_argv, start_relay
 from rpc_peer import ECHO, Echo
 
@@ -237,6 +239,36 @@ async def test_a_stream_that_sends_nothing_or_a_trickle_is_closed_by_its_deadlin
             )
             assert reply.nonce == b"after"
     assert proc.proc.poll() is None
+
+
+async def test_a_kad_stream_kept_after_its_answer_is_closed_quietly(
+    coordinator: tuple[PeerProcess, str],
+) -> None:
+    # A client that pools its Kad streams (ours does, so do others) leaves one idle after each
+    # answer: past the read deadline the server ends it like a closed stream, not as a rejection
+    # (every pooled stream was one WARNING line before).
+    proc, join = coordinator
+    peer_id = _peer_id(join)
+    request = KadMessage(type=KadMessage.MessageType.FIND_NODE, key=peer_id.to_bytes())
+    body = request.SerializeToString()
+    with trio.fail_after(60):
+        async with open_host(HostConfig(create_new_key_pair())) as host:
+            await host.connect(peer_id, [multiaddr.Multiaddr(join)])
+            stream = await host.open_stream(peer_id, "/ipfs/kad/1.0.0")
+            await stream.write(varint.encode(len(body)) + body)
+            answer = await read_varint_prefixed_bytes_limited(stream, 1 << 20)
+            assert KadMessage.FromString(answer).type == KadMessage.MessageType.FIND_NODE
+            # 2 s deadline: ended within it plus scheduling slack.
+            assert await _closed_within(stream, 12, None, b"") < 8
+            await trio.sleep(0.5)  # the server logs before it resets; give the pipe a moment
+            assert "kad/1.0.0 deadline" not in proc.stderr, proc.stderr[-2000:]
+            # A stream that never sent a request is a rejection (and is logged).
+            silent = await host.open_stream(peer_id, "/ipfs/kad/1.0.0")
+            assert await _closed_within(silent, 12, None, b"") < 8
+            with trio.move_on_after(5):
+                while "kad/1.0.0 deadline" not in proc.stderr:
+                    await trio.sleep(0.1)
+            assert "kad/1.0.0 deadline" in proc.stderr, proc.stderr[-2000:]
 
 
 async def test_a_flood_of_bad_input_is_counted_not_echoed(
