@@ -272,25 +272,25 @@ def _run_nodes(
          "--listen", "/ip4/127.0.0.1/tcp/0"],
         workdir, lambda line: "/p2p/" in line,
     )  # fmt: skip
-    started = [coordinator]
+    return [coordinator, *(_start_node(workdir, f"{name}{i}", coordinator, *extra)
+                           for i in range(nodes))]  # fmt: skip
+
+
+def _start_node(workdir: Path, name: str, coordinator: Target, *extra: str) -> Target:
+    """``swarmtrain node`` ``NAME`` of ``coordinator``'s run with ``extra``, on a free port."""
+    port = _free_port()
     # A stage server names itself ("stage server ID starting on stage S"), then serves.
     server = "server" in extra
-    names_it = (lambda line: line.startswith("stage server ")) if server else None
-
-    def ready(line: str) -> bool:
-        return line.startswith("serving stage " if server else "node ")
-
-    for i in range(nodes):
-        port = _free_port()
-        node = start(
-            f"{name}{i}",
-            ["node", "--join", coordinator.addr, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
-             "--threads", "1", "--state-dir", str(workdir / f"{name}-n{i}"), *extra],
-            workdir, ready, names_it=names_it, peer_word=2 if server else 1,
-        )  # fmt: skip
-        node.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.addr}"
-        started.append(node)
-    return started
+    node = start(
+        name,
+        ["node", "--join", coordinator.addr, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
+         "--threads", "1", "--state-dir", str(workdir / f"{name}-state"), *extra],
+        workdir, lambda line: line.startswith("serving stage " if server else "node "),
+        names_it=(lambda line: line.startswith("stage server ")) if server else None,
+        peer_word=2 if server else 1,
+    )  # fmt: skip
+    node.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.addr}"
+    return node
 
 
 def start_targets(workdir: Path, names: tuple[str, ...]) -> list[Target]:
@@ -311,18 +311,7 @@ def start_targets(workdir: Path, names: tuple[str, ...]) -> list[Target]:
         )  # fmt: skip
         targets.append(coordinator)
     if "node" in names:
-        nodes = []
-        for i in range(2):
-            port = _free_port()
-            node = start(
-                f"node{i}",
-                ["node", "--join", coordinator.addr, "--listen", f"/ip4/127.0.0.1/tcp/{port}",
-                 "--threads", "1", "--state-dir", str(workdir / f"n{i}")],
-                workdir, lambda line: line.startswith("node "),
-            )  # fmt: skip
-            node.addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{node.addr}"
-            nodes.append(node)
-        targets.extend(nodes)
+        targets.extend(_start_node(workdir, f"node{i}", coordinator) for i in range(2))
     if "stage" in names:
         targets.extend(_run_nodes(workdir, "stage", PIPELINE_RUN, 1, "--role", "server"))
     if "verified" in names:

@@ -28,9 +28,9 @@ Policies by protocol:
 A read past its deadline resets the stream and raises ``StreamDeadlineExceeded`` (a
 ``RemoteProtocolError``), which the host's guards count and log as a rejection. One case is no
 fault: a stream that completed an exchange (we answered a request, not just the protocol
-negotiation) and then stays idle is a client's pooled
-stream (our Kad client keeps them, so do others); it is reset and its read returns end of stream,
-which every handler takes as the peer closing it.
+negotiation) and then stays idle is a client's pooled stream (our Kad client keeps them, so do
+others); it is reset and its read returns end of stream, which every handler takes as the peer
+closing it.
 """
 
 from __future__ import annotations
@@ -114,15 +114,14 @@ def bound_reads(
         with trio.move_on_at(deadline) as scope:
             data = await read(n)
         if scope.cancelled_caught:
-            if clock.answered and clock.message_started is None:
-                with trio.move_on_after(1), contextlib.suppress(Exception):
-                    await stream.reset()
-                return b""
-            waited = "for a message" if clock.message_started is None else "for the rest of one"
-            if on_deadline is not None:
+            pooled = clock.answered and clock.message_started is None
+            if not pooled and on_deadline is not None:
                 await on_deadline(stream, protocol or "negotiation")
             with trio.move_on_after(1), contextlib.suppress(Exception):
                 await stream.reset()
+            if pooled:
+                return b""
+            waited = "for a message" if clock.message_started is None else "for the rest of one"
             raise StreamDeadlineExceeded(f"read deadline passed waiting {waited}")
         if data:
             clock.last_activity = trio.current_time()

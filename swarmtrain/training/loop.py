@@ -208,15 +208,15 @@ def train(
     try:
         if diloco.round:
             elastic.serve_current()  # our checkpoint may be what a peer behind us needs
-        summary = NodeSummary(str(peer), first_round=diloco.round)
+        run_over = ""
         try:
             elastic.catch_up(join_wait_s, config.run.rounds)
         except RunOver as exc:
             # Training alone would end on a state nobody shares: a run's end is final.
             emit(f"{exc}; stopping")
-            summary.run_over = str(exc)
-        summary.first_round = diloco.round
-        while diloco.round < config.run.rounds and not summary.run_over:
+            run_over = str(exc)
+        summary = NodeSummary(str(peer), first_round=diloco.round, run_over=run_over)
+        while diloco.round < config.run.rounds and not run_over:
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
