@@ -180,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_node.add_argument("--cheat", type=_cheat, default=None, help=argparse.SUPPRESS)
     # ... and a lying reducer: every part this node reduces in round ROUND is off.
     p_node.add_argument("--cheat-reduce", type=int, default=None, help=argparse.SUPPRESS)
+    # A slow warm-up for the membership tests: stall this long after announcing our start.
+    p_node.add_argument("--slow-start", type=float, default=0.0, help=argparse.SUPPRESS)
     # A pipeline node's test and demo settings, repeatable (swarmtrain.pipeline.node.PipelineHooks:
     # a server's starting stage, a slowed stage, ...); swarmtrain local --pipeline-stages sets them.
     p_node.add_argument(
@@ -306,7 +308,9 @@ def _main_node(args: argparse.Namespace) -> int:
             json_path=args.json,
             role=args.role,
             allow_models=tuple(args.allow_model),
-            faults=Faults(task=args.cheat, reduce_round=args.cheat_reduce),
+            faults=Faults(
+                task=args.cheat, reduce_round=args.cheat_reduce, slow_start_s=args.slow_start
+            ),
             pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
         )
         summary = run_node(options, lambda line: print(line, flush=True))

@@ -1,8 +1,10 @@
 """Fault injection for tests and demos of a verified run: one hook, built once from the CLI.
 
 ``swarmtrain node --cheat ROUND:STEP:OP`` (flip one bit of operator OP's output at inner step STEP
-of this node's task in round ROUND) and ``--cheat-reduce ROUND`` (every part this node reduces in
-round ROUND is off by 1.0 in its first value), both hidden from ``--help``, become one ``Faults``
+of this node's task in round ROUND), ``--cheat-reduce ROUND`` (every part this node reduces in
+round ROUND is off by 1.0 in its first value) and ``--slow-start S`` (the node waits S seconds
+after announcing its start, before its first inner phase: a slow warm-up, for the membership
+tests), all hidden from ``--help``, become one ``Faults``
 object. It is handed to the two places that consult it: ``Verification`` (``tamper_task``) and
 ``swarm.Averager`` (``tamper_reduced``, swarm's ``AveragingFaults`` hook), instead of two flags
 threaded through the node options, the training loop, the averager config and the session
@@ -33,16 +35,20 @@ def _off_by_one(part_index: int, reduced: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class Faults:
     """What this peer does wrong, on purpose. ``task``: (round, step, op) of the operator whose
-    output it tampers with; ``reduce_round``: the round whose reduced parts it falsifies."""
+    output it tampers with; ``reduce_round``: the round whose reduced parts it falsifies;
+    ``slow_start_s``: how long it stalls between its start announcement and its first round."""
 
     task: tuple[int, int, int] | None = None
     reduce_round: int | None = None
+    slow_start_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.task is not None and (len(self.task) != 3 or min(self.task) < 0):
             raise ValueError(f"task fault must be (round, step, op) >= 0, got {self.task!r}")
         if self.reduce_round is not None and self.reduce_round < 0:
             raise ValueError(f"reduce fault round must be >= 0, got {self.reduce_round}")
+        if not 0.0 <= self.slow_start_s <= 600.0:
+            raise ValueError(f"slow start must be 0-600 s, got {self.slow_start_s}")
 
     def tamper_task(self, round_number: int) -> tuple[int, int] | None:
         """(step, op) to tamper with in our task of ``round_number``, or None (honest)."""

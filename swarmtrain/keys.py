@@ -12,6 +12,7 @@ key                                    value (one signed subkey per peer)  built
 ``run/<id>/state/<r>``                 state hash after round r            ``swarm.state_key``
 ``run/<id>/progress``                  ``ProgressRecord``                  ``progress_key``
 ``run/<id>/join/<r>``                  join announcement                   ``join_key``
+``run/<id>/starts``                    ``StartAnnouncement``               ``starts_key``
 ``run/<id>/verify/<r>``                ``RoundClaims`` (verified runs)     ``verify_key``
 ``run/<id>/verdicts``                  coordinator's verdict list          ``verdicts_key``
 ``run/<id>/aggregate/<r>``             aggregation audit records           ``aggregate_key``
@@ -35,6 +36,7 @@ __all__ = [
     "progress_key",
     "round_key",
     "servers_key",
+    "starts_key",
     "state_key",
     "trainers_key",
     "verdicts_key",
@@ -56,6 +58,11 @@ def progress_key(run_id: str) -> str:
 def join_key(run_id: str, round_number: int) -> str:
     """Joiners that hold the agreed state and contribute from ``round_number``."""
     return f"{_run(run_id)}/join/{round_number}"
+
+
+def starts_key(run_id: str) -> str:
+    """Each peer's last start: the round it trains first and when it started (own subkey)."""
+    return f"{_run(run_id)}/starts"
 
 
 def verify_key(run_id: str, round_number: int) -> str:

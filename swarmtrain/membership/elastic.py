@@ -21,6 +21,9 @@ thread):
   a round's time per round of gap) instead of running on alone, and records claiming rounds past
   the run's schedule are ignored. A state is taken from live holders: a download that fails at
   every holder of the newest state tries the next newest state held by others.
+* **Announce the start**: once caught up, a node stores when it started and the round it trains
+  first (``announce_start``), so that a peer whose round fails before any record of ours exists
+  waits for us instead of running ahead alone (``plan.positions``).
 * **Expected peers**: when a round has announced joiners (or we just joined), every member passes
   the same expected set to matchmaking: the holders of the previous round's agreed state plus the
   announced joiners. Everyone derives it from the same DHT records, so everyone forms the same
@@ -47,7 +50,7 @@ import trio
 
 from diloco import DiLoCo
 from p2p import PeerID
-from swarmtrain.keys import join_key, progress_key
+from swarmtrain.keys import join_key, progress_key, starts_key
 from swarmtrain.membership.plan import (
     Rejoin,
     Verdict,
@@ -61,10 +64,12 @@ from swarmtrain.membership.progress import (
     PROGRESS_TTL_S,
     AgreedState,
     Progress,
+    Start,
     agreed_state,
     announced_joiners,
     announcement,
     decode_all,
+    decode_starts,
 )
 from swarmtrain.membership.state_sync import (
     Downloaded,
@@ -173,6 +178,22 @@ class Elastic:
         except Exception as exc:
             log.warning("round %d: could not publish progress: %s", progress.round, exc)
 
+    def announce_start(self) -> None:
+        """Say that we started and train ``diloco.round`` first (after ``catch_up``: a joiner's
+        first round is the swarm's next one, not its fresh round 0)."""
+        start = Start(self.me, self.diloco.round, time.time())
+        try:
+            self.runtime.store(starts_key(self.run_id), start.to_bytes(), PROGRESS_TTL_S)
+        except Exception as exc:
+            log.warning("could not announce our start: %s", exc)
+
+    def starts(self) -> list[Start]:
+        try:
+            return decode_starts(self.runtime.read(starts_key(self.run_id)))
+        except Exception as exc:
+            log.warning("could not read the run's start announcements: %s", exc)
+            return []
+
     def serve_current(self) -> None:
         """Offer the current state to joiners (call after every round, failed or not)."""
         data = self.diloco.state_bytes()
@@ -193,7 +214,12 @@ class Elastic:
         if not joiners and not self.fresh:
             return None
         agreed = agreed_state(self.records(), round_number - 1)
-        members = set(agreed.holders if agreed else ()) | joiners | {self.me}
+        if agreed is None:
+            # No agreed previous round (round 0, or it failed everywhere): each member would
+            # expect only itself and the joiners, a different set on each, and rule 1 would
+            # form different groups. The averager's own rule (the deadline) is the same for all.
+            return None
+        members = set(agreed.holders) | joiners | {self.me}
         if len(members) < 2:
             return None  # nobody to expect: the averager's own rule (wait for the deadline)
         log.info("round %d: %d joiner(s) announced; expecting %d peers", round_number,
@@ -408,13 +434,16 @@ class Elastic:
         start on a busy box): running on alone then split the run for good. So follow
         ``membership_plan.after_failed_round``: adopt the others' newest agreed state if they
         averaged this round or a later one; wait while a live member is behind us (at most
-        ``wait_s`` per round of gap, see ``wait_budget_s``; one whose newest record is older than
-        ``wait_s`` counts as gone), so that we open the next round together; else train on."""
+        ``wait_s`` per round of gap, see ``wait_budget_s``; one whose newest record, or start when
+        it has none since, is older than ``wait_s`` counts as gone), so that we open the next
+        round together; else train on."""
         started = time.monotonic()
+        # Read once: a start that comes later than our failure is a joiner's, met at a boundary.
+        starts = self.starts()
 
         def plan_of(records: list[Progress]) -> Rejoin:
             return after_failed_round(
-                records, self.me, round_number, self.rounds, time.time(), live_s=wait_s
+                records, self.me, round_number, self.rounds, time.time(), wait_s, starts
             )
 
         def decided(records: list[Progress]) -> Rejoin | None:
@@ -424,7 +453,7 @@ class Elastic:
         records = self.records()
         plan = plan_of(records)
         if plan.verdict is Verdict.WAIT:
-            budget_s = wait_budget_s(records, self.me, round_number, wait_s)
+            budget_s = wait_budget_s(records, self.me, round_number, wait_s, starts)
             log.info("round %d failed: %s; waiting up to %.0f s for them",
                      round_number, plan.reason, budget_s)  # fmt: skip
             left_s = budget_s - (time.monotonic() - started)

@@ -27,9 +27,11 @@ and downloads.
     the majority (a tie breaks on the hash, the same on every peer) adopt the other's, so two
     live peers converge within two rounds of meeting. Only the peer ahead waits, never the one
     behind, so two peers never wait for each other.
-  A peer that ran ahead before anyone published (its round 0 failed alone while the others
-    were still starting) needs no rule of its own: its next round fails alone too, and by then
-    the others' records show them live and behind.
+  A peer that has started but not finished a round yet has no record; its start announcement
+    (``Start``) stands in for one, as a record of the round before its first
+    (``positions``). Without it a peer that got the CPU first on a busy box failed its round
+    0 alone before the others declared, found nobody behind, and ran every later round ahead
+    of them, alone, to the end (CI, issue 16).
   - else ``ALONE``: no live member to meet; train on.
 * **Live holders** (``states_newest_first``): the states a joiner may adopt, newest first, each
   with only the holders not known dead. A download that fails at every holder marks them dead and
@@ -48,7 +50,7 @@ import enum
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from swarmtrain.membership.progress import AgreedState, Progress, agreed_state
+from swarmtrain.membership.progress import AgreedState, Progress, Start, agreed_state
 
 
 class Verdict(enum.Enum):
@@ -91,9 +93,19 @@ def past_round(records: Iterable[Progress], me: str, round_number: int, rounds: 
     }
 
 
-def live_others(records: Iterable[Progress], me: str, now: float, live_s: float) -> list[Progress]:
-    """Other peers' records published within ``live_s`` of ``now`` (wall-clock seconds)."""
-    return [p for p in records if p.peer_id != me and now - p.published_at <= live_s]
+def positions(
+    records: Iterable[Progress], starts: Iterable[Start], me: str, rounds: int
+) -> dict[str, tuple[int, float]]:
+    """Each other peer's newest known round and when it said so (wall-clock seconds): its
+    record's, or, when it started (or restarted) after that record, the round before its first
+    one (it is in that round and has finished none since it started)."""
+    found = {p.peer_id: (p.round, p.published_at) for p in in_schedule(records, rounds)}
+    for start in starts:
+        known = found.get(start.peer_id)
+        if start.first_round <= rounds and (known is None or start.started_at > known[1]):
+            found[start.peer_id] = (start.first_round - 1, start.started_at)
+    found.pop(me, None)
+    return found
 
 
 def after_failed_round(
@@ -103,25 +115,37 @@ def after_failed_round(
     rounds: int,
     now: float,
     live_s: float,
+    starts: Iterable[Start] = (),
 ) -> Rejoin:
     """What to do after our round ``round_number`` failed (see the module docstring)."""
+    records = list(records)
     valid = in_schedule(records, rounds)
     ahead = [p for p in valid if p.ok and p.round >= round_number]
     if ahead:
         target = agreed_state(ahead)
         assert target is not None
         return Rejoin(Verdict.ADOPT, target, f"the swarm averaged round {target.round}")
-    others = live_others(valid, me, now, live_s)
-    behind = sorted({p.peer_id for p in others if p.round < round_number})
+    behind = sorted(
+        peer
+        for peer, (rnd, at) in positions(records, starts, me, rounds).items()
+        if rnd < round_number and now - at <= live_s
+    )
     if behind:
         return Rejoin(Verdict.WAIT, None, f"{len(behind)} live peer(s) behind us")
     return Rejoin(Verdict.ALONE, None, "no live peer to meet")
 
 
-def wait_budget_s(records: Iterable[Progress], me: str, round_number: int, round_s: float) -> float:
+def wait_budget_s(
+    records: Iterable[Progress],
+    me: str,
+    round_number: int,
+    round_s: float,
+    starts: Iterable[Start] = (),
+) -> float:
     """How long at most to wait for the peers behind us: a round's time per round of gap, plus
     one (a member that died behind us costs that much once)."""
-    behind = [p.round for p in records if p.peer_id != me and p.round < round_number]
+    known = positions(records, starts, me, 2**31).values()
+    behind = [rnd for rnd, _ in known if rnd < round_number]
     gap = round_number - min(behind) if behind else 1
     return round_s * (min(gap, 8) + 1)
 

@@ -12,9 +12,14 @@ joiner downloads from, and the peers every member expects in the next round's ma
 joiner is announced. A joiner announces itself under ``run/<id>/join/<r>`` (``join_key``) once
 it holds the agreed state, naming the first round it will contribute to.
 
-Both values are ``p2p`` wire messages, ``ProgressRecord`` (code 500) and ``JoinAnnouncement``
-(507): typed, versioned and size-limited, so a malformed value is one ``RemoteProtocolError``
-with its reason, and the record is ignored.
+A node that starts stores a ``StartAnnouncement`` under ``run/<id>/starts`` (``starts_key``):
+the round it trains first and when it started. Until its first progress record it is otherwise
+invisible, and a peer whose first round failed alone could not tell "nobody else is here" from
+"the others are still warming up" (issue 16: a busy box's quick starter ran ahead for good).
+
+The values are ``p2p`` wire messages, ``ProgressRecord`` (code 500), ``JoinAnnouncement``
+(507) and ``StartAnnouncement`` (508): typed, versioned and size-limited, so a malformed value
+is one ``RemoteProtocolError`` with its reason, and the record is ignored.
 
 This module is pure: encoding, decoding and the majority rule; drivers do the DHT calls.
 """
@@ -81,6 +86,46 @@ class JoinAnnouncement(Message):
     def __post_init__(self) -> None:
         if self.first_round < 0:
             raise ValueError("a joiner's first round must be >= 0")
+
+
+@message(508, max_bytes=64)
+class StartAnnouncement(Message):
+    """The value under ``starts_key(run)``: its owner started at ``started_at`` (unix seconds)
+    and trains round ``first_round`` first."""
+
+    first_round: int
+    started_at: float
+
+    def __post_init__(self) -> None:
+        if self.first_round < 0:
+            raise ValueError("a start's first round must be >= 0")
+        if not math.isfinite(self.started_at):
+            raise ValueError("a start's time must be finite")
+
+
+@dataclass(frozen=True)
+class Start:
+    """A peer's last start, as it announced it."""
+
+    peer_id: str
+    first_round: int
+    started_at: float
+
+    def to_bytes(self) -> bytes:
+        return encode(StartAnnouncement(self.first_round, float(self.started_at)))
+
+
+def decode_starts(values: dict[str, bytes]) -> list[Start]:
+    """``{peer id: value}`` (a read of ``starts_key``) to starts, malformed ones skipped."""
+    found = []
+    for peer, value in values.items():
+        try:
+            start = decode(value, StartAnnouncement)
+        except RemoteProtocolError as exc:
+            log.debug("start announcement of %s ignored: %s", peer[-8:], exc)
+            continue
+        found.append(Start(peer, start.first_round, start.started_at))
+    return sorted(found, key=lambda s: s.peer_id)
 
 
 def announcement(round_number: int) -> bytes:

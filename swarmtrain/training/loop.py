@@ -216,6 +216,10 @@ def train(
             emit(f"{exc}; stopping")
             run_over = str(exc)
         summary = NodeSummary(str(peer), first_round=diloco.round, run_over=run_over)
+        if not run_over:
+            elastic.announce_start()
+            if faults.slow_start_s:
+                time.sleep(faults.slow_start_s)
         while diloco.round < config.run.rounds and not run_over:
             try:
                 _train_round(

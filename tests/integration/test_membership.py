@@ -3,7 +3,9 @@
 ``swarmtrain local`` as a user runs it, with one node started 10 s after the others (a slow
 torch import, a late volunteer), and again with the machine's cores kept busy by CPU hogs in
 background processes: every node must end on the same state hash (issue 16, points 2 and 5);
-and two live peers at different rounds, each failing alone, meet again on one round and state.
+two live peers at different rounds, each failing alone, meet again on one round and state; and a
+quick starter waits for the peers still warming up (their start announcements) instead of
+running ahead of them alone.
 Bounded by ``subprocess.run``'s timeout; nothing sleeps to synchronize.
 """
 
@@ -87,6 +89,39 @@ def test_local_with_the_cores_kept_busy_ends_with_equal_hashes(tmp_path: Path) -
         for proc in hogs:
             proc.kill()
             proc.wait(5)
+
+
+def test_a_quick_starter_waits_for_peers_still_warming_up_and_joins_their_round(
+    tmp_path: Path,
+) -> None:
+    # CI's starved run, made deterministic: b and c announce their start, then stall 20 s (a
+    # slow warm-up), so a's round 0 fails alone before anyone else declares. Before, a found no
+    # record, ran on alone and failed every round to the end; now it waits for the peers that
+    # started, adopts their round 0 and averages every later round with them.
+    rounds = 5
+    # Rounds of a few seconds, as real ones are longer than a state download: with 0.4 s rounds
+    # the others were two rounds on before the quick starter had fetched their round 0.
+    coordinator, join = start_coordinator(tmp_path, rounds=rounds, inner_steps=30)
+    slow = [node(join, tmp_path / n, "--slow-start", "20") for n in ("b", "c")]
+    try:
+        for peer in slow:
+            peer.wait_line(lambda s: s.startswith("node "), timeout_s=60)
+        quick = node(join, tmp_path / "a")
+        nodes = [quick, *slow]
+        for peer in nodes:
+            assert wait_exit(peer, 100) == 0, peer.stderr[-3000:]
+        summaries = [json.loads((tmp_path / n / "summary.json").read_text()) for n in "abc"]
+        for name, peer in zip("abc", nodes, strict=True):
+            print(f"== {name}", *peer.lines, peer.stderr[-6000:], sep="\n")  # shown on failure
+        alone = [s for s in quick.lines if "no other peer declared in time" in s]
+        assert [s.split()[1] for s in alone] == ["0"], quick.lines  # only the round in flight
+        a = summaries[0]
+        assert a["syncs"] >= 1 and a["rounds_contributed"] >= rounds - 2, a
+        assert len({s["state_hash"] for s in summaries}) == 1, summaries
+    finally:
+        for peer in slow:
+            peer.stop()
+        coordinator.stop()
 
 
 def test_two_live_peers_started_at_different_rounds_converge(tmp_path: Path) -> None:

@@ -6,14 +6,21 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from p2p import decode
 from swarmtrain.membership.plan import (
     Verdict,
     after_failed_round,
+    positions,
     states_newest_first,
     swarm_ahead,
     wait_budget_s,
 )
-from swarmtrain.membership.progress import Progress
+from swarmtrain.membership.progress import (
+    Progress,
+    Start,
+    StartAnnouncement,
+    decode_starts,
+)
 
 ROUNDS = 10
 NOW = 1000.0
@@ -56,6 +63,42 @@ def test_a_round_past_the_schedule_is_ignored() -> None:
 
 def test_a_lone_peer_with_nobody_to_meet_trains_on() -> None:
     assert after_failed_round([], "me", 0, ROUNDS, NOW, 30.0).verdict is Verdict.ALONE
+
+
+def test_a_peer_that_started_but_has_no_record_yet_is_waited_for() -> None:
+    # CI's starved run: our round 0 failed alone before the others declared; they had announced
+    # their starts but published no record, and we ran ahead of them to the end.
+    starts = [Start("b", 0, NOW - 5), Start("c", 0, NOW - 4)]
+    assert after_failed_round([], "me", 0, ROUNDS, NOW, 30.0).verdict is Verdict.ALONE
+    plan = after_failed_round([], "me", 0, ROUNDS, NOW, 30.0, starts)
+    assert plan.verdict is Verdict.WAIT and plan.reason == "2 live peer(s) behind us"
+    assert wait_budget_s([], "me", 0, 10.0, starts) == 20.0  # one round of gap
+    # A start older than the liveness bound is a peer that died warming up: not waited for.
+    stale = [Start("b", 0, NOW - 31)]
+    assert after_failed_round([], "me", 0, ROUNDS, NOW, 30.0, stale).verdict is Verdict.ALONE
+    # Our own start is nobody to wait for.
+    assert after_failed_round([], "me", 0, ROUNDS, NOW, 30.0, [Start("me", 0, NOW)]).verdict is (
+        Verdict.ALONE
+    )
+
+
+def test_a_record_newer_than_the_start_says_where_the_peer_is() -> None:
+    # b started, then finished round 3: its record governs; a restart after it governs again.
+    assert positions([rec("b", 3)], [Start("b", 0, NOW - 50)], "me", ROUNDS) == {"b": (3, NOW)}
+    restarted = positions([rec("b", 3, at=NOW - 50)], [Start("b", 4, NOW)], "me", ROUNDS)
+    assert restarted == {"b": (3, NOW)}
+    failed = [rec("b", 3, ok=False)]
+    plan = after_failed_round(failed, "me", 3, ROUNDS, NOW, 30.0, [Start("b", 0, NOW - 50)])
+    assert plan.verdict is Verdict.ALONE  # b finished round 3 (failed): not behind us
+    # A start past the schedule (a forged first round) is ignored like a record past it.
+    assert positions([], [Start("x", 10**6, NOW)], "me", ROUNDS) == {}
+
+
+def test_start_announcements_decode_and_malformed_ones_are_skipped() -> None:
+    good = Start("b", 2, NOW).to_bytes()
+    assert decode(good, StartAnnouncement) == StartAnnouncement(2, NOW)
+    values = {"b": good, "c": b"garbage", "d": Start("d", 0, NOW).to_bytes()[:-1]}
+    assert decode_starts(values) == [Start("b", 2, NOW)]
 
 
 def test_swarm_ahead_names_the_newest_agreed_state_of_others() -> None:
