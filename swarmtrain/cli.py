@@ -353,11 +353,15 @@ def _coordinator_config(args: argparse.Namespace) -> RunConfig:
 
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
     from swarmtrain.commands.coordinator import CoordinatorOptions, run_coordinator
+    from swarmtrain.training.workload import with_data_fingerprint
 
     try:
         config = _coordinator_config(args)
-    except (ConfigError, OSError) as exc:
-        print(f"swarmtrain coordinator: {exc}", file=sys.stderr)
+        # The spec carries the data's fingerprint, from the coordinator's copy unless run.toml
+        # sets it: nodes whose copy differs refuse before training (training.workload).
+        config = with_data_fingerprint(config)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)
         return 1
     options = CoordinatorOptions(
         config,
