@@ -3,12 +3,12 @@ here, pre-tokenized arrays memory-mapped, their fingerprint, and every bad input
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tiny_lm import DOCUMENTS, train_tokenizer, write_jsonl
+from tokenizers import Tokenizer
 
 from diloco import (
     DataError,
@@ -18,31 +18,6 @@ from diloco import (
     load_text_corpus,
     load_token_corpus,
 )
-
-DOCUMENTS = [f"document {i}: the quick brown fox jumps over dog {i * 7}." for i in range(200)]
-
-
-def write_jsonl(path: Path, documents: list[str] = DOCUMENTS, field: str = "text") -> Path:
-    path.write_text(
-        "".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(documents))
-    )
-    return path
-
-
-def train_tokenizer(folder: Path, vocab_size: int = 400) -> Path:
-    """A byte-level BPE tokenizer trained on DOCUMENTS, saved as ``folder/tokenizer.json``."""
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    # Every byte in the alphabet, so text the training set lacks (the newlines) still encodes.
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["[UNK]"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(DOCUMENTS, trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
 
 
 def test_text_as_bytes_joins_documents_and_holds_out_the_tail(tmp_path: Path) -> None:

@@ -196,3 +196,17 @@ def test_build_model_follows_the_kind_from_the_run_seed(tmp_path: Path) -> None:
     long = config.replace(model={"config": gpt2}, training={"sequence_length": 1025})
     with pytest.raises(ModelError, match=r"sequence_length \(1025\) is longer than .* \(1024"):
         build_model(long, 300)
+
+
+def test_local_runs_a_given_config_with_its_rounds_and_h_replaced(tmp_path: Path) -> None:
+    from swarmtrain.cli import build_parser
+    from swarmtrain.commands.local import LocalOptions
+
+    config = RunConfig().replace(data={"kind": "text", "paths": ("a.txt",)})
+    options = LocalOptions(rounds=2, inner_steps=3, config=config)
+    signed = options.run_config("mine")
+    assert (signed.run.id, signed.run.rounds, signed.training.inner_steps) == ("mine", 2, 3)
+    assert signed.data == config.data
+    assert LocalOptions(rounds=4).run_config("x").data.kind == "stdlib"
+    args = build_parser().parse_args(["local", "--config", "run.toml", "--peers", "2"])
+    assert args.config == Path("run.toml") and args.rounds is None and args.inner_steps is None
