@@ -16,15 +16,19 @@ from runproc import JOIN_COMMAND, node, wait_exit
 from tiny_lm import DOCUMENTS, TINY_LLAMA, train_tokenizer, write_jsonl
 
 
-def write_run(folder: Path, *, tokenizer: bool = True) -> Path:
-    """data/a.jsonl, tokenizer/tokenizer.json, model/config.json and run.toml in ``folder``."""
+def write_run(base: Path, *, relative: bool, tokenizer: bool = True) -> Path:
+    """The README's example under ``base``: mine/data/a.jsonl, mine/tokenizer/tokenizer.json,
+    mine/model/config.json and mine/run.toml, whose data paths are relative to ``base`` (where
+    the processes then run) or absolute."""
+    mine = base / "mine"
     for name in ("data", "tokenizer", "model"):
-        (folder / name).mkdir()
-    write_jsonl(folder / "data" / "a.jsonl")
-    train_tokenizer(folder / "tokenizer")
-    (folder / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
-    tokenizer_line = f'tokenizer = "{folder}/tokenizer"' if tokenizer else ""
-    (folder / "run.toml").write_text(
+        (mine / name).mkdir(parents=True)
+    write_jsonl(mine / "data" / "a.jsonl")
+    train_tokenizer(mine / "tokenizer")
+    (mine / "model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+    prefix = "mine" if relative else str(mine)
+    tokenizer_line = f'tokenizer = "{prefix}/tokenizer"' if tokenizer else ""
+    (mine / "run.toml").write_text(
         f"""
 [model]
 kind = "transformers"
@@ -32,24 +36,23 @@ config = "model/config.json"
 
 [data]
 kind = "text"
-paths = ["{folder}/data/*.jsonl"]
+paths = ["{prefix}/data/*.jsonl"]
 field = "text"
 {tokenizer_line}
 
 [training]
 batch_size = 8
 sequence_length = 32
-inner_lr = 0.003
 """
     )
-    return folder / "run.toml"
+    return mine / "run.toml"
 
 
 @pytest.mark.timeout(170)
 def test_local_trains_a_tiny_llama_from_config_on_jsonl_with_a_local_tokenizer(
     tmp_path: Path,
 ) -> None:
-    run_toml = write_run(tmp_path)
+    run_toml = write_run(tmp_path, relative=True)
     workdir = tmp_path / "work"
     summary_path = tmp_path / "local.json"
     result = subprocess.run(
@@ -58,7 +61,7 @@ def test_local_trains_a_tiny_llama_from_config_on_jsonl_with_a_local_tokenizer(
             "--inner-steps", "8", "--workdir", str(workdir), "--json", str(summary_path),
             "--timeout", "150",
         ],
-        capture_output=True, text=True, timeout=165, check=False,
+        capture_output=True, text=True, timeout=165, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
@@ -80,7 +83,7 @@ def test_local_trains_a_tiny_llama_from_config_on_jsonl_with_a_local_tokenizer(
 
 @pytest.mark.timeout(100)
 def test_a_node_whose_data_differs_from_the_spec_refuses_before_training(tmp_path: Path) -> None:
-    run_toml = write_run(tmp_path, tokenizer=False)
+    run_toml = write_run(tmp_path, relative=False, tokenizer=False)
     coordinator = PeerProcess(
         [
             *SWARMTRAIN, "coordinator", "--config", str(run_toml), "--identity",
@@ -92,7 +95,7 @@ def test_a_node_whose_data_differs_from_the_spec_refuses_before_training(tmp_pat
         join = line[len(JOIN_COMMAND) :].strip()
         signed = coordinator.lines[0].split("(fingerprint ")[1].split(")")[0]
         # This node's copy of the data lost a document after the coordinator signed the spec.
-        write_jsonl(tmp_path / "data" / "a.jsonl", DOCUMENTS[:-1])
+        write_jsonl(tmp_path / "mine" / "data" / "a.jsonl", DOCUMENTS[:-1])
         peer = node(join, tmp_path / "node")
         try:
             assert wait_exit(peer, 60) == 1
