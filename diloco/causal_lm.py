@@ -58,7 +58,9 @@ def build_causal_lm(config: Mapping[str, Any], *, seed: int) -> CausalLM:
     """The causal LM ``config`` describes (``model_type`` picks the architecture, the other keys
     are its config's), in float32 on the CPU, its parameters drawn from ``seed`` alone: equal
     arguments give bit-identical parameters. Raises ModelError naming ``model.config``."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # Building from a config fetches nothing; this makes sure nothing transformers does on the
+    # way (a tokenizer or template lookup in some release) reaches the network either.
+    os.environ["HF_HUB_OFFLINE"] = "1"
     import transformers  # imported here: seconds to import, and only these runs need it
 
     settings = dict(config)

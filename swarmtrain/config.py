@@ -12,6 +12,9 @@ Every error is a ``ConfigError`` naming the key as written in ``run.toml``.
 (``load_config``, relative to the file's folder) and kept as its table, so the signed spec carries
 the architecture itself and peers need no copy of that file.
 
+Over the ~400 lines STYLE.md asks of a module: every key's rule, default and ``init`` comment sit
+together here, and the cross-section rules of ``[model]`` and ``[data]`` with them.
+
 ``items()`` lists ``(section.key, value)`` sorted by key: the canonical order the run spec is
 signed in (``swarmtrain.runspec``), so the signed bytes depend on the keys, not on this layout.
 """
