@@ -115,6 +115,10 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         assert node is not None
         spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
         config = spec.config
+        # Before the node takes part in anything: data that is not the run's (another Python's
+        # standard library, other files) is refused with one line, exit status 1.
+        local_data = corpus.result() if config.data.kind == "stdlib" else load_data(config)
+        check_data(config, local_data)
         if config.is_pipeline:
             summary = _run_pipeline(options, config, runtime, coordinator, emit)
         else:
@@ -128,10 +132,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 f"run {config.run.id}: spec signed by coordinator {str(coordinator)[-8:]} "
                 f"verified; {config.run.rounds} rounds, H={config.training.inner_steps}"
             )
-            # Before the node takes part in anything: data that is not the run's, or a model
-            # that cannot be built or does not fit it, is refused with one line, exit status 1.
-            local_data = corpus.result() if config.data.kind == "stdlib" else load_data(config)
-            check_data(config, local_data)
+            # So is a model that cannot be built or does not fit the data.
             model = build_model(config, local_data.vocab_size)
             emit(
                 f"model {config.model.kind}: {sum(p.numel() for p in model.parameters()):,} "
