@@ -1,5 +1,6 @@
-"""How training proceeds: DiLoCo's inner/outer optimization, its shared state, checkpoints, and
-the embedded default model and corpus.
+"""How training proceeds: DiLoCo's inner/outer optimization, its shared state, checkpoints, the
+embedded default model and corpus, a ``transformers`` causal LM built from its config
+(``causal_lm``) and a user's local text or token files (``datasets``).
 
 ``DiLoCo`` wraps a torch model and inner optimizer; averaging is injected as an ``Average``
 callable (the swarm all-reduce in a real run, ``LocalAverage`` in one process). Everything that
@@ -27,17 +28,21 @@ A training script (one peer; in a real run ``average`` is the swarm all-reduce's
 """
 
 from diloco.averaging import Average, AverageOutcome, AveragingFailed, LocalAverage, weighted_mean
+from diloco.causal_lm import CausalLM, ModelError, build_causal_lm, check_fits
 from diloco.checkpoint import Checkpoint, load_latest
 from diloco.checkpoint import save as save_checkpoint
 from diloco.data import (
     Corpus,
+    DataError,
     assignment_seed,
+    check_sizes,
     eval_batches,
     evaluate,
     inner_batches,
     is_heldout,
     load_stdlib_corpus,
 )
+from diloco.datasets import load_text_corpus, load_token_corpus
 from diloco.loop import DiLoCo, DiLoCoStatistics, RoundOutcome
 from diloco.model import VOCAB_SIZE, ByteTransformer, ByteTransformerConfig
 from diloco.outer import OuterConfig, nesterov_update, outer_step, skipped_round
@@ -50,15 +55,21 @@ __all__ = [
     "AveragingFailed",
     "ByteTransformer",
     "ByteTransformerConfig",
+    "CausalLM",
     "Checkpoint",
     "Corpus",
+    "DataError",
     "DiLoCo",
     "DiLoCoStatistics",
     "GlobalState",
     "LocalAverage",
+    "ModelError",
     "OuterConfig",
     "RoundOutcome",
     "assignment_seed",
+    "build_causal_lm",
+    "check_fits",
+    "check_sizes",
     "eval_batches",
     "evaluate",
     "inner_batches",
@@ -66,6 +77,8 @@ __all__ = [
     "layout_digest",
     "load_latest",
     "load_stdlib_corpus",
+    "load_text_corpus",
+    "load_token_corpus",
     "nesterov_update",
     "outer_step",
     "save_checkpoint",

@@ -34,15 +34,38 @@ HELDOUT_MODULUS = 20
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
+class DataError(ValueError):
+    """Data is absent, malformed or too small; the message names the key or the file."""
+
+
 @dataclass(frozen=True)
 class Corpus:
-    """Byte text split into a training and a held-out part (uint8 arrays, read-only)."""
+    """Token ids split into a training and a held-out part (read-only 1-d arrays: uint8 bytes
+    for the stdlib corpus and byte-level text, uint16/uint32 token ids otherwise, possibly
+    memory-mapped; ``diloco.datasets`` loads a user's files into one)."""
 
     train: np.ndarray
     heldout: np.ndarray
     train_files: tuple[str, ...]
     heldout_files: tuple[str, ...]
-    fingerprint: str  # sha256 hex over both parts; equal fingerprints mean equal data
+    fingerprint: str  # sha256 hex; equal fingerprints mean equal data
+    vocab_size: int = 256  # token ids are below it (bytes: 256)
+
+
+def check_sizes(corpus: Corpus, *, batch_size: int, sequence_length: int) -> None:
+    """Raise DataError unless the training part holds one batch of distinct windows
+    (``batch_size * (sequence_length + 1)`` tokens) and the held-out part one window."""
+    window = sequence_length + 1
+    if len(corpus.train) < batch_size * window:
+        raise DataError(
+            f"data: {len(corpus.train)} training tokens are fewer than one batch "
+            f"(training.batch_size {batch_size} x training.sequence_length+1 {window})"
+        )
+    if len(corpus.heldout) < window:
+        raise DataError(
+            f"data: {len(corpus.heldout)} held-out tokens are fewer than one sequence "
+            f"(training.sequence_length+1 {window})"
+        )
 
 
 def is_heldout(relative_path: str) -> bool:
@@ -157,8 +180,9 @@ def eval_batches(
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean held-out cross entropy in nats per byte over ``batches`` (model put in eval mode, then
-    restored). The model must map int64 ``(B, T)`` to logits ``(B, T, 256)``."""
+    """Mean held-out cross entropy in nats per token (byte, for byte data) over ``batches``
+    (model put in eval mode, then restored). The model must map int64 ``(B, T)`` to logits
+    ``(B, T, vocabulary)``."""
     was_training = model.training
     model.eval()
     try:

@@ -11,7 +11,8 @@
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
                         [--allow-model MODULE:FUNCTION ...]
     swarmtrain status   --join MULTIADDR [--json] [--probe]
-    swarmtrain local    [--peers N] [--rounds R] [--inner-steps H] [--json PATH]
+    swarmtrain local    [--config run.toml] [--peers N] [--rounds R] [--inner-steps H]
+                        [--workdir DIR] [--json PATH]
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
     swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
@@ -229,7 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
         "local", help="a whole swarm on this machine: a coordinator and N volunteer processes"
     )
     p_local.add_argument("--peers", type=int, default=3, help="volunteer processes [3]")
+    p_local.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="run this run.toml (any model and data it names) instead of the default run; "
+        "--rounds and --inner-steps, when given, replace its own",
+    )
     _add_training(p_local)
+    # None: not given, so --config's own values (or the defaults in _add_training's help) hold.
+    p_local.set_defaults(rounds=None, inner_steps=None)
     p_local.add_argument(
         "--workdir",
         type=Path,
@@ -357,11 +368,15 @@ def _coordinator_config(args: argparse.Namespace) -> RunConfig:
 
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
     from swarmtrain.commands.coordinator import CoordinatorOptions, run_coordinator
+    from swarmtrain.training.workload import with_data_fingerprint
 
     try:
         config = _coordinator_config(args)
-    except (ConfigError, OSError) as exc:
-        print(f"swarmtrain coordinator: {exc}", file=sys.stderr)
+        # The spec carries the data's fingerprint, from the coordinator's copy unless run.toml
+        # sets it: nodes whose copy differs refuse before training (training.workload).
+        config = with_data_fingerprint(config)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)
         return 1
     options = CoordinatorOptions(
         config,
@@ -411,10 +426,15 @@ def _delay_node(text: str) -> tuple[int, float]:
 def _main_local(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     try:
+        config = load_config(args.config) if args.config is not None else None
+        default = config or RunConfig()  # rounds 5, H 20: the defaults --help names
         options = LocalOptions(
             peers=args.peers,
-            rounds=args.rounds,
-            inner_steps=args.inner_steps,
+            rounds=args.rounds if args.rounds is not None else default.run.rounds,
+            inner_steps=(
+                args.inner_steps if args.inner_steps is not None else default.training.inner_steps
+            ),
+            config=config,
             run_id=args.run_id,
             workdir=args.workdir,
             timeout_s=args.timeout,
@@ -459,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        args.rounds = 5 if args.rounds is None else args.rounds  # local's default
         return pipeline_local.run(args)
     if args.command == "local":
         return _main_local(args)

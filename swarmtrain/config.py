@@ -1,12 +1,19 @@
 """The run config (``run.toml``): one frozen dataclass per TOML section, validated on load.
 
-``RunConfig`` nests ``RunSection`` ([run]), ``ModelSection`` ([model]), ``TrainingSection``
-([training]), ``SwarmSection`` ([swarm]), ``PipelineSection`` ([pipeline]) and ``VerifySection``
-([verify]); ``config.training.inner_steps`` is ``inner_steps`` under ``[training]``. Each field
-carries, in its metadata, the rule it must meet (checked when the section is built, so no invalid
-section exists) and the comment ``swarmtrain init`` writes above it; rules across sections
-(``n_heads`` divides ``d_model``, ...) are checked by ``RunConfig``. Every error is a
-``ConfigError`` naming the key as written in ``run.toml``.
+``RunConfig`` nests ``RunSection`` ([run]), ``ModelSection`` ([model]), ``DataSection`` ([data]),
+``TrainingSection`` ([training]), ``SwarmSection`` ([swarm]), ``PipelineSection`` ([pipeline]) and
+``VerifySection`` ([verify]); ``config.training.inner_steps`` is ``inner_steps`` under
+``[training]``. Each field carries, in its metadata, the rule it must meet (checked when the
+section is built, so no invalid section exists) and the comment ``swarmtrain init`` writes above
+it; rules across sections (``n_heads`` divides ``d_model``, ...) are checked by ``RunConfig``.
+Every error is a ``ConfigError`` naming the key as written in ``run.toml``.
+
+``model.config`` given as a path (``config = "dir/config.json"``) is read when the file is loaded
+(``load_config``, relative to the file's folder) and kept as its table, so the signed spec carries
+the architecture itself and peers need no copy of that file.
+
+Over the ~400 lines STYLE.md asks of a module: every key's rule, default and ``init`` comment sit
+together here, and the cross-section rules of ``[model]`` and ``[data]`` with them.
 
 ``items()`` lists ``(section.key, value)`` sorted by key: the canonical order the run spec is
 signed in (``swarmtrain.runspec``), so the signed bytes depend on the keys, not on this layout.
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import re
 import tomllib
@@ -62,10 +70,14 @@ _POSITIVE_INT = (_positive, "a positive integer")
 _POSITIVE = (_positive, "a positive number")
 
 
-def _check_value(key: str, kind: type, check: Callable[[Any], bool], rule: str, value: Any) -> Any:
+def _check_value(
+    key: str, kind: type | tuple[type, ...], check: Callable[[Any], bool], rule: str, value: Any
+) -> Any:
     # bool is an int subclass in Python; "rounds = true" is a mistake, not 1.
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
+    if kind is tuple and isinstance(value, list):
+        value = tuple(value)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise ConfigError(f"{key} must be {rule}, got {value!r}")
     if kind is float and not math.isfinite(value):
@@ -75,7 +87,22 @@ def _check_value(key: str, kind: type, check: Callable[[Any], bool], rule: str, 
     return value
 
 
-_KINDS = {"int": int, "float": float, "str": str}
+# A field's annotation (a string: ``from __future__ import annotations``) -> the Python type(s) its
+# TOML value may have. A TOML array arrives as a list and is kept as a tuple (sections are frozen).
+_KINDS: dict[str, type | tuple[type, ...]] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "tuple[str, ...]": tuple,
+    "str | dict[str, Any]": (str, dict),
+}
+
+MODEL_KINDS = ("default", "transformers")
+DATA_KINDS = ("stdlib", "text", "tokens")
+TOKEN_DTYPES = ("uint16", "uint32")
+# The config keys that give a causal LM's longest sequence, by model family (Llama, GPT-2, ...).
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+MAX_MODEL_CONFIG_BYTES = 16384
 
 
 class _Section:
@@ -112,6 +139,24 @@ class RunSection(_Section):
 @dataclass(frozen=True)
 class ModelSection(_Section):
     NAME: ClassVar[str] = "model"
+    kind: str = _key(
+        "default",
+        lambda v: v in MODEL_KINDS,
+        f"one of {', '.join(MODEL_KINDS)}",
+        '"default": the embedded byte-level transformer below (no file, no download).\n'
+        '# "transformers": a causal LM of the transformers library built from `config`\n'
+        "# (initialised from the run seed; nothing is downloaded); d_model, n_layers,\n"
+        "# n_heads and context are then unused",
+    )
+    # _key gives a field whose default ("") is immutable; ruff cannot see that through a union.
+    config: str | dict[str, Any] = _key(  # noqa: RUF009
+        "",
+        lambda v: isinstance(v, dict) or v == "" or len(v) <= 1000,
+        "a path to a config.json or a [model.config] table",
+        'kind "transformers": "PATH/config.json" (its model_type picks the class), or a\n'
+        "# [model.config] table with model_type and the architecture's keys, e.g.\n"
+        '# { model_type = "llama", vocab_size = 512, hidden_size = 64, ... }',
+    )
     d_model: int = _key(
         128, *_POSITIVE_INT, "width of the byte-level transformer (embedded default model)"
     )
@@ -126,6 +171,50 @@ class ModelSection(_Section):
         "training.sequence_length) and whose last returns (batch, sequence, 256) logits;\n# "
         "it is called with torch seeded from the run; every stage server must install it "
         "and\n# pass --allow-model with it (docs/pipelines.md)",
+    )  # fmt: skip
+
+
+def _paths_ok(value: Any) -> bool:
+    return len(value) <= 64 and all(isinstance(p, str) and 0 < len(p) <= 1000 for p in value)
+
+
+def _fingerprint_ok(value: Any) -> bool:
+    return value == "" or re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+
+@dataclass(frozen=True)
+class DataSection(_Section):
+    NAME: ClassVar[str] = "data"
+    kind: str = _key(
+        "stdlib", lambda v: v in DATA_KINDS, f"one of {', '.join(DATA_KINDS)}",
+        '"stdlib": the Python standard library\'s own source, as bytes (no download).\n'
+        '# "text": local .txt / .jsonl files (`paths`), tokenized by `tokenizer` or as bytes.\n'
+        '# "tokens": pre-tokenized .bin / .npy arrays of `dtype` (memory-mapped, nanoGPT style).\n'
+        "# Every node needs the same files under the same paths; the spec carries their\n"
+        "# fingerprint and a node whose files differ refuses to train",
+    )  # fmt: skip
+    paths: tuple[str, ...] = _key(
+        (), _paths_ok, "a list of at most 64 paths or globs",
+        'kinds "text" and "tokens": files or globs, e.g. ["data/*.jsonl"] (relative to the\n'
+        "# directory a node runs in); matched files are read in sorted order",
+    )  # fmt: skip
+    field: str = _key(
+        "text", lambda v: 0 < len(v) <= 100, "a non-empty name",
+        'kind "text": the key of each .jsonl line\'s object that holds its text',
+    )  # fmt: skip
+    tokenizer: str = _key(
+        "", lambda v: len(v) <= 1000, "a path",
+        'kind "text": a tokenizer.json (or a folder holding one) of the tokenizers\n'
+        '# library; "" tokenizes as bytes (vocabulary 256)',
+    )  # fmt: skip
+    dtype: str = _key(
+        "uint16", lambda v: v in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}",
+        'kind "tokens": the arrays\' element type (.bin files are raw little-endian arrays)',
+    )  # fmt: skip
+    fingerprint: str = _key(
+        "", _fingerprint_ok, '"" or 64 hex digits',
+        '"": the coordinator computes it from its own copy of the data when it signs the\n'
+        "# spec (and prints it); a coordinator without a copy signs the value set here",
     )  # fmt: skip
 
 
@@ -211,6 +300,7 @@ SECTIONS: dict[str, type[_Section]] = {
     for s in (
         RunSection,
         ModelSection,
+        DataSection,
         TrainingSection,
         SwarmSection,
         PipelineSection,
@@ -225,6 +315,7 @@ class RunConfig:
 
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
     training: TrainingSection = field(default_factory=TrainingSection)
     swarm: SwarmSection = field(default_factory=SwarmSection)
     pipeline: PipelineSection = field(default_factory=PipelineSection)
@@ -239,11 +330,13 @@ class RunConfig:
             raise ConfigError(
                 f"model.n_heads ({model.n_heads}) must divide model.d_model ({model.d_model})"
             )
-        if training.sequence_length > model.context:
+        if model.kind == "default" and training.sequence_length > model.context:
             raise ConfigError(
                 f"training.sequence_length ({training.sequence_length}) is longer than "
                 f"model.context ({model.context})"
             )
+        _check_model_kind(self)
+        _check_data_kind(self)
         if model.factory and not self.is_pipeline:
             raise ConfigError(
                 f"model.factory ({model.factory}) needs a pipeline run (pipeline.stages "
@@ -288,6 +381,93 @@ class RunConfig:
         )
 
 
+def _check_model_kind(config: RunConfig) -> None:
+    """Rules of ``[model] kind`` across sections; the table itself is checked here, without
+    importing transformers (the node builds the model and checks the rest)."""
+    model = config.model
+    if model.kind == "default":
+        if model.config not in ("", {}):
+            raise ConfigError('model.config needs model.kind = "transformers"')
+        return
+    if not isinstance(model.config, dict):
+        raise ConfigError(
+            'model.kind "transformers" needs model.config: a [model.config] table, or a path '
+            "to a config.json in a run.toml file"
+        )
+    model_type = model.config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError('model.config needs a model_type (e.g. "llama")')
+    try:
+        encoded = json.dumps(model.config, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.config holds a value JSON cannot: {exc}") from None
+    if len(encoded) > MAX_MODEL_CONFIG_BYTES:
+        raise ConfigError(f"model.config is over {MAX_MODEL_CONFIG_BYTES} bytes as JSON")
+    if model.factory or config.is_pipeline or config.verify.rate > 0:
+        raise ConfigError(
+            'model.kind "transformers" trains in DiLoCo runs only: no model.factory, '
+            "pipeline.stages = 0 and verify.rate = 0"
+        )
+    for key in CONTEXT_KEYS:
+        context = model.config.get(key)
+        if isinstance(context, int) and config.training.sequence_length > context:
+            raise ConfigError(
+                f"training.sequence_length ({config.training.sequence_length}) is longer than "
+                f"model.config.{key} ({context})"
+            )
+
+
+def _check_data_kind(config: RunConfig) -> None:
+    data = config.data
+    if data.kind == "stdlib":
+        if data.paths or data.tokenizer:
+            raise ConfigError('data.paths and data.tokenizer need data.kind "text" or "tokens"')
+        return
+    if not data.paths:
+        raise ConfigError(f'data.kind "{data.kind}" needs data.paths (files or globs)')
+    if data.kind == "tokens" and data.tokenizer:
+        raise ConfigError('data.tokenizer needs data.kind "text" (tokens are tokenized already)')
+    # The verified and pipeline paths read the embedded corpus as bytes only.
+    if config.is_pipeline or config.verify.rate > 0:
+        raise ConfigError(
+            f'data.kind "{data.kind}" trains in DiLoCo runs only: pipeline.stages = 0 and '
+            "verify.rate = 0"
+        )
+
+
+def resolve_model_config(data: dict[str, Any], folder: Path, source: str) -> None:
+    """Replace a ``[model] config = "PATH"`` in parsed TOML by the JSON table in that file (a
+    relative PATH from ``folder``), in place. Raises ConfigError naming the key and the file."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("config"), str):
+        return
+    if not model["config"]:
+        return
+    path = folder / model["config"]
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        table = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{source}: model.config: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ConfigError(f"{source}: model.config: {path} is not JSON: {exc}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"{source}: model.config: {path} does not hold a JSON object")
+    model["config"] = _without_nulls(table)
+
+
+def _without_nulls(table: dict[str, Any]) -> dict[str, Any]:
+    """A config.json's table without its ``null`` values: TOML (which ``swarmtrain local``
+    writes the config back to) has no null, and transformers treats an absent key as its
+    default, which for these keys is None already."""
+    return {
+        k: _without_nulls(v) if isinstance(v, dict) else v
+        for k, v in table.items()
+        if v is not None
+    }
+
+
 def config_from_mapping(data: Mapping[str, Any], *, source: str = "run config") -> RunConfig:
     """A ``RunConfig`` from parsed TOML (``{section: {key: value}}``); missing keys keep their
     defaults. Raises ConfigError naming the first unknown section or key, or the bad value."""
@@ -320,12 +500,25 @@ def load_config(path: Path) -> RunConfig:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    resolve_model_config(data, path.parent, str(path))
     return config_from_mapping(data, source=str(path))
 
 
 def _toml_value(value: Any) -> str:
+    # JSON's strings, numbers, lists and booleans are TOML's too (JSON escapes are TOML's basic
+    # string escapes); a table is written inline. Floats keep repr (JSON has no inf, TOML has).
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return (
+            "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + " }"
+        )
+    if value is None:
+        raise ConfigError("TOML has no null: drop the key instead")
     return repr(value)
 
 

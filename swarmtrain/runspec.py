@@ -32,7 +32,8 @@ from swarmtrain.config import ConfigError, RunConfig, config_from_mapping
 
 SPEC_VERSION = 1
 SIGNING_DOMAIN = b"swarmtrain/run-spec/1\x00"
-MAX_SPEC_BYTES = 8192
+# A [model.config] table (at most 16 KiB as JSON) travels in the spec.
+MAX_SPEC_BYTES = 32768
 MAX_SIGNATURE_BYTES = 128
 
 

@@ -145,7 +145,8 @@ def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
     if not config.is_pipeline:
         return [
             f"run {config.run.id}: {config.run.rounds} rounds, H={config.training.inner_steps}, "
-            f"spec signed by {coordinator}",
+            f"model {config.model.kind}, data {config.data.kind} (fingerprint "
+            f"{config.data.fingerprint or 'none'}), spec signed by {coordinator}",
             f"swarmtrain node --join {join}",
         ]
     # A stage server imports a user's model only when it names it itself (--allow-model).

@@ -1,6 +1,7 @@
 """``swarmtrain local``: a whole swarm on this machine, the README's first command.
 
-Writes a run config (``run.toml`` in the work directory), starts a ``swarmtrain coordinator`` on
+Writes a run config (``run.toml`` in the work directory: the embedded default run, or the spec
+given with ``--config`` with its rounds and H as given), starts a ``swarmtrain coordinator`` on
 it (signed run spec, bootstrap, DHT server, relay) and N ``swarmtrain node`` processes on
 127.0.0.1 that join with the exact command the coordinator prints, each with its own state
 directory, shows their progress lines prefixed by node index,
@@ -59,6 +60,9 @@ class LocalOptions:
     # (node index, seconds): start that node this long after the others (``--delay-node I:S``),
     # a late volunteer as on a busy box; the membership tests use it.
     delay_node: tuple[int, float] | None = None
+    # A run config to run (``--config run.toml``) instead of the embedded default one; its
+    # run id, rounds and H are replaced by ``run_id`` (when given), ``rounds``, ``inner_steps``.
+    config: RunConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("peers", "rounds", "inner_steps"):
@@ -70,6 +74,23 @@ class LocalOptions:
                 raise ValueError("--delay-node I:S needs 0 <= I < peers and 0 <= S <= 600")
         if not 0 <= self.verify_rate <= 1:
             raise ValueError(f"--verify-rate must be in [0, 1], got {self.verify_rate}")
+
+    def run_config(self, run_id: str) -> RunConfig:
+        """The config the coordinator signs. Raises ConfigError (a ValueError) when the
+        changed keys make it invalid."""
+        if self.config is None:
+            return RunConfig(
+                run=RunSection(id=run_id, rounds=self.rounds),
+                training=TrainingSection(inner_steps=self.inner_steps),
+                verify=VerifySection(rate=self.verify_rate),
+            )
+        changes: dict[str, dict[str, object]] = {
+            "run": {"id": run_id, "rounds": self.rounds},
+            "training": {"inner_steps": self.inner_steps},
+        }
+        if self.verify_rate:
+            changes["verify"] = {"rate": self.verify_rate}
+        return self.config.replace(**changes)  # type: ignore[arg-type]
 
     def deadline_s(self) -> float:
         # Generous: a 2-core machine runs a default-model step in about 0.2 s per process.
@@ -92,6 +113,8 @@ class LocalSummary:
     bytes_sent: int
     seconds: float
     nodes: list[dict[str, object]] = field(default_factory=list)
+    # Each node's state directory (checkpoints): kept only with a --workdir.
+    state_dirs: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -104,13 +127,14 @@ class LocalSummary:
             "bytes_sent": self.bytes_sent,
             "seconds": round(self.seconds, 2),
             "nodes": self.nodes,
+            "state_dirs": self.state_dirs,
         }
 
     def format(self) -> str:
         held = f"{self.eval_loss:.3f}" if self.eval_loss is not None else "n/a"
         return (
             f"{self.peers} peers, {self.rounds} rounds in {self.seconds:.1f} s: train loss "
-            f"{self.loss_first:.3f} -> {self.loss_last:.3f} nats/byte, held-out {held}, "
+            f"{self.loss_first:.3f} -> {self.loss_last:.3f} nats/token, held-out {held}, "
             f"state hashes {'agree' if self.state_hashes_agree else 'DIFFER'}, "
             f"{self.bytes_sent / 2**20:.2f} MiB sent in all"
         )
@@ -218,7 +242,12 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
     Raises LocalFailed (a process failed, or the deadline passed), KeyboardInterrupt after every
     child was stopped."""
     started = time.monotonic()
-    run_id = options.run_id or f"local-{os.urandom(4).hex()}"
+    run_id = (
+        options.run_id
+        or (options.config.run.id if options.config is not None else "")
+        or f"local-{os.urandom(4).hex()}"
+    )
+    config = options.run_config(run_id)
     threads = max(1, (os.cpu_count() or 1) // options.peers)
     emit_lock = threading.Lock()
 
@@ -238,11 +267,6 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             workdir.mkdir(parents=True, exist_ok=True)
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: [child.stop() for child in reversed(children)])
-        config = RunConfig(
-            run=RunSection(id=run_id, rounds=options.rounds),
-            training=TrainingSection(inner_steps=options.inner_steps),
-            verify=VerifySection(rate=options.verify_rate),
-        )
         join = start_coordinator(workdir, config, children, emit)
         emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[Child] = []
@@ -277,6 +301,8 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             read_summary(workdir / f"node{i}" / "summary.json") for i in range(options.peers)
         ]
     summary = _combine(options, summaries, time.monotonic() - started)
+    if options.workdir is not None:
+        summary.state_dirs = [str(workdir / f"node{i}") for i in range(options.peers)]
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(summary.to_json()) + "\n")

@@ -31,6 +31,7 @@ from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_
 from swarmtrain.runspec import RunSpec
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.loop import NodeSummary, averager_config, train
+from swarmtrain.training.workload import build_model, check_data, load_data
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,9 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     KeyboardInterrupt propagates after the node is closed (the last round boundary's checkpoint
     is on disk); a pipeline role interrupted writes its summary first (how a stage server
     ends). Raises SpecRefused (the spec is unsigned or tampered with), P2PError when the node
-    cannot join or reach the coordinator, ValueError for a checkpoint of another config or a
+    cannot join or reach the coordinator, ValueError (before anything trains) for data whose
+    fingerprint is not the spec's or too small, a model that cannot be built or does not fit the
+    data (``training.workload``), for a checkpoint of another config or a
     ``role`` on a DiLoCo run, RuntimeError when the agreed state cannot be downloaded or a
     pipeline stage has no server."""
     device = resolve_device(options.device)
@@ -99,8 +102,9 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     node_config = NodeConfig(
         HostConfig(key_pair, listen_addrs=options.listen), bootstrap=options.join
     )
-    # The corpus (seconds of reading and hashing the standard library) does not depend on the
-    # spec: load it while the node joins and fetches the spec, so a joiner is ready sooner.
+    # The stdlib corpus (seconds of reading and hashing the standard library) does not depend on
+    # the spec: load it while the node joins and fetches the spec, so a joiner is ready sooner
+    # (a run on a user's files reads those once the spec names them).
     loader = ThreadPoolExecutor(1, thread_name_prefix="corpus")
     corpus = loader.submit(load_stdlib_corpus)
     loader.shutdown(wait=False)
@@ -111,6 +115,10 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         assert node is not None
         spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
         config = spec.config
+        # Before the node takes part in anything: data that is not the run's (another Python's
+        # standard library, other files) is refused with one line, exit status 1.
+        local_data = corpus.result() if config.data.kind == "stdlib" else load_data(config)
+        check_data(config, local_data)
         if config.is_pipeline:
             summary = _run_pipeline(options, config, runtime, coordinator, emit)
         else:
@@ -124,6 +132,13 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 f"run {config.run.id}: spec signed by coordinator {str(coordinator)[-8:]} "
                 f"verified; {config.run.rounds} rounds, H={config.training.inner_steps}"
             )
+            # So is a model that cannot be built or does not fit the data.
+            model = build_model(config, local_data.vocab_size)
+            emit(
+                f"model {config.model.kind}: {sum(p.numel() for p in model.parameters()):,} "
+                f"parameters; data {config.data.kind}: {len(local_data.train):,} training "
+                f"tokens, fingerprint {local_data.fingerprint[:12]} as the spec's"
+            )
             averager = swarm.Averager(
                 node, averager_config(config, coordinator), faults=options.faults
             )
@@ -132,10 +147,11 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
             runtime.call_sync(server.install)
             summary = train(
                 config,
+                model,
                 runtime,
                 averager,
                 server,
-                corpus.result(),
+                local_data,
                 device,
                 emit,
                 coordinator,

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import swarm
 from diloco import (
-    ByteTransformer,
     Corpus,
     DiLoCo,
     RoundOutcome,
@@ -46,7 +46,6 @@ from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.elastic import Elastic, RunOver
 from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
-from swarmtrain.pipeline.roles import shape_of
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
 from swarmtrain.verified.volunteer import Banned, Verification
@@ -126,10 +125,6 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
     )
 
 
-def build_model(config: RunConfig) -> ByteTransformer:
-    return ByteTransformer(shape_of(config), seed=run_seed_of(config.run.id))
-
-
 def _reach(runtime: PeerRuntime) -> str:
     """Our dial-back verdict, for the progress record (``swarmtrain status`` shows it)."""
     node = runtime.node
@@ -142,6 +137,7 @@ def _mib(n: int) -> str:
 
 def train(
     config: RunConfig,
+    model: nn.Module,
     runtime: PeerRuntime,
     averager: swarm.Averager,
     server: StateServer,
@@ -154,12 +150,13 @@ def train(
     join_wait_s: float,
     faults: Faults = NO_FAULTS,
 ) -> NodeSummary:
-    """Train the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
+    """Train ``model`` (the spec's, with its round-0 parameters: ``workload.build_model``)
+    through the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
     catching up with the swarm, waiting at most ``join_wait_s`` for a round boundary); ``emit``
     gets one progress line per round. ``faults``: a verified run's tampering test hook."""
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
-    model = build_model(config).to(device)
+    model = model.to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=config.training.inner_lr)
     verification = None
     if config.verify.rate > 0:

@@ -21,7 +21,14 @@ from swarmtrain.config import (
     default_toml,
     load_config,
 )
-from swarmtrain.runspec import SIGNING_DOMAIN, RunSpec, SpecRefused, sign_spec, verify_spec
+from swarmtrain.runspec import (
+    MAX_SPEC_BYTES,
+    SIGNING_DOMAIN,
+    RunSpec,
+    SpecRefused,
+    sign_spec,
+    verify_spec,
+)
 
 
 def test_default_toml_round_trips_to_the_defaults() -> None:
@@ -216,4 +223,4 @@ def test_malformed_spec_bytes_are_refused() -> None:
     with pytest.raises(SpecRefused):
         RunSpec.from_bytes(b"\xc1garbage")
     with pytest.raises(SpecRefused, match="over"):
-        RunSpec.from_bytes(b"x" * 10000)
+        RunSpec.from_bytes(b"x" * (MAX_SPEC_BYTES + 1))

@@ -1,0 +1,93 @@
+"""What a DiLoCo run trains, from its spec: the model (``[model] kind``) and the data
+(``[data] kind``), and the checks that refuse a node whose local files do not match the spec.
+
+The coordinator fills in the data fingerprint from its own copy when it signs the spec
+(``with_data_fingerprint``); every node computes the fingerprint of its copy and refuses to train
+when the two differ (``check_data``), so peers never train silently on different text, a
+different tokenizer or another Python's standard library. Every check runs before anything
+trains and raises a ``ValueError`` (``WorkloadError``, ``DataError``, ``ModelError``) whose one
+line names the key or the file.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from diloco import (
+    ByteTransformer,
+    Corpus,
+    build_causal_lm,
+    check_fits,
+    check_sizes,
+    load_stdlib_corpus,
+    load_text_corpus,
+    load_token_corpus,
+)
+from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.pipeline.roles import shape_of
+
+
+class WorkloadError(ValueError):
+    """The spec and this node's data disagree; the message names the key and both values."""
+
+
+def load_data(config: RunConfig) -> Corpus:
+    """The corpus ``[data]`` names, read from this machine. Raises DataError (absent or bad
+    files, naming the key or the file), or ValueError for a stdlib corpus too small to split."""
+    data = config.data
+    if data.kind == "text":
+        return load_text_corpus(data.paths, field=data.field, tokenizer=data.tokenizer)
+    if data.kind == "tokens":
+        return load_token_corpus(data.paths, dtype=data.dtype)
+    return load_stdlib_corpus()
+
+
+def with_data_fingerprint(config: RunConfig, corpus: Corpus | None = None) -> RunConfig:
+    """``config`` with ``data.fingerprint`` set from this machine's copy of the data (loaded
+    unless ``corpus`` is given) when it is empty; a set fingerprint is kept (a coordinator
+    without the data signs what the user wrote). Raises what ``load_data`` raises."""
+    if config.data.fingerprint:
+        return config
+    corpus = corpus if corpus is not None else load_data(config)
+    return config.replace(data={"fingerprint": corpus.fingerprint})
+
+
+def check_data(config: RunConfig, corpus: Corpus) -> None:
+    """Raise WorkloadError unless ``corpus`` is the data the spec names (its fingerprint), or
+    DataError when it is too small for one batch and one held-out window."""
+    expected = config.data.fingerprint
+    if not expected:
+        raise WorkloadError(
+            "data.fingerprint: the run spec carries none, so this node cannot check that it "
+            "trains on the run's data (a coordinator fills it in when it signs the spec)"
+        )
+    if corpus.fingerprint != expected:
+        what = ", ".join(config.data.paths) if config.data.kind != "stdlib" else "stdlib"
+        raise WorkloadError(
+            f"data.fingerprint: this node's data ({config.data.kind}: {what}) has fingerprint "
+            f"{corpus.fingerprint[:16]}, the run spec's is {expected[:16]}; refusing to train "
+            "on other data"
+        )
+    check_sizes(
+        corpus,
+        batch_size=config.training.batch_size,
+        sequence_length=config.training.sequence_length,
+    )
+
+
+def build_model(config: RunConfig, vocab_size: int = 256) -> nn.Module:
+    """The model ``[model]`` names with its round-0 parameters from the run seed (equal on every
+    peer). ``vocab_size``: the data's (checked against a ``transformers`` model's). The model
+    has ``loss(inputs, targets)``. Raises ModelError naming the key."""
+    seed = run_seed_of(config.run.id)
+    if config.model.kind == "transformers":
+        assert isinstance(config.model.config, dict), "RunConfig checks the table"
+        model = build_causal_lm(config.model.config, seed=seed)
+        check_fits(model, sequence_length=config.training.sequence_length, vocab_size=vocab_size)
+        return model
+    if vocab_size > 256:
+        raise WorkloadError(
+            f'model.kind "default" reads bytes (vocabulary 256); the data\'s vocabulary is '
+            f'{vocab_size}: use model.kind "transformers" or byte data'
+        )
+    return ByteTransformer(shape_of(config), seed=seed)
