@@ -28,7 +28,14 @@ A training script (one peer; in a real run ``average`` is the swarm all-reduce's
 """
 
 from diloco.averaging import Average, AverageOutcome, AveragingFailed, LocalAverage, weighted_mean
-from diloco.causal_lm import CausalLM, ModelError, build_causal_lm, check_fits
+from diloco.causal_lm import (
+    CausalLM,
+    ModelError,
+    build_causal_lm,
+    check_fits,
+    load_pretrained,
+    pretrained_sha256,
+)
 from diloco.checkpoint import Checkpoint, load_latest
 from diloco.checkpoint import save as save_checkpoint
 from diloco.data import (
@@ -76,11 +83,13 @@ __all__ = [
     "is_heldout",
     "layout_digest",
     "load_latest",
+    "load_pretrained",
     "load_stdlib_corpus",
     "load_text_corpus",
     "load_token_corpus",
     "nesterov_update",
     "outer_step",
+    "pretrained_sha256",
     "save_checkpoint",
     "skipped_round",
     "weighted_mean",

@@ -14,8 +14,10 @@ model's, so the node's loop, ``evaluate`` and DiLoCo treat both alike.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,3 +109,58 @@ def check_fits(model: CausalLM, *, sequence_length: int, vocab_size: int) -> Non
             f"model.config.vocab_size ({model.vocab_size}) is smaller than the data's "
             f"vocabulary ({vocab_size}: data.tokenizer, or bytes)"
         )
+
+
+def pretrained_files(path: Path) -> list[Path]:
+    """The weight files ``model.pretrained`` names: the file itself (``.safetensors``) or a
+    folder's ``*.safetensors`` (a ``save_pretrained`` folder, sharded or not), sorted by name.
+    Raises ModelError naming the key and the path."""
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(path.glob("*.safetensors"))
+    else:
+        raise ModelError(f"model.pretrained: {path} does not exist on this machine")
+    if not files or any(f.suffix != ".safetensors" for f in files):
+        raise ModelError(
+            f"model.pretrained: {path} is not a .safetensors file or a folder holding some"
+        )
+    return files
+
+
+def pretrained_sha256(path: Path) -> str:
+    """SHA-256 over the weight files of ``path`` in order, each as its name, its size and its
+    bytes (read in 1 MiB blocks: a model of many GiB is never in memory for this)."""
+    hasher = hashlib.sha256(b"swarmtrain/pretrained/1\0")
+    for file in pretrained_files(path):
+        hasher.update(file.name.encode() + b"\0" + file.stat().st_size.to_bytes(8, "little"))
+        with file.open("rb") as reader:
+            while block := reader.read(1 << 20):
+                hasher.update(block)
+    return hasher.hexdigest()
+
+
+def load_pretrained(model: CausalLM, path: Path) -> None:
+    """Put the weights of ``path`` into ``model`` (built from the same config). Every parameter
+    must come from the files, except the tied ones ``save_pretrained`` leaves out (an output
+    embedding that is the input embedding). Raises ModelError naming the file."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in pretrained_files(path):
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise ModelError(f"model.pretrained: {file} is not safetensors: {exc}") from None
+    lm = model.lm
+    tied = set(dict(lm.named_parameters(remove_duplicate=False))) - set(dict(lm.named_parameters()))
+    try:
+        missing, unexpected = lm.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:  # a shape that is not the config's
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise ModelError(f"model.pretrained: {path} does not fit model.config: {first}") from None
+    absent = sorted(set(missing) - tied)
+    if absent or unexpected:
+        what = f"lacks {absent[:3]}" if absent else f"has unknown {sorted(unexpected)[:3]}"
+        raise ModelError(f"model.pretrained: {path} {what} (another architecture?)")

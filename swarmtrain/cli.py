@@ -16,6 +16,7 @@
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
     swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
+    swarmtrain export   --state-dir DIR --out DIR [--json PATH]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
 (exit status 130). A failure prints one line that names its cause and exits with status 1.
@@ -189,6 +190,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-hook", action="append", default=[], metavar="KEY=VALUE", help=argparse.SUPPRESS
     )
 
+    p_export = sub.add_parser(
+        "export",
+        help="write a node's trained model (its newest checkpoint) as safetensors, or a "
+        "save_pretrained folder for a transformers model",
+    )
+    p_export.add_argument(
+        "--state-dir",
+        type=Path,
+        required=True,
+        help="the node's --state-dir (run.spec, diloco-*.ckpt)",
+    )
+    p_export.add_argument(
+        "--out", type=Path, required=True, help="folder to create (refused if not empty)"
+    )
+    p_export.add_argument("--json", type=Path, default=None, help="also write the report here")
+
     p_init = sub.add_parser("init", help="write a commented default run config")
     p_init.add_argument("path", type=Path, nargs="?", default=Path("run.toml"), help="[run.toml]")
     p_init.add_argument("--force", action="store_true", help="overwrite an existing file")
@@ -357,6 +374,20 @@ def _main_init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _main_export(args: argparse.Namespace) -> int:
+    from swarmtrain.commands.export import ExportError, export
+
+    try:
+        report = export(args.state_dir, args.out)
+        if args.json is not None:
+            args.json.write_text(json.dumps(report.to_json()) + "\n")
+    except (ExportError, SpecRefused, OSError, ValueError) as exc:
+        print(f"swarmtrain export: {exc}", file=sys.stderr)
+        return 1
+    print(report.line())
+    return 0
+
+
 def _coordinator_config(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config) if args.config is not None else RunConfig()
     if args.rounds is not None:
@@ -368,13 +399,14 @@ def _coordinator_config(args: argparse.Namespace) -> RunConfig:
 
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
     from swarmtrain.commands.coordinator import CoordinatorOptions, run_coordinator
-    from swarmtrain.training.workload import with_data_fingerprint
+    from swarmtrain.training.workload import with_data_fingerprint, with_model_hash
 
     try:
         config = _coordinator_config(args)
-        # The spec carries the data's fingerprint, from the coordinator's copy unless run.toml
-        # sets it: nodes whose copy differs refuse before training (training.workload).
-        config = with_data_fingerprint(config)
+        # The spec carries the data's fingerprint and the pretrained weights' hash, from the
+        # coordinator's copies unless run.toml sets them: nodes whose copies differ refuse
+        # before training (training.workload).
+        config = with_model_hash(with_data_fingerprint(config))
     except (ConfigError, ValueError, OSError) as exc:
         print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)
         return 1
@@ -487,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return verify_cmd.run(args)
     if args.command == "init":
         return _main_init(args)
+    if args.command == "export":
+        return _main_export(args)
     if args.command == "status":
         return _main_status(args)
     identity_path = args.identity or default_identity_path()

@@ -157,6 +157,19 @@ class ModelSection(_Section):
         "# [model.config] table with model_type and the architecture's keys, e.g.\n"
         '# { model_type = "llama", vocab_size = 512, hidden_size = 64, ... }',
     )
+    pretrained: str = _key(
+        "", lambda v: len(v) <= 1000, "a path",
+        'kind "transformers": start from these weights instead of the run seed: a\n'
+        "# save_pretrained folder (its config.json is the model.config when that is unset) or\n"
+        "# one .safetensors file, on every node under this path (relative to the directory a\n"
+        "# node runs in); nothing is downloaded",
+    )  # fmt: skip
+    pretrained_sha256: str = _key(
+        "", lambda v: v == "" or re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+        '"" or 64 hex digits',
+        '"": the coordinator computes it from its copy of `pretrained` when it signs the\n'
+        "# spec; a node whose weight files hash otherwise refuses to train",
+    )  # fmt: skip
     d_model: int = _key(
         128, *_POSITIVE_INT, "width of the byte-level transformer (embedded default model)"
     )
@@ -388,6 +401,8 @@ def _check_model_kind(config: RunConfig) -> None:
     if model.kind == "default":
         if model.config not in ("", {}):
             raise ConfigError('model.config needs model.kind = "transformers"')
+        if model.pretrained or model.pretrained_sha256:
+            raise ConfigError('model.pretrained needs model.kind = "transformers"')
         return
     if not isinstance(model.config, dict):
         raise ConfigError(
@@ -439,9 +454,17 @@ def resolve_model_config(data: dict[str, Any], folder: Path, source: str) -> Non
     """Replace a ``[model] config = "PATH"`` in parsed TOML by the JSON table in that file (a
     relative PATH from ``folder``), in place. Raises ConfigError naming the key and the file."""
     model = data.get("model")
-    if not isinstance(model, dict) or not isinstance(model.get("config"), str):
+    if not isinstance(model, dict):
         return
-    if not model["config"]:
+    pretrained = model.get("pretrained")
+    if (
+        model.get("config", "") == ""
+        and isinstance(pretrained, str)
+        and pretrained
+        and (folder / pretrained).is_dir()
+    ):
+        model["config"] = pretrained  # a save_pretrained folder names its own architecture
+    if not isinstance(model.get("config"), str) or not model["config"]:
         return
     path = folder / model["config"]
     if path.is_dir():

@@ -146,7 +146,13 @@ def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
         return [
             f"run {config.run.id}: {config.run.rounds} rounds, H={config.training.inner_steps}, "
             f"model {config.model.kind}, data {config.data.kind} (fingerprint "
-            f"{config.data.fingerprint or 'none'}), spec signed by {coordinator}",
+            f"{config.data.fingerprint or 'none'}"
+            + (
+                f", pretrained {config.model.pretrained_sha256[:16]}"
+                if config.model.pretrained
+                else ""
+            )
+            + f"), spec signed by {coordinator}",
             f"swarmtrain node --join {join}",
         ]
     # A stage server imports a user's model only when it names it itself (--allow-model).

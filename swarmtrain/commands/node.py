@@ -24,6 +24,7 @@ import swarm
 from diloco import load_stdlib_corpus
 from p2p import HostConfig, NodeConfig, PeerID, load_or_create_identity, peer_id_of
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
+from swarmtrain.commands.export import save_spec
 from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.state_sync import StateServer
@@ -139,6 +140,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 f"parameters; data {config.data.kind}: {len(local_data.train):,} training "
                 f"tokens, fingerprint {local_data.fingerprint[:12]} as the spec's"
             )
+            save_spec(options.state_dir, spec)  # what ``swarmtrain export`` rebuilds
             averager = swarm.Averager(
                 node, averager_config(config, coordinator), faults=options.faults
             )

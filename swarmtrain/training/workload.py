@@ -11,6 +11,8 @@ line names the key or the file.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 
 from diloco import (
@@ -19,9 +21,11 @@ from diloco import (
     build_causal_lm,
     check_fits,
     check_sizes,
+    load_pretrained,
     load_stdlib_corpus,
     load_text_corpus,
     load_token_corpus,
+    pretrained_sha256,
 )
 from swarmtrain.config import RunConfig, run_seed_of
 from swarmtrain.pipeline.roles import shape_of
@@ -75,15 +79,30 @@ def check_data(config: RunConfig, corpus: Corpus) -> None:
     )
 
 
-def build_model(config: RunConfig, vocab_size: int = 256) -> nn.Module:
-    """The model ``[model]`` names with its round-0 parameters from the run seed (equal on every
-    peer). ``vocab_size``: the data's (checked against a ``transformers`` model's). The model
-    has ``loss(inputs, targets)``. Raises ModelError naming the key."""
+def with_model_hash(config: RunConfig) -> RunConfig:
+    """``config`` with ``model.pretrained_sha256`` set from this machine's copy of the weights
+    when it is empty (a set one is kept, as ``with_data_fingerprint`` does). Raises ModelError
+    when the weight files are absent or not safetensors."""
+    model = config.model
+    if not model.pretrained or model.pretrained_sha256:
+        return config
+    return config.replace(model={"pretrained_sha256": pretrained_sha256(Path(model.pretrained))})
+
+
+def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = True) -> nn.Module:
+    """The model ``[model]`` names with its round-0 parameters: from the run seed (equal on every
+    peer), or the ``pretrained`` weights once their files hash as the spec says (``weights``
+    False: the seeded ones, for a caller that loads others). ``vocab_size``: the data's (checked
+    against a ``transformers`` model's). The model has ``loss(inputs, targets)``. Raises
+    ModelError or WorkloadError naming the key and the file."""
     seed = run_seed_of(config.run.id)
     if config.model.kind == "transformers":
         assert isinstance(config.model.config, dict), "RunConfig checks the table"
         model = build_causal_lm(config.model.config, seed=seed)
         check_fits(model, sequence_length=config.training.sequence_length, vocab_size=vocab_size)
+        if config.model.pretrained and weights:
+            _check_weights(config)
+            load_pretrained(model, Path(config.model.pretrained))
         return model
     if vocab_size > 256:
         raise WorkloadError(
@@ -91,3 +110,20 @@ def build_model(config: RunConfig, vocab_size: int = 256) -> nn.Module:
             f'{vocab_size}: use model.kind "transformers" or byte data'
         )
     return ByteTransformer(shape_of(config), seed=seed)
+
+
+def _check_weights(config: RunConfig) -> None:
+    """Raise WorkloadError unless this node's ``model.pretrained`` files hash as the spec says."""
+    path = Path(config.model.pretrained)
+    expected = config.model.pretrained_sha256
+    if not expected:
+        raise WorkloadError(
+            "model.pretrained_sha256: the run spec carries none, so this node cannot check the "
+            "weights it starts from (a coordinator fills it in when it signs the spec)"
+        )
+    found = pretrained_sha256(path)
+    if found != expected:
+        raise WorkloadError(
+            f"model.pretrained: {path} on this node has SHA-256 {found[:16]}, the run spec's is "
+            f"{expected[:16]}; refusing to start from other weights"
+        )

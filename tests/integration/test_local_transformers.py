@@ -79,6 +79,26 @@ def test_local_trains_a_tiny_llama_from_config_on_jsonl_with_a_local_tokenizer(
         assert len(lines) == 3, out[-3000:]
         # Every round, all three peers averaged and their state hashes agreed.
         assert all("peers 3" in line and "agree yes (3/3)" in line for line in lines), lines
+    # The trained model out: a folder transformers loads, with the held-out loss the node had.
+    exported = subprocess.run(
+        [*SWARMTRAIN, "export", "--state-dir", summary["state_dirs"][0], "--out", "export"],
+        capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert "after round 2 " in exported.stdout, exported.stdout
+    from transformers import AutoModelForCausalLM
+
+    from diloco import CausalLM, eval_batches, evaluate, load_text_corpus
+
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    corpus = load_text_corpus(
+        [str(tmp_path / "mine/data/*.jsonl")],
+        field="text",
+        tokenizer=str(tmp_path / "export" / "tokenizer.json"),
+    )
+    model = CausalLM(lm, context=TINY_LLAMA["max_position_embeddings"], vocab_size=lm.vocab_size)
+    held_out = evaluate(model, eval_batches(corpus, batches=4, context=32))
+    assert held_out == pytest.approx(summary["eval_loss"], abs=1e-4), (held_out, summary)
 
 
 @pytest.mark.timeout(100)
