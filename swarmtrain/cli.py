@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="MODULE:FUNCTION",
-        help="a model factory a pipeline spec may make this node import, repeatable; a stage "
-        "server refuses a spec naming any other [none: the default model only]",
+        help="a model factory ([model] factory) a spec may make this node import, "
+        "repeatable; the node refuses a spec naming any other [none: no user code]",
     )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     # A cheater for tests and demos of a verified run (verify.rate > 0): flips one bit of

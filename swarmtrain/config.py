@@ -178,12 +178,13 @@ class ModelSection(_Section):
     context: int = _key(128, *_POSITIVE_INT, "longest sequence the model accepts (bytes)")
     factory: str = _key(
         "", _factory_ok, 'empty or "package.module:function" (at most 200 characters)',
-        '"" trains the default model above. Pipeline runs only: "package.module:function" '
-        "trains\n# your own model instead (d_model, n_layers and n_heads are then unused):\n# "
-        "function() returns an nn.Sequential whose first layer takes byte ids (batch,\n# "
-        "training.sequence_length) and whose last returns (batch, sequence, 256) logits;\n# "
-        "it is called with torch seeded from the run; every stage server must install it "
-        "and\n# pass --allow-model with it (docs/pipelines.md)",
+        '"" trains the default model above. "package.module:function" trains your own\n# '
+        "model instead (d_model, n_layers and n_heads are then unused), called with torch\n# "
+        "seeded from the run; every node must install it and pass --allow-model with it.\n# "
+        "DiLoCo runs: function() returns an nn.Module mapping token ids (batch, sequence)\n# "
+        "to logits (batch, sequence, vocabulary), with a loss(ids, targets) of its own or\n# "
+        "cross entropy. Pipeline runs: an nn.Sequential from byte ids to (batch, sequence,\n# "
+        "256) logits (docs/pipelines.md)",
     )  # fmt: skip
 
 
@@ -350,10 +351,10 @@ class RunConfig:
             )
         _check_model_kind(self)
         _check_data_kind(self)
-        if model.factory and not self.is_pipeline:
+        if model.factory and self.verify.rate > 0:
             raise ConfigError(
-                f"model.factory ({model.factory}) needs a pipeline run (pipeline.stages "
-                "> 0): DiLoCo runs train the default model"
+                f"model.factory ({model.factory}) cannot be verified: verify.rate > 0 needs "
+                "the default model (its reproducible operators are written for it)"
             )
         if self.verify.rate > 0 and self.is_pipeline:
             raise ConfigError(

@@ -145,7 +145,9 @@ def _write(spec: RunSpec, model: nn.Module, folder: Path) -> list[str]:
     from safetensors.torch import save_model
 
     if spec.config.model.kind != "transformers":
-        save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        # A user's module by its own parameter names (``FactoryLM`` holds it as ``inner``).
+        own = model.inner if spec.config.model.factory else model
+        save_model(own, str(folder / "model.safetensors"), metadata={"format": "pt"})
         return ["model.safetensors"]
     lm = model.lm  # type: ignore[attr-defined]  # diloco.causal_lm.CausalLM
     lm.save_pretrained(folder, safe_serialization=True)

@@ -28,6 +28,7 @@ from swarmtrain.commands.export import save_spec
 from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.state_sync import StateServer
+from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_pipeline
 from swarmtrain.runspec import RunSpec
 from swarmtrain.runtime import PeerRuntime
@@ -133,10 +134,17 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 f"run {config.run.id}: spec signed by coordinator {str(coordinator)[-8:]} "
                 f"verified; {config.run.rounds} rounds, H={config.training.inner_steps}"
             )
-            # So is a model that cannot be built or does not fit the data.
+            # So is a model that cannot be built or does not fit the data, and a user's model
+            # this node's operator did not allow (a spec alone never makes a node import code).
+            check_allowed(config.model.factory, options.allow_models, run_id=config.run.id)
             model = build_model(config, local_data.vocab_size)
+            what = (
+                f"{config.model.factory} (allowed by --allow-model)"
+                if config.model.factory
+                else config.model.kind
+            )
             emit(
-                f"model {config.model.kind}: {sum(p.numel() for p in model.parameters()):,} "
+                f"model {what}: {sum(p.numel() for p in model.parameters()):,} "
                 f"parameters; data {config.data.kind}: {len(local_data.train):,} training "
                 f"tokens, fingerprint {local_data.fingerprint[:12]} as the spec's"
             )

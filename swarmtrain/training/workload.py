@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
+from torch.nn import functional as F
 
 from diloco import (
     ByteTransformer,
@@ -104,6 +106,8 @@ def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = Tru
             _check_weights(config)
             load_pretrained(model, Path(config.model.pretrained))
         return model
+    if config.model.factory:
+        return factory_model(config, vocab_size)
     if vocab_size > 256:
         raise WorkloadError(
             f'model.kind "default" reads bytes (vocabulary 256); the data\'s vocabulary is '
@@ -127,3 +131,57 @@ def _check_weights(config: RunConfig) -> None:
             f"model.pretrained: {path} on this node has SHA-256 {found[:16]}, the run spec's is "
             f"{expected[:16]}; refusing to start from other weights"
         )
+
+
+class FactoryLM(nn.Module):
+    """A user's module (``[model] factory``) behind the face DiLoCo's loop uses:
+    ``forward(idx)`` logits and ``loss(idx, targets)``, the module's own ``loss`` when it has
+    one, else the mean cross entropy (the default model's)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.inner(idx)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        own = getattr(self.inner, "loss", None)
+        if callable(own):
+            return own(idx, targets)
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def factory_model(config: RunConfig, vocab_size: int) -> FactoryLM:
+    """The factory's module, called with torch seeded from the run (equal on every peer), checked
+    on one batch of zeros: it must map (1, T) token ids to (1, T, V) logits with V at least the
+    data's vocabulary. Raises ModelContractError naming the factory."""
+    from swarmtrain.pipeline.model import ModelContractError
+    from swarmtrain.pipeline.model import build_model as call_factory
+
+    factory = config.model.factory
+    module = call_factory(factory, run_seed_of(config.run.id))
+    if not isinstance(module, nn.Module):
+        raise ModelContractError(
+            f"model factory {factory} returned a {type(module).__name__}, not an nn.Module"
+        )
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ModelContractError(f"model factory {factory}: the module has no trainable parameters")
+    model = FactoryLM(module)
+    length = config.training.sequence_length
+    try:
+        with torch.no_grad():
+            logits = model(torch.zeros(1, length, dtype=torch.int64))
+    except Exception as exc:
+        raise ModelContractError(
+            f"model factory {factory}: its module failed on a (1, {length}) batch of token ids "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    shape = tuple(getattr(logits, "shape", ()))
+    if len(shape) != 3 or shape[:2] != (1, length) or shape[2] < vocab_size:
+        raise ModelContractError(
+            f"model factory {factory}: its module maps (1, {length}) token ids to {shape}, not "
+            f"(1, {length}, V) logits with V >= the data's vocabulary ({vocab_size})"
+        )
+    return model

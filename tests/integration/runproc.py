@@ -61,7 +61,9 @@ def start_coordinator(
     return coordinator, line[len(JOIN_COMMAND) :].strip()
 
 
-def node(join: str, state_dir: Path, *extra: str) -> PeerProcess:
+def node(
+    join: str, state_dir: Path, *extra: str, env: dict[str, str] | None = None
+) -> PeerProcess:
     return PeerProcess(
         [
             *SWARMTRAIN,
@@ -77,7 +79,8 @@ def node(join: str, state_dir: Path, *extra: str) -> PeerProcess:
             "--json",
             str(state_dir / "summary.json"),
             *extra,
-        ]
+        ],
+        env=env,
     )
 
 

@@ -72,7 +72,10 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
         ('[model]\nfactory = "a:b\\n"\n', "model.factory must be empty or"),
         ("[model]\nfactory = 3\n", "model.factory must be empty or"),
         (f'[model]\nfactory = "a:{"b" * 200}"\n', "at most 200 characters"),
-        ('[model]\nfactory = "pkg.mod:build"\n', "model.factory (pkg.mod:build) needs a pipeline"),
+        (
+            '[model]\nfactory = "pkg.mod:build"\n[verify]\nrate = 0.5\n',
+            "model.factory (pkg.mod:build) cannot be verified",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
