@@ -49,7 +49,7 @@ from diloco.data import (
     is_heldout,
     load_stdlib_corpus,
 )
-from diloco.datasets import load_text_corpus, load_token_corpus
+from diloco.datasets import load_datasets_corpus, load_text_corpus, load_token_corpus
 from diloco.loop import DiLoCo, DiLoCoStatistics, RoundOutcome
 from diloco.model import VOCAB_SIZE, ByteTransformer, ByteTransformerConfig
 from diloco.outer import OuterConfig, nesterov_update, outer_step, skipped_round
@@ -82,6 +82,7 @@ __all__ = [
     "inner_batches",
     "is_heldout",
     "layout_digest",
+    "load_datasets_corpus",
     "load_latest",
     "load_pretrained",
     "load_stdlib_corpus",

@@ -1,5 +1,6 @@
-"""A user's local data as a ``Corpus``: text files (``.txt``, ``.jsonl``) tokenized as bytes or by
-a local tokenizer, and pre-tokenized arrays (``.bin``, ``.npy``), with their fingerprint.
+"""A user's local data as a ``Corpus``: text files (``.txt``, ``.jsonl``) and Hugging Face
+``datasets`` datasets (a ``save_to_disk`` folder or local data files) tokenized as bytes or by a
+local tokenizer, and pre-tokenized arrays (``.bin``, ``.npy``), with their fingerprint.
 
 Why a fingerprint and not a hash of every byte: a dataset may be many gigabytes, and every peer
 (and the coordinator) computes it before training. It covers what makes two peers' data differ in
@@ -20,6 +21,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +33,15 @@ SAMPLE_TOKENS = 4096
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TOKEN_SUFFIXES = (".bin", ".npy")
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+# ``[data] kind = "datasets"`` with local files: the ``datasets`` builder each suffix needs.
+DATASET_BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".arrow": "arrow",
+}
 
 
 def expand_paths(patterns: tuple[str, ...] | list[str], suffixes: tuple[str, ...]) -> list[Path]:
@@ -124,6 +135,57 @@ def load_text_corpus(patterns: tuple[str, ...], *, field: str, tokenizer: str) -
     Raises DataError naming the key or the file."""
     files = expand_paths(patterns, TEXT_SUFFIXES)
     documents = [d + "\n" for path in files for d in _documents(path, field)]
+    return _tokenized("text", files, documents, field=field, tokenizer=tokenizer)
+
+
+def load_datasets_corpus(
+    path: str, patterns: tuple[str, ...], *, field: str, tokenizer: str
+) -> Corpus:
+    """A Hugging Face ``datasets`` dataset: the ``save_to_disk`` folder ``path`` (its "train"
+    split when it holds several), or local data files ``patterns`` (.json/.jsonl, .csv,
+    .parquet, .txt, .arrow; one format), read without any download. Each row's ``field`` is a
+    document, tokenized as ``load_text_corpus`` does; the fingerprint covers the dataset's files.
+    Raises DataError naming the key or the file."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # before the import: local files only
+    import datasets  # imported here: seconds to import, and only these runs need it
+
+    try:
+        if path:
+            folder = Path(path)
+            if not folder.is_dir():
+                raise DataError(f"data.path: {folder} is not a folder (a save_to_disk dataset)")
+            files = sorted(p for p in folder.rglob("*") if p.is_file())
+            loaded = datasets.load_from_disk(str(folder))
+            if isinstance(loaded, datasets.DatasetDict):
+                split = "train" if "train" in loaded else sorted(loaded)[0]
+                loaded = loaded[split]
+        else:
+            files = expand_paths(patterns, tuple(DATASET_BUILDERS))
+            builders = {DATASET_BUILDERS[p.suffix] for p in files}
+            if len(builders) != 1:
+                raise DataError(f"data.paths: files of one format please, not {sorted(builders)}")
+            loaded = datasets.load_dataset(
+                builders.pop(), data_files=[str(p) for p in files], split="train"
+            )
+    except DataError:
+        raise
+    except Exception as exc:  # the library's errors: a folder that is no dataset, bad rows
+        where = f"data.path: {path}" if path else f"data.paths: {', '.join(patterns)}"
+        raise DataError(f"{where} is not a readable dataset: {type(exc).__name__}: {exc}") from None
+    if field not in loaded.column_names:
+        raise DataError(f"data.field: the dataset has no column {field!r} ({loaded.column_names})")
+    column = loaded[field]
+    if not all(isinstance(d, str) for d in column):
+        raise DataError(f"data.field: column {field!r} does not hold text in every row")
+    documents = [d + "\n" for d in column]
+    return _tokenized("datasets", files, documents, field=field, tokenizer=tokenizer)
+
+
+def _tokenized(
+    kind: str, files: list[Path], documents: list[str], *, field: str, tokenizer: str
+) -> Corpus:
+    """``documents`` as one token stream (bytes, or ``tokenizer``'s ids), split and
+    fingerprinted."""
     if not tokenizer:
         tokens = np.frombuffer("".join(documents).encode(), dtype=np.uint8)
         vocab_size, extra = 256, b"bytes\0" + field.encode()
@@ -143,7 +205,7 @@ def load_text_corpus(patterns: tuple[str, ...], *, field: str, tokenizer: str) -
     tokens.flags.writeable = False
     train, heldout = split_heldout(tokens)
     names = tuple(str(p) for p in files)
-    digest = fingerprint("text", files, extra, train, heldout)
+    digest = fingerprint(kind, files, extra, train, heldout)
     return Corpus(train, heldout, names, names, digest, vocab_size)
 
 

@@ -98,7 +98,7 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
 }
 
 MODEL_KINDS = ("default", "transformers")
-DATA_KINDS = ("stdlib", "text", "tokens")
+DATA_KINDS = ("stdlib", "text", "tokens", "datasets")
 TOKEN_DTYPES = ("uint16", "uint32")
 # The config keys that give a causal LM's longest sequence, by model family (Llama, GPT-2, ...).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
@@ -204,6 +204,8 @@ class DataSection(_Section):
         '"stdlib": the Python standard library\'s own source, as bytes (no download).\n'
         '# "text": local .txt / .jsonl files (`paths`), tokenized by `tokenizer` or as bytes.\n'
         '# "tokens": pre-tokenized .bin / .npy arrays of `dtype` (memory-mapped, nanoGPT style).\n'
+        '# "datasets": a Hugging Face datasets dataset: a save_to_disk folder (`path`) or\n'
+        "# local .jsonl/.json/.csv/.parquet/.txt/.arrow files (`paths`), its `field` column.\n"
         "# Every node needs the same files under the same paths; the spec carries their\n"
         "# fingerprint and a node whose files differ refuses to train",
     )  # fmt: skip
@@ -212,14 +214,19 @@ class DataSection(_Section):
         'kinds "text" and "tokens": files or globs, e.g. ["data/*.jsonl"] (relative to the\n'
         "# directory a node runs in); matched files are read in sorted order",
     )  # fmt: skip
+    path: str = _key(
+        "", lambda v: len(v) <= 1000, "a path",
+        'kind "datasets": a folder written by datasets\' save_to_disk (instead of `paths`)',
+    )  # fmt: skip
     field: str = _key(
         "text", lambda v: 0 < len(v) <= 100, "a non-empty name",
-        'kind "text": the key of each .jsonl line\'s object that holds its text',
+        'kinds "text" and "datasets": the key of each .jsonl line\'s object (the dataset\'s\n'
+        "# column) that holds its text",
     )  # fmt: skip
     tokenizer: str = _key(
         "", lambda v: len(v) <= 1000, "a path",
-        'kind "text": a tokenizer.json (or a folder holding one) of the tokenizers\n'
-        '# library; "" tokenizes as bytes (vocabulary 256)',
+        'kinds "text" and "datasets": a tokenizer.json (or a folder holding one) of the\n'
+        '# tokenizers library; "" tokenizes as bytes (vocabulary 256)',
     )  # fmt: skip
     dtype: str = _key(
         "uint16", lambda v: v in TOKEN_DTYPES, f"one of {', '.join(TOKEN_DTYPES)}",
@@ -435,11 +442,21 @@ def _check_model_kind(config: RunConfig) -> None:
 
 def _check_data_kind(config: RunConfig) -> None:
     data = config.data
+    if data.path and data.kind != "datasets":
+        raise ConfigError('data.path needs data.kind "datasets" (other kinds read data.paths)')
     if data.kind == "stdlib":
         if data.paths or data.tokenizer:
-            raise ConfigError('data.paths and data.tokenizer need data.kind "text" or "tokens"')
+            raise ConfigError(
+                'data.paths and data.tokenizer need data.kind "text", "tokens" or "datasets"'
+            )
         return
-    if not data.paths:
+    if data.kind == "datasets":
+        if bool(data.path) == bool(data.paths):
+            raise ConfigError(
+                'data.kind "datasets" needs data.path (a save_to_disk folder) or data.paths '
+                "(local data files), one of them"
+            )
+    elif not data.paths:
         raise ConfigError(f'data.kind "{data.kind}" needs data.paths (files or globs)')
     if data.kind == "tokens" and data.tokenizer:
         raise ConfigError('data.tokenizer needs data.kind "text" (tokens are tokenized already)')

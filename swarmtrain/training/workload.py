@@ -23,6 +23,7 @@ from diloco import (
     build_causal_lm,
     check_fits,
     check_sizes,
+    load_datasets_corpus,
     load_pretrained,
     load_stdlib_corpus,
     load_text_corpus,
@@ -45,6 +46,10 @@ def load_data(config: RunConfig) -> Corpus:
         return load_text_corpus(data.paths, field=data.field, tokenizer=data.tokenizer)
     if data.kind == "tokens":
         return load_token_corpus(data.paths, dtype=data.dtype)
+    if data.kind == "datasets":
+        return load_datasets_corpus(
+            data.path, data.paths, field=data.field, tokenizer=data.tokenizer
+        )
     return load_stdlib_corpus()
 
 

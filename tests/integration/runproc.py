@@ -61,9 +61,7 @@ def start_coordinator(
     return coordinator, line[len(JOIN_COMMAND) :].strip()
 
 
-def node(
-    join: str, state_dir: Path, *extra: str, env: dict[str, str] | None = None
-) -> PeerProcess:
+def node(join: str, state_dir: Path, *extra: str, env: dict[str, str] | None = None) -> PeerProcess:
     return PeerProcess(
         [
             *SWARMTRAIN,
