@@ -270,6 +270,13 @@ class SwarmSection(_Section):
     )
     allreduce_timeout_s: float = _key(30.0, *_POSITIVE,
                                       "seconds an all-reduce may take before it fails")  # fmt: skip
+    min_peers: int = _key(
+        1, *_POSITIVE_INT,
+        "a fresh run's round 0 starts once this many nodes announced their start (each node\n"
+        "# waits at most 120 s for them, then trains anyway); swarmtrain local --peers N sets N.\n"
+        "# Nodes whose start-ups differ by more than matchmaking_timeout_s no longer miss\n"
+        "# round 0",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from swarmtrain.config import RunConfig, RunSection, TrainingSection, VerifySection, default_toml
+from swarmtrain.config import (
+    RunConfig,
+    RunSection,
+    SwarmSection,
+    TrainingSection,
+    VerifySection,
+    default_toml,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +85,19 @@ class LocalOptions:
     def run_config(self, run_id: str) -> RunConfig:
         """The config the coordinator signs. Raises ConfigError (a ValueError) when the
         changed keys make it invalid."""
+        # Round 0 waits for the nodes started together (a delayed one joins mid-run).
+        together = self.peers - (self.delay_node is not None)
         if self.config is None:
             return RunConfig(
                 run=RunSection(id=run_id, rounds=self.rounds),
                 training=TrainingSection(inner_steps=self.inner_steps),
+                swarm=SwarmSection(min_peers=together),
                 verify=VerifySection(rate=self.verify_rate),
             )
         changes: dict[str, dict[str, object]] = {
             "run": {"id": run_id, "rounds": self.rounds},
             "training": {"inner_steps": self.inner_steps},
+            "swarm": {"min_peers": together},
         }
         if self.verify_rate:
             changes["verify"] = {"rate": self.verify_rate}

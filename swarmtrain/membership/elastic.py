@@ -187,6 +187,28 @@ class Elastic:
         except Exception as exc:
             log.warning("could not announce our start: %s", exc)
 
+    def wait_for_start(self, min_peers: int, timeout_s: float) -> int:
+        """Before a fresh run's round 0: wait until ``min_peers`` peers (us included) announced
+        they start at round 0, or a progress record shows the run under way, at most
+        ``timeout_s``. Returns how many had announced. Each node leaves within a poll of the
+        last announcement, so their round-0 declarations fall in one matchmaking window."""
+        started = {self.me}
+
+        async def count() -> int:
+            try:
+                values = await self.runtime.read_async(starts_key(self.run_id))
+                started.update(s.peer_id for s in decode_starts(values) if s.first_round == 0)
+                under_way = bool(
+                    decode_all(await self.runtime.read_async(progress_key(self.run_id)))
+                )
+            except Exception as exc:
+                log.warning("could not read the run's start announcements: %s", exc)
+                under_way = False
+            return min_peers if under_way else len(started)
+
+        self.runtime.poll(count, lambda n: n >= min_peers, interval_s=POLL_S, timeout_s=timeout_s)
+        return len(started)
+
     def starts(self) -> list[Start]:
         try:
             return decode_starts(self.runtime.read(starts_key(self.run_id)))

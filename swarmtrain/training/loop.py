@@ -215,6 +215,12 @@ def train(
         summary = NodeSummary(str(peer), first_round=diloco.round, run_over=run_over)
         if not run_over:
             elastic.announce_start()
+            wanted = config.swarm.min_peers
+            if diloco.round == 0 and wanted > 1:
+                emit(f"waiting for {wanted} peers to start (at most {join_wait_s:.0f} s)")
+                started = elastic.wait_for_start(wanted, join_wait_s)
+                emit(f"{started} peer(s) started; training" + ("" if started >= wanted else
+                     f" without the {wanted - started} missing"))  # fmt: skip
             if faults.slow_start_s:
                 time.sleep(faults.slow_start_s)
         while diloco.round < config.run.rounds and not run_over:
