@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -69,6 +68,7 @@ from diloco import (
     inner_batches,
     load_stdlib_corpus,
 )
+from diloco.schedule import lr_factor
 from swarm.averaging.allreduce import partition
 from swarm.averaging.codec import Compression, decode, encode
 from swarm.averaging.payload import Layout
@@ -122,19 +122,6 @@ def h_schedule(spec: str, steps: int) -> list[int]:
     if sum(out) != steps:
         raise ValueError(f"--inner-steps {spec} does not add up to --steps {steps}")
     return out
-
-
-def lr_factor(step: int, total: int, schedule: str, warmup: float, final: float) -> float:
-    """The inner learning rate's multiplier at inner step ``step`` of ``total``: ``constant`` 1;
-    ``cosine`` a linear warm-up over ``warmup`` of the steps, then a cosine decay to ``final``.
-    The same function drives all three methods, so the comparison stays at equal schedules."""
-    if schedule == "constant":
-        return 1.0
-    ramp = max(1, round(warmup * total))
-    if step < ramp:
-        return (step + 1) / ramp
-    progress = min(1.0, (step - ramp) / max(1, total - ramp))
-    return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _inner_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:

@@ -53,9 +53,11 @@ from diloco.datasets import load_datasets_corpus, load_text_corpus, load_token_c
 from diloco.loop import DiLoCo, DiLoCoStatistics, RoundOutcome
 from diloco.model import VOCAB_SIZE, ByteTransformer, ByteTransformerConfig
 from diloco.outer import OuterConfig, nesterov_update, outer_step, skipped_round
+from diloco.schedule import SCHEDULES, lr_factor
 from diloco.state import GlobalState, layout_digest
 
 __all__ = [
+    "SCHEDULES",
     "VOCAB_SIZE",
     "Average",
     "AverageOutcome",
@@ -88,6 +90,7 @@ __all__ = [
     "load_stdlib_corpus",
     "load_text_corpus",
     "load_token_corpus",
+    "lr_factor",
     "nesterov_update",
     "outer_step",
     "pretrained_sha256",

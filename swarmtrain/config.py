@@ -248,6 +248,37 @@ class TrainingSection(_Section):
     batch_size: int = _key(8, *_POSITIVE_INT, "sequences per inner step on each peer")
     sequence_length: int = _key(64, *_POSITIVE_INT, "bytes per sequence; at most model.context")
     inner_lr: float = _key(3e-3, *_POSITIVE, "AdamW learning rate of the inner steps")
+    microbatches: int = _key(
+        1, *_POSITIVE_INT,
+        "gradient accumulation: each inner step averages the gradients of this many\n"
+        "# batches of batch_size sequences (a larger batch in the same memory)",
+    )  # fmt: skip
+    lr_schedule: str = _key(
+        "constant", lambda v: v in ("constant", "cosine"), "one of constant, cosine",
+        'the inner learning rate over the whole run\'s inner steps (rounds x H): "cosine" is\n'
+        "# a linear warm-up over `warmup` of them, then a cosine decay to `final_lr` of\n"
+        "# inner_lr (bench.diloco's schedule)",
+    )  # fmt: skip
+    warmup: float = _key(
+        0.05, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+        'lr_schedule "cosine": the share of the run\'s inner steps the warm-up takes',
+    )  # fmt: skip
+    final_lr: float = _key(
+        0.1, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+        'lr_schedule "cosine": where the decay ends, as a share of inner_lr',
+    )  # fmt: skip
+    weight_decay: float = _key(
+        0.01, _non_negative, "a non-negative number", "AdamW's decoupled weight decay"
+    )  # fmt: skip
+    grad_clip: float = _key(
+        0.0, _non_negative, "a non-negative number",
+        "clip each inner step's gradient to this global norm (0: no clipping)",
+    )  # fmt: skip
+    precision: str = _key(
+        "fp32", lambda v: v in ("fp32", "bf16"), "one of fp32, bf16",
+        '"bf16": forward and loss under bfloat16 autocast (CPU and CUDA; the parameters,\n'
+        "# their gradients and the DiLoCo state stay float32)",
+    )  # fmt: skip
     outer_lr: float = _key(
         0.7, *_POSITIVE, "Nesterov SGD learning rate of the outer step (OpenDiLoCo: 0.7)"
     )
@@ -365,6 +396,24 @@ class RunConfig:
             )
         _check_model_kind(self)
         _check_data_kind(self)
+        if self.verify.rate > 0:
+            defaults = TrainingSection()
+            changed = [
+                f"training.{name}"
+                for name in (
+                    "microbatches",
+                    "lr_schedule",
+                    "weight_decay",
+                    "grad_clip",
+                    "precision",
+                )
+                if getattr(training, name) != getattr(defaults, name)
+            ]
+            if changed:
+                raise ConfigError(
+                    f"{', '.join(changed)}: a verified run (verify.rate > 0) runs its inner "
+                    "steps as reproducible operators with the default settings only"
+                )
         if model.factory and self.verify.rate > 0:
             raise ConfigError(
                 f"model.factory ({model.factory}) cannot be verified: verify.rate > 0 needs "

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diloco import checkpoint
-from diloco.state import layout_digest
+from diloco import layout_digest, load_latest
 from swarmtrain.runspec import RunSpec
 from swarmtrain.training.workload import build_model
 
@@ -95,7 +94,7 @@ def export(state_dir: Path, out: Path) -> Exported:
                           "on the servers); export takes a DiLoCo node's state")  # fmt: skip
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out}: exists and is not an empty folder")
-    saved = checkpoint.load_latest(state_dir)
+    saved = load_latest(state_dir)
     if saved is None:
         raise ExportError(f"{state_dir}: no checkpoint that verifies (diloco-*.ckpt)")
     model = _model_of(spec)

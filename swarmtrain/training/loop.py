@@ -47,6 +47,8 @@ from swarmtrain.membership.elastic import Elastic, RunOver
 from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.runtime import PeerRuntime
+from swarmtrain.training.inner_step import accumulate, set_lr
+from swarmtrain.training.progress_bar import InnerProgress
 from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
 from swarmtrain.verified.volunteer import Banned, Verification
 
@@ -157,7 +159,9 @@ def train(
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = model.to(device)
-    inner = torch.optim.AdamW(model.parameters(), lr=config.training.inner_lr)
+    inner = torch.optim.AdamW(
+        model.parameters(), lr=config.training.inner_lr, weight_decay=config.training.weight_decay
+    )
     verification = None
     if config.verify.rate > 0:
         verification = Verification(
@@ -213,6 +217,7 @@ def train(
             emit(f"{exc}; stopping")
             run_over = str(exc)
         summary = NodeSummary(str(peer), first_round=diloco.round, run_over=run_over)
+        progress = InnerProgress()  # a bar of the inner phase on a terminal, nothing elsewhere
         if not run_over:
             elastic.announce_start()
             wanted = config.swarm.min_peers
@@ -227,7 +232,7 @@ def train(
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
-                    verification,
+                    verification, progress,
                 )  # fmt: skip
             except Banned as exc:
                 summary.banned = str(exc)
@@ -256,36 +261,49 @@ def _excluded(round_number: int, elastic: Elastic, verification: Verification | 
 
 
 def _native_inner_phase(
-    config: RunConfig, diloco: DiLoCo, corpus: Corpus, peer_bytes: bytes
+    config: RunConfig,
+    diloco: DiLoCo,
+    corpus: Corpus,
+    peer_bytes: bytes,
+    progress: InnerProgress,
 ) -> tuple[list[float], int, float, RoundOutcome]:
     """H AdamW steps on our shard; the H-th runs the round.
     (losses, tokens, inner seconds, the round's outcome)"""
+    training = config.training
+    steps, micro = training.inner_steps, training.microbatches
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run.id),
         round=diloco.round,
         peer_id=peer_bytes,
-        steps=config.training.inner_steps,
-        batch_size=config.training.batch_size,
-        context=config.training.sequence_length,
+        steps=steps * micro,
+        batch_size=training.batch_size,
+        context=training.sequence_length,
     )
     started = time.perf_counter()
     losses: list[float] = []
     tokens = 0
     inner_s = 1e-9
     outcome: RoundOutcome | None = None
-    device = next(diloco.model.parameters()).device
-    for step, (inputs, targets) in enumerate(batches):
-        inputs, targets = inputs.to(device), targets.to(device)
-        loss = diloco.model.loss(inputs, targets)  # type: ignore[operator]
-        loss.backward()
-        losses.append(float(loss.detach()))
-        tokens += inputs.numel()
-        if step == len(batches) - 1:
-            inner_s = time.perf_counter() - started
-        # The H-th step runs the outer round in this call and returns its outcome.
-        outcome = diloco.step(samples=inputs.numel()) or outcome
-        diloco.zero_grad()
+    progress.start(diloco.round, steps)
+    try:
+        for step in range(steps):
+            set_lr(diloco.inner_optimizer, training, diloco.round * steps + step,
+                   config.run.rounds * steps)  # fmt: skip
+            loss, step_tokens = accumulate(
+                diloco.model, batches[step * micro : (step + 1) * micro], training
+            )
+            losses.append(loss)
+            tokens += step_tokens
+            progress.step(loss, step_tokens)
+            if step == steps - 1:
+                inner_s = time.perf_counter() - started
+                progress.stop()  # before the round's averaging logs and its line
+            # The H-th step runs the outer round in this call and returns its outcome.
+            outcome = diloco.step(samples=step_tokens) or outcome
+            diloco.zero_grad()
+    finally:
+        progress.stop()
     assert outcome is not None, "the inner phase ended without its round"
     return losses, tokens, inner_s, outcome
 
@@ -319,11 +337,15 @@ def _train_round(
     summary: NodeSummary,
     emit: Callable[[str], None],
     verification: Verification | None = None,
+    progress: InnerProgress | None = None,
 ) -> None:
     r = diloco.round
+    progress = progress or InnerProgress()
     started = time.perf_counter()
     if verification is None:
-        losses, tokens, inner_s, outcome = _native_inner_phase(config, diloco, corpus, peer_bytes)
+        losses, tokens, inner_s, outcome = _native_inner_phase(
+            config, diloco, corpus, peer_bytes, progress
+        )
     else:
         losses, tokens, inner_s, outcome = _verified_inner_phase(config, diloco, verification)
     round_s = time.perf_counter() - started
