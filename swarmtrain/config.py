@@ -248,7 +248,7 @@ class TrainingSection(_Section):
     batch_size: int = _key(8, *_POSITIVE_INT, "sequences per inner step on each peer")
     sequence_length: int = _key(64, *_POSITIVE_INT, "bytes per sequence; at most model.context")
     inner_lr: float = _key(3e-3, *_POSITIVE, "AdamW learning rate of the inner steps")
-    microbatches: int = _key(
+    grad_accumulation: int = _key(
         1, *_POSITIVE_INT,
         "gradient accumulation: each inner step averages the gradients of this many\n"
         "# batches of batch_size sequences (a larger batch in the same memory)",
@@ -401,7 +401,7 @@ class RunConfig:
             changed = [
                 f"training.{name}"
                 for name in (
-                    "microbatches",
+                    "grad_accumulation",
                     "lr_schedule",
                     "weight_decay",
                     "grad_clip",

@@ -1,6 +1,6 @@
 """One inner step of a DiLoCo volunteer as ``[training]`` sets it: the learning rate of the run's
-schedule, gradients accumulated over ``microbatches`` batches (each loss divided by their number,
-so the gradient is the large batch's mean), the forward under bfloat16 autocast when
+schedule, gradients accumulated over ``grad_accumulation`` batches (each loss divided by their
+number, so the gradient is the large batch's mean), the forward under bfloat16 autocast when
 ``precision = "bf16"``, and the global-norm clip. The optimizer step itself is DiLoCo's
 (``DiLoCo.step``), which runs the round on the H-th."""
 

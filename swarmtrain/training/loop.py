@@ -270,7 +270,7 @@ def _native_inner_phase(
     """H AdamW steps on our shard; the H-th runs the round.
     (losses, tokens, inner seconds, the round's outcome)"""
     training = config.training
-    steps, micro = training.inner_steps, training.microbatches
+    steps, micro = training.inner_steps, training.grad_accumulation
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run.id),

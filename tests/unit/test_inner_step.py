@@ -30,7 +30,7 @@ def test_two_microbatches_give_the_gradient_of_their_union() -> None:
     a, b = batch(4, 1), batch(4, 2)
     union = (torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]))
     split, whole = ByteTransformer(SHAPE, seed=0), ByteTransformer(SHAPE, seed=0)
-    loss_split, tokens = accumulate(split, [a, b], TrainingSection(microbatches=2))
+    loss_split, tokens = accumulate(split, [a, b], TrainingSection(grad_accumulation=2))
     loss_whole, _ = accumulate(whole, [union], TrainingSection())
     assert tokens == 8 * 16
     assert loss_split == pytest.approx(loss_whole, rel=1e-6)
@@ -64,6 +64,8 @@ def test_the_schedule_is_bench_dilocos_across_the_runs_inner_steps() -> None:
 
 
 def test_a_verified_run_refuses_other_inner_settings() -> None:
-    message = "training.microbatches, training.precision: a verified run"
+    message = "training.grad_accumulation, training.precision: a verified run"
     with pytest.raises(ConfigError, match=re.escape(message)):
-        RunConfig().replace(training={"microbatches": 2, "precision": "bf16"}, verify={"rate": 1})
+        RunConfig().replace(
+            training={"grad_accumulation": 2, "precision": "bf16"}, verify={"rate": 1}
+        )
