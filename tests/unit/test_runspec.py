@@ -37,6 +37,15 @@ def test_default_toml_round_trips_to_the_defaults() -> None:
     assert config_from_mapping(tomllib.loads(text)) == RunConfig()
 
 
+def test_a_key_name_means_one_setting_in_the_commented_config() -> None:
+    # Scripts (and the integration tests' run.toml writers) set a key by its name on its own
+    # line; a name in two sections would set both ([training] microbatches once collided with
+    # [pipeline] microbatches). ``kind`` is the one name meant for several sections.
+    names = re.findall(r"(?m)^([a-z_0-9]+) = ", default_toml())
+    repeated = {n for n in names if names.count(n) > 1}
+    assert repeated == {"kind"}, repeated
+
+
 def test_outer_momentum_warmup_is_a_run_setting() -> None:
     config = config_from_mapping({"training": {"outer_momentum_warmup": 12}})
     assert config.training.outer_momentum_warmup == 12
