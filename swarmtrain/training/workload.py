@@ -73,7 +73,8 @@ def check_data(config: RunConfig, corpus: Corpus) -> None:
             "trains on the run's data (a coordinator fills it in when it signs the spec)"
         )
     if corpus.fingerprint != expected:
-        what = ", ".join(config.data.paths) if config.data.kind != "stdlib" else "stdlib"
+        data = config.data
+        what = "stdlib" if data.kind == "stdlib" else data.path or ", ".join(data.paths)
         raise WorkloadError(
             f"data.fingerprint: this node's data ({config.data.kind}: {what}) has fingerprint "
             f"{corpus.fingerprint[:16]}, the run spec's is {expected[:16]}; refusing to train "
