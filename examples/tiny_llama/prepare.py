@@ -48,23 +48,29 @@ sequence_length = 32
 """
 
 
+def train_tokenizer(path: Path, vocab_size: int = CONFIG["vocab_size"]) -> Path:
+    """A byte-level BPE tokenizer trained on DOCUMENTS, saved as ``path`` (a tokenizer.json)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    # Every byte in the alphabet, so text the training set lacks (the newlines) still encodes.
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["[UNK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(DOCUMENTS, trainer)
+    tokenizer.save(str(path))
+    return path
+
+
 def prepare(folder: Path) -> Path:
     """Write the run's files under ``folder``; returns its run.toml."""
     for name in ("data", "tokenizer", "model"):
         (folder / name).mkdir(parents=True, exist_ok=True)
     with (folder / "data" / "a.jsonl").open("w") as out:
         out.writelines(json.dumps({"text": d}) + "\n" for d in DOCUMENTS)
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    # Every byte in the alphabet, so text the training set lacks (the newlines) still encodes.
-    trainer = trainers.BpeTrainer(
-        vocab_size=CONFIG["vocab_size"],
-        special_tokens=["[UNK]"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(DOCUMENTS, trainer)
-    tokenizer.save(str(folder / "tokenizer" / "tokenizer.json"))
+    train_tokenizer(folder / "tokenizer" / "tokenizer.json")
     (folder / "model" / "config.json").write_text(json.dumps(CONFIG, indent=1) + "\n")
     run_toml = folder / "run.toml"
     run_toml.write_text(RUN_TOML.format(folder=folder.as_posix()))
