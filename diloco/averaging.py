@@ -31,11 +31,14 @@ class AverageOutcome:
     """``vector``: the weighted mean (flat float32, the contributed length).
     ``contributors``: peer id -> weight of every contribution included in the mean.
     ``detail``: what the implementation reports beyond that (the swarm's: its ``RoundReport``),
-    handed back to the caller of ``DiLoCo.step`` in the round's ``RoundOutcome``."""
+    handed back to the caller of ``DiLoCo.step`` in the round's ``RoundOutcome``.
+    ``sent``: our contribution as the others received it, when a lossy codec changed it (the
+    swarm's int8 round trip), for error feedback; None: received as given."""
 
     vector: torch.Tensor
     contributors: dict[str, float]
     detail: Any = None
+    sent: torch.Tensor | None = None
 
 
 class Average(Protocol):

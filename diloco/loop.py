@@ -30,8 +30,12 @@ The call that ran a round (the H-th ``step``, ``finish_inner_phase``) returns it
 ``RoundOutcome``: applied or not, the contributors, why it failed and the averaging's own report
 (torchft's ``should_commit()`` answer), so the caller reads it there and not from a side channel.
 
-Error feedback (``compress``): the pseudo-gradient sent is compress(progress + residual), and the
-residual keeps what quantization dropped, committed only when the round is applied.
+Error feedback (``compress``, or ``error_feedback=True``): the pseudo-gradient sent is
+progress + residual, compressed by ``compress`` when given, and the residual keeps what the codec
+dropped, committed only when the round is applied. What was dropped is known exactly: either
+``compress`` computed it here, or the averaging says how its peers decoded our contribution
+(``AverageOutcome.sent``: the swarm's int8 round trip, whose blocks follow the round's parts,
+known only once the round's group formed); a lossless averaging drops nothing.
 
 Checkpoints (``state_dir``): after every round the global state and inner optimizer state are saved
 atomically; a new ``DiLoCo`` on the same directory resumes at that round boundary.
@@ -39,6 +43,7 @@ atomically; a new ``DiLoCo`` on the same directory resumes at that round boundar
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -93,7 +98,8 @@ class _Pending:
     future: Future[AverageOutcome]
     delta: torch.Tensor  # the progress sent, before compression: carried if the round fails
     weight: float
-    residual: torch.Tensor | None  # error-feedback residual to keep if the round succeeds
+    sent: torch.Tensor  # what was handed to the averaging
+    corrected: torch.Tensor | None  # with error feedback: delta + residual, before compression
 
 
 class DiLoCo:
@@ -107,7 +113,9 @@ class DiLoCo:
     quantize-then-dequantize the averaging applies to a flat float32 pseudo-gradient (e.g. int8
     blockwise); DiLoCo then sends ``compress(pseudo-gradient + residual)`` and keeps what the
     quantization lost as the residual for the next round (error feedback, as in 1-bit SGD and
-    PowerSGD). The residual lives in memory only: a restart or ``load_state`` zeroes it.
+    PowerSGD). ``error_feedback=True`` without ``compress``: the averaging compresses
+    (``AverageOutcome.sent`` says what it carried) and DiLoCo keeps what it dropped. The residual
+    lives in memory only: a restart or ``load_state`` zeroes it.
 
     Raises ValueError on bad settings, on a model without trainable parameters, or when
     ``state_dir`` holds a checkpoint of another config or layout.
@@ -127,6 +135,7 @@ class DiLoCo:
         state_dir: str | os.PathLike[str] | None = None,
         run_id: str = "",
         compress: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        error_feedback: bool = False,
     ) -> None:
         schedule = (inner_steps,) if isinstance(inner_steps, int) else tuple(inner_steps)
         if not schedule or any(not isinstance(h, int) or h <= 0 for h in schedule):
@@ -151,7 +160,8 @@ class DiLoCo:
         flat = self._local_flat()
         self._state = GlobalState(0, flat.clone(), torch.zeros_like(flat), layout)
         self._anchor = flat  # where the current inner phase started (overlap mode)
-        self._residual = torch.zeros_like(flat) if compress is not None else None
+        feedback = compress is not None or error_feedback
+        self._residual = torch.zeros_like(flat) if feedback else None
         self._local_step = 0
         self._samples = 0.0  # samples of local progress not yet in an applied round
         self._step_samples: float | None = None
@@ -209,6 +219,18 @@ class DiLoCo:
         assert outcome is not None
         return outcome
 
+    def finish_pending(self) -> RoundOutcome | None:
+        """Overlap mode: wait for the round in flight, apply it (the model keeps the progress
+        made since, on top of the new global parameters) and checkpoint. Returns its outcome;
+        None when no round is in flight (always without overlap)."""
+        if self._pending is None:
+            return None
+        self._outcome = None
+        self._finish_pending(torch.sub(self._anchor, self._local_flat()))
+        self._save_checkpoint()
+        outcome, self._outcome = self._outcome, None
+        return outcome
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -216,9 +238,7 @@ class DiLoCo:
         """Remove the hook; in overlap mode wait for the round in flight, apply it and save the
         checkpoint, so the last round's work is neither lost nor left running."""
         self._hook.remove()
-        if self._pending is not None:
-            self._finish_pending(torch.sub(self._anchor, self._local_flat()))
-            self._save_checkpoint()
+        self.finish_pending()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
@@ -300,14 +320,14 @@ class DiLoCo:
 
     def _synchronous_round(self) -> None:
         delta = torch.sub(self._state.params, self._local_flat())
-        sent, residual = self._contribution(delta)
-        averaged = self._run_average(self._state.round, sent, self._samples)
-        if averaged is None:
+        sent, corrected = self._contribution(delta)
+        outcome = self._run_average(self._state.round, sent, self._samples)
+        if outcome is None:
             self._state = skipped_round(self._state)
             return
-        self._state = outer_step(self._state, averaged, self.outer)
+        self._state = outer_step(self._state, outcome.vector, self.outer)
         self._samples = 0.0
-        self._residual = residual
+        self._keep_dropped(corrected, sent, outcome)
         self._write_model(self._state.params)
 
     def _overlapped_round(self) -> None:
@@ -320,9 +340,9 @@ class DiLoCo:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
         weight, self._samples = self._samples, 0.0
-        sent, residual = self._contribution(delta)
+        sent, corrected = self._contribution(delta)
         future = self._executor.submit(self._average, self._state.round, sent, weight)
-        self._pending = _Pending(future, delta, weight, residual)
+        self._pending = _Pending(future, delta, weight, sent, corrected)
 
     def _finish_pending(self, delta: torch.Tensor) -> torch.Tensor:
         """Wait for the round in flight, apply it, and rebase the model on the global params
@@ -331,28 +351,40 @@ class DiLoCo:
         when that round failed. The model and anchor become global params - that progress."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        averaged = self._run_average(self._state.round, pending.delta, None, pending.future)
-        if averaged is None:
+        outcome = self._run_average(self._state.round, pending.sent, None, pending.future)
+        if outcome is None:
             self._state = skipped_round(self._state)
             delta = torch.add(pending.delta, delta)
             self._samples += pending.weight
         else:
-            self._state = outer_step(self._state, averaged, self.outer)
-            self._residual = pending.residual
+            self._state = outer_step(self._state, outcome.vector, self.outer)
+            self._keep_dropped(pending.corrected, pending.sent, outcome)
         self._anchor = torch.sub(self._state.params, delta)
         self._write_model(self._anchor)
         return delta
 
     def _contribution(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What to send for ``delta``, and the residual to keep if the round succeeds. A failed
-        round keeps the old residual: its loss is already in the local progress carried on."""
-        if self._compress is None or self._residual is None:
+        """What to send for ``delta`` and, with error feedback, ``delta`` + residual (what the
+        residual is computed from if the round succeeds; ``_keep_dropped``). A failed round
+        keeps the old residual: its loss is already in the local progress carried on."""
+        if self._residual is None:
             return delta, None
         corrected = torch.add(delta, self._residual)
+        if self._compress is None:
+            return corrected, corrected
         sent = self._compress(corrected)
         if sent.dtype != torch.float32 or sent.shape != corrected.shape:
             raise ValueError("compress must return a float32 tensor of its input's shape")
-        return sent, torch.sub(corrected, sent)
+        return sent, corrected
+
+    def _keep_dropped(
+        self, corrected: torch.Tensor | None, sent: torch.Tensor, outcome: AverageOutcome
+    ) -> None:
+        """After an applied round: the residual becomes what the codec dropped from
+        ``corrected``, the values the peers received (``outcome.sent``) or else ``sent``."""
+        if corrected is not None:
+            received = sent if outcome.sent is None else outcome.sent
+            self._residual = torch.sub(corrected, received)
 
     def _run_average(
         self,
@@ -360,9 +392,10 @@ class DiLoCo:
         sent: torch.Tensor,
         weight: float | None,
         future: Future[AverageOutcome] | None = None,
-    ) -> torch.Tensor | None:
-        """The averaged flat pseudo-gradient, or None when the round failed (logged, counted).
-        Either way the round's ``RoundOutcome`` is left for the call that ran it to return."""
+    ) -> AverageOutcome | None:
+        """The averaging's outcome (its vector checked: the averaged flat pseudo-gradient on
+        the CPU), or None when the round failed (logged, counted). Either way the round's
+        ``RoundOutcome`` is left for the call that ran it to return."""
         try:
             if future is None:
                 assert weight is not None
@@ -389,14 +422,16 @@ class DiLoCo:
         )
         return averaged
 
-    def _check_outcome(self, outcome: AverageOutcome) -> torch.Tensor:
-        vector = outcome.vector
-        if vector.shape != self._state.params.shape or vector.dtype != torch.float32:
-            raise ValueError(
-                f"the averaged vector is {vector.dtype} of shape {tuple(vector.shape)}, the "
-                f"parameters float32 of {tuple(self._state.params.shape)}"
-            )
-        return vector.detach().to("cpu")
+    def _check_outcome(self, outcome: AverageOutcome) -> AverageOutcome:
+        shape = self._state.params.shape
+        for name, vector in (("averaged", outcome.vector), ("sent", outcome.sent)):
+            if vector is not None and (vector.shape != shape or vector.dtype != torch.float32):
+                raise ValueError(
+                    f"the {name} vector is {vector.dtype} of shape {tuple(vector.shape)}, the "
+                    f"parameters float32 of {tuple(shape)}"
+                )
+        sent = None if outcome.sent is None else outcome.sent.detach().to("cpu")
+        return dataclasses.replace(outcome, vector=outcome.vector.detach().to("cpu"), sent=sent)
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -46,6 +46,10 @@ def _positive(value: Any) -> bool:
     return value > 0
 
 
+def _any(value: Any) -> bool:
+    return True
+
+
 def _non_negative(value: Any) -> bool:
     return value >= 0
 
@@ -78,7 +82,7 @@ def _check_value(
         value = float(value)
     if kind is tuple and isinstance(value, list):
         value = tuple(value)
-    if isinstance(value, bool) or not isinstance(value, kind):
+    if (isinstance(value, bool) and kind is not bool) or not isinstance(value, kind):
         raise ConfigError(f"{key} must be {rule}, got {value!r}")
     if kind is float and not math.isfinite(value):
         raise ConfigError(f"{key} must be {rule}, got {value!r}")
@@ -90,6 +94,7 @@ def _check_value(
 # A field's annotation (a string: ``from __future__ import annotations``) -> the Python type(s) its
 # TOML value may have. A TOML array arrives as a list and is kept as a tuple (sections are frozen).
 _KINDS: dict[str, type | tuple[type, ...]] = {
+    "bool": bool,
     "int": int,
     "float": float,
     "str": str,
@@ -100,6 +105,7 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
 MODEL_KINDS = ("default", "transformers")
 DATA_KINDS = ("stdlib", "text", "tokens", "datasets")
 TOKEN_DTYPES = ("uint16", "uint32")
+COMPRESSIONS = ("auto", "int8", "none")
 # The config keys that give a causal LM's longest sequence, by model family (Llama, GPT-2, ...).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 MAX_MODEL_CONFIG_BYTES = 16384
@@ -291,6 +297,18 @@ class TrainingSection(_Section):
         "# full momentum from round 0 overshoots: 12 of 16 rounds is best in bench.diloco\n"
         "# (docs/diloco_tuning.md)",
     )  # fmt: skip
+    error_feedback: bool = _key(
+        False, _any, "true or false",
+        "add what the lossy codec (swarm.compression) dropped from last round's\n"
+        "# pseudo-gradient to this round's (DiLoCo's int8 rounds in bench.diloco); costs one\n"
+        "# more float32 copy of the parameters in memory",
+    )  # fmt: skip
+    overlap: bool = _key(
+        False, _any, "true or false",
+        "one-round-delayed outer step: a round's averaging runs while the next inner phase\n"
+        "# trains, and its outer step is applied at the end of that phase (hides the\n"
+        "# all-reduce behind compute; not in verified runs)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -301,6 +319,12 @@ class SwarmSection(_Section):
     )
     allreduce_timeout_s: float = _key(30.0, *_POSITIVE,
                                       "seconds an all-reduce may take before it fails")  # fmt: skip
+    compression: str = _key(
+        "auto", lambda v: v in COMPRESSIONS, f"one of {', '.join(COMPRESSIONS)}",
+        'pseudo-gradients on the wire: "auto" int8 for tensors over 64K elements and exact\n'
+        '# below, "int8" every tensor (blockwise, deterministic), "none" exact float32\n'
+        "# (verified runs always average exactly)",
+    )  # fmt: skip
     min_peers: int = _key(
         1, *_POSITIVE_INT,
         "a fresh run's round 0 starts once this many nodes announced their start (each node\n"
@@ -406,6 +430,8 @@ class RunConfig:
                     "weight_decay",
                     "grad_clip",
                     "precision",
+                    "overlap",
+                    "error_feedback",
                 )
                 if getattr(training, name) != getattr(defaults, name)
             ]
@@ -414,6 +440,11 @@ class RunConfig:
                     f"{', '.join(changed)}: a verified run (verify.rate > 0) runs its inner "
                     "steps as reproducible operators with the default settings only"
                 )
+        if self.verify.rate > 0 and self.swarm.compression == "int8":
+            raise ConfigError(
+                'swarm.compression = "int8": a verified run averages exactly (the coordinator '
+                "recomputes any part's sum from its inputs)"
+            )
         if model.factory and self.verify.rate > 0:
             raise ConfigError(
                 f"model.factory ({model.factory}) cannot be verified: verify.rate > 0 needs "

@@ -158,6 +158,9 @@ class AveragingResult:
     parts: tuple[tuple[int, int], ...] = ()  # every part's [start, stop) in the vector
     reducers: tuple[bytes, ...] = ()  # each part's reducer as the round ended here
     slice_hashes: tuple[bytes, ...] = ()  # with config.audit: our slice of each part, hashed
+    # Our contribution as the round's peers decoded it (a lossy codec's round trip of what we
+    # gave): what error feedback subtracts. None when the codec was lossless (what we gave).
+    sent: np.ndarray | None = None
 
     @functools.cached_property
     def digest(self) -> str:
@@ -410,6 +413,7 @@ class Averager:
             parts=tuple((start, stop) for _, start, stop in session.parts),
             reducers=tuple(session.machine.reducer_of),
             slice_hashes=tuple(mine),
+            sent=session.sent,
         )
 
     async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:

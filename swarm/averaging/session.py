@@ -154,6 +154,9 @@ class Session(PeerLinks):
         self._landed: set[int] = set()
         self._landing: set[int] = set()
         wire = self._values.wire_values(self.peers, bandwidths, self.chunks)
+        # Our contribution as every peer decodes it; None when the codec is lossless (it is
+        # ``local`` then). The caller's error feedback keeps what the codec dropped.
+        self.sent: np.ndarray | None = None if wire is local else wire
         finalize = self._values.finalizer(config.tamper_reduced)
         # The round's clock starts here, on trio's clock: the machine's deadline, the reach
         # window and the streams' due time all count from it.

@@ -111,20 +111,27 @@ class NodeSummary:
 
 
 def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swarm.AveragerConfig:
-    # compression=None lets the swarm pick per tensor (int8 above 64K elements, exact below). Its
-    # quantization is deterministic, so the state stays bit-identical either way; for the default
-    # 0.9M-parameter model nearly every tensor is below the threshold, so this is close to exact.
-    # A verified run averages exactly, so the coordinator can recompute any part's sum from its
-    # inputs (an aggregation audit), and lets only the coordinator fetch our slices.
+    # "auto" (compression=None) lets the swarm pick per tensor (int8 above 64K elements, exact
+    # below). Its quantization is deterministic, so the state stays bit-identical either way; for
+    # the default 0.9M-parameter model nearly every tensor is below the threshold, so this is close
+    # to exact. A verified run averages exactly, so the coordinator can recompute any part's sum
+    # from its inputs (an aggregation audit), and lets only the coordinator fetch our slices.
     verified = config.verify.rate > 0
     return swarm.AveragerConfig(
         run_id=config.run.id,
         matchmaking_timeout_s=config.swarm.matchmaking_timeout_s,
         allreduce_timeout_s=config.swarm.allreduce_timeout_s,
-        compression=swarm.Compression.NONE if verified else None,
+        compression=swarm.Compression.NONE if verified else _COMPRESSIONS[config.swarm.compression],
         audit=verified,
         auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
     )
+
+
+_COMPRESSIONS = {
+    "auto": None,
+    "int8": swarm.Compression.INT8,
+    "none": swarm.Compression.NONE,
+}
 
 
 def _reach(runtime: PeerRuntime) -> str:
@@ -195,6 +202,8 @@ def train(
         outer_momentum_warmup=config.training.outer_momentum_warmup,
         state_dir=state_dir,
         run_id=config.run.id,
+        error_feedback=config.training.error_feedback,
+        overlap=config.training.overlap,
     )
     elastic = Elastic(runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds)
     # The membership needs DiLoCo, which needs the averaging: its rules come last.
@@ -228,16 +237,22 @@ def train(
                      f" without the {wanted - started} missing"))  # fmt: skip
             if faults.slow_start_s:
                 time.sleep(faults.slow_start_s)
+        phases: dict[int, Phase] = {}
         while diloco.round < config.run.rounds and not run_over:
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
-                    verification, progress,
+                    verification, progress, phases,
                 )  # fmt: skip
             except Banned as exc:
                 summary.banned = str(exc)
                 emit(f"this peer was {exc}; stopping")
                 break
+        # Overlap: the last round's averaging ran behind nothing; wait for it and report it.
+        last = diloco.finish_pending()
+        if last is not None and last.round in phases:
+            _record_round(config, diloco, average, elastic, phases[last.round], last, summary,
+                          emit)  # fmt: skip
         if summary.last_round == config.run.rounds - 1 and summary.agree:
             elastic.linger(summary.last_round, FINAL_LINGER_S)
     finally:
@@ -260,15 +275,27 @@ def _excluded(round_number: int, elastic: Elastic, verification: Verification | 
     return left_out
 
 
+@dataclass(frozen=True)
+class Phase:
+    """One inner phase as the round's line reports it."""
+
+    round: int
+    loss: float  # mean over its inner steps
+    tokens: int
+    inner_s: float
+    round_s: float  # the phase and, without overlap, its round's averaging
+
+
 def _native_inner_phase(
     config: RunConfig,
     diloco: DiLoCo,
     corpus: Corpus,
     peer_bytes: bytes,
     progress: InnerProgress,
-) -> tuple[list[float], int, float, RoundOutcome]:
-    """H AdamW steps on our shard; the H-th runs the round.
-    (losses, tokens, inner seconds, the round's outcome)"""
+) -> tuple[list[float], int, float, RoundOutcome | None]:
+    """H AdamW steps on our shard; the H-th runs the round (with overlap: starts it, and
+    finishes the previous one).
+    (losses, tokens, inner seconds, the outcome of the round the H-th step finished, if any)"""
     training = config.training
     steps, micro = training.inner_steps, training.grad_accumulation
     batches = inner_batches(
@@ -304,7 +331,7 @@ def _native_inner_phase(
             diloco.zero_grad()
     finally:
         progress.stop()
-    assert outcome is not None, "the inner phase ended without its round"
+    assert outcome is not None or diloco.overlap, "the inner phase ended without its round"
     return losses, tokens, inner_s, outcome
 
 
@@ -338,9 +365,13 @@ def _train_round(
     emit: Callable[[str], None],
     verification: Verification | None = None,
     progress: InnerProgress | None = None,
+    phases: dict[int, Phase] | None = None,
 ) -> None:
+    """One inner phase, then the round it finished: its own, or with overlap the previous one
+    (``phases`` keeps the phases whose rounds are still running)."""
     r = diloco.round
     progress = progress or InnerProgress()
+    phases = {} if phases is None else phases
     started = time.perf_counter()
     if verification is None:
         losses, tokens, inner_s, outcome = _native_inner_phase(
@@ -348,10 +379,39 @@ def _train_round(
         )
     else:
         losses, tokens, inner_s, outcome = _verified_inner_phase(config, diloco, verification)
-    round_s = time.perf_counter() - started
-    mean_loss = sum(losses) / len(losses)
+    phase = Phase(r, sum(losses) / len(losses), tokens, inner_s, time.perf_counter() - started)
+    phases[r] = phase
+    for old in [k for k in phases if k < r - 1]:
+        del phases[old]  # a round in flight dropped by a state download never reports
+    if outcome is None:
+        emit(
+            f"round {r} loss {phase.loss:.3f} {tokens / inner_s:.0f} tok/s: inner phase done, "
+            f"averaging while round {r + 1} trains"
+        )
+        return
+    _record_round(
+        config, diloco, average, elastic, phases.pop(outcome.round, phase), outcome, summary,
+        emit, verification,
+    )  # fmt: skip
+
+
+def _record_round(
+    config: RunConfig,
+    diloco: DiLoCo,
+    average: SwarmAverage,
+    elastic: Elastic,
+    phase: Phase,
+    outcome: RoundOutcome,
+    summary: NodeSummary,
+    emit: Callable[[str], None],
+    verification: Verification | None = None,
+) -> None:
+    """A finished round: the summary, our progress record, its line, and the membership's
+    follow-up (adopt the others' state after a failure or a disagreeing hash)."""
+    r = outcome.round
+    mean_loss, tokens, inner_s, round_s = phase.loss, phase.tokens, phase.inner_s, phase.round_s
     # The round's outcome as ``DiLoCo`` returned it; the swarm's report of it when it succeeded.
-    report = outcome.detail if outcome.ok and outcome.round == r else None
+    report = outcome.detail if outcome.ok else None
     assert report is None or isinstance(report, RoundReport)
     ok = report is not None
     summary.last_round = r

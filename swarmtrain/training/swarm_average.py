@@ -124,7 +124,8 @@ class SwarmAverage:
         )
         # A view of the round's vector, no copy: DiLoCo only reads it (the outer step).
         mean = torch.from_numpy(result.vector)
-        return AverageOutcome(mean, dict(result.contributors), detail=report)
+        sent = None if result.sent is None else torch.from_numpy(result.sent)
+        return AverageOutcome(mean, dict(result.contributors), detail=report, sent=sent)
 
     def publish_state(self, round: int, state_hash_hex: str) -> None:
         """Publish our state digest after round ``round``; a DHT failure is logged, not raised,

@@ -194,6 +194,12 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
             "allreduce_s": result.allreduce_s,
             "matchmaking_s": result.matchmaking_s,
             "bytes_sent": result.bytes_sent,
+            # how far our contribution as the peers decoded it is from what we gave (None:
+            # lossless, nothing dropped), against the largest value we gave
+            "sent_error": None
+            if result.sent is None
+            else float(np.max(np.abs(result.sent - local))),
+            "local_max": float(np.max(np.abs(local))),
             # per twelfth of the vector: which region differs when two peers' digests do
             "regions": [
                 hashlib.sha256(piece.tobytes()).hexdigest()[:8]

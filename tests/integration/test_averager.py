@@ -168,6 +168,7 @@ def test_rounds_are_bit_identical_exact_and_start_at_once(swarm: Swarm) -> None:
         # Everyone expected was there: no peer waited for the 3 s matchmaking deadline.
         assert max(r["matchmaking_s"] for r in replies) < 2.5, replies
         assert all(r["bytes_sent"] > 0 for r in replies)
+        assert all(r["sent_error"] is None for r in replies)  # lossless: nothing dropped
 
 
 def channels(peer: Peer) -> dict:
@@ -235,6 +236,10 @@ def test_compressed_rounds_agree_bit_for_bit_and_are_close(swarm: Swarm, codec: 
     # Fewer bytes than float32 for the same round; the error bound is the codec's (unit tests).
     full = 4 * NUMEL * 2 * (len(peers) - 1) / len(peers)
     assert max(r["bytes_sent"] for r in replies) < 0.6 * full + 4096, replies
+    # Each peer learns what the codec dropped from its contribution (for error feedback):
+    # something, and at most half a quantization step (int8: the block's max / 127).
+    for r in replies:
+        assert 0 < r["sent_error"] <= r["local_max"] / 127, r
 
 
 @pytest.mark.parametrize(

@@ -53,6 +53,39 @@ def test_local_swarm_trains_and_agrees(tmp_path: Path) -> None:
         assert all("peers 3" in line and "agree yes (3/3)" in line for line in lines), lines
 
 
+def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Path) -> None:
+    """``[training] overlap`` and ``error_feedback`` with ``[swarm] compression = "int8"``:
+    each round's averaging runs behind the next inner phase, every tensor travels as int8
+    and what the codec dropped is carried into the next round; the peers still end each
+    round bit-identical and the loss falls."""
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(
+        '[training]\noverlap = true\nerror_feedback = true\n[swarm]\ncompression = "int8"\n'
+    )
+    summary_path = tmp_path / "local.json"
+    command = [
+        *SWARMTRAIN, "local", "--config", str(run_toml), "--peers", "2", "--rounds", "3",
+        "--inner-steps", INNER_STEPS, "--json", str(summary_path),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["state_hashes_agree"] is True
+    assert summary["loss_last"] < summary["loss_first"], summary
+    for index in range(2):
+        lines = [line for line in result.stdout.splitlines() if line.startswith(f"[{index}] round")]
+        # Round r's averaging is reported at the end of phase r + 1 (the last one after it).
+        assert "averaging while round 1 trains" in lines[0], lines
+        averaged = [line for line in lines if "agree yes (2/2)" in line]
+        assert [line.split()[2] for line in averaged] == ["0", "1", "2"], lines
+
+
 def test_ctrl_c_then_restart_resumes_from_the_checkpoint_skipping_a_corrupt_one(
     tmp_path: Path,
 ) -> None:

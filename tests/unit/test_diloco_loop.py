@@ -356,6 +356,77 @@ def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_res
     assert diloco.statistics().rounds_failed == 1
 
 
+def test_error_feedback_keeps_what_the_averaging_reports_it_dropped() -> None:
+    """Without ``compress`` the averaging quantizes (the swarm's int8, whose blocks follow the
+    round's parts) and says what its peers received (``AverageOutcome.sent``): DiLoCo sends the
+    corrected progress as it is and keeps corrected - received for the next round."""
+    member = LocalAverage(1).member("solo")
+    holder: list[DiLoCo] = []
+    residual = torch.zeros(0)
+    observed: list[int] = []
+
+    def lossy(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        nonlocal residual
+        diloco = holder[0]
+        progress = torch.sub(diloco.global_state.params, _flat(diloco.model))
+        corrected = torch.add(progress, residual)
+        assert torch.equal(vector, corrected)  # sent unquantized: the averaging quantizes
+        received = _coarse(vector)
+        assert torch.count_nonzero(torch.sub(vector, received)) > 0
+        observed.append(round)
+        if round == 1:
+            raise ConnectionError("lost")  # the residual must stay as it was
+        residual = torch.sub(corrected, received)
+        outcome = member(round, received, weight)
+        return AverageOutcome(outcome.vector, outcome.contributors, sent=received)
+
+    diloco, model = _peer(lossy, inner_steps=2, error_feedback=True)
+    residual = torch.zeros_like(diloco.global_state.params)
+    holder.append(diloco)
+    with diloco:
+        for _ in range(3):
+            _train_phase(diloco, model, 0)
+    assert observed == [0, 1, 2]
+    assert diloco.statistics().rounds_failed == 1
+
+
+def test_without_error_feedback_nothing_is_carried_and_a_bad_sent_vector_fails_the_round() -> None:
+    member = LocalAverage(1).member("solo")
+    sent_vectors: list[torch.Tensor] = []
+    holder: list[DiLoCo] = []
+
+    def lossy(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        progress = torch.sub(holder[0].global_state.params, _flat(holder[0].model))
+        assert torch.equal(vector, progress)  # no residual added in any round
+        sent_vectors.append(vector)
+        outcome = member(round, _coarse(vector), weight)
+        sent = _coarse(vector) if round == 0 else torch.zeros(3)
+        return AverageOutcome(outcome.vector, outcome.contributors, sent=sent)
+
+    diloco, model = _peer(lossy, inner_steps=2)
+    holder.append(diloco)
+    with diloco:
+        _train_phase(diloco, model, 0)
+        _train_phase(diloco, model, 0)  # its ``sent`` has the wrong shape: the round fails
+    assert len(sent_vectors) == 2
+    assert diloco.statistics().rounds_applied == 1
+    assert diloco.statistics().rounds_failed == 1
+
+
+def test_finish_pending_applies_the_round_in_flight_and_returns_its_outcome() -> None:
+    averaging = LocalAverage(1, timeout_s=PEER_DEADLINE_S)
+    diloco, model = _peer(averaging.member("solo"), inner_steps=2, overlap=True)
+    with diloco:
+        assert diloco.finish_pending() is None
+        _train_phase(diloco, model, 0)  # round 0 starts in the background
+        assert diloco.round == 1 and diloco.global_state.round == 0
+        outcome = diloco.finish_pending()
+        assert outcome is not None and outcome.ok and outcome.round == 0
+        assert diloco.global_state.round == 1 and diloco.round == 1
+        assert torch.equal(_flat(model), diloco.global_state.params)  # no progress since
+        assert diloco.finish_pending() is None
+
+
 def test_an_inner_steps_schedule_sets_h_per_round_and_peers_agree() -> None:
     averaging = LocalAverage(2, timeout_s=PEER_DEADLINE_S)
 
