@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench import diloco_spec
 from bench.common import git_sha
 from diloco import (
     AverageOutcome,
@@ -273,7 +274,16 @@ def main() -> None:
         "--wan", action="store_true", help="then run bench.diloco_wan (root) for wan_loss_ratio"
     )
     parser.add_argument("--wan-budget-s", type=float, default=150.0, help="per method")
+    parser.add_argument(
+        "--config", help="a run.toml: its DiLoCo in one process, as its nodes run it "
+        "(bench.diloco_spec; the options above but --workers are then unused)",
+    )  # fmt: skip
+    parser.add_argument("--peer-ids", default="", help="--config: the workers' peer ids")
+    parser.add_argument("--threads", type=int, default=1, help="--config: torch threads")
     args = parser.parse_args()
+    if args.config:
+        diloco_spec.main(args, parser)
+        return
     args.compression = Compression[args.compression.upper()]
     try:
         args.schedule_h = h_schedule(args.inner_steps, args.steps)

@@ -33,6 +33,8 @@ from torch import nn
 
 import swarm
 from diloco import (
+    Average,
+    AverageOutcome,
     Corpus,
     DiLoCo,
     RoundOutcome,
@@ -76,6 +78,7 @@ class NodeSummary:
     agree: bool | None = None  # the last round's state hash equals the majority's
     syncs: int = 0  # states downloaded from peers (joining, catching up, re-syncing)
     round_seconds: list[float] = field(default_factory=list)
+    round_losses: dict[int, float] = field(default_factory=dict)  # mean inner loss by round
     banned: str = ""  # a verified run's verdict against this peer
     run_over: str = ""  # joined after the run's end and could not fetch its final state
 
@@ -95,6 +98,7 @@ class NodeSummary:
             "agree": self.agree,
             "syncs": self.syncs,
             "round_seconds": [round(s, 3) for s in self.round_seconds],
+            "round_losses": {str(r): loss for r, loss in self.round_losses.items()},
             "banned": self.banned,
             "run_over": self.run_over,
         }
@@ -166,9 +170,6 @@ def train(
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = model.to(device)
-    inner = torch.optim.AdamW(
-        model.parameters(), lr=config.training.inner_lr, weight_decay=config.training.weight_decay
-    )
     verification = None
     if config.verify.rate > 0:
         verification = Verification(
@@ -192,19 +193,7 @@ def train(
         # the averager picks codecs per parameter.
         sizes=[p.numel() for p in model.parameters() if p.requires_grad],
     )
-    diloco = DiLoCo(
-        model,
-        inner,
-        average,
-        inner_steps=config.training.inner_steps,
-        outer_lr=config.training.outer_lr,
-        outer_momentum=config.training.outer_momentum,
-        outer_momentum_warmup=config.training.outer_momentum_warmup,
-        state_dir=state_dir,
-        run_id=config.run.id,
-        error_feedback=config.training.error_feedback,
-        overlap=config.training.overlap,
-    )
+    diloco = build_diloco(config, model, average, state_dir)
     elastic = Elastic(runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds)
     # The membership needs DiLoCo, which needs the averaging: its rules come last.
     average.set_rules(
@@ -266,6 +255,33 @@ def train(
     return summary
 
 
+def build_diloco(
+    config: RunConfig,
+    model: nn.Module,
+    average: Average | Callable[[int, torch.Tensor, float], AverageOutcome],
+    state_dir: Path | None = None,
+) -> DiLoCo:
+    """DiLoCo over ``model`` with an AdamW inner optimizer, as the spec's ``[training]`` sets
+    them (``bench.diloco --config`` builds its in-process workers with this too)."""
+    training = config.training
+    inner = torch.optim.AdamW(
+        model.parameters(), lr=training.inner_lr, weight_decay=training.weight_decay
+    )
+    return DiLoCo(
+        model,
+        inner,
+        average,
+        inner_steps=training.inner_steps,
+        outer_lr=training.outer_lr,
+        outer_momentum=training.outer_momentum,
+        outer_momentum_warmup=training.outer_momentum_warmup,
+        state_dir=state_dir,
+        run_id=config.run.id,
+        error_feedback=training.error_feedback,
+        overlap=training.overlap,
+    )
+
+
 def _excluded(round_number: int, elastic: Elastic, verification: Verification | None) -> set[bytes]:
     """Peers a round's matchmaking leaves out: those done with the round already (stale
     declarations, ``Elastic.past_peers``) and, in a verified run, banned or failed ones."""
@@ -286,7 +302,7 @@ class Phase:
     round_s: float  # the phase and, without overlap, its round's averaging
 
 
-def _native_inner_phase(
+def native_inner_phase(
     config: RunConfig,
     diloco: DiLoCo,
     corpus: Corpus,
@@ -374,7 +390,7 @@ def _train_round(
     phases = {} if phases is None else phases
     started = time.perf_counter()
     if verification is None:
-        losses, tokens, inner_s, outcome = _native_inner_phase(
+        losses, tokens, inner_s, outcome = native_inner_phase(
             config, diloco, corpus, peer_bytes, progress
         )
     else:
@@ -420,6 +436,7 @@ def _record_round(
         verification.round_done(r, ok, outcome.contributors)
     summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
     summary.loss_last = mean_loss
+    summary.round_losses[r] = mean_loss
     state_hash = diloco.state_hash()
     elastic.fresh = False  # only the first round after adopting a state needs the expected set
     # Before the record that tells joiners to ask us for it; after a failed round as well: when
