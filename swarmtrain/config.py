@@ -325,6 +325,13 @@ class SwarmSection(_Section):
         '# below, "int8" every tensor (blockwise, deterministic), "none" exact float32\n'
         "# (verified runs always average exactly)",
     )  # fmt: skip
+    state_quorum: int = _key(
+        0, _non_negative, "a non-negative integer",
+        "0: a joiner (or a node re-syncing) adopts the state most peers hold (a majority of\n"
+        "# its round's members breaks ties), so a liar needs more identities than the state's\n"
+        "# honest holders; N > 0: only a state at least N distinct peers hold is adopted\n"
+        "# (public runs; a joiner then waits for N holders rather than take a lone survivor's)",
+    )  # fmt: skip
     min_peers: int = _key(
         1, *_POSITIVE_INT,
         "a fresh run's round 0 starts once this many nodes announced their start (each node\n"

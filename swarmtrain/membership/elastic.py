@@ -56,7 +56,7 @@ from swarmtrain.membership.plan import (
     Verdict,
     after_failed_round,
     past_round,
-    states_newest_first,
+    states_best_first,
     swarm_ahead,
     wait_budget_s,
 )
@@ -117,12 +117,14 @@ class Elastic:
         emit: Callable[[str], None],
         fetcher: Callable[[Any, str, bytes], Fetch] = node_fetcher,
         rounds: int = 2**31,  # the run's schedule: records of later rounds are ignored
+        min_holders: int = 0,  # [swarm] state_quorum: 0, or the fewest holders a state needs
     ) -> None:
         self.runtime = runtime
         self._fetcher = fetcher  # how to fetch ranges from a source (injected by tests)
         self.server = server
         self.run_id = run_id
         self.rounds = rounds
+        self.min_holders = min_holders
         self.diloco = diloco
         self.emit = emit
         self.me = str(runtime.peer_id)
@@ -252,7 +254,7 @@ class Elastic:
         """Why our round ``round_number`` cannot meet anyone (others already averaged it), or
         None; ``SwarmAverage`` fails the round before matchmaking then, and ``after_round``
         adopts their state."""
-        ahead = swarm_ahead(self.records(), self.me, round_number, self.rounds)
+        ahead = swarm_ahead(self.records(), self.me, round_number, self.rounds, self.min_holders)
         if ahead is None:
             return None
         return f"the swarm already averaged round {ahead.round}; catching up"
@@ -281,7 +283,11 @@ class Elastic:
         records = self.records()
         # An agreed state to start from; the states of peers whose rounds failed are only a
         # fallback of ``_adopt_from_live`` (a peer alone waits for us instead: ``_outcome``).
-        choices = [s for s in states_newest_first(records, self.rounds) if s.published]
+        choices = [
+            s
+            for s in states_best_first(records, self.rounds, min_holders=self.min_holders)
+            if s.published
+        ]
         agreed = choices[0] if choices else None
         if agreed is None or not self._behind(agreed):
             return None
@@ -346,7 +352,9 @@ class Elastic:
                 records = self.records()
                 choices = [
                     s
-                    for s in states_newest_first(records, self.rounds, dead, self.me)
+                    for s in states_best_first(
+                        records, self.rounds, dead, self.me, self.min_holders
+                    )
                     if self._behind(s)
                 ]
                 if not choices:
@@ -385,7 +393,12 @@ class Elastic:
             # joiner's source) and the peers lingering after the last round can leave.
             self.publish(
                 dataclasses.replace(
-                    last, ok=True, state_hash=agreed.state_hash, published_at=time.time()
+                    last,
+                    ok=True,
+                    state_hash=agreed.state_hash,
+                    published_at=time.time(),
+                    peers=agreed.members,
+                    members=agreed.member_list,
                 )
             )
         return report
@@ -465,8 +478,9 @@ class Elastic:
 
         def plan_of(records: list[Progress]) -> Rejoin:
             return after_failed_round(
-                records, self.me, round_number, self.rounds, time.time(), wait_s, starts
-            )
+                records, self.me, round_number, self.rounds, time.time(), wait_s, starts,
+                self.min_holders,
+            )  # fmt: skip
 
         def decided(records: list[Progress]) -> Rejoin | None:
             plan = plan_of(records)

@@ -33,7 +33,7 @@ and downloads.
     0 alone before the others declared, found nobody behind, and ran every later round ahead
     of them, alone, to the end (CI, issue 16).
   - else ``ALONE``: no live member to meet; train on.
-* **Live holders** (``states_newest_first``): the states a joiner may adopt, newest first, each
+* **Live holders** (``states_best_first``): the states a joiner may adopt, newest first, each
   with only the holders not known dead. A download that fails at every holder marks them dead and
   the next newest state held by live peers is tried, so a dead holder never sends a joiner back
   to a fresh round 0 while another member of the run lives: when no agreed state has a live
@@ -50,7 +50,13 @@ import enum
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from swarmtrain.membership.progress import AgreedState, Progress, Start, agreed_state
+from swarmtrain.membership.progress import (
+    AgreedState,
+    Progress,
+    Start,
+    agreed_state,
+    agreed_states,
+)
 
 
 class Verdict(enum.Enum):
@@ -71,15 +77,27 @@ def in_schedule(records: Iterable[Progress], rounds: int) -> list[Progress]:
     return [p for p in records if p.round < rounds]
 
 
-def swarm_ahead(
-    records: Iterable[Progress], me: str, round_number: int, rounds: int
+def best_state(
+    records: Iterable[Progress], rounds: int, min_holders: int = 0
 ) -> AgreedState | None:
-    """The newest agreed state at round ``round_number`` or later, from other peers: they
-    averaged that round already, so our matchmaking for it could only meet stale declarations
-    (a late starter's first round formed a "group" with peers long gone and failed 8 s later).
-    None when nobody is ahead of us."""
-    ahead = [p for p in in_schedule(records, rounds) if p.peer_id != me and p.round >= round_number]
-    return agreed_state(ahead)
+    """The run's agreed state (``progress.agreed_states``' first) among the records the
+    schedule allows, if at least ``min_holders`` distinct peers hold it."""
+    best = agreed_state(in_schedule(records, rounds))
+    return best if best is not None and len(best.holders) >= min_holders else None
+
+
+def swarm_ahead(
+    records: Iterable[Progress], me: str, round_number: int, rounds: int, min_holders: int = 0
+) -> AgreedState | None:
+    """The run's agreed state when it is at round ``round_number`` or later and we do not hold
+    it: the others averaged that round already, so our matchmaking for it could only meet stale
+    declarations (a late starter's first round formed a "group" with peers long gone and failed
+    8 s later). None when nobody is ahead of us. Our own record counts: one peer's claim of a
+    later round does not outweigh the state we and others hold (issue 19)."""
+    best = best_state(records, rounds, min_holders)
+    if best is None or best.round < round_number or me in best.holders:
+        return None
+    return best
 
 
 def past_round(records: Iterable[Progress], me: str, round_number: int, rounds: int) -> set[str]:
@@ -116,14 +134,12 @@ def after_failed_round(
     now: float,
     live_s: float,
     starts: Iterable[Start] = (),
+    min_holders: int = 0,
 ) -> Rejoin:
     """What to do after our round ``round_number`` failed (see the module docstring)."""
     records = list(records)
-    valid = in_schedule(records, rounds)
-    ahead = [p for p in valid if p.ok and p.round >= round_number]
-    if ahead:
-        target = agreed_state(ahead)
-        assert target is not None
+    target = best_state(records, rounds, min_holders)
+    if target is not None and target.round >= round_number:
         return Rejoin(Verdict.ADOPT, target, f"the swarm averaged round {target.round}")
     behind = sorted(
         peer
@@ -150,13 +166,19 @@ def wait_budget_s(
     return round_s * (min(gap, 8) + 1)
 
 
-def states_newest_first(
-    records: Iterable[Progress], rounds: int, dead: Collection[str] = (), me: str = ""
+def states_best_first(
+    records: Iterable[Progress],
+    rounds: int,
+    dead: Collection[str] = (),
+    me: str = "",
+    min_holders: int = 0,
 ) -> list[AgreedState]:
     """The states a joiner may adopt, best first, each with only the holders not in ``dead``.
 
-    First each round's agreed state (majority of its successful records), newest round first; a
-    state none of whose holders lives is left out. Then, as a last resort, the states live
+    First the agreed states in ``progress.agreed_states``' order (most holders, a quorum of
+    their round's members, newest round), those held by fewer than ``min_holders`` distinct
+    peers left out; a state none of whose holders lives is left out. With ``min_holders`` > 0
+    nothing else is adopted. Then, as a last resort, the states live
     members hold after a failed round (each peer's own, newest first): when the agreed state's
     holders are all gone (the survivor of a pair failed its next round alone, so its newest
     record is a failure), a joiner takes the survivor's state rather than a fresh round 0 of its
@@ -164,12 +186,12 @@ def states_newest_first(
     it is only chosen while no agreed state has a live holder."""
     valid = in_schedule(records, rounds)
     found: list[AgreedState] = []
-    for rnd in sorted({p.round for p in valid if p.ok}, reverse=True):
-        agreed = agreed_state(valid, rnd)
-        assert agreed is not None
+    for agreed in agreed_states(valid):
         holders = tuple(h for h in agreed.holders if h not in dead)
-        if holders:
+        if holders and len(agreed.holders) >= min_holders:
             found.append(dataclasses.replace(agreed, holders=holders))
+    if min_holders > 0:
+        return found
     alone = [p for p in valid if not p.ok and p.peer_id not in dead and p.peer_id != me]
     for p in sorted(alone, key=lambda p: (-p.round, p.state_hash, p.peer_id)):
         found.append(AgreedState(p.round, p.state_hash, (p.peer_id,), 0))

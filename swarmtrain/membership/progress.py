@@ -5,12 +5,29 @@ DHT key ``run/<id>/progress`` (the freshest record per peer wins, so the key hol
 peer's latest round). It says which round, whether the round's averaging succeeded, the state
 hash after it, and the figures ``swarmtrain status`` shows (loss, tokens/s, peers, bytes).
 
-The *agreed state* of a run is read from those records: among the records of successful rounds
-at the latest such round, the state hash most peers hold (ties break on the hash itself, as
-``swarm.StateAgreement`` does, so every reader names the same one). Its holders are the sources a
-joiner downloads from, and the peers every member expects in the next round's matchmaking when a
-joiner is announced. A joiner announces itself under ``run/<id>/join/<r>`` (``join_key``) once
-it holds the agreed state, naming the first round it will contribute to.
+The *agreed state* of a run is read from those records (``agreed_states``). A successful
+record names its round's members: the averaged result's contributor set, which every survivor
+of the round holds, as 8-byte tags (``member_list``; up to ``MAX_LISTED_MEMBERS``). The records
+are grouped by round, state hash and member list; a record counts as a holder only if its owner
+is on its own list. A group's *support* is the number of peers on its list that vouch for being
+members: their own record (of any state) is a member's record of a round within one of the
+group's. Groups are ranked by support, then holders, then the newer round, then the larger hash
+(so every reader names the same one, as ``swarm.StateAgreement`` does); a group that fewer peers
+hold than another of its round (a minority that drifted) is never a candidate.
+
+Why not simply the newest round, as before (issue 19): one signed record claiming a later round
+with a made-up hash made every joiner adopt the liar's state. Now a liar's list either leaves
+it out (then it holds nothing) or is its own, which the honest members do not vouch for in a
+round far from theirs: it needs more identities than the state's honest members (what admission
+control is for). What is left: a liar naming honest peers on its list, for a round next to
+theirs, ties with an honest group of one holder at a membership change and may win it; the
+joiner's first round then disagrees with the majority and re-syncs (one round lost, for one
+joiner). ``[swarm] state_quorum`` (``min_holders`` in ``plan``) closes that for runs that want it.
+Its holders are the sources a joiner downloads from, and the peers every member expects in the
+next round's matchmaking when a joiner is announced.
+
+A joiner announces itself under ``run/<id>/join/<r>`` (``join_key``) once it holds the agreed
+state, naming the first round it will contribute to.
 
 A node that starts stores a ``StartAnnouncement`` under ``run/<id>/starts`` (``starts_key``):
 the round it trains first and when it started. Until its first progress record it is otherwise
@@ -26,9 +43,10 @@ This module is pure: encoding, decoding and the majority rule; drivers do the DH
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-from collections import Counter
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -36,8 +54,12 @@ from p2p import Message, RemoteProtocolError, decode, encode, message
 
 log = logging.getLogger(__name__)
 
-MAX_PROGRESS_BYTES = 1024
+MAX_PROGRESS_BYTES = 2048
 PROGRESS_TTL_S = 600.0
+MEMBER_TAG_BYTES = 8
+# Members listed in a record; a larger round's records list none (then holders count unchecked).
+MAX_LISTED_MEMBERS = 128
+MAX_MEMBER_LIST_BYTES = MAX_LISTED_MEMBERS * MEMBER_TAG_BYTES
 # How the peer found itself (its dial-back verdict): reachable directly ("public"), only through
 # its relays ("private"), or not known. Records written before the field existed read "unknown".
 REACHABILITY = ("public", "private", "unknown")
@@ -64,6 +86,7 @@ class ProgressRecord(Message):
     rounds_contributed: int
     published_at: float
     reach: str
+    members: bytes  # member_list of the round's contributors; b"" for a failed round
 
     def __post_init__(self) -> None:
         counts = (self.round, self.peers, self.bytes_sent, self.bytes_received)
@@ -75,6 +98,10 @@ class ProgressRecord(Message):
             raise ValueError(f"state hash must be 32 bytes, got {len(self.state_hash)}")
         if self.reach not in REACHABILITY:
             raise ValueError(f"reach {self.reach!r} is not one of {REACHABILITY}")
+        if len(self.members) % MEMBER_TAG_BYTES or len(self.members) > MAX_MEMBER_LIST_BYTES:
+            raise ValueError(
+                f"members must be at most {MAX_LISTED_MEMBERS} tags of {MEMBER_TAG_BYTES} bytes"
+            )
 
 
 @message(507, max_bytes=64)
@@ -162,6 +189,7 @@ class Progress:
     rounds_contributed: int
     published_at: float
     reach: str = "unknown"  # one of REACHABILITY
+    members: bytes = b""  # member_list of the round's contributors (``peers`` of them)
 
     def __post_init__(self) -> None:
         if self.reach not in REACHABILITY:
@@ -180,6 +208,7 @@ class Progress:
             self.rounds_contributed,
             float(self.published_at),
             self.reach,
+            self.members,
         )
 
     def to_bytes(self) -> bytes:
@@ -227,30 +256,92 @@ def decode_all(values: dict[str, bytes]) -> list[Progress]:
     return sorted((p for p in found if p is not None), key=lambda p: p.peer_id)
 
 
+def member_tag(peer_id: str) -> bytes:
+    """How a progress record lists one member."""
+    return hashlib.sha256(b"swarmtrain/member/1\x00" + peer_id.encode()).digest()[:MEMBER_TAG_BYTES]
+
+
+def member_list(contributors: Iterable[str]) -> bytes:
+    """A record's list of its round's contributors (peer ids, any order): their sorted tags,
+    or nothing for a round of more than ``MAX_LISTED_MEMBERS``."""
+    tags = sorted({member_tag(p) for p in contributors})
+    return b"".join(tags) if len(tags) <= MAX_LISTED_MEMBERS else b""
+
+
+def _lists(members: bytes, peer_id: str) -> bool:
+    """``peer_id`` is on the list (an empty list: a round too large to list, unchecked)."""
+    if not members:
+        return True
+    tag = member_tag(peer_id)
+    return any(
+        members[i : i + MEMBER_TAG_BYTES] == tag for i in range(0, len(members), MEMBER_TAG_BYTES)
+    )
+
+
 @dataclass(frozen=True)
 class AgreedState:
-    """The state the majority of a round's successful peers hold, and who holds it."""
+    """A state the successful records of a round claim, and who holds it."""
 
     round: int  # the round after which the state was published (its GlobalState.round is +1)
     state_hash: bytes
     holders: tuple[str, ...]  # peer ids, sorted
     published: int  # successful records at that round, holders or not
+    members: int = 0  # the round's contributors, as its holders' records say
+    member_list: bytes = b""  # as those records list them
+    support: int = 0  # listed members that vouch for it (the module docstring)
+
+    @property
+    def quorum(self) -> bool:
+        """Held by a majority of its round's members."""
+        return len(self.holders) > self.members // 2
+
+
+def agreed_states(
+    records: Iterable[Progress], round_number: int | None = None
+) -> list[AgreedState]:
+    """Every state the successful records (at ``round_number``, or any round) claim that no
+    other state of its round has more holders than, best first (the module docstring)."""
+    records = list(records)
+    # A member's record: successful, and its owner on its own list.
+    members = [p for p in records if p.ok and _lists(p.members, p.peer_id)]
+    groups: dict[tuple[int, bytes, bytes, int], set[str]] = defaultdict(set)
+    published: dict[int, int] = defaultdict(int)
+    for p in records:
+        if p.ok and (round_number is None or p.round == round_number):
+            published[p.round] += 1
+    for p in members:
+        if round_number is None or p.round == round_number:
+            groups[(p.round, p.state_hash, p.members, p.peers)].add(p.peer_id)
+    most: dict[int, int] = defaultdict(int)
+    for (rnd, *_), holders in groups.items():
+        most[rnd] = max(most[rnd], len(holders))
+    states = []
+    for (rnd, state_hash, listed, count), holders in groups.items():
+        if len(holders) < most[rnd]:
+            continue  # a minority of its round
+        support = len(
+            {q.peer_id for q in members if abs(q.round - rnd) <= 1 and _lists(listed, q.peer_id)}
+        )
+        states.append(
+            AgreedState(
+                rnd, state_hash, tuple(sorted(holders)), published[rnd], count, listed, support
+            )
+        )
+    states.sort(key=lambda s: (s.support, len(s.holders), s.round, s.state_hash), reverse=True)
+    # Claims of one (round, hash) under other lists: the best one stands for them.
+    seen: set[tuple[int, bytes]] = set()
+    unique = []
+    for state in states:
+        if (state.round, state.state_hash) not in seen:
+            seen.add((state.round, state.state_hash))
+            unique.append(state)
+    return unique
 
 
 def agreed_state(
     records: Iterable[Progress], round_number: int | None = None
 ) -> AgreedState | None:
-    """The majority state at ``round_number`` (default: the latest round any peer succeeded),
-    or None when no successful record exists there."""
-    ok = [p for p in records if p.ok]
-    if round_number is None:
-        if not ok:
-            return None
-        round_number = max(p.round for p in ok)
-    at = [p for p in ok if p.round == round_number]
-    if not at:
-        return None
-    counts = Counter(p.state_hash for p in at)
-    majority = max(counts, key=lambda h: (counts[h], h))
-    holders = tuple(sorted(p.peer_id for p in at if p.state_hash == majority))
-    return AgreedState(round_number, majority, holders, len(at))
+    """The best state of ``agreed_states`` (at ``round_number``, or any round), or None when
+    no successful record exists there."""
+    states = agreed_states(records, round_number)
+    return states[0] if states else None

@@ -46,7 +46,7 @@ from p2p import PeerID
 from swarmtrain.config import RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.elastic import Elastic, RunOver
-from swarmtrain.membership.progress import Progress
+from swarmtrain.membership.progress import Progress, member_list
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.inner_step import accumulate, set_lr
@@ -194,7 +194,10 @@ def train(
         sizes=[p.numel() for p in model.parameters() if p.requires_grad],
     )
     diloco = build_diloco(config, model, average, state_dir)
-    elastic = Elastic(runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds)
+    elastic = Elastic(
+        runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds,
+        min_holders=config.swarm.state_quorum,
+    )  # fmt: skip
     # The membership needs DiLoCo, which needs the averaging: its rules come last.
     average.set_rules(
         expected=elastic.expected_peers,
@@ -462,6 +465,7 @@ def _record_round(
             rounds_contributed=summary.rounds_contributed,
             published_at=time.time(),
             reach=_reach(elastic.runtime),
+            members=member_list(outcome.contributors) if ok else b"",
         )
     )
     if report is None:

@@ -3,6 +3,8 @@ alone waits for, what it adopts, the schedule bound, and the live-holder choice.
 
 from __future__ import annotations
 
+import dataclasses
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,7 +13,7 @@ from swarmtrain.membership.plan import (
     Verdict,
     after_failed_round,
     positions,
-    states_newest_first,
+    states_best_first,
     swarm_ahead,
     wait_budget_s,
 )
@@ -19,7 +21,9 @@ from swarmtrain.membership.progress import (
     Progress,
     Start,
     StartAnnouncement,
+    agreed_state,
     decode_starts,
+    member_list,
 )
 
 ROUNDS = 10
@@ -114,23 +118,79 @@ def test_wait_budget_grows_with_the_gap_and_is_capped() -> None:
     assert wait_budget_s([], "me", 0, 10.0) == 20.0
 
 
-def test_a_dead_holder_hands_the_choice_to_the_next_newest_live_state() -> None:
+def test_the_state_most_peers_hold_comes_first_and_a_dead_holder_hands_on_the_choice() -> None:
     records = [rec("b", 4, h=B), rec("c", 3), rec("d", 3)]
-    assert [s.round for s in states_newest_first(records, ROUNDS)] == [4, 3]
-    live = states_newest_first(records, ROUNDS, dead={"b"})
-    assert [(s.round, s.holders) for s in live] == [(3, ("c", "d"))]
-    assert states_newest_first(records, ROUNDS, dead={"b", "c", "d"}) == []
+    assert [s.round for s in states_best_first(records, ROUNDS)] == [3, 4]
+    live = states_best_first(records, ROUNDS, dead={"c", "d"})
+    assert [(s.round, s.holders) for s in live] == [(4, ("b",))]
+    assert states_best_first(records, ROUNDS, dead={"b", "c", "d"}) == []
+
+
+def honest(
+    peer: str, rnd: int, h: bytes = A, members: tuple[str, ...] = ("b", "c", "d")
+) -> Progress:
+    """A record of a round whose contributors were ``members``, as the node publishes it."""
+    return Progress(peer, rnd, True, h, 3.0, 1.0, len(members), 0, 0, 1, NOW, "public",
+                    member_list(members))  # fmt: skip
+
+
+FORGED = bytes([9]) * 32
+
+
+def test_a_forged_later_round_never_outweighs_the_state_the_rounds_members_hold() -> None:
+    """Issue 19 point 1: one signed record claiming a round far ahead (within the schedule)
+    with a made-up hash made every joiner adopt it; now the state its round's members hold wins
+    in every rule that picks a state."""
+    swarm = [honest("b", 3), honest("c", 3), honest("d", 3)]
+    liar = Progress("liar", ROUNDS - 1, True, FORGED, 0.1, 1.0, 1, 0, 0, 1, NOW, "public",
+                    member_list(["liar"]))  # fmt: skip
+    records = [*swarm, liar]
+    best = agreed_state(records)
+    assert best is not None and (best.round, best.state_hash) == (3, A) and best.quorum
+    assert [s.state_hash for s in states_best_first(records, ROUNDS)] == [A, FORGED]
+    assert states_best_first(records, ROUNDS, min_holders=2)[0].state_hash == A
+    assert [s.state_hash for s in states_best_first(records, ROUNDS, min_holders=2)] == [A]
+    # A member about to run round 4 is not "behind" the liar; one that failed round 4 waits
+    # or trains on, it never adopts the forged state.
+    assert swarm_ahead([*records, honest("me", 3)], "me", 4, ROUNDS) is None
+    plan = after_failed_round([*records, rec("me", 4, ok=False)], "me", 4, ROUNDS, NOW, 30.0)
+    assert plan.verdict is not Verdict.ADOPT
+    # Two liars (or two forged records) against three holders: still the holders'.
+    second = dataclasses.replace(liar, peer_id="liar2")
+    assert agreed_state([*records, second]).state_hash == A  # type: ignore[union-attr]
+
+
+def test_a_minority_state_of_a_round_is_never_a_choice() -> None:
+    # Round 3's members were b, c and d; d's hash drifted (or d lies about it).
+    records = [honest("b", 3), honest("c", 3), honest("d", 3, h=B)]
+    choices = states_best_first(records, ROUNDS, me="me")
+    assert [(s.state_hash, s.holders) for s in choices] == [(A, ("b", "c"))]
+    assert choices[0].quorum and choices[0].members == 3
+    # Holders count per claimed membership: a claim of other members is its own group.
+    outsider = dataclasses.replace(honest("e", 3, h=B), members=member_list(["e"]), peers=1)
+    assert [s.state_hash for s in states_best_first([*records, outsider], ROUNDS)] == [A]
+
+
+def test_with_a_state_quorum_a_lone_holder_is_never_adopted() -> None:
+    # b survived a round of three and holds its state alone; a failed-round survivor too.
+    records = [honest("b", 3), rec("a", 4, ok=False, h=B)]
+    assert [s.holders for s in states_best_first(records, ROUNDS, me="me")] == [("b",), ("a",)]
+    assert states_best_first(records, ROUNDS, me="me", min_holders=2) == []
+    assert after_failed_round(records, "me", 3, ROUNDS, NOW, 30.0).verdict is Verdict.ADOPT
+    plan = after_failed_round(records, "me", 3, ROUNDS, NOW, 30.0, min_holders=2)
+    assert plan.verdict is not Verdict.ADOPT
+    assert swarm_ahead(records, "me", 3, ROUNDS, min_holders=2) is None
 
 
 def test_with_every_agreed_holder_dead_a_live_members_own_state_is_the_last_resort() -> None:
     # Issue 16's NAT-lab run: a and b averaged round 1; b died; a's round 2 failed alone, so
     # the only record of round 1's agreed state is b's. A joiner takes a's state, not round 0.
     records = [rec("b", 1, h=B), rec("a", 2, ok=False, h=A), rec("me", 0, ok=False)]
-    choices = states_newest_first(records, ROUNDS, me="me")
+    choices = states_best_first(records, ROUNDS, me="me")
     assert [(s.round, s.holders, s.published) for s in choices] == [(1, ("b",), 1), (2, ("a",), 0)]
-    (survivor,) = states_newest_first(records, ROUNDS, dead={"b"}, me="me")
+    (survivor,) = states_best_first(records, ROUNDS, dead={"b"}, me="me")
     assert (survivor.round, survivor.state_hash, survivor.holders) == (2, A, ("a",))
-    assert states_newest_first(records, ROUNDS, dead={"a", "b"}, me="me") == []
+    assert states_best_first(records, ROUNDS, dead={"a", "b"}, me="me") == []
 
 
 records_st = st.lists(
@@ -159,7 +219,7 @@ def test_decisions_stay_in_the_schedule_and_waits_are_for_live_peers_behind(
             p for p in records if p.peer_id != "me" and p.round < rnd and NOW - p.published_at <= 30
         ]
         assert behind
-    choices = states_newest_first(records, ROUNDS, dead={"b"}, me="me")
+    choices = states_best_first(records, ROUNDS, dead={"b"}, me="me")
     for state in choices:
         assert state.round < ROUNDS and state.holders and "b" not in state.holders
         assert state.published or state.holders != ("me",)  # never our own failed state

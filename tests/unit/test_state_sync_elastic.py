@@ -236,14 +236,15 @@ def test_a_failed_peer_does_not_wait_when_everyone_failed_or_left() -> None:
 
 
 def _dead_holder_fetcher(
-    dead: PeerID, data: bytes, asked: list[Hashable]
+    dead: PeerID | set[PeerID], data: bytes, asked: list[Hashable]
 ) -> Callable[[Any, str, bytes], Callable[[Hashable, Piece], Any]]:
-    """Serves ``data`` from every source but ``dead``, whose relay no longer holds it."""
+    """Serves ``data`` from every source but the ``dead``, whose relays no longer hold it."""
+    gone = dead if isinstance(dead, set) else {dead}
 
     def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
         async def fetch(source: Hashable, piece: Piece) -> bytes:
             asked.append(source)
-            if source == dead:
+            if source in gone:
                 raise ConnectionError("Relay connection failed with status 204")
             return data[piece.offset : piece.end]
 
@@ -253,25 +254,27 @@ def _dead_holder_fetcher(
 
 
 def test_a_holder_that_died_before_the_download_does_not_send_a_joiner_back_to_round_0() -> None:
-    # The progress read names b as the only holder of round 3's state; b died before the
-    # download. c and d, alive, hold round 2's: the joiner takes that one, not a fresh start.
-    me, b, c, d = _peer(), _peer(), _peer(), _peer()
+    # The progress read names b and e as the holders of round 3's state (as many as round 2's,
+    # and newer: the first choice); both died before the download. c and d, alive, hold round
+    # 2's: the joiner takes that one, not a fresh start.
+    me, b, c, d, e = _peer(), _peer(), _peer(), _peer(), _peer()
     _newest, newest_hash = _world(3)
     older, older_hash = _world(2)
     dht = {
         progress_key(RUN): {
             str(b): _record(b, 3, True, newest_hash),
+            str(e): _record(e, 3, True, newest_hash),
             str(c): _record(c, 2, True, older_hash),
             str(d): _record(d, 2, True, older_hash),
         }
     }
     asked: list[Hashable] = []
     elastic = _elastic(me, dht, b"", [])
-    elastic._fetcher = _dead_holder_fetcher(b, older, asked)
+    elastic._fetcher = _dead_holder_fetcher({b, e}, older, asked)
     report = elastic.catch_up(wait_s=0.0, rounds=10)
     assert report is not None and report.round == 3, elastic.lines  # type: ignore[attr-defined]
     assert elastic.diloco.round == 3 and elastic.diloco.state_hash() == older_hash.hex()
-    assert b in asked and set(asked) - {b} <= {c, d}
+    assert {b, e} <= set(asked) and set(asked) - {b, e} <= {c, d}
     assert any("did not answer" in line for line in elastic.lines)  # type: ignore[attr-defined]
 
 

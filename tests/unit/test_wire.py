@@ -200,6 +200,7 @@ def _progress_records() -> st.SearchStrategy[Message]:
         count,
         finite,
         st.sampled_from(progress.REACHABILITY),
+        st.sampled_from([b"", bytes(progress.MEMBER_TAG_BYTES * 3)]),
     )
 
 
