@@ -142,8 +142,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     )
     run_config = options.run_config(f"memory-{os.urandom(4).hex()}")
     threads = max(1, (os.cpu_count() or 1) // args.peers)
-    print(f"model: llama, {params:,} parameters (hidden {hidden}, {layers} layers), "
-          f"{args.peers} peers, {args.rounds} rounds of H={args.inner_steps}", flush=True)  # fmt: skip
+    print(
+        f"model: llama, {params:,} parameters (hidden {hidden}, {layers} layers), "
+        f"{args.peers} peers, {args.rounds} rounds of H={args.inner_steps}",
+        flush=True,
+    )
     baseline = baseline_rss()
     started = time.monotonic()
     peaks: list[int] = []

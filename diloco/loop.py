@@ -149,8 +149,11 @@ class DiLoCo:
         self.fingerprint = _fingerprint(layout, schedule, self.outer, overlap, run_id)
 
         flat = self._local_flat()
-        self._state = GlobalState(0, flat.clone(), torch.zeros_like(flat), layout)
-        self._anchor = flat  # where the current inner phase started (overlap mode)
+        # The anchor (where the current inner phase started) exists in overlap mode only; the
+        # synchronous mode keeps no copy of the parameters beyond the global ones.
+        params = flat.clone() if overlap else flat
+        self._state = GlobalState(0, params, torch.zeros_like(flat), layout)
+        self._anchor: torch.Tensor | None = flat if overlap else None
         self._residual = torch.zeros_like(flat) if compress is not None else None
         self._local_step = 0
         self._samples = 0.0  # samples of local progress not yet in an applied round
@@ -217,6 +220,7 @@ class DiLoCo:
         checkpoint, so the last round's work is neither lost nor left running."""
         self._hook.remove()
         if self._pending is not None:
+            assert self._anchor is not None
             self._finish_pending(torch.sub(self._anchor, self._local_flat()))
             self._save_checkpoint()
         if self._executor is not None:
@@ -292,6 +296,9 @@ class DiLoCo:
         self._local_step += 1
         if self._local_step == self.inner_steps_at(self.round):
             self._local_step = 0
+            # The step's gradients are spent: free them before the round's own buffers exist
+            # (a full float32 copy of the model less at the round's peak).
+            optimizer.zero_grad(set_to_none=True)
             if self.overlap:
                 self._overlapped_round()
             else:
@@ -299,18 +306,21 @@ class DiLoCo:
             self._save_checkpoint()
 
     def _synchronous_round(self) -> None:
-        delta = torch.sub(self._state.params, self._local_flat())
+        local = self._local_flat()
+        delta = torch.sub(self._state.params, local, out=local)  # in place: one flat vector
         sent, residual = self._contribution(delta)
         averaged = self._run_average(self._state.round, sent, self._samples)
         if averaged is None:
             self._state = skipped_round(self._state)
             return
-        self._state = outer_step(self._state, averaged, self.outer)
+        self._state = outer_step(self._state, averaged, self.outer, in_place=True)
+        del averaged, delta, sent  # the mean goes back to the averager's pool before the copy
         self._samples = 0.0
         self._residual = residual
         self._write_model(self._state.params)
 
     def _overlapped_round(self) -> None:
+        assert self._anchor is not None
         local = self._local_flat()
         delta = torch.sub(self._anchor, local)
         if self._pending is not None:
@@ -337,7 +347,7 @@ class DiLoCo:
             delta = torch.add(pending.delta, delta)
             self._samples += pending.weight
         else:
-            self._state = outer_step(self._state, averaged, self.outer)
+            self._state = outer_step(self._state, averaged, self.outer, in_place=True)
             self._residual = pending.residual
         self._anchor = torch.sub(self._state.params, delta)
         self._write_model(self._anchor)
@@ -410,7 +420,7 @@ class DiLoCo:
             raise ValueError("the state is for another model (parameter layout differs)")
         self._state = state
         self._write_model(state.params)
-        self._anchor = state.params.clone()
+        self._anchor = state.params.clone() if self.overlap else None
         self._local_step = 0
         self._samples = 0.0
         if self._residual is not None:
