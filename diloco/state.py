@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -95,14 +94,15 @@ class GlobalState:
         names = sum(2 + len(name.encode()) + 18 for name in TENSOR_NAMES)
         return _HEADER.size + names + 8 * self.params.numel() + _DIGEST_BYTES
 
-    def write_to(self, file: BinaryIO) -> bytes:
-        """Write ``to_bytes()`` to ``file`` piece by piece; returns the digest (the state hash)."""
+    def write_to(self, write: Callable[[bytes], object]) -> bytes:
+        """Hand ``to_bytes()`` to ``write`` piece by piece (the tensors as views of their
+        memory); returns the digest (the state hash)."""
         hasher = hashlib.sha256()
         for piece in self._pieces():
             hasher.update(piece)
-            file.write(piece)
+            write(piece)  # type: ignore[arg-type]  # an ndarray is bytes-like
         digest = hasher.digest()
-        file.write(digest)
+        write(digest)
         return digest
 
     def to_bytes(self) -> bytes:
