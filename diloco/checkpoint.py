@@ -140,6 +140,20 @@ def _decode_tensor(code: int, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
 
 
+def _payload_head(fingerprint: str, state_size: int) -> bytes:
+    """The payload's bytes before the state's encoding."""
+    head = _PACKER.pack_map_header(4)
+    for key, value in (("version", 1), ("fingerprint", fingerprint)):
+        head += _PACKER.pack(key) + _PACKER.pack(value)
+    return head + _PACKER.pack("state") + _bin_header(state_size)
+
+
+def state_offset(fingerprint: str, state: GlobalState) -> int:
+    """Where ``state``'s encoding (``GlobalState.to_bytes()``, ``encoded_size()`` bytes) starts
+    in the checkpoint file ``save`` writes for it: the file can serve it to joiners as it is."""
+    return len(MAGIC) + 32 + len(_payload_head(fingerprint, state.encoded_size()))
+
+
 def _write_payload(
     state: GlobalState,
     fingerprint: str,
@@ -150,10 +164,7 @@ def _write_payload(
     its tensors (``GlobalState.write_to``)."""
     if sys.byteorder != "little":
         raise RuntimeError("checkpoints assume a little-endian host")
-    write(_PACKER.pack_map_header(4))
-    for key, value in (("version", 1), ("fingerprint", fingerprint)):
-        write(_PACKER.pack(key) + _PACKER.pack(value))
-    write(_PACKER.pack("state") + _bin_header(state.encoded_size()))
+    write(_payload_head(fingerprint, state.encoded_size()))
     state.write_to(write)
     write(_PACKER.pack("inner"))
     _pack(inner_state, write)

@@ -46,6 +46,7 @@ import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -163,11 +164,15 @@ class DiLoCo:
         self._applied = self._failed = 0
         self._last_contributors: dict[str, float] = {}
         self._outcome: RoundOutcome | None = None  # of the round the running ``step`` ended
+        self._saved: StateFile | None = None  # where the current state's checkpoint holds it
 
         if state_dir is not None:
             found = checkpoint.load_latest(state_dir, self.fingerprint)
             if found is not None:
                 self._restore(found.state)
+                offset = checkpoint.state_offset(self.fingerprint, found.state)
+                size = found.state.encoded_size()
+                self._saved = StateFile(found.path, offset, size, found.state.round)
                 if found.inner_state is not None:
                     inner_optimizer.load_state_dict(found.inner_state)
                 logger.info("resumed from %s at round %d", found.path, found.state.round)
@@ -262,7 +267,18 @@ class DiLoCo:
     def state_bytes(self) -> bytes:
         return self._state.to_bytes()
 
-    def load_state(self, data: bytes) -> None:
+    def state_size(self) -> int:
+        """Length of ``state_bytes()``, without encoding."""
+        return self._state.encoded_size()
+
+    def state_file(self) -> StateFile | None:
+        """Where the current state's encoding lies on disk, byte for byte ``state_bytes()``:
+        inside its checkpoint file (None without ``state_dir`` or before the first save), so it
+        can be served from there instead of from a copy in memory."""
+        saved = self._saved
+        return saved if saved is not None and saved.round == self._state.round else None
+
+    def load_state(self, data: bytes | bytearray | memoryview) -> None:
         """Adopt a global state downloaded from peers (a joiner, or a peer whose hash disagreed
         with the majority): verify it, copy it into the model, start a fresh inner phase. Local
         progress and a round in flight are dropped. The adopted state is checkpointed at once
@@ -413,7 +429,9 @@ class DiLoCo:
     def _save_checkpoint(self) -> None:
         if self._state_dir is not None:
             inner = self.inner_optimizer.state_dict()
-            checkpoint.save(self._state_dir, self._state, self.fingerprint, inner)
+            path = checkpoint.save(self._state_dir, self._state, self.fingerprint, inner)
+            offset = checkpoint.state_offset(self.fingerprint, self._state)
+            self._saved = StateFile(path, offset, self._state.encoded_size(), self._state.round)
 
     def _restore(self, state: GlobalState) -> None:
         if state.layout != self._state.layout or state.params.shape != self._state.params.shape:
@@ -440,6 +458,16 @@ class DiLoCo:
         with torch.no_grad():
             for chunk, param in zip(self._split(flat), self._params, strict=True):
                 param.copy_(chunk)
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """``length`` bytes at ``offset`` of ``path``: a state's encoding inside its checkpoint."""
+
+    path: Path
+    offset: int
+    length: int
+    round: int  # the state's
 
 
 def _describe(error: Exception) -> str:
