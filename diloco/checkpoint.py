@@ -23,8 +23,10 @@ import logging
 import math
 import os
 import re
+import struct
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ _DTYPES = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_PACKER = msgpack.Packer()  # use_bin_type, as packb: the same bytes
 
 
 @dataclass(frozen=True)
@@ -61,13 +64,63 @@ class Checkpoint:
     path: Path
 
 
-def _encode_tensor(obj: object) -> msgpack.ExtType:
+def _tensor_parts(obj: object) -> tuple[bytes, memoryview]:
+    """A tensor's msgpack ext body as (its head, its raw bytes: a view of the tensor's memory
+    when it is a contiguous CPU tensor). TypeError for anything else."""
     if not isinstance(obj, torch.Tensor) or obj.dtype not in _DTYPE_NAMES:
         raise TypeError(f"cannot checkpoint a {type(obj).__name__}")
     tensor = obj.detach().to("cpu").contiguous()
-    raw = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-    body = msgpack.packb([_DTYPE_NAMES[tensor.dtype], list(tensor.shape), raw])
-    return msgpack.ExtType(_TENSOR_EXT, body)
+    flat = (
+        tensor.reshape(-1).view(torch.uint8)
+        if tensor.numel()
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    raw = memoryview(flat.numpy()).cast("B")
+    # The body is packb([dtype, shape, raw]): a 3-array header, the two, then bin(raw).
+    head = b"\x93" + _PACKER.pack(_DTYPE_NAMES[tensor.dtype]) + _PACKER.pack(list(tensor.shape))
+    return head + _bin_header(len(raw)), raw
+
+
+def _bin_header(length: int) -> bytes:
+    """msgpack's header of a ``length``-byte bin, in its shortest form (as ``packb`` writes)."""
+    if length < 1 << 8:
+        return struct.pack(">BB", 0xC4, length)
+    if length < 1 << 16:
+        return struct.pack(">BH", 0xC5, length)
+    return struct.pack(">BI", 0xC6, length)
+
+
+def _ext_header(code: int, length: int) -> bytes:
+    """msgpack's header of a ``length``-byte ext of type ``code``, shortest form."""
+    fixed = {1: 0xD4, 2: 0xD5, 4: 0xD6, 8: 0xD7, 16: 0xD8}.get(length)
+    if fixed is not None:
+        return struct.pack(">Bb", fixed, code)
+    if length < 1 << 8:
+        return struct.pack(">BBb", 0xC7, length, code)
+    if length < 1 << 16:
+        return struct.pack(">BHb", 0xC8, length, code)
+    return struct.pack(">BIb", 0xC9, length, code)
+
+
+def _pack(obj: object, write: Callable[[bytes | memoryview], object]) -> None:
+    """msgpack of ``obj`` (msgpack types, tensors as ext ``_TENSOR_EXT``) handed to ``write``
+    piece by piece, the same bytes ``packb`` would make, without building them in memory: an
+    optimizer state of a 100M-parameter model is 800 MB."""
+    if isinstance(obj, dict):
+        write(_PACKER.pack_map_header(len(obj)))
+        for key, value in obj.items():
+            _pack(key, write)
+            _pack(value, write)
+    elif isinstance(obj, list | tuple):
+        write(_PACKER.pack_array_header(len(obj)))
+        for item in obj:
+            _pack(item, write)
+    elif isinstance(obj, torch.Tensor):
+        head, raw = _tensor_parts(obj)
+        write(_ext_header(_TENSOR_EXT, len(head) + len(raw)) + head)
+        write(raw)
+    else:
+        write(_PACKER.pack(obj))  # TypeError for what msgpack cannot pack
 
 
 def _decode_tensor(code: int, data: bytes) -> torch.Tensor:
@@ -87,20 +140,42 @@ def _decode_tensor(code: int, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
 
 
+def _payload_head(fingerprint: str, state_size: int) -> bytes:
+    """The payload's bytes before the state's encoding."""
+    head = _PACKER.pack_map_header(4)
+    for key, value in (("version", 1), ("fingerprint", fingerprint)):
+        head += _PACKER.pack(key) + _PACKER.pack(value)
+    return head + _PACKER.pack("state") + _bin_header(state_size)
+
+
+def state_offset(fingerprint: str, state: GlobalState) -> int:
+    """Where ``state``'s encoding (``GlobalState.to_bytes()``, ``encoded_size()`` bytes) starts
+    in the checkpoint file ``save`` writes for it: the file can serve it to joiners as it is."""
+    return len(MAGIC) + 32 + len(_payload_head(fingerprint, state.encoded_size()))
+
+
+def _write_payload(
+    state: GlobalState,
+    fingerprint: str,
+    inner_state: dict[str, Any] | None,
+    write: Callable[[bytes | memoryview], object],
+) -> None:
+    """The payload (a msgpack map) to ``write``, piece by piece; the state's bytes straight from
+    its tensors (``GlobalState.write_to``)."""
+    if sys.byteorder != "little":
+        raise RuntimeError("checkpoints assume a little-endian host")
+    write(_payload_head(fingerprint, state.encoded_size()))
+    state.write_to(write)
+    write(_PACKER.pack("inner"))
+    _pack(inner_state, write)
+
+
 def encode(state: GlobalState, fingerprint: str, inner_state: dict[str, Any] | None) -> bytes:
     """The checkpoint file's bytes. The inner state holds only msgpack types and tensors of
     allowed dtypes (TypeError otherwise)."""
-    if sys.byteorder != "little":
-        raise RuntimeError("checkpoints assume a little-endian host")
-    payload = msgpack.packb(
-        {
-            "version": 1,
-            "fingerprint": fingerprint,
-            "state": state.to_bytes(),
-            "inner": inner_state,
-        },
-        default=_encode_tensor,
-    )
+    pieces: list[bytes] = []
+    _write_payload(state, fingerprint, inner_state, lambda piece: pieces.append(bytes(piece)))
+    payload = b"".join(pieces)
     return MAGIC + hashlib.sha256(payload).digest() + payload
 
 
@@ -143,12 +218,22 @@ def save(
     Returns the path. Raises OSError from the filesystem, TypeError for unencodable state."""
     directory = Path(state_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    data = encode(state, fingerprint, inner_state)
     path = directory / f"diloco-{state.round:010d}.ckpt"
     fd, temporary = tempfile.mkstemp(prefix=".diloco-", suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as file:
-            file.write(data)
+            # Streamed: the digest's place first, the payload piece by piece (hashed as it is
+            # written), then the digest; no copy of the state or the optimizer's moments.
+            file.write(MAGIC + bytes(32))
+            hasher = hashlib.sha256()
+
+            def write(piece: bytes | memoryview) -> None:
+                hasher.update(piece)
+                file.write(piece)
+
+            _write_payload(state, fingerprint, inner_state, write)
+            file.seek(len(MAGIC))
+            file.write(hasher.digest())
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

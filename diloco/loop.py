@@ -51,6 +51,7 @@ import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -158,8 +159,11 @@ class DiLoCo:
         self.fingerprint = _fingerprint(layout, schedule, self.outer, overlap, run_id)
 
         flat = self._local_flat()
-        self._state = GlobalState(0, flat.clone(), torch.zeros_like(flat), layout)
-        self._anchor = flat  # where the current inner phase started (overlap mode)
+        # The anchor (where the current inner phase started) exists in overlap mode only; the
+        # synchronous mode keeps no copy of the parameters beyond the global ones.
+        params = flat.clone() if overlap else flat
+        self._state = GlobalState(0, params, torch.zeros_like(flat), layout)
+        self._anchor: torch.Tensor | None = flat if overlap else None
         feedback = compress is not None or error_feedback
         self._residual = torch.zeros_like(flat) if feedback else None
         self._local_step = 0
@@ -170,11 +174,15 @@ class DiLoCo:
         self._applied = self._failed = 0
         self._last_contributors: dict[str, float] = {}
         self._outcome: RoundOutcome | None = None  # of the round the running ``step`` ended
+        self._saved: StateFile | None = None  # where the current state's checkpoint holds it
 
         if state_dir is not None:
             found = checkpoint.load_latest(state_dir, self.fingerprint)
             if found is not None:
                 self._restore(found.state)
+                offset = checkpoint.state_offset(self.fingerprint, found.state)
+                size = found.state.encoded_size()
+                self._saved = StateFile(found.path, offset, size, found.state.round)
                 if found.inner_state is not None:
                     inner_optimizer.load_state_dict(found.inner_state)
                 logger.info("resumed from %s at round %d", found.path, found.state.round)
@@ -225,6 +233,7 @@ class DiLoCo:
         None when no round is in flight (always without overlap)."""
         if self._pending is None:
             return None
+        assert self._anchor is not None
         self._outcome = None
         self._finish_pending(torch.sub(self._anchor, self._local_flat()))
         self._save_checkpoint()
@@ -278,7 +287,18 @@ class DiLoCo:
     def state_bytes(self) -> bytes:
         return self._state.to_bytes()
 
-    def load_state(self, data: bytes) -> None:
+    def state_size(self) -> int:
+        """Length of ``state_bytes()``, without encoding."""
+        return self._state.encoded_size()
+
+    def state_file(self) -> StateFile | None:
+        """Where the current state's encoding lies on disk, byte for byte ``state_bytes()``:
+        inside its checkpoint file (None without ``state_dir`` or before the first save), so it
+        can be served from there instead of from a copy in memory."""
+        saved = self._saved
+        return saved if saved is not None and saved.round == self._state.round else None
+
+    def load_state(self, data: bytes | bytearray | memoryview) -> None:
         """Adopt a global state downloaded from peers (a joiner, or a peer whose hash disagreed
         with the majority): verify it, copy it into the model, start a fresh inner phase. Local
         progress and a round in flight are dropped. The adopted state is checkpointed at once
@@ -312,6 +332,9 @@ class DiLoCo:
         self._local_step += 1
         if self._local_step == self.inner_steps_at(self.round):
             self._local_step = 0
+            # The step's gradients are spent: free them before the round's own buffers exist
+            # (a full float32 copy of the model less at the round's peak).
+            optimizer.zero_grad(set_to_none=True)
             if self.overlap:
                 self._overlapped_round()
             else:
@@ -319,18 +342,21 @@ class DiLoCo:
             self._save_checkpoint()
 
     def _synchronous_round(self) -> None:
-        delta = torch.sub(self._state.params, self._local_flat())
+        local = self._local_flat()
+        delta = torch.sub(self._state.params, local, out=local)  # in place: one flat vector
         sent, corrected = self._contribution(delta)
         outcome = self._run_average(self._state.round, sent, self._samples)
         if outcome is None:
             self._state = skipped_round(self._state)
             return
-        self._state = outer_step(self._state, outcome.vector, self.outer)
+        self._state = outer_step(self._state, outcome.vector, self.outer, in_place=True)
         self._samples = 0.0
         self._keep_dropped(corrected, sent, outcome)
+        del outcome, delta, sent, corrected  # the mean goes back to the averager's pool
         self._write_model(self._state.params)
 
     def _overlapped_round(self) -> None:
+        assert self._anchor is not None
         local = self._local_flat()
         delta = torch.sub(self._anchor, local)
         if self._pending is not None:
@@ -357,7 +383,7 @@ class DiLoCo:
             delta = torch.add(pending.delta, delta)
             self._samples += pending.weight
         else:
-            self._state = outer_step(self._state, outcome.vector, self.outer)
+            self._state = outer_step(self._state, outcome.vector, self.outer, in_place=True)
             self._keep_dropped(pending.corrected, pending.sent, outcome)
         self._anchor = torch.sub(self._state.params, delta)
         self._write_model(self._anchor)
@@ -384,7 +410,8 @@ class DiLoCo:
         ``corrected``, the values the peers received (``outcome.sent``) or else ``sent``."""
         if corrected is not None:
             received = sent if outcome.sent is None else outcome.sent
-            self._residual = torch.sub(corrected, received)
+            # In place: ``corrected`` (which ``sent`` may be) is not needed after this.
+            self._residual = torch.sub(corrected, received, out=corrected)
 
     def _run_average(
         self,
@@ -438,14 +465,16 @@ class DiLoCo:
     def _save_checkpoint(self) -> None:
         if self._state_dir is not None:
             inner = self.inner_optimizer.state_dict()
-            checkpoint.save(self._state_dir, self._state, self.fingerprint, inner)
+            path = checkpoint.save(self._state_dir, self._state, self.fingerprint, inner)
+            offset = checkpoint.state_offset(self.fingerprint, self._state)
+            self._saved = StateFile(path, offset, self._state.encoded_size(), self._state.round)
 
     def _restore(self, state: GlobalState) -> None:
         if state.layout != self._state.layout or state.params.shape != self._state.params.shape:
             raise ValueError("the state is for another model (parameter layout differs)")
         self._state = state
         self._write_model(state.params)
-        self._anchor = state.params.clone()
+        self._anchor = state.params.clone() if self.overlap else None
         self._local_step = 0
         self._samples = 0.0
         if self._residual is not None:
@@ -465,6 +494,16 @@ class DiLoCo:
         with torch.no_grad():
             for chunk, param in zip(self._split(flat), self._params, strict=True):
                 param.copy_(chunk)
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """``length`` bytes at ``offset`` of ``path``: a state's encoding inside its checkpoint."""
+
+    path: Path
+    offset: int
+    length: int
+    round: int  # the state's
 
 
 def _describe(error: Exception) -> str:

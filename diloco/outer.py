@@ -54,6 +54,34 @@ def _f32(value: float) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
+# Elements per slice of the in-place update: its temporaries are this size, not the model's.
+CHUNK = 1 << 20
+
+
+def nesterov_update_(
+    params: torch.Tensor,
+    momentum: torch.Tensor,
+    pseudo_gradient: torch.Tensor,
+    lr: float,
+    mu: float,
+) -> None:
+    """Apply the update to ``params`` and ``momentum`` in place, ``CHUNK`` elements at a time,
+    so a 100M-parameter model needs two 4 MB temporaries instead of four 400 MB ones. Each
+    element goes through the same float32 operations as ``nesterov_update``: the same bits.
+
+    All three tensors must be flat float32 of one length (ValueError otherwise)."""
+    for tensor in (params, momentum, pseudo_gradient):
+        if tensor.dtype != torch.float32 or tensor.shape != params.shape or tensor.dim() != 1:
+            raise ValueError("nesterov_update needs flat float32 tensors of one shape")
+    lr_, mu_ = _f32(lr), _f32(mu)
+    for start in range(0, params.numel(), CHUNK):
+        p, m = params[start : start + CHUNK], momentum[start : start + CHUNK]
+        g = pseudo_gradient[start : start + CHUNK]
+        m.mul_(mu_).add_(g)
+        direction = torch.add(g, torch.mul(m, mu_))
+        p.sub_(direction.mul_(lr_))
+
+
 def nesterov_update(
     params: torch.Tensor,
     momentum: torch.Tensor,
@@ -63,33 +91,39 @@ def nesterov_update(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return new ``(params, momentum)``; the inputs are not modified.
 
-    All three tensors must be float32 of one shape (ValueError otherwise). Each line below is one
-    correctly rounded float32 operation; do not merge them into ``addcmul``/``alpha=`` forms.
-    """
+    All three tensors must be float32 of one shape (ValueError otherwise). The update is
+    ``nesterov_update_`` on copies; its lines are each one correctly rounded float32 operation
+    (do not merge them into ``addcmul``/``alpha=`` forms)."""
     for tensor in (params, momentum, pseudo_gradient):
         if tensor.dtype != torch.float32 or tensor.shape != params.shape:
             raise ValueError("nesterov_update needs float32 tensors of one shape")
-    lr_, mu_ = _f32(lr), _f32(mu)
-    new_momentum = torch.add(torch.mul(momentum, mu_), pseudo_gradient)
-    direction = torch.add(pseudo_gradient, torch.mul(new_momentum, mu_))
-    new_params = torch.sub(params, torch.mul(direction, lr_))
+    new_params, new_momentum = params.clone(), momentum.clone()
+    nesterov_update_(
+        new_params.view(-1), new_momentum.view(-1), pseudo_gradient.reshape(-1), lr, mu
+    )
     return new_params, new_momentum
 
 
 def outer_step(
-    state: GlobalState, pseudo_gradient: torch.Tensor, config: OuterConfig
+    state: GlobalState,
+    pseudo_gradient: torch.Tensor,
+    config: OuterConfig,
+    *,
+    in_place: bool = False,
 ) -> GlobalState:
     """The global state after one outer round: Nesterov step on the averaged pseudo-gradient with
     the momentum of ``state.round`` (see ``OuterConfig.momentum_at``), round + 1.
-    ``pseudo_gradient`` is flat float32 of the state's length (ValueError otherwise)."""
-    params, momentum = nesterov_update(
-        state.params,
-        state.momentum,
-        pseudo_gradient,
-        config.lr,
-        config.momentum_at(state.round),
-    )
-    return GlobalState(state.round + 1, params, momentum, state.layout)
+    ``pseudo_gradient`` is flat float32 of the state's length (ValueError otherwise).
+    ``in_place``: the new state reuses (and changes) ``state``'s tensors instead of copying them,
+    for a caller that drops ``state`` (DiLoCo: no second copy of a large model's state)."""
+    mu = config.momentum_at(state.round)
+    if not in_place:
+        params, momentum = nesterov_update(
+            state.params, state.momentum, pseudo_gradient, config.lr, mu
+        )
+        return GlobalState(state.round + 1, params, momentum, state.layout)
+    nesterov_update_(state.params, state.momentum, pseudo_gradient, config.lr, mu)
+    return GlobalState(state.round + 1, state.params, state.momentum, state.layout)
 
 
 def skipped_round(state: GlobalState) -> GlobalState:

@@ -124,6 +124,10 @@ class AveragerConfig:
     # Pace each pair's data channel at its share of ``bandwidth_bps`` (only when that is set:
     # pacing below a link's real rate would waste it; ``session_links.PACING_SHARE``).
     pace: bool = True
+    # Bytes of round buffers kept for the next round (``swarm.averaging.buffers``): reuse saves
+    # the kernel's page zeroing, but a kept buffer is resident between rounds; a node training a
+    # large model keeps less (``swarmtrain.training.loop.averager_config``).
+    buffer_pool_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -246,7 +250,7 @@ class Averager:
         self._sessions: dict[bytes, Session] = {}
         # Each pair's data channel, kept between rounds (``swarm.averaging.channel_pool``).
         self._channels = ChannelPool()
-        self._buffers = BufferPool()
+        self._buffers = BufferPool(config.buffer_pool_bytes)
         self._ended: deque[bytes] = deque(maxlen=256)
         self._changed = trio.Event()
         self._survivors: frozenset[bytes] | None = None

@@ -76,6 +76,7 @@ from swarmtrain.membership.state_sync import (
     Fetch,
     StateServer,
     StateSyncFailed,
+    StoredState,
     download_state,
     node_fetcher,
 )
@@ -131,7 +132,7 @@ class Elastic:
         self.fresh = False  # adopted a downloaded state and has not averaged since
         self.syncs = 0
         self._last_progress: Progress | None = None
-        self._state_bytes = len(diloco.state_bytes())
+        self._state_bytes = diloco.state_size()
 
     # -- records -------------------------------------------------------------------------------
 
@@ -219,9 +220,20 @@ class Elastic:
             return []
 
     def serve_current(self) -> None:
-        """Offer the current state to joiners (call after every round, failed or not)."""
-        data = self.diloco.state_bytes()
-        self.runtime.call_sync(self.server.offer, data[-32:], data)
+        """Offer the current state to joiners (call after every round, failed or not): from its
+        checkpoint file when there is one (a range is read when a joiner asks for it), else
+        from a copy in memory."""
+        state_hash = bytes.fromhex(self.diloco.state_hash())
+        saved = self.diloco.state_file()
+        data: bytes | StoredState | None = None
+        if saved is not None:
+            try:
+                data = StoredState(saved.path, saved.offset, saved.length, state_hash)
+            except (OSError, ValueError) as exc:
+                log.warning("serving the state from memory: %s", exc)
+        if data is None:
+            data = self.diloco.state_bytes()
+        self.runtime.call_sync(self.server.offer, state_hash, data)
 
     # -- matchmaking ---------------------------------------------------------------------------
 
@@ -536,7 +548,7 @@ class Elastic:
         except trio.TooSlowError:
             raise StateSyncFailed(f"download took over {SYNC_TIMEOUT_S:.0f} s") from None
         data = got.data
-        self.diloco.load_state(bytes(data))
+        self.diloco.load_state(data)
         seconds = time.monotonic() - started
         self.fresh = True
         self.syncs += 1

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -97,13 +98,38 @@ def state_hash_of(data: bytes | bytearray | memoryview) -> bytes | None:
     return claimed if hashlib.sha256(view[:-HASH_BYTES]).digest() == claimed else None
 
 
+class StoredState:
+    """A state's encoding as ``length`` bytes at ``offset`` of a file (its checkpoint), read a
+    range at a time: a node serves its states without a copy of them in memory. The file is
+    opened here and stays open while this object lives, so a checkpoint deleted by a later
+    round still serves a transfer under way. Raises OSError, or ValueError when the file's
+    range does not end in ``state_hash`` (the encoding's own trailing digest; a joiner checks
+    the whole against it anyway)."""
+
+    def __init__(self, path: str | os.PathLike[str], offset: int, length: int, state_hash: bytes):
+        self._file = open(path, "rb")  # noqa: SIM115  # held open on purpose, see above
+        self.offset, self.length = offset, length
+        if length <= HASH_BYTES or self.read(length - HASH_BYTES, HASH_BYTES) != state_hash:
+            self._file.close()
+            raise ValueError(f"{path} does not hold the state {state_hash.hex()[:12]}")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int, length: int) -> bytes:
+        data = os.pread(self._file.fileno(), length, self.offset + start)
+        if len(data) != length:
+            raise OSError(f"short read of a stored state ({len(data)} of {length} bytes)")
+        return data
+
+
 class StateServer:
     """Serves this node's latest agreed states to joiners. ``offer`` runs in the trio thread."""
 
     def __init__(self, node: Node, run_id: str) -> None:
         self.node = node
         self.run_id = run_id
-        self._states: OrderedDict[bytes, bytes] = OrderedDict()
+        self._states: OrderedDict[bytes, bytes | StoredState] = OrderedDict()
         self._serving = 0
         self.ranges_served = 0
         self.bytes_served = 0
@@ -111,16 +137,17 @@ class StateServer:
     def install(self) -> None:
         self.node.host.set_handler(PROTOCOL, self.serve)
 
-    def offer(self, state_hash: bytes, data: bytes) -> None:
-        """Serve ``data`` (a state encoding whose hash is ``state_hash``) from now on."""
-        if state_hash_of(data) != state_hash:
+    def offer(self, state_hash: bytes, data: bytes | StoredState) -> None:
+        """Serve ``data`` (a state encoding whose hash is ``state_hash``, or where a file holds
+        it, checked when it was opened) from now on."""
+        if not isinstance(data, StoredState) and state_hash_of(data) != state_hash:
             raise ValueError("the offered state does not match its hash")
         self._states[state_hash] = data
         self._states.move_to_end(state_hash)
         while len(self._states) > KEEP_STATES:
             self._states.popitem(last=False)
 
-    def _refusal(self, request: StateRangeRequest) -> tuple[str, bytes | None]:
+    def _refusal(self, request: StateRangeRequest) -> tuple[str, bytes | StoredState | None]:
         if request.run_id != self.run_id:
             return f"not serving run {request.run_id!r}", None
         data = self._states.get(request.state_hash)
@@ -145,7 +172,11 @@ class StateServer:
             self._serving += 1
             try:
                 await rpc.send(StateRangeAccepted(len(data)))
-                view = memoryview(data)[request.offset : request.offset + request.length]
+                start, length = request.offset, request.length
+                if isinstance(data, StoredState):
+                    view = memoryview(await trio.to_thread.run_sync(data.read, start, length))
+                else:
+                    view = memoryview(data)[start : start + length]
                 await send_bulk(
                     stream,
                     view,

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 AGREEMENT_TIMEOUT_S = 3.0
 # After the last round, how long a node keeps serving a peer that is re-syncing to the final state.
 FINAL_LINGER_S = 15.0
+# Round buffers the averager keeps between rounds (bench.memory: a node's peak RSS).
+NODE_BUFFER_POOL_BYTES = 64 << 20
 
 
 @dataclass
@@ -128,6 +130,10 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
         compression=swarm.Compression.NONE if verified else _COMPRESSIONS[config.swarm.compression],
         audit=verified,
         auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
+        # Round buffers of a large model (a copy of the pseudo-gradient, the mean, the slices
+        # received: over twice the parameters' bytes) are given back after the round rather
+        # than kept resident through the inner phase; the default model's still fit.
+        buffer_pool_bytes=NODE_BUFFER_POOL_BYTES,
     )
 
 

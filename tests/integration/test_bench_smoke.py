@@ -32,3 +32,24 @@ def test_the_soak_bench_runs_a_relay_and_a_coordinator_through_connections() -> 
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["bench"] == "soak" and summary["targets_alive"], summary
     assert summary["connections"] >= 40 and summary["failed"] == 0, summary
+
+
+def test_the_memory_bench_measures_each_nodes_peak_rss_at_a_tiny_size() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--params", "1M", "--peers", "2", "--rounds", "1",
+         "--inner-steps", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("params", "peak_rss_bytes", "rss_over_param_bytes", "round_s"):
+        assert summary[key] > 0, summary
+    assert 0.9e6 < summary["params"] < 1.1e6 and summary["state_hashes_agree"], summary
+    # A node holds at least its parameters and AdamW's two moments, and more than an idle
+    # interpreter; at 1M parameters the interpreter and torch are most of it.
+    assert summary["rss_over_param_bytes"] > 3, summary
+    assert summary["peak_rss_bytes"] > summary["baseline_rss_bytes"], summary
+    assert summary["rss_over_param_bytes"] == round(
+        summary["peak_rss_bytes"] / summary["param_bytes"], 3
+    )
+    assert len(summary["nodes"]) == 2 and "peak RSS" in done.stdout

@@ -8,7 +8,9 @@ import hashlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -18,6 +20,7 @@ from swarmtrain.membership.state_sync import (
     StateRangeRefused,
     StateRangeRequest,
     StateServer,
+    StoredState,
     download_state,
     node_fetcher,
 )
@@ -43,8 +46,14 @@ async def _node(bootstrap: tuple[str, ...] = ()) -> AsyncIterator[Node]:
         yield node
 
 
-async def test_ranges_from_two_sources_refusals_and_garbage() -> None:
+async def test_ranges_from_two_sources_refusals_and_garbage(tmp_path: Path) -> None:
     data, digest = _state(4 * MIN_PIECE_BYTES + 12345)
+    # The second source serves from a file that holds the state among other bytes, as a node
+    # serves its checkpoint; a file whose range is not the state is refused when opened.
+    stored = tmp_path / "checkpoint"
+    stored.write_bytes(b"head" * 25 + data + b"tail")
+    with pytest.raises(ValueError, match="does not hold the state"):
+        StoredState(stored, 99, len(data), digest)
     async with _node() as first:
         join = (join_addr(first),)
         async with _node(join) as second, _node(join) as third, _node(join) as client:
@@ -52,7 +61,8 @@ async def test_ranges_from_two_sources_refusals_and_garbage() -> None:
             for server in servers:
                 server.install()
             servers[0].offer(digest, data)
-            servers[1].offer(digest, data)  # the third never held this state
+            servers[1].offer(digest, StoredState(stored, 100, len(data), digest))
+            # (the third never held this state)
             peers = [first.host.peer_id, second.host.peer_id, third.host.peer_id]
 
             with trio.fail_after(60):

@@ -176,3 +176,38 @@ def test_a_state_dir_of_another_config_is_refused(tmp_path: Path) -> None:
             inner_steps=5,
             state_dir=tmp_path,
         )
+
+
+def test_the_streamed_file_is_the_msgpack_of_its_fields_and_holds_the_state_where_said(
+    tmp_path: Path,
+) -> None:
+    from diloco.checkpoint import state_offset
+
+    state, inner = _state(5), _adamw_state()
+    path = save_checkpoint(tmp_path, state, "run-a", inner)
+    data = path.read_bytes()
+
+    def tensor(t: torch.Tensor) -> msgpack.ExtType:
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return msgpack.ExtType(1, msgpack.packb([str(t.dtype).split(".")[1], list(t.shape), raw]))
+
+    fields = {"version": 1, "fingerprint": "run-a", "state": state.to_bytes(), "inner": inner}
+    payload = msgpack.packb(fields, default=tensor)  # what the file held before it streamed
+    assert data == MAGIC + hashlib.sha256(payload).digest() + payload
+    offset = state_offset("run-a", state)
+    assert data[offset : offset + state.encoded_size()] == state.to_bytes()
+
+
+def test_a_node_points_at_its_state_inside_its_newest_checkpoint(tmp_path: Path) -> None:
+    diloco, model = _node(tmp_path)
+    assert diloco.state_file() is None  # nothing saved yet
+    with diloco:
+        _train(diloco, model, 2)
+        saved = diloco.state_file()
+        assert saved is not None and saved.path.name == "diloco-0000000002.ckpt"
+        with saved.path.open("rb") as file:
+            file.seek(saved.offset)
+            assert file.read(saved.length) == diloco.state_bytes()
+        assert saved.length == diloco.state_size() == len(diloco.state_bytes())
+    resumed, _ = _node(tmp_path, seed=5)
+    assert resumed.state_file() == saved

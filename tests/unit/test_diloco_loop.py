@@ -513,3 +513,21 @@ def test_global_parameters_are_a_named_copy_of_the_global_state() -> None:
         assert not torch.equal(
             torch.cat([t.reshape(-1) for t in named.values()]), diloco.global_state.params
         )
+
+
+def test_the_rounds_step_frees_the_gradients_before_the_round_runs() -> None:
+    model = ByteTransformer(CONFIG, seed=1)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    held: list[bool] = []
+
+    def average(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        held.append(any(p.grad is not None for p in model.parameters()))
+        return AverageOutcome(vector, {"solo": weight})
+
+    with DiLoCo(model, inner, average, inner_steps=2) as diloco:
+        for step, (inputs, targets) in enumerate(_batches(0, 0, 2)):
+            model.loss(inputs, targets).backward()
+            diloco.step()
+            # A step inside the phase leaves the gradients to the user's loop, as torch does.
+            assert all(p.grad is not None for p in model.parameters()) == (step == 0)
+    assert held == [False]  # the round's buffers never met a full set of gradients

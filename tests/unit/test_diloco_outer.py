@@ -105,3 +105,22 @@ def test_outer_step_uses_the_momentum_of_its_round_bit_for_bit() -> None:
     first = outer_step(GlobalState(0, params, momentum, bytes(32)), gradient, config)
     assert torch.equal(first.params, torch.sub(params, torch.mul(gradient, torch.tensor(0.7))))
     assert torch.equal(first.momentum, gradient)
+
+
+def test_the_in_place_update_in_slices_gives_the_same_bits_and_reuses_the_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Slices of 1000 over 10,001 elements: a ragged last slice, every slice boundary crossed.
+    monkeypatch.setattr("diloco.outer.CHUNK", 1000)
+    generator = torch.Generator().manual_seed(3)
+    params, momentum = torch.randn(10_001, generator=generator), torch.zeros(10_001)
+    state = GlobalState(2, params.clone(), momentum.clone(), bytes(32))
+    for _ in range(3):
+        g = torch.randn(10_001, generator=generator) * 0.01
+        params, momentum = nesterov_update(params, momentum, g, lr=0.7, mu=0.9)
+        same = (state.params, state.momentum)
+        state = outer_step(state, g, OuterConfig(momentum=0.9), in_place=True)
+        assert state.params is same[0] and state.momentum is same[1]  # no copy
+    assert state.round == 5
+    assert state.params.numpy().tobytes() == params.numpy().tobytes()
+    assert state.momentum.numpy().tobytes() == momentum.numpy().tobytes()
