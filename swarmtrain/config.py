@@ -325,6 +325,13 @@ class SwarmSection(_Section):
         '# below, "int8" every tensor (blockwise, deterministic), "none" exact float32\n'
         "# (verified runs always average exactly)",
     )  # fmt: skip
+    max_weight_rounds: int = _key(
+        8, *_POSITIVE_INT,
+        "a contribution weighs its tokens (a failed round's carry into the next); every\n"
+        "# reducer drops a peer declaring more than this many rounds' worth of one process's\n"
+        "# tokens (H x grad_accumulation x batch_size x sequence_length), so a liar's weight\n"
+        "# cannot swamp the average; a verified run fixes it at one round's",
+    )  # fmt: skip
     state_quorum: int = _key(
         0, _non_negative, "a non-negative integer",
         "0: a joiner (or a node re-syncing) adopts the state most peers hold (a majority of\n"

@@ -296,8 +296,13 @@ def is_view_at(piece: np.ndarray, vector: np.ndarray, start: int) -> bool:
     return piece.ctypes.data == address and piece.strides == vector.strides
 
 
-def _good_weight(weight: object) -> bool:
-    return isinstance(weight, int | float) and math.isfinite(weight) and weight > 0
+def _good_weight(weight: object, bounds: tuple[float, float] = (0.0, math.inf)) -> bool:
+    return (
+        isinstance(weight, int | float)
+        and math.isfinite(weight)
+        and weight > 0
+        and bounds[0] <= weight <= bounds[1]
+    )
 
 
 class AllReduce:
@@ -317,6 +322,10 @@ class AllReduce:
 
     ``deadline`` and every ``now`` are on one clock, the driver's (rule 8); ``math.inf``: none.
 
+    ``weight_bounds``: the weights the run allows, ``(low, high)``; a peer declaring another is
+    dropped (a weight is a claim of work done: one inflated weight would outweigh every honest
+    contribution, issue 19). A verified run fixes it (low == high); ours must be inside too.
+
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
     ``LocalProtocolError`` for an unknown event, a second ``start`` or any call after ``FAILED``.
@@ -335,14 +344,16 @@ class AllReduce:
         chunks: int = 1,
         out: np.ndarray | None = None,
         allocate: Callable[[int], np.ndarray] | None = None,
+        weight_bounds: tuple[float, float] = (0.0, math.inf),
     ) -> None:
         self.peers: tuple[bytes, ...] = tuple(sorted(set(peers)))
         if me not in self.peers or len(self.peers) != len(peers):
             raise LocalProtocolError("peers must be unique and include me")
         if _finite_float32(local, len(local) if isinstance(local, np.ndarray) else -1):
             raise LocalProtocolError("local vector must be 1-D finite float32")
-        if not _good_weight(weight):
-            raise LocalProtocolError("weight must be positive and finite")
+        self.weight_bounds = weight_bounds
+        if not _good_weight(weight, weight_bounds):
+            raise LocalProtocolError(f"weight must be positive, finite and in {weight_bounds}")
         order = sorted(range(len(peers)), key=lambda i: peers[i])
         self.chunks = chunks
         self.parts = partition(len(local), self.peers, [bandwidths[i] for i in order], chunks)
@@ -464,6 +475,9 @@ class AllReduce:
             return f"duplicate slice of part {event.part_index}"
         if not _good_weight(event.weight):
             return "weight not positive and finite"
+        if not _good_weight(event.weight, self.weight_bounds):
+            low, high = self.weight_bounds
+            return f"weight {event.weight:g} outside the run's bounds [{low:g}, {high:g}]"
         if self.weights.get(event.sender, event.weight) != event.weight:
             return "weight changed within the round"
         why = _finite_float32(event.data, stop - start)
@@ -480,7 +494,10 @@ class AllReduce:
         if len(ids) != len(entries) or ids != sorted(set(ids)) or not set(ids) <= set(self.peers):
             return f"contributors of part {p} malformed or not in the group"
         for peer, weight in entries:
-            if not _good_weight(weight) or self.weights.get(peer, weight) != weight:
+            if (
+                not _good_weight(weight, self.weight_bounds)
+                or self.weights.get(peer, weight) != weight
+            ):
                 return f"weight of {peer!r} invalid or inconsistent"
         _, start, stop = self.parts[p]
         why = _finite_float32(event.data, stop - start)

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -128,6 +129,9 @@ class AveragerConfig:
     # the kernel's page zeroing, but a kept buffer is resident between rounds; a node training a
     # large model keeps less (``swarmtrain.training.loop.averager_config``).
     buffer_pool_bytes: int = 1 << 30
+    # The weights a contribution may declare, (low, high): a peer declaring another is dropped
+    # from the round by every reducer; ours outside is the caller's error (ValueError).
+    weight_bounds: tuple[float, float] = (0.0, math.inf)
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -328,6 +332,9 @@ class Averager:
             raise RuntimeError("Averager.run is not running")
         if not (isinstance(weight, int | float) and np.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be positive and finite, got {weight!r}")
+        low, high = self.config.weight_bounds
+        if not low <= weight <= high:
+            raise ValueError(f"weight {weight!r} is outside the run's bounds [{low}, {high}]")
         r = self.next_round if round_number is None else round_number
         self.next_round = r + 1
         return r
@@ -366,6 +373,7 @@ class Averager:
                 heartbeat_s=self.config.heartbeat_s,
                 bulk=self.config.bulk,
                 tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
+                weight_bounds=self.config.weight_bounds,
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),

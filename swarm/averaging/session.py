@@ -28,6 +28,7 @@ misbehaviour per peer), so a receiver never waits on the machine, while a flood 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -93,6 +94,8 @@ class SessionConfig:
     bulk: BulkConfig = field(default_factory=BulkConfig)
     # Tests of the aggregation audit (``AveragingFaults``): every part we reduce goes through it.
     tamper_reduced: Callable[[int, np.ndarray], np.ndarray] | None = None
+    # The weights the run allows (``AllReduce``'s ``weight_bounds``).
+    weight_bounds: tuple[float, float] = (0.0, math.inf)
     # Our upload link's rate, when known (configured, not measured): each pair's channel is then
     # paced at its share, rate x PACING_SHARE / (N - 1), so the N - 1 flows into a receiver fit
     # its link (equal links) instead of overflowing its queue and backing off (TCP incast).
@@ -172,6 +175,7 @@ class Session(PeerLinks):
             chunks=self.chunks,
             out=self._out,
             allocate=self._buffers.take,
+            weight_bounds=config.weight_bounds,
         )
         self.parts = self._values.parts = self.machine.parts
         self.alive: frozenset[bytes] = frozenset(self.peers)

@@ -124,6 +124,7 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
     # from its inputs (an aggregation audit), and lets only the coordinator fetch our slices.
     verified = config.verify.rate > 0
     return swarm.AveragerConfig(
+        weight_bounds=weight_bounds(config),
         run_id=config.run.id,
         matchmaking_timeout_s=config.swarm.matchmaking_timeout_s,
         allreduce_timeout_s=config.swarm.allreduce_timeout_s,
@@ -135,6 +136,21 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
         # than kept resident through the inner phase; the default model's still fit.
         buffer_pool_bytes=NODE_BUFFER_POOL_BYTES,
     )
+
+
+def tokens_per_round(config: RunConfig) -> int:
+    """What one process's inner phase processes: a round's contribution weight."""
+    t = config.training
+    return t.inner_steps * t.grad_accumulation * t.batch_size * t.sequence_length
+
+
+def weight_bounds(config: RunConfig) -> tuple[float, float]:
+    """The weights the run's reducers accept (``[swarm] max_weight_rounds``); a verified run's
+    tasks are one round each, so its weight is exactly one round's tokens."""
+    one = float(tokens_per_round(config))
+    if config.verify.rate > 0:
+        return one, one
+    return 0.0, one * config.swarm.max_weight_rounds
 
 
 _COMPRESSIONS = {
@@ -372,9 +388,7 @@ def _verified_inner_phase(
     inner_s = time.perf_counter() - started
     verification.settle(r)
     local = torch.cat([torch.from_numpy(work.params[n]).reshape(-1) for n in params])
-    tokens = (
-        config.training.inner_steps * config.training.batch_size * config.training.sequence_length
-    )
+    tokens = tokens_per_round(config)  # the weight the run fixes for a verified task
     outcome = diloco.finish_inner_phase(local, samples=tokens)
     return work.losses, tokens, inner_s, outcome
 

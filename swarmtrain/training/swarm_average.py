@@ -74,6 +74,7 @@ class SwarmAverage:
     ) -> None:
         self._runtime = runtime
         self._averager = averager
+        self._max_weight = averager.config.weight_bounds[1]
         self._check = check
         self._sizes = None if sizes is None else tuple(sizes)
         self.set_rules(expected=expected, exclude=exclude, behind=behind)
@@ -100,6 +101,9 @@ class SwarmAverage:
         expected = self._expected(round) if self._expected is not None else None
         exclude = frozenset(self._exclude(round)) if self._exclude is not None else frozenset()
         averager, sizes = self._averager, self._sizes
+        # Rounds of carried work past the run's bound: counted at the bound, not dropped by
+        # every reducer as an inflated claim.
+        weight = min(weight, self._max_weight)
 
         async def average() -> swarm.AveragingResult:
             return await averager.average_vector(

@@ -24,6 +24,8 @@ or stalls for real; nothing is simulated on the other peers):
     slow-sending:S       sleep S seconds before sending each slice
     slow-reducing:S      stall the round driver S seconds before sending our reduced part
     garbage:KIND         send a bad slice (KIND: nan, short, index) instead of the first real one
+    inflate:W            declare weight W, ignoring ``--max-weight`` (a liar claiming work)
+``--max-weight X``: the run's weight bounds are (0, X] (``AveragerConfig.weight_bounds``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -131,6 +134,8 @@ def install_fault(spec: str | None) -> None:
             return channel
 
         Session._send_item = bad
+    elif kind == "inflate":
+        pass  # ``main`` reads it: the weight is an averaging argument, not a protocol step
     else:
         raise SystemExit(f"unknown fault {spec!r}")
 
@@ -150,6 +155,10 @@ def _after_group_forms(averager: Averager, then: Callable[[], None]) -> None:
         return group
 
     averager._form_group = form_then  # type: ignore[method-assign]
+
+
+# ``--fault inflate:W``: every round declares this weight.
+INFLATED_WEIGHT: float | None = None
 
 
 async def command(averager: Averager, line: str) -> dict[str, Any]:
@@ -176,7 +185,7 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 average = averager.average_vector if request.get("flat") else averager.average
                 result = await average(
                     local if request.get("flat") else [local],  # type: ignore[arg-type]
-                    request.get("weight", 1.0),
+                    INFLATED_WEIGHT or request.get("weight", 1.0),
                     round_number=request["round"],
                     expected_peers=None
                     if expected is None
@@ -241,6 +250,10 @@ def _hex(peer_id_text: str) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
+    global INFLATED_WEIGHT
+    inflated = (args.fault or "").startswith("inflate:")
+    if inflated:
+        INFLATED_WEIGHT = float(args.fault.split(":", 1)[1])
     compression = None if args.compression == "auto" else Compression[args.compression.upper()]
     config = NodeConfig(host=HostConfig(create_new_key_pair()), bootstrap=(args.join,))
     async with open_node(config) as node, trio.open_nursery() as nursery:
@@ -254,6 +267,7 @@ async def main(args: argparse.Namespace) -> None:
                 peer_timeout_s=args.peer_timeout,
                 max_group_size=args.max_group_size,
                 audit=args.audit,
+                weight_bounds=(0.0, math.inf if inflated else args.max_weight),
             ),
         )
         await nursery.start(averager.run)
@@ -275,6 +289,7 @@ if __name__ == "__main__":
     parser.add_argument("--peer-timeout", type=float, default=5.0)
     parser.add_argument("--max-group-size", type=int, default=64)
     parser.add_argument("--fault")
+    parser.add_argument("--max-weight", type=float, default=math.inf)
     parser.add_argument("--audit", action="store_true", help="sign slices, check their proofs")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()

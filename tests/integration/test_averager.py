@@ -340,6 +340,19 @@ def test_bad_input_drops_the_sender_with_a_reason(swarm: Swarm, kind: str, reaso
     assert not liar.reply()["ok"]
 
 
+def test_an_inflated_weight_drops_the_sender_and_the_others_agree(swarm: Swarm) -> None:
+    """Issue 19 point 2: a weight is a claim of work; one peer declaring a million times an
+    honest round's would own the average. Every reducer drops it (weights 1-3 are honest)."""
+    peers = swarm.start(3, {2: "inflate:1e6"}, "--run-id", "inflated", "--max-weight", "10")
+    liar, honest = peers[2], peers[:2]
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in honest]
+    swarm.check(replies, honest)
+    reasons = [r["dropped"].get(liar.id, "") for r in replies]
+    assert any("outside the run's bounds [0, 10]" in why for why in reasons), reasons
+    assert not liar.reply()["ok"]
+
+
 def test_in_an_audited_round_a_slice_without_its_senders_signature_drops_the_sender(
     swarm: Swarm,
 ) -> None:

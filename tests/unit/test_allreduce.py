@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import deque
 
@@ -377,6 +378,28 @@ def test_duplicate_slice_and_changed_weight_drop_the_sender():
     assert b not in machine.members and b not in machine.alive
     # a message from the dropped peer afterwards is ignored
     assert machine.handle(PartReceived(b, 0, data, net.weights[b]), 1.0) == []
+
+
+def test_a_weight_outside_the_runs_bounds_drops_the_sender():
+    me, honest, liar = b"a", b"b", b"c"
+    peers = [me, honest, liar]
+    local = np.ones(30, dtype=np.float32)
+    machine = AllReduce(me, peers, [1, 1, 1], local, 2.0, math.inf, weight_bounds=(0.0, 10.0))
+    machine.start(0.0)
+    _, start, stop = machine.parts[0]
+    data = np.ones(stop - start, dtype=np.float32)
+    assert machine.handle(PartReceived(honest, 0, data, 10.0), 1.0) == []  # the bound itself
+    actions = machine.handle(PartReceived(liar, 0, data, 1e6), 1.0)
+    assert DropPeer(liar, "weight 1e+06 outside the run's bounds [0, 10]") in actions
+    assert liar not in machine.members
+    with pytest.raises(LocalProtocolError):  # ours must be inside as well
+        AllReduce(me, peers, [1, 1, 1], local, 11.0, math.inf, weight_bounds=(0.0, 10.0))
+    # A verified run fixes the weight: anything else is dropped.
+    fixed = AllReduce(me, peers, [1, 1, 1], local, 5.0, math.inf, weight_bounds=(5.0, 5.0))
+    fixed.start(0.0)
+    assert any(
+        isinstance(a, DropPeer) for a in fixed.handle(PartReceived(honest, 0, data, 4.0), 1.0)
+    )
 
 
 def test_deadline_fails_an_unfinished_round_and_is_ignored_after_done():
