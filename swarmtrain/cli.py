@@ -29,6 +29,7 @@ import json
 import logging
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,14 @@ from pathlib import Path
 import trio
 from libp2p.crypto.keys import KeyPair
 
-from p2p import IdentityError, P2PError, default_identity_path, load_or_create_identity, peer_id_of
+from p2p import (
+    IdentityError,
+    P2PError,
+    PeerID,
+    default_identity_path,
+    load_or_create_identity,
+    peer_id_of,
+)
 from swarmtrain.commands import verify as verify_cmd
 from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
@@ -177,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         "repeatable; the node refuses a spec naming any other [none: no user code]",
     )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
+    p_node.add_argument(
+        "--token",
+        default=None,
+        help="a token run's join token (from the run's operator: swarmtrain coordinator token)",
+    )
+    # A stranger that does not refuse itself, for the admission tests: the members must.
+    p_node.add_argument("--ignore-admission", action="store_true", help=argparse.SUPPRESS)
     # A cheater for tests and demos of a verified run (verify.rate > 0): flips one bit of
     # operator OP's output at inner step STEP of this node's task in round ROUND.
     p_node.add_argument("--cheat", type=_cheat, default=None, help=argparse.SUPPRESS)
@@ -220,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", type=Path, default=None, help="run config [the embedded default run]"
     )
     p_coord.add_argument("--rounds", type=int, default=None, help="override run.rounds")
+    p_coord.add_argument(
+        "action",
+        nargs="?",
+        choices=["token"],
+        default=None,
+        help='token: print a join token for --peer (a run.admission = "token" run) and exit',
+    )
+    p_coord.add_argument("--peer", default=None, metavar="PEER_ID", help="token: who it admits")
+    p_coord.add_argument(
+        "--expires",
+        default="24h",
+        metavar="DURATION",
+        help="token: how long it admits, e.g. 30m, 24h, 7d [24h]",
+    )
     p_coord.add_argument(
         "--announce",
         action="append",
@@ -337,9 +366,13 @@ def _main_node(args: argparse.Namespace) -> int:
             role=args.role,
             allow_models=tuple(args.allow_model),
             faults=Faults(
-                task=args.cheat, reduce_round=args.cheat_reduce, slow_start_s=args.slow_start
+                task=args.cheat,
+                reduce_round=args.cheat_reduce,
+                slow_start_s=args.slow_start,
+                ignore_admission=args.ignore_admission,
             ),
             pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
+            token=args.token,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -397,10 +430,45 @@ def _coordinator_config(args: argparse.Namespace) -> RunConfig:
     return config
 
 
+def _duration_s(text: str) -> float:
+    """``30m``, ``24h``, ``7d``, ``90s`` or plain seconds. Raises ValueError."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    number, unit = (text[:-1], text[-1]) if text[-1:] in units else (text, "s")
+    seconds = float(number) * units[unit]
+    if not 0 < seconds < 10 * 365 * 86400:
+        raise ValueError(f"--expires {text}: give a positive duration such as 30m, 24h or 7d")
+    return seconds
+
+
+def _main_token(args: argparse.Namespace, key_pair: KeyPair) -> int:
+    from swarmtrain.admission import make_token
+
+    try:
+        config = _coordinator_config(args)
+        if config.run.admission != "token":
+            raise ValueError(
+                f'run.admission is "{config.run.admission}": join tokens are for runs with '
+                'run.admission = "token"'
+            )
+        if not args.peer:
+            raise ValueError("--peer is required: the peer id the token admits (swarmtrain id)")
+        peer = PeerID.from_base58(args.peer)
+        expires = time.time() + _duration_s(args.expires)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"swarmtrain coordinator token: {_one_line(exc)}", file=sys.stderr)
+        return 1
+    ends = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
+    print(f"token for {peer} in run {config.run.id}, valid until {ends}:", file=sys.stderr)
+    print(make_token(key_pair, config.run.id, peer, expires), flush=True)
+    return 0
+
+
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
     from swarmtrain.commands.coordinator import CoordinatorOptions, run_coordinator
     from swarmtrain.training.workload import with_data_fingerprint, with_model_hash
 
+    if args.action == "token":
+        return _main_token(args, key_pair)
     try:
         config = _coordinator_config(args)
         # The spec carries the data's fingerprint and the pretrained weights' hash, from the

@@ -60,6 +60,13 @@ def _factory_ok(value: Any) -> bool:
     )
 
 
+def _peer_id_ok(value: Any) -> bool:
+    # base58 (no 0, O, I, l), the length of libp2p's Ed25519 and RSA ids; p2p parses it fully.
+    return (
+        isinstance(value, str) and re.fullmatch(r"[1-9A-HJ-NP-Za-km-z]{40,64}", value) is not None
+    )
+
+
 def _run_id_ok(value: Any) -> bool:
     return len(value) <= 64 and "/" not in value and value.isprintable() and " " not in value
 
@@ -106,6 +113,7 @@ MODEL_KINDS = ("default", "transformers")
 DATA_KINDS = ("stdlib", "text", "tokens", "datasets")
 TOKEN_DTYPES = ("uint16", "uint32")
 COMPRESSIONS = ("auto", "int8", "none")
+ADMISSIONS = ("open", "allowlist", "token")
 # The config keys that give a causal LM's longest sequence, by model family (Llama, GPT-2, ...).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 MAX_MODEL_CONFIG_BYTES = 16384
@@ -140,6 +148,18 @@ class RunSection(_Section):
     )
     rounds: int = _key(5, *_POSITIVE_INT,
                        "outer rounds; nodes exit with a summary after the last one")  # fmt: skip
+    admission: str = _key(
+        "open", lambda v: v in ADMISSIONS, f"one of {', '.join(ADMISSIONS)}",
+        '"open": anyone may join. "allowlist": only the peer ids in `allow`. "token": only\n'
+        "# holders of a join token the coordinator signed (swarmtrain coordinator token --peer\n"
+        "# ID --expires 24h; the node's --token). Members ignore what others write under the\n"
+        "# run's keys and refuse their state downloads",
+    )  # fmt: skip
+    allow: tuple[str, ...] = _key(
+        (), lambda v: len(v) <= 4096 and all(_peer_id_ok(p) for p in v),
+        "a list of at most 4096 peer ids",
+        'admission "allowlist": the members\' peer ids (swarmtrain id prints a node\'s)',
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -431,6 +451,12 @@ class RunConfig:
             raise ConfigError(
                 f"training.sequence_length ({training.sequence_length}) is longer than "
                 f"model.context ({model.context})"
+            )
+        if self.run.admission == "allowlist" and not self.run.allow:
+            raise ConfigError('run.admission = "allowlist" needs run.allow: nobody could join')
+        if self.run.admission == "token" and not self.run.id:
+            raise ConfigError(
+                'run.admission = "token" needs run.id: the tokens name the run they admit to'
             )
         _check_model_kind(self)
         _check_data_kind(self)

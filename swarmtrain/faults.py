@@ -41,6 +41,8 @@ class Faults:
     task: tuple[int, int, int] | None = None
     reduce_round: int | None = None
     slow_start_s: float = 0.0
+    # A stranger that does not refuse itself (``--ignore-admission``): the members must.
+    ignore_admission: bool = False
 
     def __post_init__(self) -> None:
         if self.task is not None and (len(self.task) != 3 or min(self.task) < 0):

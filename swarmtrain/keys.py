@@ -13,6 +13,7 @@ key                                    value (one signed subkey per peer)  built
 ``run/<id>/progress``                  ``ProgressRecord``                  ``progress_key``
 ``run/<id>/join/<r>``                  join announcement                   ``join_key``
 ``run/<id>/starts``                    ``StartAnnouncement``               ``starts_key``
+``run/<id>/admissions``                ``JoinToken`` (token runs)          ``admissions_key``
 ``run/<id>/verify/<r>``                ``RoundClaims`` (verified runs)     ``verify_key``
 ``run/<id>/verdicts``                  coordinator's verdict list          ``verdicts_key``
 ``run/<id>/aggregate/<r>``             aggregation audit records           ``aggregate_key``
@@ -30,6 +31,7 @@ from __future__ import annotations
 from swarm import round_key, servers_key, state_key
 
 __all__ = [
+    "admissions_key",
     "aggregate_key",
     "audits_key",
     "join_key",
@@ -90,3 +92,8 @@ def trainers_key(run_id: str) -> str:
     if not run_id or "/" in run_id:
         raise ValueError(f"run id must be non-empty and contain no '/': {run_id!r}")
     return f"pipeline/{run_id}/trainers"
+
+
+def admissions_key(run_id: str) -> str:
+    """Where a token run's members store their join tokens (``swarmtrain.admission``)."""
+    return f"run/{run_id}/admissions"

@@ -12,6 +12,7 @@ cancels it: shutdown is cancellation.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from p2p import NodeConfig, NodeThread, PeerID, subkey_values
 
@@ -24,6 +25,9 @@ class PeerRuntime(NodeThread):
 
     def __init__(self, node_config: NodeConfig, *, start_timeout_s: float = 60.0) -> None:
         super().__init__(node_config, name="swarmtrain-p2p", start_timeout_s=start_timeout_s)
+        # A permissioned run's members (``swarmtrain.admission``): reads keep only their
+        # entries; None: everyone's.
+        self.admits: Callable[[str], bool] | None = None
 
     @property
     def peer_id(self) -> PeerID:
@@ -64,4 +68,6 @@ class PeerRuntime(NodeThread):
         assert self.node is not None
         records = await self.node.dht.get_records(key, latest=True)
         values = subkey_values(records, now=time.time())
-        return [(str(PeerID(records[s].owner)), v) for s, v in sorted(values.items())]
+        found = [(str(PeerID(records[s].owner)), v) for s, v in sorted(values.items())]
+        admits = self.admits
+        return found if admits is None else [(o, v) for o, v in found if admits(o)]

@@ -132,6 +132,9 @@ class AveragerConfig:
     # The weights a contribution may declare, (low, high): a peer declaring another is dropped
     # from the round by every reducer; ours outside is the caller's error (ValueError).
     weight_bounds: tuple[float, float] = (0.0, math.inf)
+    # A permissioned run's members, by peer id bytes: others' declarations and state hashes
+    # are ignored, so they never join a group (and no all-reduce stream of theirs is taken).
+    admit: Callable[[bytes], bool] | None = None
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -467,7 +470,12 @@ class Averager:
 
     async def state_agreement(self, round_number: int) -> StateAgreement:
         records = await self.node.dht.get_records(self._state_key(round_number), latest=True)
-        digests = {r.owner: r.value.hex() for r in records.values() if len(r.value) <= 64}
+        admit = self.config.admit or (lambda _: True)
+        digests = {
+            r.owner: r.value.hex()
+            for r in records.values()
+            if len(r.value) <= 64 and admit(r.owner)
+        }
         counts = Counter(digests.values())
         majority = None
         if counts:
@@ -511,6 +519,7 @@ class Averager:
                 config=self._matchmaking,
                 reach=self._reach,
                 exclude=exclude,
+                admit=self.config.admit,
             )
         except MatchmakingFailed as exc:
             self._survivors = None

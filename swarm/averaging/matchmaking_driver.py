@@ -123,16 +123,20 @@ async def form_group(
     config: MatchmakingConfig,
     reach: Reach | None = None,
     exclude: frozenset[bytes] = frozenset(),
+    admit: Callable[[bytes], bool] | None = None,
 ) -> Finish:
     """Declare for ``declaration.round`` and return the group this peer belongs to.
 
     Returns as soon as every expected peer declared, else decides on a re-read after
     ``timeout_s``. Declarations of ``exclude`` (peers the run refuses: banned, or whose
-    contribution to this round failed verification) are ignored. Raises ``MatchmakingFailed``.
+    contribution to this round failed verification) and of peers ``admit`` refuses (not members
+    of a permissioned run) are ignored. Raises ``MatchmakingFailed``.
     """
 
     def admitted(found: tuple[Declaration, ...]) -> tuple[Declaration, ...]:
-        return tuple(d for d in found if d.peer_id not in exclude)
+        return tuple(
+            d for d in found if d.peer_id not in exclude and (admit is None or admit(d.peer_id))
+        )
 
     machine = Matchmaker(
         declaration.peer_id,

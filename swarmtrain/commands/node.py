@@ -10,23 +10,42 @@ and the number of rounds all come from the spec. A DiLoCo run's rounds are
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import trio
 
 import swarm
 from diloco import load_stdlib_corpus
-from p2p import HostConfig, NodeConfig, PeerID, load_or_create_identity, peer_id_of
+from p2p import (
+    HostConfig,
+    NodeConfig,
+    PeerID,
+    load_or_create_identity,
+    peer_id_of,
+    subkey_values,
+)
+from swarmtrain.admission import (
+    REFRESH_S,
+    TOKEN_TTL_S,
+    Admission,
+    base64_token_bytes,
+    own_problem,
+)
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
 from swarmtrain.commands.export import save_spec
 from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
+from swarmtrain.keys import admissions_key
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_pipeline
@@ -59,6 +78,8 @@ class NodeOptions:
     faults: Faults = NO_FAULTS
     # A pipeline node's test and demo settings (``--pipeline-hook KEY=VALUE``, hidden).
     pipeline_hooks: PipelineHooks | None = None
+    # A token run's join token (``swarmtrain coordinator token``), as text.
+    token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -68,6 +89,54 @@ class NodeOptions:
         for factory in self.allow_models:
             if not re.fullmatch(FACTORY_PATTERN, factory):
                 raise ValueError(f"--allow-model {factory!r}: expected MODULE:FUNCTION")
+
+
+def _admit(
+    config: RunConfig,
+    coordinator: PeerID,
+    runtime: PeerRuntime,
+    options: NodeOptions,
+    emit: Callable[[str], None],
+) -> Admission:
+    """Check that we are a member of a permissioned run (ValueError naming why not), store our
+    token (a token run), and from now on read only the members' entries of the run's keys."""
+    admission = Admission(config, coordinator)
+    if admission.open:
+        return admission
+    problem = own_problem(admission, runtime.peer_id, options.token, time.time())
+    if problem is not None and not options.faults.ignore_admission:
+        raise ValueError(problem)
+    runtime.admits = admission.admits_id
+    if admission.mode == "token":
+        key = admissions_key(config.run.id)
+        node = runtime.node
+        assert node is not None
+
+        async def refresh() -> None:
+            records = await node.dht.get_records(key, latest=True)
+            values = subkey_values(records, now=time.time())
+            found = {str(PeerID(records[s].owner)): v for s, v in values.items()}
+            admission.refresh(found, time.time())
+
+        async def keep_fresh(*, task_status: trio.TaskStatus[None]) -> None:
+            task_status.started()
+            stored = -float("inf")
+            while True:
+                if options.token and time.monotonic() - stored > TOKEN_TTL_S / 2:
+                    data = base64_token_bytes(options.token)
+                    with contextlib.suppress(Exception):
+                        await node.dht.store(key, data, time.time() + TOKEN_TTL_S)
+                        stored = time.monotonic()
+                with contextlib.suppress(Exception):
+                    await refresh()
+                await trio.sleep(REFRESH_S)
+
+        if options.token:
+            runtime.store(key, base64_token_bytes(options.token), TOKEN_TTL_S)
+        runtime.call(refresh)
+        runtime.start(keep_fresh)
+    emit(f"run {config.run.id} admits {admission.mode} members only; this peer is one")
+    return admission
 
 
 def resolve_device(name: str) -> torch.device:
@@ -149,11 +218,15 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 f"tokens, fingerprint {local_data.fingerprint[:12]} as the spec's"
             )
             save_spec(options.state_dir, spec)  # what ``swarmtrain export`` rebuilds
+            admission = _admit(config, coordinator, runtime, options, emit)
+            admit = None if admission.open else admission.admits
             averager = swarm.Averager(
-                node, averager_config(config, coordinator), faults=options.faults
+                node,
+                dataclasses.replace(averager_config(config, coordinator), admit=admit),
+                faults=options.faults,
             )
             runtime.start(averager.run)
-            server = StateServer(node, config.run.id)
+            server = StateServer(node, config.run.id, admit=admit)
             runtime.call_sync(server.install)
             summary = train(
                 config,

@@ -126,9 +126,12 @@ class StoredState:
 class StateServer:
     """Serves this node's latest agreed states to joiners. ``offer`` runs in the trio thread."""
 
-    def __init__(self, node: Node, run_id: str) -> None:
+    def __init__(
+        self, node: Node, run_id: str, admit: Callable[[bytes], bool] | None = None
+    ) -> None:
         self.node = node
         self.run_id = run_id
+        self._admit = admit  # a permissioned run's members; None: anyone
         self._states: OrderedDict[bytes, bytes | StoredState] = OrderedDict()
         self._serving = 0
         self.ranges_served = 0
@@ -165,6 +168,8 @@ class StateServer:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 request = await rpc.receive(StateRangeRequest)
             reason, data = self._refusal(request)
+            if self._admit is not None and not self._admit(rpc.peer_id.to_bytes()):
+                reason, data = "not a member of this run", None
             if data is None:
                 await rpc.send(StateRangeRefused(reason))
                 await rpc.close()

@@ -1,0 +1,103 @@
+"""Permissioned runs (issue 19 point 3) as a user runs them: real processes on loopback.
+
+An allow-listed run trains among its members while a stranger that ignores its own refusal is
+ignored by them (never in a group, its state requests refused), and a stranger that obeys exits
+with one line; a token run takes a node with a valid token and refuses an expired one."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from peerproc import SWARMTRAIN
+from runproc import node, round_lines, start_coordinator, wait_exit
+
+from p2p import load_or_create_identity, peer_id_of
+
+
+def _identity(state_dir: Path) -> str:
+    state_dir.mkdir(parents=True)
+    return str(peer_id_of(load_or_create_identity(state_dir / "identity.key")))
+
+
+def test_an_allow_listed_run_trains_among_its_members_and_ignores_a_stranger(
+    tmp_path: Path,
+) -> None:
+    members = [tmp_path / "m0", tmp_path / "m1"]
+    ids = [_identity(d) for d in members]
+    allow = "[" + ", ".join(f'"{i}"' for i in ids) + "]"
+    coordinator, join = start_coordinator(
+        tmp_path, 3, 5, settings={"admission": '"allowlist"', "allow": allow, "min_peers": "2"}
+    )
+    started = []
+    try:
+        # One that obeys its refusal, one that does not (the members must ignore it).
+        polite = node(join, tmp_path / "polite")
+        started.append(polite)
+        assert wait_exit(polite, 60) == 1
+        assert "is not one of them" in polite.stderr, polite.stderr[-2000:]
+        stranger = node(join, tmp_path / "stranger", "--ignore-admission")
+        started.append(stranger)
+        stranger.wait_line(lambda s: "starting at round" in s, timeout_s=60)
+        peers = [node(join, d) for d in members]
+        started.extend(peers)
+        for peer in peers:
+            assert wait_exit(peer, 100) == 0, peer.stderr[-3000:]
+            lines = round_lines(peer)
+            assert sorted(lines) == [0, 1, 2], peer.lines
+            assert all("peers 2" in ln and "agree yes (2/2)" in ln for ln in lines.values()), lines
+        assert not any("peers 3" in ln or "peers 2" in ln for ln in stranger.lines), stranger.lines
+    finally:
+        for peer in started:
+            peer.stop()
+        coordinator.stop()
+
+
+def _token(tmp_path: Path, peer_id: str, expires: str) -> str:
+    made = subprocess.run(
+        [
+            *SWARMTRAIN,
+            "coordinator",
+            "token",
+            "--config",
+            str(tmp_path / "run.toml"),
+            "--identity",
+            str(tmp_path / "coordinator.key"),
+            "--peer",
+            peer_id,
+            "--expires",
+            expires,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    return made.stdout.strip()
+
+
+def test_a_token_run_takes_a_valid_token_and_refuses_an_expired_one(tmp_path: Path) -> None:
+    coordinator, join = start_coordinator(
+        tmp_path, 2, 5, settings={"admission": '"token"', "id": '"token-run"'}
+    )
+    started = []
+    try:
+        member_dir, late_dir = tmp_path / "member", tmp_path / "late"
+        valid = _token(tmp_path, _identity(member_dir), "10m")
+        expired = _token(tmp_path, _identity(late_dir), "1s")
+        time.sleep(1.5)
+        late = node(join, late_dir, "--token", expired)
+        started.append(late)
+        member = node(join, member_dir, "--token", valid)
+        started.append(member)
+        assert wait_exit(late, 60) == 1
+        assert "--token: the token expired at" in late.stderr, late.stderr[-2000:]
+        assert wait_exit(member, 100) == 0, member.stderr[-3000:]
+        assert any("admits token members only" in ln for ln in member.lines), member.lines
+        assert sorted(round_lines(member)) == [0, 1], member.lines
+    finally:
+        for peer in started:
+            peer.stop()
+        coordinator.stop()
