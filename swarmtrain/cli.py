@@ -9,10 +9,10 @@
                         [--announce MA ...]
     swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
-                        [--allow-model MODULE:FUNCTION ...]
+                        [--allow-model MODULE:FUNCTION ...] [--nproc-per-node K]
     swarmtrain status   --join MULTIADDR [--json] [--probe]
     swarmtrain local    [--config run.toml] [--peers N] [--rounds R] [--inner-steps H]
-                        [--workdir DIR] [--json PATH]
+                        [--workdir DIR] [--json PATH] [--nproc-per-node K]
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
     swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
@@ -176,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model factory ([model] factory) a spec may make this node import, "
         "repeatable; the node refuses a spec naming any other [none: no user code]",
     )
+    p_node.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run the inner phase as data parallel over K local processes (gloo on the CPU, "
+        "NCCL on CUDA, one device each); this one stays the swarm peer; --threads is shared "
+        "among them; not for pipeline or verified runs [1]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     # A cheater for tests and demos of a verified run (verify.rate > 0): flips one bit of
     # operator OP's output at inner step STEP of this node's task in round ROUND.
@@ -336,6 +345,7 @@ def _main_node(args: argparse.Namespace) -> int:
             json_path=args.json,
             role=args.role,
             allow_models=tuple(args.allow_model),
+            nproc_per_node=args.nproc_per_node,
             faults=Faults(
                 task=args.cheat, reduce_round=args.cheat_reduce, slow_start_s=args.slow_start
             ),

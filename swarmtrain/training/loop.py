@@ -47,8 +47,9 @@ from swarmtrain.membership.elastic import Elastic, RunOver
 from swarmtrain.membership.progress import Progress
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.training.inner_step import accumulate, set_lr
+from swarmtrain.training.inner_step import accumulate, inner_optimizer, set_lr
 from swarmtrain.training.progress_bar import InnerProgress
+from swarmtrain.training.ranks import LocalRanks
 from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
 from swarmtrain.verified.volunteer import Banned, Verification
 
@@ -78,6 +79,9 @@ class NodeSummary:
     round_seconds: list[float] = field(default_factory=list)
     banned: str = ""  # a verified run's verdict against this peer
     run_over: str = ""  # joined after the run's end and could not fetch its final state
+    nproc_per_node: int = 1  # local ranks (--nproc-per-node) sharing each inner phase
+    rank_digests: list[str] = field(default_factory=list)  # by rank, after the last phase
+    ranks_agree: bool | None = None  # every phase ended with the same bytes on every rank
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -97,6 +101,9 @@ class NodeSummary:
             "round_seconds": [round(s, 3) for s in self.round_seconds],
             "banned": self.banned,
             "run_over": self.run_over,
+            "nproc_per_node": self.nproc_per_node,
+            "rank_digests": self.rank_digests,
+            "ranks_agree": self.ranks_agree,
         }
 
     def done_line(self) -> str:
@@ -151,17 +158,21 @@ def train(
     state_dir: Path,
     join_wait_s: float,
     faults: Faults = NO_FAULTS,
+    ranks: LocalRanks | None = None,
 ) -> NodeSummary:
     """Train ``model`` (the spec's, with its round-0 parameters: ``workload.build_model``)
     through the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
     catching up with the swarm, waiting at most ``join_wait_s`` for a round boundary); ``emit``
-    gets one progress line per round. ``faults``: a verified run's tampering test hook."""
+    gets one progress line per round. ``faults``: a verified run's tampering test hook.
+    ``ranks``: the node's other local ranks (``--nproc-per-node``), which share each inner
+    phase; the caller closes them."""
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = model.to(device)
-    inner = torch.optim.AdamW(
-        model.parameters(), lr=config.training.inner_lr, weight_decay=config.training.weight_decay
-    )
+    inner = inner_optimizer(model, config.training)
+    if ranks is not None:
+        # Before DiLoCo's hook exists, and before we announce our start to the swarm.
+        ranks.connect(model, inner)
     verification = None
     if config.verify.rate > 0:
         verification = Verification(
@@ -232,7 +243,7 @@ def train(
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
-                    verification, progress,
+                    verification, progress, ranks,
                 )  # fmt: skip
             except Banned as exc:
                 summary.banned = str(exc)
@@ -244,6 +255,10 @@ def train(
         diloco.close()
     summary.syncs = elastic.syncs
     summary.state_hash = diloco.state_hash()
+    if ranks is not None:
+        summary.nproc_per_node = ranks.nproc
+        summary.rank_digests = list(ranks.digests.last)
+        summary.ranks_agree = ranks.digests.agree
     # Held-out loss of the global parameters (the model holds them after an applied round).
     summary.eval_loss = evaluate(
         model, eval_batches(corpus, batches=4, context=config.training.sequence_length)
@@ -266,11 +281,16 @@ def _native_inner_phase(
     corpus: Corpus,
     peer_bytes: bytes,
     progress: InnerProgress,
+    ranks: LocalRanks | None = None,
 ) -> tuple[list[float], int, float, RoundOutcome]:
-    """H AdamW steps on our shard; the H-th runs the round.
+    """H AdamW steps on our shard; the H-th runs the round. With ``ranks``, each step's batch
+    is shared with the node's other ranks (``ranks.shard`` of the node's draw), its gradients
+    averaged across them, its loss and tokens the node's.
     (losses, tokens, inner seconds, the round's outcome)"""
     training = config.training
     steps, micro = training.inner_steps, training.grad_accumulation
+    if ranks is not None:
+        ranks.begin_phase(diloco.round, steps)
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run.id),
@@ -279,6 +299,7 @@ def _native_inner_phase(
         steps=steps * micro,
         batch_size=training.batch_size,
         context=training.sequence_length,
+        shard=ranks.shard if ranks is not None else (0, 1),
     )
     started = time.perf_counter()
     losses: list[float] = []
@@ -291,8 +312,11 @@ def _native_inner_phase(
             set_lr(diloco.inner_optimizer, training, diloco.round * steps + step,
                    config.run.rounds * steps)  # fmt: skip
             loss, step_tokens = accumulate(
-                diloco.model, batches[step * micro : (step + 1) * micro], training
-            )
+                diloco.model, batches[step * micro : (step + 1) * micro], training,
+                ranks.ddp if ranks is not None else None,
+            )  # fmt: skip
+            if ranks is not None:
+                loss, step_tokens = ranks.mean_loss(loss), step_tokens * ranks.nproc
             losses.append(loss)
             tokens += step_tokens
             progress.step(loss, step_tokens)
@@ -338,13 +362,14 @@ def _train_round(
     emit: Callable[[str], None],
     verification: Verification | None = None,
     progress: InnerProgress | None = None,
+    ranks: LocalRanks | None = None,
 ) -> None:
     r = diloco.round
     progress = progress or InnerProgress()
     started = time.perf_counter()
     if verification is None:
         losses, tokens, inner_s, outcome = _native_inner_phase(
-            config, diloco, corpus, peer_bytes, progress
+            config, diloco, corpus, peer_bytes, progress, ranks
         )
     else:
         losses, tokens, inner_s, outcome = _verified_inner_phase(config, diloco, verification)
