@@ -325,6 +325,7 @@ def rank_main(job: RankJob) -> None:
         store.set(f"error/{job.rank}", f"{type(exc).__name__}: {exc}".splitlines()[0])
         raise SystemExit(1) from None
     store.set(f"ready/{job.rank}", "1")
+    log.info("ready (pid %d, %d threads, %s)", os.getpid(), job.threads, device)
     try:
         dist.init_process_group(
             _backend(job.device), store=store, rank=job.rank, world_size=job.nproc,
