@@ -278,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_local.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     p_local.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each node's inner phase data parallel over K local processes (as swarmtrain node "
+        "--nproc-per-node) [1]",
+    )
+    p_local.add_argument(
         "--verify-rate",
         type=float,
         default=0.0,
@@ -484,6 +492,7 @@ def _main_local(args: argparse.Namespace) -> int:
             verbose=args.verbose,
             verify_rate=args.verify_rate,
             delay_node=args.delay_node,
+            nproc_per_node=args.nproc_per_node,
         )
         summary = run_local(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -521,6 +530,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.nproc_per_node != 1:
+            print(
+                "swarmtrain local: --nproc-per-node needs a DiLoCo run (no --pipeline-stages): "
+                "a pipeline's roles run in one process",
+                file=sys.stderr,
+            )
+            return 1
         args.rounds = 5 if args.rounds is None else args.rounds  # local's default
         return pipeline_local.run(args)
     if args.command == "local":

@@ -13,6 +13,7 @@ import torch
 
 from diloco import inner_batches, load_stdlib_corpus
 from swarmtrain.cli import main
+from swarmtrain.commands.local import LocalOptions
 from swarmtrain.commands.node import NodeOptions
 from swarmtrain.config import RunConfig
 from swarmtrain.training.ranks_plan import (
@@ -117,3 +118,18 @@ def test_node_refuses_a_k_over_the_cpus_in_one_line_before_joining(
         f"at most {too_many - 1} ranks"
     ], err
     assert not (tmp_path / "n").exists()  # nothing written
+
+
+def test_local_passes_k_to_its_nodes_and_refuses_it_where_a_node_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert LocalOptions(nproc_per_node=2).nproc_per_node == 2
+    with pytest.raises(ValueError, match="--nproc-per-node must be positive"):
+        LocalOptions(nproc_per_node=0)
+    with pytest.raises(ValueError, match=r"^--nproc-per-node: a verified run's inner phases"):
+        LocalOptions(nproc_per_node=2, verify_rate=0.5)
+    assert main(["local", "--pipeline-stages", "2", "--nproc-per-node", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "swarmtrain local: --nproc-per-node needs a DiLoCo run (no --pipeline-stages): a "
+        "pipeline's roles run in one process"
+    ]
