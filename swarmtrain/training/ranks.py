@@ -228,6 +228,8 @@ class LocalRanks:
         assert self._group is not None, "connect() first"
         optimizer_state = self._resend_state and bool(self._group.optimizer.state)
         control = Control(Op.TRAIN, round, steps, optimizer_state=optimizer_state)
+        if optimizer_state:
+            log.info("round %d: the ranks take our inner optimizer state", round)
         self._send(control)
         self._phase, self._steps = (round, steps), 0
         self._group.sync(control)

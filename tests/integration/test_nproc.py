@@ -68,23 +68,44 @@ def test_a_two_rank_node_and_a_plain_one_agree_every_round(tmp_path: Path) -> No
     assert _gone(int(found.group(1)), 10)
 
 
-def test_ctrl_c_stops_the_node_and_its_rank(tmp_path: Path) -> None:
+def test_ctrl_c_or_a_killed_node_ends_its_rank_and_a_restart_resumes_with_its_ranks(
+    tmp_path: Path,
+) -> None:
     """A terminal's Ctrl+C reaches the node's whole process group mid-run: the node leaves as
-    it does alone (exit status 130, no traceback) and its rank leaves too."""
+    it does alone (exit status 130, no traceback) and so does its rank. Restarted on its state
+    directory, the node resumes from its checkpoint (its AdamW state goes to its new rank),
+    meets the swarm again and agrees with it; SIGKILLed (its rank gets no word), its rank
+    leaves within seconds."""
     coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=4, settings=SETTINGS)
+    ranked = restarted = None
+    plain = node(join, tmp_path / "b")
     try:
         ranked = node(join, tmp_path / "a", "--nproc-per-node", "2")
-        plain = node(join, tmp_path / "b")
         ranked.wait_line(lambda s: s.startswith("round 1 "), timeout_s=90)
-        found = RANK_READY.search(ranked.stderr)
-        assert found is not None, ranked.stderr[-3000:]
+        rank = RANK_READY.search(ranked.stderr)
+        assert rank is not None, ranked.stderr[-3000:]
         os.killpg(ranked.proc.pid, signal.SIGINT)
         assert wait_exit(ranked, 30) == 130, ranked.stderr[-3000:]
         assert "Traceback" not in ranked.stderr, ranked.stderr[-3000:]
-        assert _gone(int(found.group(1)), 10)
+        assert _gone(int(rank.group(1)), 10)
+
+        restarted = node(join, tmp_path / "a", "--nproc-per-node", "2")
+        resumed = restarted.wait_line(lambda s: s.startswith("node "), timeout_s=60)
+        assert "resumed from checkpoint at round" in resumed, resumed
+        line = restarted.wait_line(
+            lambda s: ROUND_LINE.match(s) and "agree yes (2/2)" in s, timeout_s=60
+        )
+        assert "peers 2" in line, line
+        assert "ranks take our inner optimizer state" in restarted.stderr
+        assert "hold different bytes" not in restarted.stderr, restarted.stderr[-3000:]
+        rank = RANK_READY.search(restarted.stderr)
+        assert rank is not None, restarted.stderr[-3000:]
+        restarted.proc.kill()  # rank 0 alone: its rank hears nothing from it
+        assert _gone(int(rank.group(1)), 10)
     finally:
-        for proc in (ranked, plain):
-            proc.stop()
+        for proc in (ranked, restarted, plain):
+            if proc is not None:
+                proc.stop()
         coordinator.stop()
 
 
