@@ -74,10 +74,10 @@ def test_ctrl_c_or_a_killed_node_ends_its_rank_and_a_restart_resumes_with_its_ra
     """A terminal's Ctrl+C reaches the node's whole process group mid-run: the node leaves as
     it does alone (exit status 130, no traceback) and so does its rank. Restarted on its state
     directory, the node resumes from its checkpoint (its AdamW state goes to its new rank),
-    meets the swarm again and agrees with it; SIGKILLed (its rank gets no word), its rank
-    leaves within seconds."""
+    meets the swarm again and agrees with it. A rank killed stops its node with one line naming
+    it; a node SIGKILLed (its rank gets no word) loses its rank within seconds."""
     coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=4, settings=SETTINGS)
-    ranked = restarted = None
+    ranked = restarted = killed = None
     plain = node(join, tmp_path / "b")
     try:
         ranked = node(join, tmp_path / "a", "--nproc-per-node", "2")
@@ -100,10 +100,21 @@ def test_ctrl_c_or_a_killed_node_ends_its_rank_and_a_restart_resumes_with_its_ra
         assert "hold different bytes" not in restarted.stderr, restarted.stderr[-3000:]
         rank = RANK_READY.search(restarted.stderr)
         assert rank is not None, restarted.stderr[-3000:]
-        restarted.proc.kill()  # rank 0 alone: its rank hears nothing from it
+        os.kill(int(rank.group(1)), signal.SIGKILL)  # a rank dies: its node stops, naming it
+        assert wait_exit(restarted, 30) == 1, restarted.stderr[-3000:]
+        errors = [e for e in restarted.stderr.splitlines() if e.startswith("swarmtrain node:")]
+        assert errors == [
+            "swarmtrain node: --nproc-per-node: rank 1 exited with status -9 (its log is above)"
+        ], restarted.stderr[-3000:]
+
+        killed = node(join, tmp_path / "a", "--nproc-per-node", "2")
+        killed.wait_stderr("local ranks joined", timeout_s=60)
+        rank = RANK_READY.search(killed.stderr)
+        assert rank is not None, killed.stderr[-3000:]
+        killed.proc.kill()  # rank 0 alone: its rank hears nothing from it
         assert _gone(int(rank.group(1)), 10)
     finally:
-        for proc in (ranked, restarted, plain):
+        for proc in (ranked, restarted, killed, plain):
             if proc is not None:
                 proc.stop()
         coordinator.stop()
