@@ -258,12 +258,17 @@ class LocalRanks:
         self._store.set(control_key(self._sequence), control.to_bytes())
         self._sequence += 1
 
-    def failed_rank(self) -> str:
-        """A line naming a rank that exited, or ""."""
-        for k, proc in enumerate(self._procs, start=1):
-            if proc.exitcode not in (None, 0):
-                return f"{FLAG}: rank {k} exited with status {proc.exitcode} (its log is above)"
-        return ""
+    def failed_rank(self, wait_s: float = 2.0) -> str:
+        """A line naming a rank that exited, or "" when none did within ``wait_s``: a dying
+        rank's sockets close (and break our collective) just before its exit status shows."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for k, proc in enumerate(self._procs, start=1):
+                if proc.exitcode not in (None, 0):
+                    return f"{FLAG}: rank {k} exited with status {proc.exitcode} (its log is above)"
+            if time.monotonic() > deadline:
+                return ""
+            time.sleep(POLL_S)
 
     def close(self, error: str = "") -> None:
         """Stop the other ranks: ``STOP`` between phases, else (they wait in a collective of a
