@@ -145,22 +145,29 @@ def inner_batches(
     steps: int,
     batch_size: int,
     context: int,
+    shard: tuple[int, int] = (0, 1),
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The ``steps`` training batches a peer uses in its inner phase of ``round``.
 
     Each batch is ``(inputs, targets)``, both int64 ``(batch_size, context)``, targets shifted by
     one byte. Windows start at uniform random offsets in the training part drawn from
     ``assignment_seed``: the same arguments always give the same batches, and different peers or
-    rounds give different ones. Raises ValueError on non-positive sizes or a context longer than
-    the corpus.
+    rounds give different ones. ``shard = (k, n)``: the k-th of n disjoint column slices of the
+    batches the peer would draw with ``n * batch_size`` (a node's k-th local rank of n), so the n
+    shards together are exactly those larger batches and (k=0, n=1) is the peer's whole draw.
+    Raises ValueError on non-positive sizes, a bad shard or a context longer than the corpus.
     """
     if min(steps, batch_size, context) <= 0 or round < 0:
         raise ValueError("steps, batch_size and context must be positive; round non-negative")
+    rank, ranks = shard
+    if not 0 <= rank < ranks:
+        raise ValueError(f"shard {shard}: expected (k, n) with 0 <= k < n")
     if context + 1 > len(corpus.train):
         raise ValueError("context longer than the training corpus")
     rng = np.random.Generator(np.random.PCG64(assignment_seed(run_seed, round, peer_id)))
-    offsets = rng.integers(0, len(corpus.train) - context, size=(steps, batch_size))
-    return [_batch_at(corpus.train, row, context) for row in offsets]
+    offsets = rng.integers(0, len(corpus.train) - context, size=(steps, batch_size * ranks))
+    mine = offsets[:, rank * batch_size : (rank + 1) * batch_size]
+    return [_batch_at(corpus.train, row, context) for row in mine]
 
 
 def eval_batches(

@@ -9,10 +9,10 @@
                         [--announce MA ...]
     swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
-                        [--allow-model MODULE:FUNCTION ...]
+                        [--allow-model MODULE:FUNCTION ...] [--nproc-per-node K]
     swarmtrain status   --join MULTIADDR [--json] [--probe]
     swarmtrain local    [--config run.toml] [--peers N] [--rounds R] [--inner-steps H]
-                        [--workdir DIR] [--json PATH]
+                        [--workdir DIR] [--json PATH] [--nproc-per-node K]
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
     swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
@@ -184,6 +184,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a model factory ([model] factory) a spec may make this node import, "
         "repeatable; the node refuses a spec naming any other [none: no user code]",
     )
+    p_node.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run the inner phase as data parallel over K local processes (gloo on the CPU, "
+        "NCCL on CUDA, one device each); this one stays the swarm peer; --threads is shared "
+        "among them; not for pipeline or verified runs [1]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     p_node.add_argument(
         "--token",
@@ -298,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_local.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     p_local.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="each node's inner phase data parallel over K local processes (as swarmtrain node "
+        "--nproc-per-node) [1]",
+    )
+    p_local.add_argument(
         "--verify-rate",
         type=float,
         default=0.0,
@@ -365,6 +382,7 @@ def _main_node(args: argparse.Namespace) -> int:
             json_path=args.json,
             role=args.role,
             allow_models=tuple(args.allow_model),
+            nproc_per_node=args.nproc_per_node,
             faults=Faults(
                 task=args.cheat,
                 reduce_round=args.cheat_reduce,
@@ -542,6 +560,7 @@ def _main_local(args: argparse.Namespace) -> int:
             verbose=args.verbose,
             verify_rate=args.verify_rate,
             delay_node=args.delay_node,
+            nproc_per_node=args.nproc_per_node,
         )
         summary = run_local(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -579,6 +598,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        if args.nproc_per_node != 1:
+            print(
+                "swarmtrain local: --nproc-per-node needs a DiLoCo run (no --pipeline-stages): "
+                "a pipeline's roles run in one process",
+                file=sys.stderr,
+            )
+            return 1
         args.rounds = 5 if args.rounds is None else args.rounds  # local's default
         return pipeline_local.run(args)
     if args.command == "local":

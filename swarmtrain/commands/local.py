@@ -70,9 +70,11 @@ class LocalOptions:
     # A run config to run (``--config run.toml``) instead of the embedded default one; its
     # run id, rounds and H are replaced by ``run_id`` (when given), ``rounds``, ``inner_steps``.
     config: RunConfig | None = None
+    # Each node's local data-parallel ranks (``swarmtrain node --nproc-per-node``).
+    nproc_per_node: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("peers", "rounds", "inner_steps"):
+        for name in ("peers", "rounds", "inner_steps", "nproc_per_node"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive")
         if self.delay_node is not None:
@@ -81,6 +83,11 @@ class LocalOptions:
                 raise ValueError("--delay-node I:S needs 0 <= I < peers and 0 <= S <= 600")
         if not 0 <= self.verify_rate <= 1:
             raise ValueError(f"--verify-rate must be in [0, 1], got {self.verify_rate}")
+        if self.verify_rate > 0 and self.nproc_per_node > 1:
+            raise ValueError(
+                "--nproc-per-node: a verified run's inner phases are RepOps tasks of one "
+                "process; drop --verify-rate or --nproc-per-node"
+            )
 
     def run_config(self, run_id: str) -> RunConfig:
         """The config the coordinator signs. Raises ConfigError (a ValueError) when the
@@ -106,7 +113,7 @@ class LocalOptions:
     def deadline_s(self) -> float:
         # Generous: a 2-core machine runs a default-model step in about 0.2 s per process.
         cpus = os.cpu_count() or 1
-        step_s = 0.3 * max(1.0, self.peers / cpus)
+        step_s = 0.3 * max(1.0, self.peers * self.nproc_per_node / cpus)
         if self.verify_rate > 0:  # RepOps steps (about 4.5x), traced, some run twice
             step_s *= 6 * (1 + self.verify_rate)
         delay_s = self.delay_node[1] if self.delay_node is not None else 0.0
@@ -287,7 +294,12 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
             if index == delayed:
                 emit(f"starting node {index} {delay_s:.0f} s after the others (--delay-node)")
                 time.sleep(delay_s)  # the delay is the point: a late volunteer
-            argv = node_argv(join, workdir / f"node{index}", threads, verbose=options.verbose)
+            # Each node shares its threads among its ranks.
+            ranks = ("--nproc-per-node", str(options.nproc_per_node))
+            argv = node_argv(
+                join, workdir / f"node{index}", threads, verbose=options.verbose,
+                extra=ranks if options.nproc_per_node > 1 else (),
+            )  # fmt: skip
             child = Child(
                 f"node {index}", argv, workdir / f"node{index}.log", emit_from(f"[{index}]")
             )

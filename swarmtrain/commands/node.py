@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
@@ -52,6 +53,8 @@ from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_
 from swarmtrain.runspec import RunSpec
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.loop import NodeSummary, averager_config, train
+from swarmtrain.training.ranks import LocalRanks
+from swarmtrain.training.ranks_plan import check_nproc, check_run, threads_per_rank
 from swarmtrain.training.workload import build_model, check_data, load_data
 
 log = logging.getLogger(__name__)
@@ -80,6 +83,9 @@ class NodeOptions:
     pipeline_hooks: PipelineHooks | None = None
     # A token run's join token (``swarmtrain coordinator token``), as text.
     token: str | None = None
+    # Local data-parallel ranks of the inner phase (``--nproc-per-node``): this process is
+    # rank 0, the swarm peer; it spawns the others (``swarmtrain.training.ranks``).
+    nproc_per_node: int = 1
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -89,6 +95,8 @@ class NodeOptions:
         for factory in self.allow_models:
             if not re.fullmatch(FACTORY_PATTERN, factory):
                 raise ValueError(f"--allow-model {factory!r}: expected MODULE:FUNCTION")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
 
 
 def _admit(
@@ -165,7 +173,14 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     ``role`` on a DiLoCo run, RuntimeError when the agreed state cannot be downloaded or a
     pipeline stage has no server."""
     device = resolve_device(options.device)
-    if options.threads:
+    nproc = options.nproc_per_node
+    check_nproc(
+        nproc, device.type, cuda_devices=torch.cuda.device_count(), cpus=os.cpu_count() or 1
+    )
+    if nproc > 1:
+        # K ranks share what one process would use: --threads, else torch's default.
+        torch.set_num_threads(threads_per_rank(options.threads, nproc, torch.get_num_threads()))
+    elif options.threads:
         torch.set_num_threads(options.threads)
     options.state_dir.mkdir(parents=True, exist_ok=True)
     key_pair = load_or_create_identity(options.identity or options.state_dir / "identity.key")
@@ -181,6 +196,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     loader.shutdown(wait=False)
     runtime = PeerRuntime(node_config)
     summary: NodeSummary | PipelineSummary
+    ranks: LocalRanks | None = None
     try:
         node = runtime.node
         assert node is not None
@@ -190,6 +206,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         # standard library, other files) is refused with one line, exit status 1.
         local_data = corpus.result() if config.data.kind == "stdlib" else load_data(config)
         check_data(config, local_data)
+        check_run(nproc, config)  # a pipeline or verified run refuses several local ranks
         if config.is_pipeline:
             summary = _run_pipeline(options, config, runtime, coordinator, emit)
         else:
@@ -220,6 +237,12 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
             save_spec(options.state_dir, spec)  # what ``swarmtrain export`` rebuilds
             admission = _admit(config, coordinator, runtime, options, emit)
             admit = None if admission.open else admission.admits
+            if nproc > 1:
+                # Spawned now, so they load the data and build the model while we join.
+                ranks = LocalRanks(
+                    config, runtime.peer_id.to_bytes(), nproc, device, torch.get_num_threads()
+                )
+                emit(f"{nproc} local ranks ({device.type}): this process is rank 0, the peer")
             averager = swarm.Averager(
                 node,
                 dataclasses.replace(averager_config(config, coordinator), admit=admit),
@@ -241,9 +264,18 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 state_dir=options.state_dir,
                 join_wait_s=options.join_wait_s,
                 faults=options.faults,
+                ranks=ranks,
             )
             summary.peer_id = str(peer_id_of(key_pair))
+    except Exception as exc:
+        # A rank that died breaks rank 0's collective with a transport error: name the rank.
+        failed = ranks.failed_rank() if ranks is not None else ""
+        if failed:
+            raise RuntimeError(failed) from exc
+        raise
     finally:
+        if ranks is not None:
+            ranks.close()
         runtime.close()
     if options.json_path is not None:
         options.json_path.parent.mkdir(parents=True, exist_ok=True)

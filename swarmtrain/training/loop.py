@@ -49,8 +49,9 @@ from swarmtrain.membership.elastic import Elastic, RunOver
 from swarmtrain.membership.progress import Progress, member_list
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.training.inner_step import accumulate, set_lr
+from swarmtrain.training.inner_step import accumulate, inner_optimizer, set_lr
 from swarmtrain.training.progress_bar import InnerProgress
+from swarmtrain.training.ranks import LocalRanks
 from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
 from swarmtrain.verified.volunteer import Banned, Verification
 
@@ -83,6 +84,9 @@ class NodeSummary:
     round_losses: dict[int, float] = field(default_factory=dict)  # mean inner loss by round
     banned: str = ""  # a verified run's verdict against this peer
     run_over: str = ""  # joined after the run's end and could not fetch its final state
+    nproc_per_node: int = 1  # local ranks (--nproc-per-node) sharing each inner phase
+    rank_digests: list[str] = field(default_factory=list)  # by rank, after the last phase
+    ranks_agree: bool | None = None  # every phase ended with the same bytes on every rank
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -103,6 +107,9 @@ class NodeSummary:
             "round_losses": {str(r): loss for r, loss in self.round_losses.items()},
             "banned": self.banned,
             "run_over": self.run_over,
+            "nproc_per_node": self.nproc_per_node,
+            "rank_digests": self.rank_digests,
+            "ranks_agree": self.ranks_agree,
         }
 
     def done_line(self) -> str:
@@ -184,14 +191,21 @@ def train(
     state_dir: Path,
     join_wait_s: float,
     faults: Faults = NO_FAULTS,
+    ranks: LocalRanks | None = None,
 ) -> NodeSummary:
     """Train ``model`` (the spec's, with its round-0 parameters: ``workload.build_model``)
     through the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
     catching up with the swarm, waiting at most ``join_wait_s`` for a round boundary); ``emit``
-    gets one progress line per round. ``faults``: a verified run's tampering test hook."""
+    gets one progress line per round. ``faults``: a verified run's tampering test hook.
+    ``ranks``: the node's other local ranks (``--nproc-per-node``), which share each inner
+    phase; the caller closes them."""
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = model.to(device)
+    inner = inner_optimizer(model, config.training)
+    if ranks is not None:
+        # Before DiLoCo's hook exists, and before we announce our start to the swarm.
+        ranks.connect(model, inner)
     verification = None
     if config.verify.rate > 0:
         verification = Verification(
@@ -215,7 +229,7 @@ def train(
         # the averager picks codecs per parameter.
         sizes=[p.numel() for p in model.parameters() if p.requires_grad],
     )
-    diloco = build_diloco(config, model, average, state_dir)
+    diloco = build_diloco(config, model, average, state_dir, inner)
     elastic = Elastic(
         runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds,
         min_holders=config.swarm.state_quorum,
@@ -256,7 +270,7 @@ def train(
             try:
                 _train_round(
                     config, diloco, average, elastic, corpus, peer.to_bytes(), summary, emit,
-                    verification, progress, phases,
+                    verification, progress, phases, ranks,
                 )  # fmt: skip
             except Banned as exc:
                 summary.banned = str(exc)
@@ -273,6 +287,10 @@ def train(
         diloco.close()
     summary.syncs = elastic.syncs
     summary.state_hash = diloco.state_hash()
+    if ranks is not None:
+        summary.nproc_per_node = ranks.nproc
+        summary.rank_digests = list(ranks.digests.last)
+        summary.ranks_agree = ranks.digests.agree
     # Held-out loss of the global parameters (the model holds them after an applied round).
     summary.eval_loss = evaluate(
         model, eval_batches(corpus, batches=4, context=config.training.sequence_length)
@@ -285,13 +303,14 @@ def build_diloco(
     model: nn.Module,
     average: Average | Callable[[int, torch.Tensor, float], AverageOutcome],
     state_dir: Path | None = None,
+    inner: torch.optim.Optimizer | None = None,
 ) -> DiLoCo:
-    """DiLoCo over ``model`` with an AdamW inner optimizer, as the spec's ``[training]`` sets
-    them (``bench.diloco --config`` builds its in-process workers with this too)."""
+    """DiLoCo over ``model`` with ``inner`` (default: the AdamW ``inner_optimizer`` builds), as
+    the spec's ``[training]`` sets them (``bench.diloco --config`` builds its in-process workers
+    with this too)."""
     training = config.training
-    inner = torch.optim.AdamW(
-        model.parameters(), lr=training.inner_lr, weight_decay=training.weight_decay
-    )
+    if inner is None:
+        inner = inner_optimizer(model, training)
     return DiLoCo(
         model,
         inner,
@@ -333,12 +352,17 @@ def native_inner_phase(
     corpus: Corpus,
     peer_bytes: bytes,
     progress: InnerProgress,
+    ranks: LocalRanks | None = None,
 ) -> tuple[list[float], int, float, RoundOutcome | None]:
     """H AdamW steps on our shard; the H-th runs the round (with overlap: starts it, and
-    finishes the previous one).
+    finishes the previous one). With ``ranks``, each step's batch is shared with the node's
+    other ranks (``ranks.shard`` of the node's draw), its gradients averaged across them, its
+    loss and tokens the node's.
     (losses, tokens, inner seconds, the outcome of the round the H-th step finished, if any)"""
     training = config.training
     steps, micro = training.inner_steps, training.grad_accumulation
+    if ranks is not None:
+        ranks.begin_phase(diloco.round, steps)
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run.id),
@@ -347,6 +371,7 @@ def native_inner_phase(
         steps=steps * micro,
         batch_size=training.batch_size,
         context=training.sequence_length,
+        shard=ranks.shard if ranks is not None else (0, 1),
     )
     started = time.perf_counter()
     losses: list[float] = []
@@ -359,8 +384,11 @@ def native_inner_phase(
             set_lr(diloco.inner_optimizer, training, diloco.round * steps + step,
                    config.run.rounds * steps)  # fmt: skip
             loss, step_tokens = accumulate(
-                diloco.model, batches[step * micro : (step + 1) * micro], training
-            )
+                diloco.model, batches[step * micro : (step + 1) * micro], training,
+                ranks.ddp if ranks is not None else None,
+            )  # fmt: skip
+            if ranks is not None:
+                loss, step_tokens = ranks.mean_loss(loss), step_tokens * ranks.nproc
             losses.append(loss)
             tokens += step_tokens
             progress.step(loss, step_tokens)
@@ -405,6 +433,7 @@ def _train_round(
     verification: Verification | None = None,
     progress: InnerProgress | None = None,
     phases: dict[int, Phase] | None = None,
+    ranks: LocalRanks | None = None,
 ) -> None:
     """One inner phase, then the round it finished: its own, or with overlap the previous one
     (``phases`` keeps the phases whose rounds are still running)."""
@@ -414,7 +443,7 @@ def _train_round(
     started = time.perf_counter()
     if verification is None:
         losses, tokens, inner_s, outcome = native_inner_phase(
-            config, diloco, corpus, peer_bytes, progress
+            config, diloco, corpus, peer_bytes, progress, ranks
         )
     else:
         losses, tokens, inner_s, outcome = _verified_inner_phase(config, diloco, verification)

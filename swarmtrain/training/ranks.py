@@ -1,0 +1,392 @@
+"""A node's local data-parallel ranks (``swarmtrain node --nproc-per-node K``).
+
+Rank 0 is the node itself, the one swarm peer (p2p node, averager, DiLoCo, membership,
+checkpoints); it spawns ranks 1..K-1 (``rank_main``), processes that only compute. They meet on
+a rendezvous store on 127.0.0.1 at a free port that rank 0 serves, then form a
+``torch.distributed`` group (gloo on the CPU, NCCL on CUDA, one device per rank). Each inner
+phase, every rank:
+
+1. waits for rank 0's ``Control`` message in the store (between phases a rank waits there, for as
+   long as the swarm's averaging, catching up or re-syncing takes, and no collective times out);
+2. takes rank 0's parameters (broadcast), and its inner AdamW state when rank 0 resumed from a
+   checkpoint or the ranks' last digests differed;
+3. runs the H inner steps on its shard of the node's batches (``inner_batches(shard=(k, K))``:
+   the columns k*B..(k+1)*B of what the peer draws for a K-times batch, so the node's batches stay
+   a pure function of run seed, round and peer id), the gradients averaged across ranks by
+   ``DistributedDataParallel`` every step, the loss averaged for the node's line;
+4. after the H-th optimizer step (rank 0: a hook that runs before DiLoCo's round), gathers every
+   rank's digest of its parameters and AdamW state: equal digests mean the ranks hold the same
+   bytes (``RankDigests``; the node's summary shows them).
+
+Rank 0 then runs the round alone and contributes once, weighted by all ranks' tokens. At the
+end it sends ``STOP``; on an error or Ctrl+C in the middle of a phase (when the others wait in
+a collective) it terminates them. A rank whose parent died leaves within a second; SIGINT is
+ignored by the ranks (a terminal's Ctrl+C reaches the whole process group: rank 0 decides).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from diloco import Corpus, inner_batches
+from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.training.inner_step import accumulate, inner_optimizer, set_lr
+from swarmtrain.training.ranks_plan import FLAG, Control, Op, RankDigests, control_key
+from swarmtrain.training.workload import build_model, check_data, load_data
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 180.0  # a rank's start: import torch, load the data, build the model
+COLLECTIVE_TIMEOUT_S = 300.0  # one collective of a phase (a step's gradients, a broadcast)
+STOP_GRACE_S = 10.0
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What a spawned rank gets (pickled): the verified run config, the node's peer id (the
+    node's batches are drawn for it), its rank, the rendezvous port and its share of threads."""
+
+    config: RunConfig
+    peer_id: bytes
+    rank: int
+    nproc: int
+    device: str  # "cpu" | "cuda"
+    threads: int
+    port: int
+
+
+class _Loss(nn.Module):
+    """DDP averages the gradients of its module's ``forward``: here the model's loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.model.loss(inputs, targets)  # type: ignore[operator,no-any-return]
+
+
+class RankGroup:
+    """One rank's side of the group: the DDP wrapper and a phase's collectives, the same on
+    every rank and in the same order."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, nproc: int):
+        self.model, self.optimizer, self.rank, self.nproc = model, optimizer, rank, nproc
+        self.device = next(model.parameters()).device
+        ids = [self.device.index or 0] if self.device.type == "cuda" else None
+        # Construction broadcasts rank 0's parameters and checks every rank's shapes.
+        self.ddp = DistributedDataParallel(_Loss(model), device_ids=ids)
+
+    def sync(self, control: Control) -> None:
+        """Take rank 0's parameters and buffers (and, when ``control`` says so, its inner
+        optimizer state): every rank starts the phase on the same bytes."""
+        with torch.no_grad():
+            for tensor in [*self.model.parameters(), *self.model.buffers()]:
+                dist.broadcast(tensor.detach(), src=0)
+        if control.optimizer_state:
+            state = [_on_cpu(self.optimizer.state_dict()) if self.rank == 0 else None]
+            dist.broadcast_object_list(state, src=0)
+            if self.rank != 0:
+                self.optimizer.load_state_dict(state[0])  # type: ignore[arg-type]
+
+    def mean_loss(self, loss: float) -> float:
+        """The ranks' mean of this step's loss (the node's loss: its whole batch's)."""
+        total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total) / self.nproc
+
+    def digests(self) -> list[str]:
+        """Every rank's SHA-256 of its parameters and inner optimizer state, by rank."""
+        mine = torch.tensor(list(self.digest()), dtype=torch.uint8, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.nproc)]
+        dist.all_gather(every, mine)
+        return [bytes(d.cpu().tolist()).hex() for d in every]
+
+    def digest(self) -> bytes:
+        hasher = hashlib.sha256(b"swarmtrain/ranks/digest/1")
+        for param in self.model.parameters():
+            hasher.update(_raw(param))
+            state = self.optimizer.state.get(param, {})
+            for key in sorted(state):
+                value = state[key]
+                hasher.update(_raw(value) if torch.is_tensor(value) else repr(value).encode())
+        return hasher.digest()
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def _on_cpu(value: Any) -> Any:
+    """An optimizer state dict with its tensors on the CPU (unpickled on any rank's device)."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu")
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class LocalRanks:
+    """Rank 0's side: spawns the other ranks at once (they start while the node joins), then
+    ``connect`` (before the node announces its start), ``begin_phase`` before each inner phase,
+    ``mean_loss`` each step, ``close`` at the end. ``digests``: the ranks' agreement."""
+
+    def __init__(
+        self, config: RunConfig, peer_id: bytes, nproc: int, device: torch.device, threads: int
+    ) -> None:
+        self.nproc = nproc
+        self.device = device
+        self.digests = RankDigests()
+        self._store = dist.TCPStore(
+            HOST, 0, nproc, is_master=True, wait_for_workers=False,
+            timeout=_timeout(COLLECTIVE_TIMEOUT_S),
+        )  # fmt: skip
+        self._group: RankGroup | None = None
+        self._sequence = 0
+        self._resend_state = True  # the first phase takes rank 0's optimizer state, if any
+        self._phase: tuple[int, int] | None = None  # (round, steps) of the phase in progress
+        self._steps = 0
+        context = multiprocessing.get_context("spawn")
+        self._procs = [
+            context.Process(
+                target=rank_main,
+                args=(RankJob(config, peer_id, k, nproc, device.type, threads, self._store.port),),
+                name=f"swarmtrain-rank{k}",
+                daemon=True,  # multiprocessing ends them if this process exits without close()
+            )
+            for k in range(1, nproc)
+        ]
+        with _sigint_ignored():  # inherited: Ctrl+C in a terminal is rank 0's to handle
+            for proc in self._procs:
+                proc.start()
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return (0, self.nproc)
+
+    @property
+    def ddp(self) -> DistributedDataParallel:
+        assert self._group is not None, "connect() first"
+        return self._group.ddp
+
+    def connect(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Wait (bounded) until every rank is ready, form the group and wrap ``model``; the
+        digest hook goes on ``optimizer`` (call before DiLoCo registers its round hook, so the
+        digests are of the inner phase's end). Raises RuntimeError naming a rank that failed."""
+        ready = [f"ready/{k}" for k in range(1, self.nproc)]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self._store.check(ready):
+            for k, proc in enumerate(self._procs, start=1):
+                if self._store.check([f"error/{k}"]):
+                    reason = self._store.get(f"error/{k}").decode(errors="replace")
+                    raise RuntimeError(f"{FLAG}: rank {k} could not start: {reason}")
+                if proc.exitcode is not None:
+                    raise RuntimeError(f"{FLAG}: rank {k} exited with status {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{FLAG}: the ranks were not ready in {READY_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)  # a process start, not a protocol wait
+        dist.init_process_group(
+            _backend(self.device.type), store=self._store, rank=0, world_size=self.nproc,
+            timeout=_timeout(COLLECTIVE_TIMEOUT_S),
+        )  # fmt: skip
+        self._group = RankGroup(model, optimizer, 0, self.nproc)
+        optimizer.register_step_post_hook(self._after_step)
+        log.info("%d local ranks joined (%s)", self.nproc, _backend(self.device.type))
+
+    def begin_phase(self, round: int, steps: int) -> None:
+        """Start inner phase ``round`` of ``steps`` steps on every rank, from our parameters."""
+        assert self._group is not None, "connect() first"
+        optimizer_state = self._resend_state and bool(self._group.optimizer.state)
+        control = Control(Op.TRAIN, round, steps, optimizer_state=optimizer_state)
+        if optimizer_state:
+            log.info("round %d: the ranks take our inner optimizer state", round)
+        self._send(control)
+        self._phase, self._steps = (round, steps), 0
+        self._group.sync(control)
+        self._resend_state = False
+
+    def mean_loss(self, loss: float) -> float:
+        assert self._group is not None
+        return self._group.mean_loss(loss)
+
+    def _after_step(self, *_: object) -> None:
+        if self._phase is None:
+            return
+        self._steps += 1
+        round, steps = self._phase
+        if self._steps < steps:
+            return
+        assert self._group is not None
+        digests = self._group.digests()
+        self._phase = None
+        if not self.digests.record(round, digests):
+            # The next phase starts from our parameters again; take our optimizer state too.
+            self._resend_state = True
+            log.error("round %d: the node's ranks hold different bytes: %s", round, digests)
+
+    def _send(self, control: Control) -> None:
+        self._store.set(control_key(self._sequence), control.to_bytes())
+        self._sequence += 1
+
+    def failed_rank(self, wait_s: float = 2.0) -> str:
+        """A line naming a rank that exited, or "" when none did within ``wait_s``: a dying
+        rank's sockets close (and break our collective) just before its exit status shows."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for k, proc in enumerate(self._procs, start=1):
+                if proc.exitcode not in (None, 0):
+                    return f"{FLAG}: rank {k} exited with status {proc.exitcode} (its log is above)"
+            if time.monotonic() > deadline:
+                return ""
+            time.sleep(POLL_S)
+
+    def close(self, error: str = "") -> None:
+        """Stop the other ranks: ``STOP`` between phases, else (they wait in a collective of a
+        phase we left) terminate them; bounded either way."""
+        mid_phase = self._phase is not None or self._group is None
+        if not mid_phase:
+            try:
+                self._send(Control(Op.STOP, error=error))
+            except Exception as exc:  # the store is ours: only a dying process gets here
+                log.warning("could not tell the ranks to stop: %s", exc)
+        for proc in self._procs:
+            if not mid_phase:
+                proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(STOP_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def rank_main(job: RankJob) -> None:
+    """A spawned rank (1..K-1): build the run's data and model as rank 0 did, then run the
+    phases rank 0 starts until it says ``STOP`` or goes away. Exits 1 on any failure."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)-7s rank {job.rank} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    threading.Thread(target=_leave_with_parent, args=(os.getppid(),), daemon=True).start()
+    store = dist.TCPStore(
+        HOST, job.port, job.nproc, is_master=False, timeout=_timeout(COLLECTIVE_TIMEOUT_S)
+    )
+    try:
+        torch.set_num_threads(job.threads)
+        device = torch.device("cpu")
+        if job.device == "cuda":
+            device = torch.device("cuda", job.rank)
+            torch.cuda.set_device(device)
+        corpus = load_data(job.config)
+        check_data(job.config, corpus)
+        model = build_model(job.config, corpus.vocab_size).to(device)
+        optimizer = inner_optimizer(model, job.config.training)
+    except Exception as exc:
+        store.set(f"error/{job.rank}", f"{type(exc).__name__}: {exc}".splitlines()[0])
+        raise SystemExit(1) from None
+    store.set(f"ready/{job.rank}", "1")
+    log.info("ready (pid %d, %d threads, %s)", os.getpid(), job.threads, device)
+    try:
+        dist.init_process_group(
+            _backend(job.device), store=store, rank=job.rank, world_size=job.nproc,
+            timeout=_timeout(COLLECTIVE_TIMEOUT_S),
+        )  # fmt: skip
+        group = RankGroup(model, optimizer, job.rank, job.nproc)
+        sequence = 0
+        while (control := _next_control(store, sequence)).op is Op.TRAIN:
+            sequence += 1
+            group.sync(control)
+            _phase(group, corpus, job, control)
+        dist.destroy_process_group()
+    except Exception as exc:
+        # Rank 0 failed or left mid-phase (its own error is the node's line): say it briefly.
+        log.error("stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise SystemExit(1) from None
+
+
+def _next_control(store: dist.TCPStore, sequence: int) -> Control:
+    key = control_key(sequence)
+    while not store.check([key]):  # raises when rank 0's store is gone
+        time.sleep(POLL_S)
+    return Control.from_bytes(store.get(key))
+
+
+def _phase(group: RankGroup, corpus: Corpus, job: RankJob, control: Control) -> None:
+    """Inner phase ``control.round`` on this rank's shard: what rank 0's
+    ``training.loop._native_inner_phase`` does, less DiLoCo's round."""
+    training = job.config.training
+    micro = training.grad_accumulation
+    batches = inner_batches(
+        corpus,
+        run_seed=run_seed_of(job.config.run.id),
+        round=control.round,
+        peer_id=job.peer_id,
+        steps=control.steps * micro,
+        batch_size=training.batch_size,
+        context=training.sequence_length,
+        shard=(job.rank, job.nproc),
+    )
+    total = job.config.run.rounds * control.steps
+    for step in range(control.steps):
+        set_lr(group.optimizer, training, control.round * control.steps + step, total)
+        loss, _ = accumulate(
+            group.model, batches[step * micro : (step + 1) * micro], training, group.ddp
+        )
+        group.mean_loss(loss)
+        group.optimizer.step()
+        group.optimizer.zero_grad(set_to_none=True)
+    group.digests()
+
+
+def _leave_with_parent(parent: int) -> None:
+    """Exit when rank 0 is gone (its pid no longer our parent): no orphan ranks."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
