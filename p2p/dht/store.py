@@ -21,6 +21,8 @@ from libp2p.peer.id import ID
 from libp2p.records.validator import Validator
 
 from p2p.dht.records import (
+    MAX_RECORD_SET_BYTES,
+    MAX_SUBKEYS,
     RecordRejected,
     SignedRecord,
     decode_record_set,
@@ -85,6 +87,13 @@ class MergingValueStore(ValueStore):
     ``_usage`` counts every owner's entries and bytes over all keys; a merge that would take an
     owner, or the whole store, past ``StorageLimits`` is refused with ``RecordRejected("quota")``
     and changes nothing (seen before: one identity stored 47.5 MiB in 9 s).
+
+    A key holds at most ``MAX_SUBKEYS`` entries (and ``MAX_RECORD_SET_BYTES``). When a merge
+    would pass that, the entries of the owners this store first saw most recently go first, the
+    incoming ones included: identities are free, so 1,100 fresh ones written into a round's key
+    would otherwise fill it and make every honest peer's store there fail (issue 19); an honest
+    member has been storing its records since it started, a throwaway identity since the flood.
+    A flood of identities aged in advance still costs its owner their upkeep.
     """
 
     def __init__(self, host: IHost, local_peer_id: ID, limits: StorageLimits | None = None) -> None:
@@ -92,6 +101,9 @@ class MergingValueStore(ValueStore):
         self.limits = limits or StorageLimits()
         self._sets: dict[bytes, dict[bytes, SignedRecord]] = {}
         self._usage: dict[bytes, list[int]] = {}  # owner -> [entries, bytes]
+        # When each owner's first entry here came (forgotten once it holds nothing here).
+        self._first_seen: dict[bytes, float] = {}
+        self.evicted_young = 0
         self.bytes_held = 0
         self.refused_over_quota = 0
 
@@ -109,8 +121,28 @@ class MergingValueStore(ValueStore):
         now = time.time()
         current = self.records(key, now)
         merged = merge_records(current, records, now=now)
+        for record in merged.values():
+            self._first_seen.setdefault(record.owner, now)
+        merged = self._oldest_owners_fit(merged)
         self._check_quota(current, merged)
         self._write(key, merged)
+
+    def _oldest_owners_fit(self, merged: dict[bytes, SignedRecord]) -> dict[bytes, SignedRecord]:
+        """``merged`` without the entries of the most recently seen owners that do not fit."""
+        budget = MAX_RECORD_SET_BYTES - 64  # the set's own msgpack framing
+        if len(merged) <= MAX_SUBKEYS and sum(map(_wire_bytes, merged.values())) <= budget:
+            return merged
+        # Oldest owner first; ties (and one owner's subkeys) in subkey order.
+        order = sorted(merged, key=lambda sk: (self._first_seen[merged[sk].owner], sk))
+        kept: dict[bytes, SignedRecord] = {}
+        size = 0
+        for subkey in order:
+            entry = _wire_bytes(merged[subkey])
+            if len(kept) < MAX_SUBKEYS and size + entry <= budget:
+                kept[subkey] = merged[subkey]
+                size += entry
+        self.evicted_young += len(merged) - len(kept)
+        return kept
 
     def _check_quota(
         self, current: dict[bytes, SignedRecord], merged: dict[bytes, SignedRecord]
@@ -153,6 +185,7 @@ class MergingValueStore(ValueStore):
             self.bytes_held += nbytes
             if held[0] <= 0:
                 del self._usage[owner]
+                self._first_seen.pop(owner, None)
 
     def _forget_missing(self) -> None:
         # libp2p's own expiry and eviction delete from ``store`` without telling us.
@@ -195,6 +228,13 @@ class MergingValueStore(ValueStore):
         """(entries, bytes) that ``owner``'s records take here."""
         entries, nbytes = self._usage.get(owner, [0, 0])
         return entries, nbytes
+
+
+def _wire_bytes(record: SignedRecord) -> int:
+    # At least what an entry takes in ``encode_record_set``: its byte fields plus msgpack's
+    # headers and the two numbers (at most 9 bytes each).
+    fields = (record.key, record.subkey, record.value, record.owner, record.public_key)
+    return sum(len(f) for f in fields) + len(record.signature) + 48
 
 
 def _entry_bytes(record: SignedRecord) -> int:

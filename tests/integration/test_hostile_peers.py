@@ -58,3 +58,40 @@ def test_a_forged_far_ahead_progress_record_lures_neither_a_joiner_nor_the_membe
         for peer in started:
             peer.stop()
         coordinator.stop()
+
+
+def test_a_flood_of_1100_throwaway_identities_in_the_round_keys_does_not_stop_the_rounds(
+    tmp_path: Path,
+) -> None:
+    """Issue 19 point 3: a key holds 1,024 entries; 1,100 fresh identities writing the next
+    rounds' matchmaking keys made every honest declaration there fail to store. The replicas
+    now leave out the identities they met last, so the members' rounds go on."""
+    coordinator, join = start_coordinator(
+        tmp_path, 30, inner_steps=5, settings={"min_peers": "2", "id": '"flooded"'}
+    )
+    nodes = [node(join, tmp_path / f"n{i}") for i in range(2)]
+    started: list[PeerProcess] = [*nodes]
+    try:
+        nodes[0].wait_line(lambda s: s.startswith("round 1 "), timeout_s=90)
+        flooder = PeerProcess(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "integration" / "round_flooder.py"),
+                "--join",
+                join,
+                "--run-id",
+                "flooded",
+            ]
+        )
+        started.append(flooder)
+        flooded = flooder.wait_line(lambda s: s.startswith("FLOODED "), timeout_s=90)
+        first, last = int(flooded.split()[1]), int(flooded.split()[2])
+        assert not flooded.split(" ", 3)[3].startswith("[0,"), flooded  # the key was filled
+        for peer in nodes:
+            for r in range(first, last + 1):
+                line = peer.wait_line(lambda s, r=r: s.startswith(f"round {r} "), timeout_s=60)
+                assert "peers 2" in line and "agree yes (2/2)" in line, (line, peer.lines)
+    finally:
+        for peer in started:
+            peer.stop()
+        coordinator.stop()

@@ -323,3 +323,41 @@ def test_the_store_holds_at_most_an_owners_quota_and_frees_it_when_entries_go() 
     put(ALICE, b"k6", b"", 10, soon)
     assert store.usage(ALICE.peer_id)[0] == 4
     assert store.bytes_held == sum(store.usage(s.peer_id)[1] for s in (ALICE, BOB))
+
+
+def test_a_full_key_keeps_its_oldest_owners_and_a_flood_of_fresh_identities_cannot_evict_them() -> (
+    None
+):
+    """Issue 19 point 3: 1,100 throwaway identities written into one round's key filled it (a
+    key holds 1,024 entries) and every honest store there failed. Now the identities this store
+    met last are the ones left out."""
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+    from p2p.dht.records import MAX_SUBKEYS
+    from p2p.dht.store import MergingValueStore
+
+    store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
+    soon = time.time() + 3600
+    key = b"/swarmtrain/run/r/round/7"
+    honest = [RecordSigner(bytes([i]) * 32) for i in range(1, 4)]
+    # The honest members have stored something here before (their progress records).
+    for signer in honest:
+        old = b"/swarmtrain/run/r/progress"
+        store.put_record(
+            old, Record(key=old, value=encode_record_set([signer.sign(old, b"p", soon)]))
+        )
+    flood = [RecordSigner((i + 1000).to_bytes(2, "big") * 16) for i in range(1100)]
+    for start in range(0, len(flood), 500):
+        batch = [s.sign(key, b"declaration", soon) for s in flood[start : start + 500]]
+        store.put_record(key, Record(key=key, value=encode_record_set(batch)))
+    assert len(store.records(key, time.time())) == MAX_SUBKEYS
+    for signer in honest:  # each honest store succeeds and stays
+        store.put_record(
+            key, Record(key=key, value=encode_record_set([signer.sign(key, b"me", soon)]))
+        )
+    held = store.records(key, time.time())
+    assert len(held) == MAX_SUBKEYS
+    assert all(signer.peer_id in held for signer in honest)
+    assert store.evicted_young == 1100 + 3 - MAX_SUBKEYS
+    served = store.get(key)
+    assert served is not None and len(decode_record_set(served.value)) == MAX_SUBKEYS
