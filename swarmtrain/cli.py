@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a token run's join token (from the run's operator: swarmtrain coordinator token)",
     )
+    # ... and one that commits its task honestly, then sends other values in round ROUND.
+    p_node.add_argument("--cheat-send", type=int, default=None, help=argparse.SUPPRESS)
     # A stranger that does not refuse itself, for the admission tests: the members must.
     p_node.add_argument("--ignore-admission", action="store_true", help=argparse.SUPPRESS)
     # A cheater for tests and demos of a verified run (verify.rate > 0): flips one bit of
@@ -388,6 +390,7 @@ def _main_node(args: argparse.Namespace) -> int:
                 reduce_round=args.cheat_reduce,
                 slow_start_s=args.slow_start,
                 ignore_admission=args.ignore_admission,
+                send_round=args.cheat_send,
             ),
             pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
             token=args.token,

@@ -43,6 +43,9 @@ class Faults:
     slow_start_s: float = 0.0
     # A stranger that does not refuse itself (``--ignore-admission``): the members must.
     ignore_admission: bool = False
+    # A verified peer that commits its task honestly, then sends half of it in this round
+    # (``--cheat-send ROUND``): its verifier must drop it from the round.
+    send_round: int | None = None
 
     def __post_init__(self) -> None:
         if self.task is not None and (len(self.task) != 3 or min(self.task) < 0):

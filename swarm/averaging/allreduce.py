@@ -326,6 +326,10 @@ class AllReduce:
     dropped (a weight is a claim of work done: one inflated weight would outweigh every honest
     contribution, issue 19). A verified run fixes it (low == high); ours must be inside too.
 
+    ``check_slice(sender, start, values)``, if given, may refuse a peer's raw slice with a reason
+    (a pure function of its arguments): a verified run's verifier knows, bit for bit, what the
+    owner of a task it re-executed must send, and drops an owner that sends anything else.
+
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
     ``LocalProtocolError`` for an unknown event, a second ``start`` or any call after ``FAILED``.
@@ -345,6 +349,7 @@ class AllReduce:
         out: np.ndarray | None = None,
         allocate: Callable[[int], np.ndarray] | None = None,
         weight_bounds: tuple[float, float] = (0.0, math.inf),
+        check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None,
     ) -> None:
         self.peers: tuple[bytes, ...] = tuple(sorted(set(peers)))
         if me not in self.peers or len(self.peers) != len(peers):
@@ -352,6 +357,7 @@ class AllReduce:
         if _finite_float32(local, len(local) if isinstance(local, np.ndarray) else -1):
             raise LocalProtocolError("local vector must be 1-D finite float32")
         self.weight_bounds = weight_bounds
+        self.check_slice = check_slice
         if not _good_weight(weight, weight_bounds):
             raise LocalProtocolError(f"weight must be positive, finite and in {weight_bounds}")
         order = sorted(range(len(peers)), key=lambda i: peers[i])
@@ -481,6 +487,8 @@ class AllReduce:
         if self.weights.get(event.sender, event.weight) != event.weight:
             return "weight changed within the round"
         why = _finite_float32(event.data, stop - start)
+        if not why and self.check_slice is not None:
+            why = self.check_slice(event.sender, start, event.data)
         return f"part {event.part_index}: {why}" if why else None
 
     def _check_reduced(self, event: ReducedPartReceived) -> str | None:

@@ -247,6 +247,9 @@ class Averager:
         self.node = node
         self.config = config
         self.faults = faults
+        # A verified run's binding of slices to tasks (set by the volunteer once it exists):
+        # (round, sender, start, values) -> why the slice is refused, or None.
+        self.check_slice: Callable[[int, bytes, int, np.ndarray], str | None] | None = None
         self.me = node.host.peer_id.to_bytes()
         self.next_round = 0
         self._bandwidth = BandwidthEstimate()
@@ -377,6 +380,9 @@ class Averager:
                 bulk=self.config.bulk,
                 tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
                 weight_bounds=self.config.weight_bounds,
+                check_slice=None
+                if self.check_slice is None
+                else functools.partial(self.check_slice, r),
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
             ),

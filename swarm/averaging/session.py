@@ -96,6 +96,8 @@ class SessionConfig:
     tamper_reduced: Callable[[int, np.ndarray], np.ndarray] | None = None
     # The weights the run allows (``AllReduce``'s ``weight_bounds``).
     weight_bounds: tuple[float, float] = (0.0, math.inf)
+    # ``AllReduce``'s ``check_slice``: may refuse a peer's raw slice (sender, start, values).
+    check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None
     # Our upload link's rate, when known (configured, not measured): each pair's channel is then
     # paced at its share, rate x PACING_SHARE / (N - 1), so the N - 1 flows into a receiver fit
     # its link (equal links) instead of overflowing its queue and backing off (TCP incast).
@@ -176,6 +178,7 @@ class Session(PeerLinks):
             out=self._out,
             allocate=self._buffers.take,
             weight_bounds=config.weight_bounds,
+            check_slice=config.check_slice,
         )
         self.parts = self._values.parts = self.machine.parts
         self.alive: frozenset[bytes] = frozenset(self.peers)

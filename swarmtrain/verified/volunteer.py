@@ -110,6 +110,9 @@ class Verification:
         self._excluded: dict[int, frozenset[bytes]] = {}
         self._members: dict[int, frozenset[bytes]] = {}
         self._notes: dict[int, str] = {}
+        # (round, owner) -> what the owner of a task we re-executed must send: the round's
+        # global parameters minus the task's final ones, flat float32 (``check_slice``).
+        self._expected: dict[tuple[int, bytes], np.ndarray] = {}
         node = runtime.node
         assert node is not None
         runtime.call_sync(serve_provider, node.host, self, None, self._is_referee)
@@ -163,17 +166,34 @@ class Verification:
             final = provider.final_state
         else:
             final = run_fast(own)
+        self._expected = {k: v for k, v in self._expected.items() if k[0] >= r}
         for a in self._plan(r):
             if a.verifier == self.me:
                 provider = run_traced(self._task(r, a.owner, params))
                 self._keep(r, provider)
                 claims[a.owner] = provider.commitment
+                self._expected[(r, a.owner)] = _pseudo_gradient(params, provider.final_state)
         record = RoundClaims(own.spec.start_state_hash, claims)
         try:
             self.runtime.store(verify_key(self.config.run.id, r), record.to_bytes(), CLAIMS_TTL_S)
         except Exception as exc:  # the gate then leaves our task out: logged, not fatal
             log.warning("round %d: could not publish our commitments: %s", r, exc)
         return RoundWork({n: final[n] for n in params}, own.losses)
+
+    def check_slice(
+        self, round_number: int, sender: bytes, start: int, values: np.ndarray
+    ) -> str | None:
+        """The all-reduce's check of a raw slice (``swarm.Averager.check_slice``): a task we
+        re-executed binds its owner's contribution bit for bit (a verified run averages exactly,
+        at a fixed weight), so an owner whose commitment agreed and who then sends other values
+        is dropped from the round here, with this reason in every survivor's log (issue 19)."""
+        expected = self._expected.get((round_number, sender))
+        if expected is None:
+            return None
+        want = expected[start : start + len(values)]
+        if want.view(np.uint32).tobytes() != np.ascontiguousarray(values).view(np.uint32).tobytes():
+            return "its slice is not the pseudo-gradient of the task it committed"
+        return None
 
     def _task(self, r: int, owner: bytes, params: dict[str, np.ndarray]) -> Task:
         return make_task(self.config, self.corpus, self.run_seed, r, owner, params)
@@ -346,3 +366,12 @@ class Verification:
             if claims is not None:
                 out[peer_bytes(peer)] = claims
         return out
+
+
+def _pseudo_gradient(start: dict[str, np.ndarray], final: Mapping[str, np.ndarray]) -> np.ndarray:
+    """What DiLoCo sends for a task that ended at ``final``: start minus final, flat float32 in
+    the parameters' order, each difference one IEEE float32 subtraction (the same bits as the
+    node's ``torch.sub`` of its flat vectors)."""
+    flat_start = np.concatenate([np.asarray(start[n], np.float32).reshape(-1) for n in start])
+    flat_final = np.concatenate([np.asarray(final[n], np.float32).reshape(-1) for n in start])
+    return np.subtract(flat_start, flat_final, dtype=np.float32)

@@ -402,6 +402,28 @@ def test_a_weight_outside_the_runs_bounds_drops_the_sender():
     )
 
 
+def test_a_slice_the_check_refuses_drops_its_sender():
+    me, owner, other = b"a", b"b", b"c"
+    local = np.ones(30, dtype=np.float32)
+    expected = np.full(30, 2.0, dtype=np.float32)  # what ``owner`` must send (a verified task)
+
+    def check(sender: bytes, start: int, values: np.ndarray) -> str | None:
+        if sender == owner and not np.array_equal(values, expected[start : start + len(values)]):
+            return "not its committed task"
+        return None
+
+    machine = AllReduce(me, [me, owner, other], [1, 1, 1], local, 1.0, math.inf, check_slice=check)
+    machine.start(0.0)
+    _, start, stop = machine.parts[0]
+    assert machine.handle(PartReceived(other, 0, np.ones(stop - start, np.float32), 1.0), 1.0) == []
+    honest = machine.handle(PartReceived(owner, 0, expected[start:stop].copy(), 1.0), 1.0)
+    assert not any(isinstance(a, DropPeer) for a in honest)
+    again = AllReduce(me, [me, owner, other], [1, 1, 1], local, 1.0, math.inf, check_slice=check)
+    again.start(0.0)
+    lied = again.handle(PartReceived(owner, 0, np.ones(stop - start, np.float32), 1.0), 1.0)
+    assert DropPeer(owner, "part 0: not its committed task") in lied
+
+
 def test_deadline_fails_an_unfinished_round_and_is_ignored_after_done():
     net = build((3, 12, random.Random(5)))
     net.start()
