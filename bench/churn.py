@@ -257,7 +257,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inner-steps", type=int, default=5, help="H: inner steps a round")
     parser.add_argument("--spawn", type=float, default=0.6, help="chance a step starts a node")
     parser.add_argument("--kill", type=float, default=0.4, help="chance a step kills a node")
-    parser.add_argument("--step-s", type=float, default=10.0, help="mean seconds between steps")
+    parser.add_argument("--step-s", type=float, default=5.0, help="mean seconds between steps")
     parser.add_argument("--min-alive", type=int, default=2, help="never kill below this many")
     parser.add_argument("--workdir", type=Path, help="keep every node's output and state here")
     parser.add_argument("--verbose", action="store_true", help="nodes log at INFO (node*.log)")
@@ -277,8 +277,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # SystemExit unwinds ``run``'s exit stack: every node SIGKILLed, the coordinator stopped.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with ExitStack() as stack:
         if args.workdir is None:
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="churn-")))
