@@ -46,7 +46,9 @@ def test_a_minute_of_churn_keeps_averaging_with_one_state_and_leaves_no_process(
     except subprocess.TimeoutExpired:
         bench.send_signal(signal.SIGTERM)  # the bench kills its nodes on SIGTERM
         stdout, stderr = bench.communicate(timeout=30)
-        raise AssertionError(f"bench.churn ran past 95 s: {stdout[-3000:]} {stderr[-3000:]}")
+        raise AssertionError(
+            f"bench.churn ran past 95 s: {stdout[-3000:]} {stderr[-3000:]}"
+        ) from None
     finally:
         if bench.poll() is None:
             bench.kill()
@@ -56,6 +58,7 @@ def test_a_minute_of_churn_keeps_averaging_with_one_state_and_leaves_no_process(
     table = stdout[-4000:]
     assert result["bench"] == "churn" and result["round_deadline_s"] == 34.0, result
     assert result["rounds"] > 0 and result["joins"] > 0 and result["kills"] > 0, table
+    assert result["syncs"] > 0, table  # a joiner downloaded the swarm's state and trained on
     assert result["hash_disagreements"] == 0, table
     assert result["exits"] == [], table  # no node ended by itself (a crash)
     # Every node and the coordinator are gone: none names the soak's work directory.
