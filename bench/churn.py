@@ -181,12 +181,19 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         end_t = soak.now()
         soak.reap()
         live_at_end = len(soak.live)
-    events = soak.snapshot()
+    events = [e for e in soak.snapshot() if e.t <= end_t]
     rows = round_rows(events)
     for row in rows:
         if row.round > printed:
             print(_row_line(row), flush=True)
-    found = figures([e for e in events if e.t <= end_t], end_t)
+    # A row printed live may lack a group that reported its round later (two groups averaging
+    # the same rounds side by side): the rounds worth a look again, from every event.
+    notable = [row for row in rows if len(row.hashes) > 1 or row.failed or not row.averaged]
+    if notable:
+        print("rounds with differing states or failures, from every line:", flush=True)
+        for row in notable:
+            print(_row_line(row), flush=True)
+    found = figures(events, end_t)
     return _result(args, found, deadline_s, joins, kills, live_at_end, soak.exits, end_t)
 
 
