@@ -70,6 +70,37 @@ def _repops(args: argparse.Namespace) -> Any:
     return RepOpsStep(corpus, args.seed, shape=shape)
 
 
+def _cheat_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--cheat-step``/``--cheat-op`` cannot tamper with anything, before any provider
+    starts (one traced step here lists the records); None when they can (or are not given)."""
+    if args.cheat_step is None:
+        return None
+    if not 0 <= args.cheat_step < args.steps:
+        return f"--cheat-step {args.cheat_step}: the task's steps are 0 to {args.steps - 1}"
+    from verify.trace import LEAF_PREFIX
+
+    step = _repops(args)
+    names = [r.name for r in step(step.initial_state(), 0).records]
+    ops = [i for i, name in enumerate(names) if not name.startswith(LEAF_PREFIX)]
+    if args.cheat_op in ops:
+        return None
+    spans: list[list[int]] = []
+    for i in ops:
+        if spans and spans[-1][1] == i - 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    shown = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
+    listed = ", ".join(shown[:24]) + (f", ... ({len(ops)} of {len(names)})" if shown[24:] else "")
+    what = (
+        f"record {args.cheat_op} loads {names[args.cheat_op].removeprefix(LEAF_PREFIX)} (a "
+        "parameter, state or data leaf)"
+        if 0 <= args.cheat_op < len(names)
+        else f"a step has {len(names)} records"
+    )
+    return f"--cheat-op {args.cheat_op} names no operator: {what}; operators are {listed}"
+
+
 def _task(step: Any, steps: int) -> tuple[dict, Any]:
     from verify import TaskSpec, state_hash
 
@@ -170,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.threads < 1:
         print("swarmtrain verify: --steps and --threads must be at least 1", file=sys.stderr)
         return 2
+    problem = _cheat_problem(args)
+    if problem is not None:
+        print(f"swarmtrain verify: {problem}", file=sys.stderr)
+        return 2
     children = [
         _spawn("A", args, cheat=False),
         _spawn("B", args, cheat=args.cheat_step is not None),
@@ -188,12 +223,16 @@ def run(args: argparse.Namespace) -> int:
             ):
                 break
             waiters[0].join(0.1)
-        for child in children:
-            if child.ready is None:
+        if any(child.ready is None for child in children):
+            # The provider that exited is the one to report; the other is only stopped.
+            exited = [c for c in children if c.ready is None and c.proc.poll() is not None]
+            failed = exited[0] if exited else next(c for c in children if c.ready is None)
+            for child in children:
                 _stop(child)
-                tail = child.stderr.decode(errors="replace")[-2000:]
-                print(f"swarmtrain verify: provider {child.name} failed:\n{tail}", file=sys.stderr)
-                return 2
+            tail = failed.stderr.decode(errors="replace").strip().splitlines()
+            why = tail[-1] if tail else f"no READY line within {READY_TIMEOUT_S:.0f} s"
+            print(f"swarmtrain verify: provider {failed.name} failed: {why}", file=sys.stderr)
+            return 2
         return _referee(args, children)
     finally:
         for child in children:

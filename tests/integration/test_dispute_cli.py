@@ -45,3 +45,23 @@ def test_cheater_named_and_honest_hash_independent_of_threads() -> None:
         "honest_final_hash",
     }  # fmt: skip
     assert cheat["honest_final_hash"] == final_hash_here(3, threads=1)
+
+
+def test_a_cheat_op_that_names_no_operator_is_refused_before_anything_starts() -> None:
+    """Issue 23's bad input: ``--cheat-op`` on a leaf record (a parameter load) made provider B
+    fail while the command blamed provider A and printed A's KeyboardInterrupt traceback."""
+    base = [sys.executable, "-m", "swarmtrain.commands.verify", "verify", "--tiny", "--steps", "3"]
+    leaf = subprocess.run(
+        [*base, "--cheat-step", "1", "--cheat-op", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert leaf.returncode == 2, leaf.stderr
+    (line,) = leaf.stderr.strip().splitlines()
+    assert line.startswith("swarmtrain verify: --cheat-op 0 names no operator: record 0 loads ")
+    assert "operators are " in line and "Traceback" not in leaf.stderr
+    late = subprocess.run(
+        [*base, "--cheat-step", "3", "--cheat-op", "20"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert late.returncode == 2
+    assert late.stderr.strip() == "swarmtrain verify: --cheat-step 3: the task's steps are 0 to 2"
