@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +37,13 @@ from typing import IO
 
 from bench.churn_tally import Event, Figures, Kind, RoundRow, figures, parse_line, round_rows
 from bench.common import git_sha
-from swarmtrain.commands.local import Child, LocalOptions, node_argv, start_coordinator
+from swarmtrain.commands.local import (
+    Child,
+    LocalOptions,
+    node_argv,
+    start_coordinator,
+    work_directory,
+)
 
 # Far more rounds than any soak averages: the run must not end (and linger) under it.
 SCHEDULE_ROUNDS = 100_000
@@ -293,11 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with ExitStack() as stack:
-        if args.workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="churn-")))
-        else:
-            workdir = args.workdir
-            workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_directory(stack, args.workdir, "churn-")
         result = run(args, workdir)
     print(_summary(result), flush=True)
     print(json.dumps(result), flush=True)

@@ -28,7 +28,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -42,6 +41,7 @@ from swarmtrain.commands.local import (
     node_argv,
     read_summary,
     start_coordinator,
+    work_directory,
 )
 from swarmtrain.config import config_from_mapping
 
@@ -247,11 +247,7 @@ def main() -> None:
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     with ExitStack() as stack:
-        if args.workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="memory-")))
-        else:
-            workdir = args.workdir
-            workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_directory(stack, args.workdir, "memory-")
         try:
             result = run(args, workdir)
         except (RuntimeError, LocalFailed) as exc:

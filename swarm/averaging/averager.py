@@ -172,6 +172,10 @@ class AveragingResult:
     # Our contribution as the round's peers decoded it (a lossy codec's round trip of what we
     # gave): what error feedback subtracts. None when the codec was lossless (what we gave).
     sent: np.ndarray | None = None
+    # The group as matchmaking formed it; more than ``contributors`` when members were lost, or
+    # when peers with other expected sets formed other groups of the round (then the round ran
+    # as sub-groups with different results: the caller's agreement check must hear from all).
+    group_size: int = 0
 
     @functools.cached_property
     def digest(self) -> str:
@@ -424,6 +428,7 @@ class Averager:
             contributors={str(PeerID(p)): w for p, w in result.contributors},
             round=r,
             group_id=group.group_id.hex(),
+            group_size=len(group.members),
             matchmaking_s=matched - started,
             allreduce_s=result.seconds,
             bytes_sent=session.bytes_sent,

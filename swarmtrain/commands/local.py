@@ -217,6 +217,14 @@ class Child:
         self._log.close()
 
 
+def work_directory(stack: ExitStack, given: Path | None, prefix: str) -> Path:
+    """``given`` (created if absent), or a temporary folder removed when ``stack`` closes."""
+    if given is None:
+        return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    given.mkdir(parents=True, exist_ok=True)
+    return given
+
+
 def start_coordinator(
     workdir: Path, config: RunConfig, children: list[Child], emit: Callable[[str], None]
 ) -> str:
@@ -278,11 +286,7 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
 
     children: list[Child] = []
     with ExitStack() as stack:
-        if options.workdir is None:
-            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarmtrain-")))
-        else:
-            workdir = options.workdir
-            workdir.mkdir(parents=True, exist_ok=True)
+        workdir = work_directory(stack, options.workdir, "swarmtrain-")
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: [child.stop() for child in reversed(children)])
         join = start_coordinator(workdir, config, children, emit)

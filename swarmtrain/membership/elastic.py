@@ -55,6 +55,7 @@ from swarmtrain.membership.plan import (
     Rejoin,
     Verdict,
     after_failed_round,
+    best_state,
     past_round,
     states_best_first,
     swarm_ahead,
@@ -131,6 +132,10 @@ class Elastic:
         self.me = str(runtime.peer_id)
         self.fresh = False  # adopted a downloaded state and has not averaged since
         self.syncs = 0
+        # A round whose group formed larger than the peers that averaged in it: it may have run
+        # as sub-groups (members that read other expected sets formed other groups), so the
+        # training loop looks at its state digests again after the next round (``rejoin_majority``).
+        self.suspect_round: int | None = None
         self._last_progress: Progress | None = None
         self._state_bytes = diloco.state_size()
 
@@ -386,6 +391,18 @@ class Elastic:
                     )
                 agreed = choices[0]
         return None
+
+    def rejoin_majority(self) -> SyncReport | None:
+        """Our state is a minority's (a round ran as sub-groups and ours was the smaller): adopt
+        the run's agreed state (``plan.best_state``: the one most members support) if it is not
+        ours. A failed download is logged; the next round's checks try again."""
+        target = best_state(self.records(), self.rounds, self.min_holders)
+        if target is None or target.state_hash.hex() == self.diloco.state_hash():
+            return None
+        report = self._adopt_from_live(target)
+        if report is None:
+            log.warning("could not re-sync to the majority's state from any live holder")
+        return report
 
     def after_round(self, round_number: int, ok: bool, wait_s: float = 0.0) -> SyncReport | None:
         """After our round ``round_number`` (failed, or its hash disagreed with the majority):

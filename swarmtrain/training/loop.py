@@ -537,7 +537,11 @@ def _record_round(
             summary.agree = True
         return
     average.publish_state(r, state_hash)
-    agreement = average.agreement(r, report.peers, AGREEMENT_TIMEOUT_S)
+    # A group formed larger than the peers that averaged: members were lost, or peers that read
+    # other expected sets formed other groups and the round ran as sub-groups (bench.churn saw
+    # it persist: each sub-group heard only its own digests). Hear from the whole group.
+    heard = max(report.peers, report.group_size)
+    agreement = average.agreement(r, heard, AGREEMENT_TIMEOUT_S)
     summary.agree = agreement.agrees if agreement is not None else None
     agree = (
         "unknown"
@@ -554,3 +558,20 @@ def _record_round(
     # Our state drifted from the majority's: adopt theirs before contributing again.
     if drifted and elastic.after_round(r, ok=True) is not None:
         summary.agree = True
+        elastic.suspect_round = None
+        return
+    earlier, elastic.suspect_round = (
+        elastic.suspect_round,
+        (r if report.group_size > report.peers else None),
+    )
+    if earlier is None or earlier >= r:
+        return
+    # A round later every sub-group of a suspect round has published its digest: one read.
+    late = average.agreement(earlier, 0, 0.0)
+    if late is not None and late.majority is not None and late.ours is not None and not late.agrees:
+        emit(
+            f"round {earlier} ran as sub-groups and ours was the smaller "
+            f"({late.peers - late.agreeing} of {late.peers} digests ours at most): re-syncing"
+        )
+        if elastic.rejoin_majority() is not None:
+            summary.agree = True

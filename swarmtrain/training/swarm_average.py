@@ -53,6 +53,7 @@ class RoundReport:
     bytes_received: int
     matchmaking_s: float
     allreduce_s: float
+    group_size: int = 0  # the group as formed (``AveragingResult.group_size``)
 
 
 class SwarmAverage:
@@ -125,6 +126,7 @@ class SwarmAverage:
             bytes_received=result.bytes_received,
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
+            group_size=result.group_size,
         )
         # A view of the round's vector, no copy: DiLoCo only reads it (the outer step).
         mean = torch.from_numpy(result.vector)

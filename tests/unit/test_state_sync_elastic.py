@@ -325,3 +325,36 @@ def test_the_last_rounds_holders_linger_for_a_joiner_until_it_holds_the_final_st
     assert left.is_set() and time.monotonic() - started < 10  # it left once the joiner held it
     mine = Progress.from_bytes(str(joiner), dht[progress_key(RUN)][str(joiner)])
     assert mine is not None and mine.ok and mine.round == 4 and mine.rounds_contributed == 0
+
+
+def test_a_peer_whose_sub_group_was_the_smaller_rejoins_the_majoritys_state() -> None:
+    """bench.churn's split: a round ran as two sub-groups ({me, x} and {a, b, c}) with two
+    results; each heard only its own digests. ``rejoin_majority`` takes the state most members
+    support, and does nothing for a peer of the larger sub-group."""
+    from swarmtrain.membership.progress import member_list
+
+    me, x, a, b, c = (_peer() for _ in range(5))
+    data, majority = _world(6)
+    _, ours = _world(7)  # any other state
+    small, large = [me, x], [a, b, c]
+
+    def record(peer: PeerID, group: list[PeerID], state_hash: bytes) -> bytes:
+        members = member_list(str(p) for p in group)
+        return Progress(str(peer), 6, True, state_hash, 3.0, 100.0, len(group), 0, 0, 1,
+                        time.time(), "public", members).to_bytes()  # fmt: skip
+
+    dht = {
+        progress_key(RUN): {
+            **{str(p): record(p, small, ours) for p in small},
+            **{str(p): record(p, large, majority) for p in large},
+        }
+    }
+    asked: list[Hashable] = []
+    elastic = _elastic(me, dht, data, asked)
+    report = elastic.rejoin_majority()
+    assert report is not None and elastic.diloco.state_hash() == majority.hex()
+    assert set(asked) <= {a, b, c}
+    # A peer of the larger sub-group already holds it.
+    member = _elastic(a, dht, data, [])
+    member.diloco.load_state(data)
+    assert member.rejoin_majority() is None
