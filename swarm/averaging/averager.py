@@ -57,6 +57,7 @@ from p2p import (
     message,
     serve_stream,
 )
+from swarm.averaging.aggregation import AGGREGATIONS
 from swarm.averaging.allreduce import all_finite
 from swarm.averaging.audit import PartAudit, audits_of
 from swarm.averaging.bandwidth import BandwidthEstimate
@@ -128,6 +129,9 @@ class AveragerConfig:
     # the kernel's page zeroing, but a kept buffer is resident between rounds; a node training a
     # large model keeps less (``swarmtrain.training.loop.averager_config``).
     buffer_pool_bytes: int = 1 << 30
+    # How each part's reducer combines the slices (``swarm.averaging.aggregation``): "mean", or
+    # a Byzantine-robust "centered_clip" / "trimmed_mean". Every peer of a run must use one rule.
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -137,6 +141,10 @@ class AveragerConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.audit and self.compression is not Compression.NONE:
             raise ValueError("audit needs compression=Compression.NONE (a lossless sum)")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
+        if self.audit and self.aggregation != "mean":
+            raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
 
 
 @dataclass(frozen=True)
@@ -368,6 +376,7 @@ class Averager:
                 tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
+                aggregation=self.config.aggregation,
             ),
             channels=self._channels,
             buffers=self._buffers,
