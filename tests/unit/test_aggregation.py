@@ -189,3 +189,24 @@ def test_local_average_runs_the_swarms_rule(rule: str) -> None:
     assert set(results.values()) == {aggregate(rule, contributions).tobytes()}
     with pytest.raises(ValueError, match="aggregation"):
         LocalAverage(2, aggregation="median")
+
+
+def test_the_averager_refuses_an_unknown_rule_and_an_audited_robust_one() -> None:
+    from swarm import AveragerConfig, Compression
+
+    assert AveragerConfig(run_id="r", aggregation="centered_clip").aggregation == "centered_clip"
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        AveragerConfig(run_id="r", aggregation="median")
+    with pytest.raises(ValueError, match='audit needs aggregation="mean"'):
+        AveragerConfig(
+            run_id="r", audit=True, compression=Compression.NONE, aggregation="trimmed_mean"
+        )
+
+
+def test_a_run_configs_rule_reaches_its_averager() -> None:
+    from swarmtrain.training.loop import averager_config
+
+    run = {"id": "robust"}
+    config = run_config.config_from_mapping({"run": run, "swarm": {"aggregation": "trimmed_mean"}})
+    assert averager_config(config).aggregation == "trimmed_mean"
+    assert averager_config(run_config.config_from_mapping({"run": run})).aggregation == "mean"
