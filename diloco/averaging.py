@@ -25,8 +25,7 @@ from typing import Any, Protocol
 import torch
 
 # The one class for a failed round, swarm's: its averager raises it and DiLoCo's callers catch it.
-from swarm import AveragingFailed
-from swarm.averaging.aggregation import AGGREGATIONS, aggregate
+from swarm import AGGREGATIONS, AveragingFailed, aggregate
 
 
 @dataclass(frozen=True)
