@@ -51,6 +51,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
@@ -60,6 +61,7 @@ import torch
 from bench import diloco_spec
 from bench.common import git_sha
 from diloco import (
+    Average,
     AverageOutcome,
     ByteTransformer,
     DiLoCo,
@@ -170,8 +172,17 @@ class _Wire:
         return wrapped
 
 
-def run_diloco(corpus: Any, args: argparse.Namespace, heldout: list[Any]) -> float:
-    local = LocalAverage(args.workers, timeout_s=3600)
+def run_diloco(
+    corpus: Any,
+    args: argparse.Namespace,
+    heldout: list[Any],
+    *,
+    aggregation: str = "mean",
+    wrap: Callable[[int, Average], Average] | None = None,
+) -> float:
+    """DiLoCo's held-out loss after the run. ``aggregation``: ``LocalAverage``'s rule; ``wrap``
+    (worker, its average) -> what that worker calls instead (``bench.byzantine``'s attacker)."""
+    local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
     sizes = [p.numel() for p in models[0].parameters()]
     wire = (
@@ -185,7 +196,9 @@ def run_diloco(corpus: Any, args: argparse.Namespace, heldout: list[Any]) -> flo
         try:
             model = models[k]
             inner, scheduler = _inner_optimizer(model, args)
-            average = local.member(f"w{k}")
+            average: Average = local.member(f"w{k}")
+            if wrap is not None:
+                average = wrap(k, average)
             with DiLoCo(
                 model,
                 inner,
@@ -246,8 +259,9 @@ def run_data_parallel(
     return evaluate(model, heldout)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_training_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the DiLoCo setting (workers, steps, schedule, optimizers, codec, held-out
+    batches), with this bench's defaults; ``bench.byzantine`` runs the same setting."""
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=2000, help="inner steps per worker")
     parser.add_argument(
@@ -264,6 +278,20 @@ def main() -> None:
     parser.add_argument("--outer-momentum-warmup", type=int, default=12, help="rounds")
     parser.add_argument("--compression", default="int8", choices=["int8", "none"])
     parser.add_argument("--eval-batches", type=int, default=8)
+
+
+def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Turn the parsed options into what ``run_diloco`` reads: the codec, H of every round."""
+    args.compression = Compression[args.compression.upper()]
+    try:
+        args.schedule_h = h_schedule(args.inner_steps, args.steps)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_training_options(parser)
     parser.add_argument(
         "--sequential", dest="concurrent", action="store_false", help="one method at a time"
     )
@@ -284,11 +312,7 @@ def main() -> None:
     if args.config:
         diloco_spec.main(args, parser)
         return
-    args.compression = Compression[args.compression.upper()]
-    try:
-        args.schedule_h = h_schedule(args.inner_steps, args.steps)
-    except ValueError as error:
-        parser.error(str(error))
+    parse_schedule(args, parser)
     torch.manual_seed(0)
     corpus = load_stdlib_corpus()
     heldout = eval_batches(corpus, batches=args.eval_batches, context=args.context)

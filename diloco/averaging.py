@@ -10,7 +10,9 @@ failed for this peer.
 ``LocalAverage`` averages among N peers in one process through a condition variable. It is a real
 implementation for single-machine simulation (tests, benchmarks), with the same determinism rule as
 the swarm's: contributions are accumulated in float64 in sorted peer-id order, then cast to float32
-once, and every peer receives a copy of the one result.
+once, and every peer receives a copy of the one result. With a robust ``aggregation`` it runs the
+swarm reducer's own rule (``swarm.averaging.aggregation``) over the whole vector, so a bench in one
+process (``bench.byzantine``) measures the code a swarm runs.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 # The one class for a failed round, swarm's: its averager raises it and DiLoCo's callers catch it.
-from swarm import AveragingFailed
+from swarm import AGGREGATIONS, AveragingFailed, aggregate
 
 
 @dataclass(frozen=True)
@@ -85,11 +87,15 @@ class LocalAverage:
     """Averaging among ``peers`` participants of one process; ``member(peer_id)`` gives each its
     ``Average`` callable. A round completes when all members of it have contributed; if that takes
     longer than ``timeout_s`` the round fails for everyone waiting (AveragingFailed), and a member
-    that arrives after the failure fails too."""
+    that arrives after the failure fails too. ``aggregation``: "mean" (``weighted_mean``) or a
+    robust rule of ``swarm.averaging.aggregation`` over the whole vector (one part)."""
 
-    def __init__(self, peers: int, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, peers: int, *, timeout_s: float = 60.0, aggregation: str = "mean") -> None:
         if peers <= 0:
             raise ValueError("peers must be positive")
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
+        self._aggregation = aggregation
         self._peers = peers
         self._timeout_s = timeout_s
         self._condition = threading.Condition()
@@ -114,9 +120,7 @@ class LocalAverage:
             state.contributions[peer_id] = (snapshot, weight)
             state.arrived += 1
             if len(state.contributions) == self._peers:
-                # One "tensor" per peer: the same float64 accumulation, element for element.
-                lists = {p: ([v], w) for p, (v, w) in state.contributions.items()}
-                state.result = weighted_mean(lists)[0]
+                state.result = self._combine(state.contributions)
                 self._condition.notify_all()
             else:
                 self._condition.wait_for(
@@ -135,3 +139,12 @@ class LocalAverage:
             if state.collected == self._peers:
                 del self._rounds[round]
             return outcome
+
+    def _combine(self, contributions: dict[str, tuple[torch.Tensor, float]]) -> torch.Tensor:
+        if self._aggregation == "mean":
+            # One "tensor" per peer: the same float64 accumulation, element for element.
+            lists = {p: ([v], w) for p, (v, w) in contributions.items()}
+            return weighted_mean(lists)[0]
+        # Peer ids as UTF-8 bytes sort as the strings do: the swarm's sorted peer order.
+        arrays = {p.encode(): (v.numpy(), w) for p, (v, w) in contributions.items()}
+        return torch.from_numpy(aggregate(self._aggregation, arrays))

@@ -11,6 +11,7 @@ Errors raised on purpose derive from ``SwarmError`` (``swarm.errors``); a failed
 ``AveragingFailed``, the one class ``diloco`` re-exports.
 """
 
+from swarm.averaging.aggregation import AGGREGATIONS, aggregate
 from swarm.averaging.allreduce import AllReduce, AllReduceState, partition, reduce_part
 from swarm.averaging.audit import (
     AuditRecord,
@@ -55,6 +56,7 @@ from swarm.pipeline.records import ServerAnnouncement, param_digest, servers_key
 from swarm.pipeline.routing import MicrobatchRoute, Router, RoutingConfig
 
 __all__ = [
+    "AGGREGATIONS",
     "SLICE_PROTOCOL",
     "AllReduce",
     "AllReduceState",
@@ -83,6 +85,7 @@ __all__ = [
     "SliceRequest",
     "StateAgreement",
     "SwarmError",
+    "aggregate",
     "aggregation_audit",
     "allreduce",
     "audited",

@@ -114,6 +114,8 @@ DATA_KINDS = ("stdlib", "text", "tokens", "datasets")
 TOKEN_DTYPES = ("uint16", "uint32")
 COMPRESSIONS = ("auto", "int8", "none")
 ADMISSIONS = ("open", "allowlist", "token")
+# swarm.averaging.aggregation.AGGREGATIONS, spelled out: the config is read before swarm loads.
+AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
 # The config keys that give a causal LM's longest sequence, by model family (Llama, GPT-2, ...).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 MAX_MODEL_CONFIG_BYTES = 16384
@@ -352,6 +354,15 @@ class SwarmSection(_Section):
         "# tokens (H x grad_accumulation x batch_size x sequence_length), so a liar's weight\n"
         "# cannot swamp the average; a verified run fixes it at one round's",
     )  # fmt: skip
+    aggregation: str = _key(
+        "mean", lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}",
+        'how each part\'s reducer combines the peers\' pseudo-gradients: "mean" the weighted\n'
+        '# mean; "trimmed_mean" per coordinate drops the n // 4 (at least 1 from 3 peers on)\n'
+        '# largest and smallest values; "centered_clip" clips each peer\'s distance from the\n'
+        "# median to twice the median distance (5 iterations). The robust rules bound what a\n"
+        "# peer sending hostile values can do (bench.byzantine) and cap a declared weight at\n"
+        "# the median weight; verified runs and pipeline runs use \"mean\"",
+    )  # fmt: skip
     state_quorum: int = _key(
         0, _non_negative, "a non-negative integer",
         "0: a joiner (or a node re-syncing) adopts the state most peers hold (a majority of\n"
@@ -480,6 +491,11 @@ class RunConfig:
                     f"{', '.join(changed)}: a verified run (verify.rate > 0) runs its inner "
                     "steps as reproducible operators with the default settings only"
                 )
+        if self.swarm.aggregation != "mean" and (self.verify.rate > 0 or self.is_pipeline):
+            raise ConfigError(
+                f'swarm.aggregation = "{self.swarm.aggregation}": verified runs (the coordinator '
+                'recomputes sums) and pipeline runs average with "mean"'
+            )
         if self.verify.rate > 0 and self.swarm.compression == "int8":
             raise ConfigError(
                 'swarm.compression = "int8": a verified run averages exactly (the coordinator '

@@ -43,10 +43,18 @@ from verify.repops.step import (
     step_loss,
     train_step,
 )
-from verify.trace import OpRecord, StepResult, TracedStep, state_hash, tensor_hash
+from verify.trace import (
+    LEAF_PREFIX,
+    OpRecord,
+    StepResult,
+    TracedStep,
+    state_hash,
+    tensor_hash,
+)
 
 __all__ = [
     "DEFAULT_SHAPE",
+    "LEAF_PREFIX",
     "AdamWConfig",
     "Answered",
     "Commitment",

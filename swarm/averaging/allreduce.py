@@ -10,8 +10,10 @@ The machine never sends bytes: it returns actions (``SendPart``, ``SendReduced``
 Rules (all derived from facts every survivor sees; nothing is negotiated):
 
 1. *Determinism.* A reduced part is a pure function of (part, contributor set): slices are summed
-   in sorted peer-id order in float64, divided by the total weight, cast to float32. Any peer that
-   reduces a part over a set produces the same bytes, so a reduced part may be forwarded.
+   in sorted peer-id order in float64, divided by the total weight, cast to float32 (the default
+   ``aggregation``, "mean"; a robust rule of ``swarm.averaging.aggregation`` is as deterministic).
+   Any peer that reduces a part over a set produces the same bytes, so a reduced part may be
+   forwarded.
 2. *Reducers.* Part p's reducer is the first alive peer of the chain that starts at p's owner and
    walks the sorted peer list cyclically. When it is lost, every survivor (finished or not) sends
    the new reducer first the reduced part p if it holds one, then its own slice of p (one FIFO
@@ -55,12 +57,13 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from p2p import LocalProtocolError, RemoteProtocolError
+from swarm.averaging.aggregation import AGGREGATIONS, aggregate, reduce_part
 
 __all__ = [
     "AllReduce",
@@ -82,7 +85,6 @@ __all__ = [
 ]
 
 Contributors = tuple[tuple[bytes, float], ...]
-_REDUCE_BLOCK = 1 << 15
 
 
 def partition(
@@ -120,45 +122,6 @@ def partition(
             )
         start = stop
     return parts
-
-
-def reduce_part(
-    contributions: Mapping[bytes, tuple[np.ndarray, float]], out: np.ndarray | None = None
-) -> np.ndarray:
-    """Weighted mean of float32 slices, bit-identical whatever order they arrived in.
-
-    Sums ``weight * data`` in sorted peer-id order in float64, divides by the summed weight (also in
-    sorted order), casts to float32, into ``out`` when given (else a new array). Raises
-    ``LocalProtocolError`` if empty or lengths differ. Works in blocks that fit in cache: the
-    same operations per element, seven times faster than whole-array temporaries on a 25 MB part.
-    """
-    if not contributions:
-        raise LocalProtocolError("reduce_part needs at least one contribution")
-    peers = sorted(contributions)
-    length = len(contributions[peers[0]][0])
-    if any(len(contributions[peer][0]) != length for peer in peers):
-        raise LocalProtocolError("contributions differ in length")
-    total_weight = 0.0
-    for peer in peers:
-        total_weight += float(contributions[peer][1])
-    if out is None:
-        out = np.empty(length, dtype=np.float32)
-    elif out.dtype != np.float32 or out.shape != (length,):
-        raise LocalProtocolError("out must be a float32 array of the parts' length")
-    block = min(length, _REDUCE_BLOCK) or 1
-    accumulator = np.empty(block, dtype=np.float64)
-    product = np.empty(block, dtype=np.float64)
-    for start in range(0, length, block):
-        stop = min(length, start + block)
-        acc, tmp = accumulator[: stop - start], product[: stop - start]
-        acc.fill(0.0)
-        for peer in peers:
-            data, weight = contributions[peer]
-            np.multiply(data[start:stop], float(weight), out=tmp, dtype=np.float64)
-            acc += tmp
-        np.divide(acc, total_weight, out=acc)
-        out[start:stop] = acc
-    return out
 
 
 # ---- events (facts) ----------------------------------------------------------------------------
@@ -329,6 +292,8 @@ class AllReduce:
     ``check_slice(sender, start, values)``, if given, may refuse a peer's raw slice with a reason
     (a pure function of its arguments): a verified run's verifier knows, bit for bit, what the
     owner of a task it re-executed must send, and drops an owner that sends anything else.
+    ``aggregation``: the rule each part this peer reduces is computed with (one of
+    ``swarm.averaging.aggregation.AGGREGATIONS``; every peer of the group must use the same).
 
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
@@ -350,7 +315,11 @@ class AllReduce:
         allocate: Callable[[int], np.ndarray] | None = None,
         weight_bounds: tuple[float, float] = (0.0, math.inf),
         check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None,
+        aggregation: str = "mean",
     ) -> None:
+        if aggregation not in AGGREGATIONS:
+            raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
+        self.aggregation = aggregation
         self.peers: tuple[bytes, ...] = tuple(sorted(set(peers)))
         if me not in self.peers or len(self.peers) != len(peers):
             raise LocalProtocolError("peers must be unique and include me")
@@ -556,7 +525,7 @@ class AllReduce:
                 contributions = {q: (self.raw[p][q], self.weights[q]) for q in self.members}
                 _, start, stop = self.parts[p]
                 into = None if self._allocate is None else self._allocate(stop - start)
-                reduced = reduce_part(contributions, into)
+                reduced = aggregate(self.aggregation, contributions, into)
                 if self._finalize is not None:
                     reduced = self._finalize(p, reduced)
                 self.held[p] = held = (reduced, frozenset(self.members))

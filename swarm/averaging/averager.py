@@ -58,6 +58,7 @@ from p2p import (
     message,
     serve_stream,
 )
+from swarm.averaging.aggregation import AGGREGATIONS
 from swarm.averaging.allreduce import all_finite
 from swarm.averaging.audit import PartAudit, audits_of
 from swarm.averaging.bandwidth import BandwidthEstimate
@@ -135,6 +136,9 @@ class AveragerConfig:
     # A permissioned run's members, by peer id bytes: others' declarations and state hashes
     # are ignored, so they never join a group (and no all-reduce stream of theirs is taken).
     admit: Callable[[bytes], bool] | None = None
+    # How each part's reducer combines the slices (``swarm.averaging.aggregation``): "mean", or
+    # a Byzantine-robust "centered_clip" / "trimmed_mean". Every peer of a run must use one rule.
+    aggregation: str = "mean"
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -144,6 +148,10 @@ class AveragerConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.audit and self.compression is not Compression.NONE:
             raise ValueError("audit needs compression=Compression.NONE (a lossless sum)")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
+        if self.audit and self.aggregation != "mean":
+            raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
 
 
 @dataclass(frozen=True)
@@ -389,6 +397,7 @@ class Averager:
                 else functools.partial(self.check_slice, r),
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
+                aggregation=self.config.aggregation,
             ),
             channels=self._channels,
             buffers=self._buffers,

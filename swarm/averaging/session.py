@@ -105,6 +105,8 @@ class SessionConfig:
     # An audited round (``swarm.averaging.audit``): sign our slices with this (our identity's
     # ``RecordSigner.sign_message``) and refuse a slice whose proof does not verify.
     sign: Callable[[bytes], bytes] | None = None
+    # The rule each part we reduce is computed with (``swarm.averaging.aggregation``).
+    aggregation: str = "mean"
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ class Session(PeerLinks):
             allocate=self._buffers.take,
             weight_bounds=config.weight_bounds,
             check_slice=config.check_slice,
+            aggregation=config.aggregation,
         )
         self.parts = self._values.parts = self.machine.parts
         self.alive: frozenset[bytes] = frozenset(self.peers)

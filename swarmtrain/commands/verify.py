@@ -77,7 +77,7 @@ def _cheat_problem(args: argparse.Namespace) -> str | None:
         return None
     if not 0 <= args.cheat_step < args.steps:
         return f"--cheat-step {args.cheat_step}: the task's steps are 0 to {args.steps - 1}"
-    from verify.trace import LEAF_PREFIX
+    from verify import LEAF_PREFIX
 
     step = _repops(args)
     names = [r.name for r in step(step.initial_state(), 0).records]

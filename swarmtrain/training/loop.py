@@ -137,6 +137,7 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
         allreduce_timeout_s=config.swarm.allreduce_timeout_s,
         compression=swarm.Compression.NONE if verified else _COMPRESSIONS[config.swarm.compression],
         audit=verified,
+        aggregation=config.swarm.aggregation,
         auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
         # Round buffers of a large model (a copy of the pseudo-gradient, the mean, the slices
         # received: over twice the parameters' bytes) are given back after the round rather

@@ -5,10 +5,12 @@ Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prin
 
     {"cmd": "average", "round": R, "numel": N, "seed": S, "weight": W,
      "expected": [hex, ...] | null, "cancel_after": seconds after the group formed | null,
-     "stall": seconds to block the event loop once the group formed | null}
+     "stall": seconds to block the event loop once the group formed | null,
+     "scale": factor our vector is multiplied by (an outlier's) | null}
         -> {"ok": true, "digest": hex, "contributors": {hex: w}, "dropped": {hex: why},
             "allreduce_s": .., "matchmaking_s": .., "bytes_sent": .., "regions": [12 short
-            digests, one per twelfth of the vector]}  or {"ok": false, "error": ..}
+            digests, one per twelfth of the vector], "parts": [[start, stop], ...],
+            "max_abs": largest |value| of the result}  or {"ok": false, "error": ..}
     {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
     {"cmd": "agreement", "round": R}                    -> {"agrees": .., "peers": .., ...}
     {"cmd": "channels"}  -> {"opened": n, "reused": n, "idle": n, "closed": n}  (data channels)
@@ -166,6 +168,8 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
     cmd = request["cmd"]
     if cmd == "average":
         local = vector(request["seed"], request["numel"])
+        if request.get("scale") is not None:
+            local *= np.float32(request["scale"])
         expected = request.get("expected")
         try:
             with trio.CancelScope() as scope:
@@ -214,6 +218,8 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 hashlib.sha256(piece.tobytes()).hexdigest()[:8]
                 for piece in np.array_split(result.vector, 12)
             ],
+            "parts": [list(part) for part in result.parts],
+            "max_abs": float(np.max(np.abs(result.vector))),
         }
     if cmd == "disconnect":  # close every libp2p connection we have
         network = averager.node.host.libp2p.get_network()
@@ -268,6 +274,7 @@ async def main(args: argparse.Namespace) -> None:
                 max_group_size=args.max_group_size,
                 audit=args.audit,
                 weight_bounds=(0.0, math.inf if inflated else args.max_weight),
+                aggregation=args.aggregation,
             ),
         )
         await nursery.start(averager.run)
@@ -291,6 +298,7 @@ if __name__ == "__main__":
     parser.add_argument("--fault")
     parser.add_argument("--max-weight", type=float, default=math.inf)
     parser.add_argument("--audit", action="store_true", help="sign slices, check their proofs")
+    parser.add_argument("--aggregation", default="mean", help="AveragerConfig.aggregation")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()
     logging.basicConfig(

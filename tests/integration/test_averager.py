@@ -24,6 +24,7 @@ import pytest
 from peerproc import PeerProcess, start_relay
 
 from swarm import reduce_part
+from swarm.averaging.aggregation import aggregate
 
 SCRIPT = Path(__file__).with_name("averager_peer.py")
 NUMEL = 300_000
@@ -37,6 +38,27 @@ def vector(seed: int, numel: int = NUMEL) -> np.ndarray:
 def exact_digest(contributors: dict[str, float], seeds: dict[str, int]) -> str:
     mean = reduce_part({bytes.fromhex(p): (vector(seeds[p]), w) for p, w in contributors.items()})
     return hashlib.sha256(mean.tobytes()).hexdigest()
+
+
+def rule_result(
+    rule: str, reply: dict, seeds: dict[str, int], scales: dict[str, float] | None = None
+) -> np.ndarray:
+    """``rule`` computed part by part (the reply's parts) over its contributors, each peer's
+    vector times its scale: what the reducers must have produced."""
+    scales = scales or {}
+    vectors = {
+        bytes.fromhex(p): (vector(seeds[p]) * np.float32(scales.get(p, 1.0)), w)
+        for p, w in reply["contributors"].items()
+    }
+    pieces = [
+        aggregate(rule, {p: (v[a:b], w) for p, (v, w) in vectors.items()})
+        for a, b in reply["parts"]
+    ]
+    return np.concatenate(pieces)
+
+
+def digest(values: np.ndarray) -> str:
+    return hashlib.sha256(values.tobytes()).hexdigest()
 
 
 class Peer:
@@ -273,6 +295,46 @@ def test_a_faulty_peer_leaves_survivors_agreeing_on_the_exact_mean(
     swarm.average(survivors, 1, expected=survivors)
     swarm.check([p.reply() for p in survivors], survivors)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("rule", ["centered_clip", "trimmed_mean"])
+def test_a_robust_rule_is_bit_identical_on_every_peer_and_ignores_an_outlier(
+    swarm: Swarm, rule: str
+) -> None:
+    """Three peers, one sending its vector times 1000: every peer holds the rule's exact bytes
+    (each part computed by its reducer), and the result stays about as close to the honest
+    peers' mean as they are, where the mean is hundreds of times farther."""
+    peers = swarm.start(3, None, "--run-id", f"robust-{rule}", "--aggregation", rule)
+    outlier = peers[2]
+    swarm.average(peers, 0, **{outlier.id: {"scale": 1000.0}})
+    replies = [p.reply() for p in peers]
+    assert all(r["ok"] for r in replies), replies
+    assert len({r["digest"] for r in replies}) == 1, replies
+    first = replies[0]
+    assert set(first["contributors"]) == {p.id for p in peers}, first
+    result = rule_result(rule, first, swarm.seeds, {outlier.id: 1000.0})
+    assert first["digest"] == digest(result)
+    honest = {bytes.fromhex(p.id): (vector(p.seed), first["contributors"][p.id]) for p in peers[:2]}
+    honest_mean = reduce_part(honest)
+    spread = max(np.linalg.norm(v - honest_mean) for v, _ in honest.values())
+    assert np.linalg.norm(result - honest_mean) <= 2 * spread
+    contributions = honest | {bytes.fromhex(outlier.id): (vector(outlier.seed) * 1000, 1.0)}
+    assert np.linalg.norm(reduce_part(contributions) - honest_mean) > 100 * spread
+
+
+def test_a_robust_rule_survives_a_reducer_lost_while_reducing(swarm: Swarm) -> None:
+    """The fault matrix under centered clipping: a reducer exits with its part reduced but not
+    sent; its part is reduced again by the next peer, and the survivors agree on the rule's
+    bytes over the contributors they report."""
+    rule = "centered_clip"
+    peers = swarm.start(4, {3: "exit-while-reducing"}, "--run-id", "robust-fault",
+                        "--aggregation", rule)  # fmt: skip
+    survivors = peers[:3]
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in survivors]
+    assert all(r["ok"] for r in replies), replies
+    assert len({r["digest"] for r in replies}) == 1, replies
+    assert {r["digest"] for r in replies} == {digest(rule_result(rule, replies[0], swarm.seeds))}
 
 
 def test_a_peer_killed_before_the_round_is_left_out(swarm: Swarm) -> None:

@@ -53,3 +53,21 @@ def test_the_memory_bench_measures_each_nodes_peak_rss_at_a_tiny_size() -> None:
         summary["peak_rss_bytes"] / summary["param_bytes"], 3
     )
     assert len(summary["nodes"]) == 2 and "peak RSS" in done.stdout
+
+
+def test_the_byzantine_bench_runs_every_rule_against_an_attacker_at_a_tiny_size() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.byzantine", "--workers", "3", "--steps", "4",
+         "--inner-steps", "2", "--batch", "2", "--context", "32", "--eval-batches", "1",
+         "--attacks", "scaled"],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    for key in ("honest_loss", "mean_attacked_loss", "robust_attacked_loss", "robust_honest_loss"):
+        assert 0 < summary[key] < 10, summary
+    assert summary["robust_rule"] in ("centered_clip", "trimmed_mean"), summary
+    assert set(summary["losses"]["mean"]) == {"none", "scaled"}, summary
+    # Ten times the opposite of a pseudo-gradient hurts the mean even after two rounds.
+    assert summary["mean_attacked_loss"] > summary["honest_loss"], summary
+    assert "held-out loss" in done.stdout

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p import LocalProtocolError, RemoteProtocolError
+from swarm.averaging.aggregation import aggregate
 from swarm.averaging.allreduce import (
     AllReduce,
     AllReduceState,
@@ -48,9 +49,10 @@ class FakeNetwork:
 
     def __init__(
         self, vectors, weights, bandwidths, rng: random.Random, finalize=None, chunks=1,
-        pooled=False,
+        pooled=False, aggregation="mean",
     ) -> None:  # fmt: skip
         self.ids = peer_ids(len(vectors))
+        self.aggregation = aggregation
         self.vectors = dict(zip(self.ids, vectors, strict=True))
         self.weights = dict(zip(self.ids, weights, strict=True))
         self.machines = {
@@ -65,6 +67,7 @@ class FakeNetwork:
                 chunks,
                 # Reduced parts written into a pool's buffers, reused once nothing holds them.
                 allocate=BufferPool().take if pooled else None,
+                aggregation=aggregation,
             )
             for me in self.ids
         }
@@ -141,7 +144,17 @@ class FakeNetwork:
 
 
 def expected_mean(net: FakeNetwork, contributors) -> np.ndarray:
-    return reduce_part({p: (net.vectors[p], w) for p, w in contributors})
+    if net.aggregation == "mean":
+        return reduce_part({p: (net.vectors[p], w) for p, w in contributors})
+    # A robust rule is computed part by part (centered clipping's norms are a part's).
+    parts = next(iter(net.machines.values())).parts
+    return np.concatenate(
+        [np.empty(0, np.float32)]
+        + [
+            aggregate(net.aggregation, {p: (net.vectors[p][a:b], w) for p, w in contributors})
+            for _, a, b in parts
+        ]
+    )
 
 
 def assert_agreement(net: FakeNetwork, must_include=(), must_exclude=()) -> Finish | None:
@@ -181,7 +194,7 @@ round_setup = st.tuples(
 )
 
 
-def build(setup, weights=None) -> FakeNetwork:
+def build(setup, weights=None, aggregation="mean") -> FakeNetwork:
     n, numel, rng = setup
     bandwidths = [rng.randint(1, 1000) for _ in range(n)]
     weights = weights or [rng.choice([1.0, 0.5, 3.0, rng.uniform(0.1, 10)]) for _ in range(n)]
@@ -189,7 +202,9 @@ def build(setup, weights=None) -> FakeNetwork:
     chunks = rng.choice([1, 1, 2, 3])
     pooled = rng.random() < 0.5
     vectors = make_vectors(rng, n, numel)
-    return FakeNetwork(vectors, weights, bandwidths, rng, chunks=chunks, pooled=pooled)
+    return FakeNetwork(
+        vectors, weights, bandwidths, rng, chunks=chunks, pooled=pooled, aggregation=aggregation
+    )
 
 
 # ---- partition and reducer ---------------------------------------------------------------------
@@ -276,6 +291,29 @@ def test_one_crash_at_any_moment_leaves_survivors_agreeing(setup, crash_after, v
     net.run()
     finish = assert_agreement(net, must_include=net.survivors())
     assert finish is None or len(finish.result) == setup[1]
+
+
+@pytest.mark.parametrize("rule", ["centered_clip", "trimmed_mean"])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(setup=round_setup, crash_after=st.integers(0, 400), victim=st.integers(0, 7))
+def test_a_robust_rule_leaves_survivors_of_a_crash_agreeing_on_its_result(
+    rule, setup, crash_after, victim
+):
+    """The fault matrix under a robust rule: whoever reduces a part (its reducer, or the next
+    one after a crash) produces the rule's bytes over the contributor set."""
+    net = build(setup, aggregation=rule)
+    net.start()
+    for _ in range(crash_after):
+        if not net.step():
+            break
+    net.crash(net.ids[victim % len(net.ids)])
+    net.run()
+    assert_agreement(net, must_include=net.survivors())
+
+
+def test_the_machine_refuses_an_unknown_aggregation():
+    with pytest.raises(LocalProtocolError, match="aggregation"):
+        AllReduce(b"a", [b"a"], [1], np.zeros(3, np.float32), 1.0, 1.0, aggregation="median")
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

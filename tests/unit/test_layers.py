@@ -93,6 +93,7 @@ SANS_IO = [
     "swarm/averaging/codec.py",
     "swarm/averaging/payload.py",
     "swarm/averaging/matchmaking.py",
+    "swarm/averaging/aggregation.py",
     "swarm/averaging/allreduce.py",
     "swarm/averaging/audit.py",
     "swarm/averaging/bandwidth.py",

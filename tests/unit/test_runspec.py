@@ -85,6 +85,15 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
             '[model]\nfactory = "pkg.mod:build"\n[verify]\nrate = 0.5\n',
             "model.factory (pkg.mod:build) cannot be verified",
         ),
+        ('[swarm]\naggregation = "median"\n', "swarm.aggregation must be one of mean, centered"),
+        (
+            '[swarm]\naggregation = "trimmed_mean"\n[verify]\nrate = 0.5\n',
+            'swarm.aggregation = "trimmed_mean": verified runs',
+        ),
+        (
+            '[swarm]\naggregation = "centered_clip"\n[pipeline]\nstages = 2\n',
+            "pipeline runs average with",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
