@@ -51,6 +51,7 @@ from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.relay import RelayOptions, run_relay
 from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config
 from swarmtrain.faults import Faults, parse_task_fault
+from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
 from swarmtrain.pipeline import local as pipeline_local
 from swarmtrain.runspec import SpecRefused
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p_relay, listen_default="/ip4/0.0.0.0/tcp/4002")
     _add_read_timeout(p_relay)
+    add_metrics_arguments(p_relay)
     p_relay.add_argument(
         "--announce",
         action="append",
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_node = sub.add_parser("node", help="join a run as a volunteer: train and contribute")
     _add_common(p_node, listen_default="/ip4/0.0.0.0/tcp/0")
+    add_metrics_arguments(p_node)
     p_node.add_argument(
         "--join",
         action="append",
@@ -242,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p_coord, listen_default="/ip4/0.0.0.0/tcp/4001")
     _add_read_timeout(p_coord)
+    add_metrics_arguments(p_coord)
     p_coord.add_argument(
         "--config", type=Path, default=None, help="run config [the embedded default run]"
     )
@@ -373,7 +377,9 @@ def _main_node(args: argparse.Namespace) -> int:
 
     _setup_logging(args.verbose)
     state_dir = args.state_dir or _default_state_dir()
+    metrics = None
     try:
+        metrics = _start_metrics(args, "node")
         options = NodeOptions(
             join=tuple(args.join),
             state_dir=state_dir,
@@ -394,6 +400,7 @@ def _main_node(args: argparse.Namespace) -> int:
             ),
             pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
             token=args.token,
+            metrics=metrics,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -410,6 +417,9 @@ def _main_node(args: argparse.Namespace) -> int:
     except (P2PError, ValueError, OSError, RuntimeError, ExceptionGroup) as exc:
         print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)
         return 1
+    finally:
+        if metrics is not None:
+            metrics.close()
     print(summary.done_line(), flush=True)
     return 3 if getattr(summary, "banned", "") else 0
 
@@ -496,6 +506,7 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
         # coordinator's copies unless run.toml sets them: nodes whose copies differ refuse
         # before training (training.workload).
         config = with_model_hash(with_data_fingerprint(config))
+        metrics = _start_metrics(args, "coordinator")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)
         return 1
@@ -506,10 +517,26 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
             announce=tuple(args.announce),
             upnp=args.upnp,
             read_timeout_s=args.read_timeout,
+            metrics=metrics,
         ),
     )
-    trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
+    try:
+        trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
+
+
+def _start_metrics(args: argparse.Namespace, role: str) -> Metrics | None:
+    """The process's metrics, served (``--metrics-port``); None when off. ValueError naming
+    the flag for a bad or busy port."""
+    options = options_from(args)
+    if options is None:
+        return None
+    metrics = Metrics(role)
+    metrics.serve(options)
+    return metrics
 
 
 def _main_status(args: argparse.Namespace) -> int:
@@ -634,13 +661,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "coordinator":
             return _main_coordinator(args, key_pair)
         if args.command == "relay":
+            try:
+                metrics = _start_metrics(args, "relay")
+            except ValueError as exc:
+                print(f"swarmtrain relay: {exc}", file=sys.stderr)
+                return 1
             options = RelayOptions(
                 listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4002"]),
                 announce=tuple(args.announce),
                 upnp=args.upnp,
                 read_timeout_s=args.read_timeout,
+                metrics=metrics,
             )
-            trio.run(run_relay, key_pair, options)
+            try:
+                trio.run(run_relay, key_pair, options)
+            finally:
+                if metrics is not None:
+                    metrics.close()
         elif args.command == "doctor":
             doctor = DoctorOptions(
                 # Without --join everything happens on loopback; don't open a public port for it.

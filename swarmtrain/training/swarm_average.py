@@ -53,6 +53,7 @@ class RoundReport:
     bytes_received: int
     matchmaking_s: float
     allreduce_s: float
+    dropped: tuple[str, ...] = ()  # why the all-reduce dropped peers, one reason each
 
 
 class SwarmAverage:
@@ -125,6 +126,7 @@ class SwarmAverage:
             bytes_received=result.bytes_received,
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
+            dropped=tuple(result.dropped.values()),
         )
         # A view of the round's vector, no copy: DiLoCo only reads it (the outer step).
         mean = torch.from_numpy(result.vector)
