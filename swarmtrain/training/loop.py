@@ -551,17 +551,17 @@ def _record_round(
         if agreement is None
         else f"{'yes' if agreement.agrees else 'NO'} ({agreement.agreeing}/{agreement.peers})"
     )
+    if summary.on_round is not None:
+        summary.on_round(RoundSample.of(
+            r, mean_loss, tokens / inner_s, report, agree=summary.agree, syncs=elastic.syncs,
+            verdicts=verification.verdicts if verification is not None else (),
+        ))  # fmt: skip
     emit(
         f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s peers {report.peers} "
         f"sent {_mib(report.bytes_sent)} recv {_mib(report.bytes_received)} "
         f"allreduce {report.allreduce_s:.2f} s state {state_hash[:12]} agree {agree} "
         f"{round_s:.1f} s{verification.note(r) if verification is not None else ''}"
     )
-    if summary.on_round is not None:
-        summary.on_round(RoundSample.of(
-            r, mean_loss, tokens / inner_s, report, agree=summary.agree, syncs=elastic.syncs,
-            verdicts=verification.verdicts if verification is not None else (),
-        ))  # fmt: skip
     drifted = agreement is not None and not agreement.agrees and agreement.majority is not None
     # Our state drifted from the majority's: adopt theirs before contributing again.
     if drifted and elastic.after_round(r, ok=True) is not None:
