@@ -19,7 +19,9 @@
     swarmtrain export   --state-dir DIR --out DIR [--json PATH]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
-(exit status 130). A failure prints one line that names its cause and exits with status 1.
+(exit status 130); SIGTERM (systemd, ``docker stop``) stops the same way, with the same cleanup
+and line, and exit status 143 (128 + 15, what a shell reports for a process SIGTERM ended). A
+failure prints one line that names its cause and exits with status 1.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -611,11 +613,30 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _stop_on_sigterm() -> Callable[[], bool]:
+    """SIGTERM raises SIGINT, so it stops every command exactly as Ctrl+C does (trio's own
+    SIGINT handling included); returns whether a SIGTERM came."""
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        received.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: bool(received)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # A shell starts background jobs (``swarmtrain coordinator &`` in a script) with SIGINT
     # ignored, and Python then never raises KeyboardInterrupt: restore it so Ctrl+C, or the
     # SIGINT ``swarmtrain local`` sends its children, always means a clean stop.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    terminated = _stop_on_sigterm()
+    status = _run(argv)
+    return 143 if status == 130 and terminated() else status
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # node keeps its identity in its state directory (several nodes on one machine must differ);
     # local starts processes that each have their own.
