@@ -19,7 +19,9 @@
     swarmtrain export   --state-dir DIR --out DIR [--json PATH]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
-(exit status 130). A failure prints one line that names its cause and exits with status 1.
+(exit status 130); SIGTERM (systemd, ``docker stop``) stops the same way, with the same cleanup
+and line, and exit status 143 (128 + 15, what a shell reports for a process SIGTERM ended). A
+failure prints one line that names its cause and exits with status 1.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -51,6 +53,7 @@ from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.relay import RelayOptions, run_relay
 from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config
 from swarmtrain.faults import Faults, parse_task_fault
+from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
 from swarmtrain.pipeline import local as pipeline_local
 from swarmtrain.runspec import SpecRefused
 
@@ -105,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p_relay, listen_default="/ip4/0.0.0.0/tcp/4002")
     _add_read_timeout(p_relay)
+    add_metrics_arguments(p_relay)
     p_relay.add_argument(
         "--announce",
         action="append",
@@ -146,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_node = sub.add_parser("node", help="join a run as a volunteer: train and contribute")
     _add_common(p_node, listen_default="/ip4/0.0.0.0/tcp/0")
+    add_metrics_arguments(p_node)
     p_node.add_argument(
         "--join",
         action="append",
@@ -242,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_common(p_coord, listen_default="/ip4/0.0.0.0/tcp/4001")
     _add_read_timeout(p_coord)
+    add_metrics_arguments(p_coord)
     p_coord.add_argument(
         "--config", type=Path, default=None, help="run config [the embedded default run]"
     )
@@ -373,7 +379,9 @@ def _main_node(args: argparse.Namespace) -> int:
 
     _setup_logging(args.verbose)
     state_dir = args.state_dir or _default_state_dir()
+    metrics = None
     try:
+        metrics = _start_metrics(args, "node")
         options = NodeOptions(
             join=tuple(args.join),
             state_dir=state_dir,
@@ -394,6 +402,7 @@ def _main_node(args: argparse.Namespace) -> int:
             ),
             pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
             token=args.token,
+            metrics=metrics,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -410,6 +419,9 @@ def _main_node(args: argparse.Namespace) -> int:
     except (P2PError, ValueError, OSError, RuntimeError, ExceptionGroup) as exc:
         print(f"swarmtrain node: {_one_line(exc)}", file=sys.stderr)
         return 1
+    finally:
+        if metrics is not None:
+            metrics.close()
     print(summary.done_line(), flush=True)
     return 3 if getattr(summary, "banned", "") else 0
 
@@ -496,6 +508,7 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
         # coordinator's copies unless run.toml sets them: nodes whose copies differ refuse
         # before training (training.workload).
         config = with_model_hash(with_data_fingerprint(config))
+        metrics = _start_metrics(args, "coordinator")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)
         return 1
@@ -506,10 +519,26 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
             announce=tuple(args.announce),
             upnp=args.upnp,
             read_timeout_s=args.read_timeout,
+            metrics=metrics,
         ),
     )
-    trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
+    try:
+        trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
+
+
+def _start_metrics(args: argparse.Namespace, role: str) -> Metrics | None:
+    """The process's metrics, served (``--metrics-port``); None when off. ValueError naming
+    the flag for a bad or busy port."""
+    options = options_from(args)
+    if options is None:
+        return None
+    metrics = Metrics(role)
+    metrics.serve(options)
+    return metrics
 
 
 def _main_status(args: argparse.Namespace) -> int:
@@ -584,11 +613,30 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _stop_on_sigterm() -> Callable[[], bool]:
+    """SIGTERM raises SIGINT, so it stops every command exactly as Ctrl+C does (trio's own
+    SIGINT handling included); returns whether a SIGTERM came."""
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        received.append(signum)
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return lambda: bool(received)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # A shell starts background jobs (``swarmtrain coordinator &`` in a script) with SIGINT
     # ignored, and Python then never raises KeyboardInterrupt: restore it so Ctrl+C, or the
     # SIGINT ``swarmtrain local`` sends its children, always means a clean stop.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    terminated = _stop_on_sigterm()
+    status = _run(argv)
+    return 143 if status == 130 and terminated() else status
+
+
+def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     # node keeps its identity in its state directory (several nodes on one machine must differ);
     # local starts processes that each have their own.
@@ -634,13 +682,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "coordinator":
             return _main_coordinator(args, key_pair)
         if args.command == "relay":
+            try:
+                metrics = _start_metrics(args, "relay")
+            except ValueError as exc:
+                print(f"swarmtrain relay: {exc}", file=sys.stderr)
+                return 1
             options = RelayOptions(
                 listen=tuple(args.listen or ["/ip4/0.0.0.0/tcp/4002"]),
                 announce=tuple(args.announce),
                 upnp=args.upnp,
                 read_timeout_s=args.read_timeout,
+                metrics=metrics,
             )
-            trio.run(run_relay, key_pair, options)
+            try:
+                trio.run(run_relay, key_pair, options)
+            finally:
+                if metrics is not None:
+                    metrics.close()
         elif args.command == "doctor":
             doctor = DoctorOptions(
                 # Without --join everything happens on loopback; don't open a public port for it.

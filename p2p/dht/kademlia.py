@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -173,6 +173,8 @@ class Dht:
         self._idle: dict[ID, list[tuple[INetStream, float]]] = {}
         self._slots: dict[ID, trio.Semaphore] = {}
         self._requests_failed = 0
+        # Called with (seconds, ok) after each request to a peer (a caller's metrics); None: off.
+        self.on_request: Callable[[float, bool], None] | None = None
         self._suspect_until: dict[ID, float] = {}
         self.upkeep = TableUpkeep(
             host,
@@ -524,12 +526,17 @@ class Dht:
         """
         payload = varint.encode(request.ByteSize()) + request.SerializeToString()
         slots = self._slots.setdefault(peer, trio.Semaphore(self.config.streams_per_peer))
-        with trio.move_on_after(self.config.request_timeout_s):
+        started = time.monotonic()
+        response = None
+        with trio.move_on_after(self.config.request_timeout_s) as scope:
             async with slots:
-                return await self._request_in_slot(peer, request.type, payload, fresh)
-        self._requests_failed += 1
-        log.debug("kad request %s to %s timed out", request.type, peer)
-        return None
+                response = await self._request_in_slot(peer, request.type, payload, fresh)
+        if scope.cancelled_caught:
+            self._requests_failed += 1
+            log.debug("kad request %s to %s timed out", request.type, peer)
+        if self.on_request is not None:
+            self.on_request(time.monotonic() - started, response is not None)
+        return response
 
     async def _request_in_slot(
         self, peer: ID, kind: int, payload: bytes, fresh: bool

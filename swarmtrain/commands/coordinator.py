@@ -124,6 +124,9 @@ async def run_coordinator(
         spec = RunSpec(config, str(node.host.peer_id), time.time())
         data, signature = sign_spec(spec, key_pair)
         serve_spec(node.host, data, signature)
+        metrics = options.relay.metrics
+        if metrics is not None:
+            metrics.watch_node(node)
         join = join_addr(node)
         for line in join_lines(config, str(node.host.peer_id), join):
             emit(line)
@@ -137,6 +140,8 @@ async def run_coordinator(
                 nursery.start_soon(_log_progress, node, config.run.id, PROGRESS_LOG_S)
             if config.verify.rate > 0:
                 referee = RefereeService(node, config, run_seed_of(config.run.id), emit)
+                if metrics is not None:
+                    metrics.watch_referee(referee)
                 nursery.start_soon(referee.run)
 
 

@@ -48,6 +48,7 @@ from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import admissions_key
 from swarmtrain.membership.state_sync import StateServer
+from swarmtrain.metrics import Metrics
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_pipeline
 from swarmtrain.runspec import RunSpec
@@ -86,6 +87,8 @@ class NodeOptions:
     # Local data-parallel ranks of the inner phase (``--nproc-per-node``): this process is
     # rank 0, the swarm peer; it spawns the others (``swarmtrain.training.ranks``).
     nproc_per_node: int = 1
+    # ``--metrics-port``: fed the node's rounds and sampled from its p2p node; None: off.
+    metrics: Metrics | None = None
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -195,6 +198,8 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     corpus = loader.submit(load_stdlib_corpus)
     loader.shutdown(wait=False)
     runtime = PeerRuntime(node_config)
+    if options.metrics is not None:
+        options.metrics.watch_node(runtime.node, runtime.call_sync)
     summary: NodeSummary | PipelineSummary
     ranks: LocalRanks | None = None
     try:
@@ -265,6 +270,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 join_wait_s=options.join_wait_s,
                 faults=options.faults,
                 ranks=ranks,
+                on_round=options.metrics.observe_round if options.metrics is not None else None,
             )
             summary.peer_id = str(peer_id_of(key_pair))
     except Exception as exc:

@@ -15,6 +15,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.peerinfo import PeerInfo
 
 from p2p import HostConfig, Node, NodeConfig, Reachability, join_addr, open_node
+from swarmtrain.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -27,11 +28,15 @@ class RelayOptions:
     upnp: bool = False
     # Read deadline of inbound control streams (p2p.stream_deadlines).
     read_timeout_s: float = 10.0
+    # ``--metrics-port`` (served already; sampled from the node once it runs); None: off.
+    metrics: Metrics | None = None
 
 
 async def run_relay(key_pair: KeyPair, options: RelayOptions) -> None:
     config = relay_node_config(key_pair, options)
     async with open_node(config) as node:
+        if options.metrics is not None:
+            options.metrics.watch_node(node)
         print(join_addr(node), flush=True)
         for addr in node.host.addrs()[1:]:
             log.info("also reachable at %s", addr)

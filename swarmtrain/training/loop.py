@@ -48,6 +48,7 @@ from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.membership.elastic import Elastic, RunOver
 from swarmtrain.membership.progress import Progress, member_list
 from swarmtrain.membership.state_sync import StateServer
+from swarmtrain.metrics import RoundSample
 from swarmtrain.runtime import PeerRuntime
 from swarmtrain.training.inner_step import accumulate, inner_optimizer, set_lr
 from swarmtrain.training.progress_bar import InnerProgress
@@ -87,6 +88,8 @@ class NodeSummary:
     nproc_per_node: int = 1  # local ranks (--nproc-per-node) sharing each inner phase
     rank_digests: list[str] = field(default_factory=list)  # by rank, after the last phase
     ranks_agree: bool | None = None  # every phase ended with the same bytes on every rank
+    # Told every finished round (``--metrics-port``: ``swarmtrain.metrics``); not in the JSON.
+    on_round: Callable[[RoundSample], None] | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -193,13 +196,14 @@ def train(
     join_wait_s: float,
     faults: Faults = NO_FAULTS,
     ranks: LocalRanks | None = None,
+    on_round: Callable[[RoundSample], None] | None = None,
 ) -> NodeSummary:
     """Train ``model`` (the spec's, with its round-0 parameters: ``workload.build_model``)
     through the spec's rounds from wherever DiLoCo's checkpoint in ``state_dir`` is (after
     catching up with the swarm, waiting at most ``join_wait_s`` for a round boundary); ``emit``
     gets one progress line per round. ``faults``: a verified run's tampering test hook.
     ``ranks``: the node's other local ranks (``--nproc-per-node``), which share each inner
-    phase; the caller closes them."""
+    phase; the caller closes them. ``on_round``: told every finished round (metrics)."""
     # DiLoCo keeps the global state as a CPU float32 vector and computes the outer step there,
     # so peers on different devices still agree bit for bit; only the inner steps move.
     model = model.to(device)
@@ -256,6 +260,7 @@ def train(
             emit(f"{exc}; stopping")
             run_over = str(exc)
         summary = NodeSummary(str(peer), first_round=diloco.round, run_over=run_over)
+        summary.on_round = on_round
         progress = InnerProgress()  # a bar of the inner phase on a terminal, nothing elsewhere
         if not run_over:
             elastic.announce_start()
@@ -521,6 +526,8 @@ def _record_round(
             members=member_list(outcome.contributors) if ok else b"",
         )
     )
+    if report is None and summary.on_round is not None:
+        summary.on_round(RoundSample.of(r, mean_loss, tokens / inner_s, None, syncs=elastic.syncs))
     if report is None:
         why = outcome.error or "no averaging"
         emit(
@@ -549,6 +556,11 @@ def _record_round(
         if agreement is None
         else f"{'yes' if agreement.agrees else 'NO'} ({agreement.agreeing}/{agreement.peers})"
     )
+    if summary.on_round is not None:
+        summary.on_round(RoundSample.of(
+            r, mean_loss, tokens / inner_s, report, agree=summary.agree, syncs=elastic.syncs,
+            verdicts=verification.verdicts if verification is not None else (),
+        ))  # fmt: skip
     emit(
         f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s peers {report.peers} "
         f"sent {_mib(report.bytes_sent)} recv {_mib(report.bytes_received)} "

@@ -54,6 +54,7 @@ class RoundReport:
     matchmaking_s: float
     allreduce_s: float
     group_size: int = 0  # the group as formed (``AveragingResult.group_size``)
+    dropped: tuple[str, ...] = ()  # why the all-reduce dropped peers, one reason each
 
 
 class SwarmAverage:
@@ -127,6 +128,7 @@ class SwarmAverage:
             matchmaking_s=result.matchmaking_s,
             allreduce_s=result.allreduce_s,
             group_size=result.group_size,
+            dropped=tuple(result.dropped.values()),
         )
         # A view of the round's vector, no copy: DiLoCo only reads it (the outer step).
         mean = torch.from_numpy(result.vector)

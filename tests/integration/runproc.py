@@ -19,10 +19,11 @@ def start_coordinator(
     inner_steps: int,
     matchmaking_timeout_s: float = 4.0,
     settings: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
 ) -> tuple[PeerProcess, str]:
     """``swarmtrain init`` + ``swarmtrain coordinator`` on loopback; returns it and its join
     address, taken from the exact command it prints. ``settings``: more run.toml keys (each key
-    name must occur once in the file) and their TOML values."""
+    name must occur once in the file) and their TOML values; ``extra``: more coordinator flags."""
     config = tmp_path / "run.toml"
     made = subprocess.run(
         [*SWARMTRAIN, "init", str(config)], capture_output=True, text=True, timeout=30, check=False
@@ -50,6 +51,7 @@ def start_coordinator(
             str(tmp_path / "coordinator.key"),
             "--listen",
             "/ip4/127.0.0.1/tcp/0",
+            *extra,
         ]
     )
     try:

@@ -1,0 +1,47 @@
+"""SIGTERM (systemd, ``docker stop``) stops a node, a coordinator and a relay as Ctrl+C does:
+the same cleanup (a node keeps its round boundary's checkpoint), the same line, no traceback,
+and exit status 143 (128 + 15) where Ctrl+C gives 130."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from peerproc import SWARMTRAIN, PeerProcess
+from runproc import node, start_coordinator, wait_exit
+
+
+def test_sigterm_stops_a_node_and_its_coordinator_as_ctrl_c_does(tmp_path: Path) -> None:
+    coordinator, join = start_coordinator(tmp_path, rounds=50, inner_steps=5)
+    state = tmp_path / "n"
+    volunteer = node(join, state)
+    try:
+        volunteer.wait_line(lambda line: line.startswith("round 0 "), timeout_s=60)
+        volunteer.proc.send_signal(signal.SIGTERM)
+        assert wait_exit(volunteer, 20) == 143, volunteer.stderr[-3000:]
+        assert "Traceback" not in volunteer.stderr, volunteer.stderr[-3000:]
+        assert f"stopped; checkpoints of finished rounds are in {state}" in volunteer.stderr
+        assert sorted(state.glob("diloco-*.ckpt")), list(state.iterdir())
+        coordinator.proc.send_signal(signal.SIGTERM)
+        assert wait_exit(coordinator, 20) == 143, coordinator.stderr[-3000:]
+        assert "Traceback" not in coordinator.stderr, coordinator.stderr[-3000:]
+        assert coordinator.stderr.rstrip().endswith("swarmtrain: stopped"), coordinator.stderr
+    finally:
+        volunteer.stop()
+        coordinator.stop()
+
+
+def test_sigterm_stops_a_relay_and_ctrl_c_still_gives_130(tmp_path: Path) -> None:
+    for sig, status in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+        relay = PeerProcess(
+            [*SWARMTRAIN, "relay", "--identity", str(tmp_path / "relay.key"),
+             "--listen", "/ip4/127.0.0.1/tcp/0"]
+        )  # fmt: skip
+        try:
+            relay.wait_line(timeout_s=30)
+            relay.proc.send_signal(sig)
+            assert wait_exit(relay, 20) == status, relay.stderr[-3000:]
+            assert "Traceback" not in relay.stderr, relay.stderr[-3000:]
+            assert relay.stderr.rstrip().endswith("swarmtrain: stopped"), relay.stderr
+        finally:
+            relay.stop()

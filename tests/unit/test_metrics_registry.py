@@ -1,0 +1,181 @@
+"""``swarmtrain.metrics``: what a scrape shows after rounds are fed, and the node's sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from p2p import DhtStatistics, Reachability, ReachabilityVerdict
+from swarmtrain.metrics import DROP_KINDS, Metrics, RoundSample, drop_kind
+from swarmtrain.training.swarm_average import RoundReport
+
+
+def scrape(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the exposition text, by (name, sorted labels)."""
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_round_metrics_after_two_rounds_and_a_failure() -> None:
+    metrics = Metrics("node")
+    before = scrape(metrics)
+    # No round yet: no round, loss or agreement (absence, not 0: round 0 is a round).
+    assert ("swarmtrain_round", ()) not in before
+    assert ("swarmtrain_state_agreement", ()) not in before
+    assert before[("swarmtrain_info", (("role", "node"),))] == 1
+    assert before[("swarmtrain_rounds_total", (("outcome", "ok"),))] == 0
+
+    first = RoundReport(
+        0,
+        peers=3,
+        bytes_sent=1000,
+        bytes_received=1200,
+        matchmaking_s=0.4,
+        allreduce_s=1.5,
+        dropped=("lost",),
+    )
+    metrics.observe_round(RoundSample.of(0, 5.5, 900.0, first, agree=True, syncs=0))
+    second = RoundReport(
+        1,
+        peers=2,
+        bytes_sent=500,
+        bytes_received=600,
+        matchmaking_s=0.2,
+        allreduce_s=0.7,
+        dropped=("weight 9 outside the run's bounds [0, 1]", "part 2: bad"),
+    )
+    metrics.observe_round(RoundSample.of(1, 5.1, 1000.0, second, agree=False, syncs=1))
+    values = scrape(metrics)
+    assert values[("swarmtrain_round", ())] == 1
+    assert values[("swarmtrain_loss", ())] == 5.1
+    assert values[("swarmtrain_tokens_per_second", ())] == 1000.0
+    assert values[("swarmtrain_round_peers", ())] == 2
+    assert values[("swarmtrain_state_agreement", ())] == 0
+    assert values[("swarmtrain_state_syncs_total", ())] == 1
+    assert values[("swarmtrain_allreduce_sent_bytes_total", ())] == 1500
+    assert values[("swarmtrain_allreduce_received_bytes_total", ())] == 1800
+    assert values[("swarmtrain_rounds_total", (("outcome", "ok"),))] == 2
+    assert values[("swarmtrain_allreduce_seconds_count", ())] == 2
+    assert values[("swarmtrain_allreduce_seconds_sum", ())] == 2.2
+    assert values[("swarmtrain_allreduce_seconds_bucket", (("le", "1.0"),))] == 1
+    assert values[("swarmtrain_matchmaking_seconds_sum", ())] == 0.6000000000000001
+    dropped = {k: values[("swarmtrain_dropped_peers_total", (("kind", k),))] for k in DROP_KINDS}
+    assert dropped == {"lost": 1, "weight": 1, "bad_data": 1, "protocol": 0}
+
+    # A failed round: counted, its round and loss shown, no peers, bytes unchanged.
+    metrics.observe_round(RoundSample.of(2, 5.0, 950.0, None, syncs=1))
+    values = scrape(metrics)
+    assert values[("swarmtrain_rounds_total", (("outcome", "failed"),))] == 1
+    assert values[("swarmtrain_round", ())] == 2
+    assert values[("swarmtrain_round_peers", ())] == 0
+    assert ("swarmtrain_state_agreement", ()) not in values
+    assert values[("swarmtrain_allreduce_sent_bytes_total", ())] == 1500
+
+
+def test_drop_reasons_map_to_a_fixed_set_of_kinds() -> None:
+    reasons = [
+        "lost",
+        "duplicate slice of part 3",
+        "weight changed within the round",
+        "reduced part 1: digest mismatch",
+        "empty contributor list",
+        "bad hello: x",
+        "unexpected message Foo",
+    ]
+    kinds = [drop_kind(r) for r in reasons]
+    assert kinds == ["lost", "bad_data", "weight", "bad_data", "bad_data", "protocol", "protocol"]
+    assert set(kinds) <= set(DROP_KINDS)
+
+
+@dataclass
+class FakeHost:
+    kinds: dict[str, str]
+    statistics: SimpleNamespace = field(
+        default_factory=lambda: SimpleNamespace(
+            connections_closed=4,
+            connections_refused_over_limit=0,
+            handler_failures=1,
+            rejections={"/ipfs/kad/1.0.0 deadline": 2},
+        )
+    )
+
+    def connected_peers(self) -> list[str]:
+        return [*self.kinds, "closing"]
+
+    def connection_kind(self, peer: str) -> str | None:
+        return self.kinds.get(peer)
+
+
+def test_a_node_is_sampled_in_its_loop_at_each_scrape() -> None:
+    dht = SimpleNamespace(
+        statistics=lambda: DhtStatistics(
+            routing_table_size=5, keys_held=7, requests_failed=2, bytes_held=4096
+        ),
+        on_request=None,
+    )
+    node = SimpleNamespace(
+        host=FakeHost({"a": "direct", "b": "relayed", "c": "direct"}),
+        dht=dht,
+        reachability=ReachabilityVerdict(Reachability.PRIVATE, "no dial-back"),
+    )
+    calls: list[int] = []
+
+    def in_loop(fn):  # the runtime's call_sync, here a plain call that counts
+        calls.append(1)
+        return fn()
+
+    metrics = Metrics("relay")
+    metrics.watch_node(node, in_loop)
+    assert dht.on_request is not None
+    dht.on_request(0.03, True)
+    dht.on_request(5.0, False)
+    values = scrape(metrics)
+    assert calls == [1]
+    assert values[("swarmtrain_connections", (("kind", "direct"),))] == 2
+    assert values[("swarmtrain_connections", (("kind", "relayed"),))] == 1
+    assert values[("swarmtrain_reachability", (("status", "private"),))] == 1
+    assert values[("swarmtrain_reachability", (("status", "public"),))] == 0
+    assert values[("swarmtrain_dht_routing_table_peers", ())] == 5
+    assert values[("swarmtrain_dht_records", ())] == 7
+    assert values[("swarmtrain_dht_requests_failed_total", ())] == 2
+    assert values[("swarmtrain_connections_closed_total", ())] == 4
+    assert (
+        values[("swarmtrain_rejected_inputs_total", (("kind", "/ipfs/kad/1.0.0 deadline"),))] == 2
+    )
+    ok = (("outcome", "ok"),)
+    assert values[("swarmtrain_dht_request_seconds_count", ok)] == 1
+    assert values[("swarmtrain_dht_request_seconds_bucket", (("le", "0.05"), *ok))] == 1
+    assert values[("swarmtrain_dht_request_seconds_count", (("outcome", "failed"),))] == 1
+
+    # The loop is gone (the node stopped): its families are left out, the scrape still works.
+    def gone(fn):
+        raise RuntimeError("the p2p node is not running")
+
+    metrics = Metrics("node")
+    metrics.watch_node(node, gone)
+    values = scrape(metrics)
+    assert ("swarmtrain_connections", (("kind", "direct"),)) not in values
+    assert values[("swarmtrain_info", (("role", "node"),))] == 1
+
+
+def test_verdicts_and_bans_of_a_referee() -> None:
+    referee = SimpleNamespace(
+        verdicts=[
+            SimpleNamespace(cheater=b"x"),
+            SimpleNamespace(cheater=None),
+            SimpleNamespace(cheater=b"x"),
+        ]
+    )
+    metrics = Metrics("coordinator")
+    metrics.watch_referee(referee)
+    values = scrape(metrics)
+    assert values[("swarmtrain_verdicts_total", (("cheater", "named"),))] == 2
+    assert values[("swarmtrain_verdicts_total", (("cheater", "none"),))] == 1
+    assert values[("swarmtrain_banned_peers", ())] == 1
