@@ -27,6 +27,7 @@ failure prints one line that names its cause and exits with status 1.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import signal
@@ -60,12 +61,15 @@ from swarmtrain.runspec import SpecRefused
 log = logging.getLogger("swarmtrain")
 
 
-def _add_common(parser: argparse.ArgumentParser, *, listen_default: str) -> None:
+def _add_common(
+    parser: argparse.ArgumentParser, *, listen_default: str, identity_default: str | None = None
+) -> None:
+    where = identity_default or str(default_identity_path())
     parser.add_argument(
         "--identity",
         type=Path,
         default=None,
-        help=f"Ed25519 key file, created (mode 0600) if absent [{default_identity_path()}]",
+        help=f"Ed25519 key file, created (mode 0600) if absent [{where}]",
     )
     parser.add_argument(
         "--listen",
@@ -97,10 +101,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarmtrain", description="Decentralized peer-to-peer training."
     )
+    parser.add_argument("--version", action="version", version=f"swarmtrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_id = sub.add_parser("id", help="print the peer id of the identity (creating it if absent)")
-    p_id.add_argument("--identity", type=Path, default=None)
+    p_id.add_argument(
+        "--identity",
+        type=Path,
+        default=None,
+        help=f"the Ed25519 key file (a node's is <state-dir>/identity.key) "
+        f"[{default_identity_path()}]",
+    )
 
     p_relay = sub.add_parser(
         "relay",
@@ -149,7 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_doc.add_argument("--json", action="store_true", help="print one JSON object")
 
     p_node = sub.add_parser("node", help="join a run as a volunteer: train and contribute")
-    _add_common(p_node, listen_default="/ip4/0.0.0.0/tcp/0")
+    _add_common(
+        p_node, listen_default="/ip4/0.0.0.0/tcp/0", identity_default="<state-dir>/identity.key"
+    )
     add_metrics_arguments(p_node)
     p_node.add_argument(
         "--join",
@@ -279,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--join", action="append", required=True, metavar="MULTIADDR", help="the coordinator"
     )
     p_status.add_argument(
-        "--listen", action="append", default=None, metavar="MULTIADDR", help="[/ip4/0.0.0.0/tcp/0]"
+        "--listen",
+        action="append",
+        default=None,
+        metavar="MULTIADDR",
+        help="address this short-lived peer listens on while it reads the run [/ip4/0.0.0.0/tcp/0]",
     )
     p_status.add_argument("--json", action="store_true", help="print one JSON object")
     p_status.add_argument(
@@ -337,6 +354,14 @@ def build_parser() -> argparse.ArgumentParser:
     pipeline_local.add_arguments(p_local)
     verify_cmd.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject's), or "unknown" from a bare checkout."""
+    try:
+        return importlib.metadata.version("swarmtrain")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _default_state_dir() -> Path:

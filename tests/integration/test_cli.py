@@ -175,3 +175,14 @@ def test_verify_settings_are_checked_before_anything_starts(tmp_path: Path) -> N
     config.write_text(text.replace("rate = 0.0", "rate = 2"))
     bad = _run("coordinator", "--identity", key, "--config", str(config))
     assert bad.returncode == 1 and "verify.rate must be a number in [0, 1], got 2" in bad.stderr
+
+
+def test_version_and_the_help_of_identities_and_listen_addresses_say_what_is_used() -> None:
+    """Issue 22: no ``--version``; ``node --help`` gave ~/.local/share/... as the identity
+    default while a node uses <state-dir>/identity.key; ``id --identity`` and ``status
+    --listen`` had no help."""
+    version = _run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("swarmtrain "), version
+    assert "[<state-dir>/identity.key]" in " ".join(_run("node", "--help").stdout.split())
+    assert "the Ed25519 key file" in _run("id", "--help").stdout
+    assert "short-lived peer listens on" in " ".join(_run("status", "--help").stdout.split())
