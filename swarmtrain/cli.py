@@ -356,6 +356,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _multiaddr_problem(text: str) -> str | None:
+    """Why ``text`` is not a listen/announce address (one line with the fix), or None."""
+    import multiaddr
+
+    try:
+        multiaddr.Multiaddr(text)
+    except Exception:
+        host, _, port = text.rpartition(":")
+        if host and port.isdigit():
+            family = "ip6" if ":" in host.strip("[]") else "ip4"
+            return f"a multiaddr is written /{family}/{host.strip('[]')}/tcp/{port}, not host:port"
+        return "not a multiaddr (for example /ip4/0.0.0.0/tcp/4001)"
+    return None
+
+
 def _version() -> str:
     """The installed distribution's version (pyproject's), or "unknown" from a bare checkout."""
     try:
@@ -663,6 +678,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    for flag in ("listen", "announce"):
+        for text in getattr(args, flag, None) or []:
+            problem = _multiaddr_problem(text)
+            if problem is not None:
+                print(f"swarmtrain {args.command}: --{flag} {text}: {problem}", file=sys.stderr)
+                return 1
     # node keeps its identity in its state directory (several nodes on one machine must differ);
     # local starts processes that each have their own.
     if args.command == "node":

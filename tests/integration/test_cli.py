@@ -186,3 +186,20 @@ def test_version_and_the_help_of_identities_and_listen_addresses_say_what_is_use
     assert "[<state-dir>/identity.key]" in " ".join(_run("node", "--help").stdout.split())
     assert "the Ed25519 key file" in _run("id", "--help").stdout
     assert "short-lived peer listens on" in " ".join(_run("status", "--help").stdout.split())
+
+
+def test_an_address_that_is_not_a_multiaddr_is_one_line_naming_the_flag_and_the_fix() -> None:
+    """Issue 22: ``coordinator --listen 127.0.0.1:4001``, ``--announce 1.2.3.4:4001`` and
+    ``relay --listen 127.0.0.1:0`` printed a 40-line multiaddr traceback."""
+    cases = [
+        (("coordinator", "--listen", "127.0.0.1:4001"), "--listen 127.0.0.1:4001: a multiaddr "
+         "is written /ip4/127.0.0.1/tcp/4001, not host:port"),
+        (("coordinator", "--announce", "1.2.3.4:4001"), "--announce 1.2.3.4:4001: a multiaddr "
+         "is written /ip4/1.2.3.4/tcp/4001, not host:port"),
+        (("relay", "--listen", "nonsense"), "--listen nonsense: not a multiaddr"),
+    ]  # fmt: skip
+    for args, message in cases:
+        done = _run(*args)
+        assert done.returncode == 1, done
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith(f"swarmtrain {args[0]}: {message}"), line
