@@ -7,6 +7,8 @@ liar claimed to be past) adopt that state. Waits are keyed on printed lines and 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from peerproc import ROOT, PeerProcess
@@ -15,28 +17,36 @@ from runproc import node, start_coordinator
 ROUNDS = 40
 
 
+@contextmanager
+def _two_members_and(
+    tmp_path: Path, rounds: int, settings: dict[str, str], script: str, *args: str
+) -> Iterator[tuple[str, list[PeerProcess], list[PeerProcess]]]:
+    """A coordinator and two members training (round 1 seen), then ``script`` (a liar in
+    tests/integration) started with ``--join`` and ``args``: (join, members, started), where
+    the test appends what it starts itself; everything is stopped at the end."""
+    coordinator, join = start_coordinator(tmp_path, rounds, inner_steps=5, settings=settings)
+    members = [node(join, tmp_path / f"n{i}") for i in range(2)]
+    started: list[PeerProcess] = [*members]
+    try:
+        members[0].wait_line(lambda s: s.startswith("round 1 "), timeout_s=90)
+        liar = str(ROOT / "tests" / "integration" / script)
+        started.append(PeerProcess([sys.executable, liar, "--join", join, *args]))
+        yield join, members, started
+    finally:
+        for peer in started:
+            peer.stop()
+        coordinator.stop()
+
+
 def test_a_forged_far_ahead_progress_record_lures_neither_a_joiner_nor_the_members(
     tmp_path: Path,
 ) -> None:
-    coordinator, join = start_coordinator(
-        tmp_path, ROUNDS, inner_steps=5, settings={"min_peers": "2"}
-    )
-    nodes = [node(join, tmp_path / f"n{i}") for i in range(2)]
-    started: list[PeerProcess] = [*nodes]
-    try:
-        nodes[0].wait_line(lambda s: s.startswith("round 1 "), timeout_s=90)
-        forger = PeerProcess(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "integration" / "progress_forger.py"),
-                "--join",
-                join,
-                "--identity",
-                str(tmp_path / "liar.key"),
-            ]
-        )
-        started.append(forger)
-        forged = forger.wait_line(lambda s: s.startswith("FORGED "), timeout_s=60)
+    liar = ("--identity", str(tmp_path / "liar.key"))
+    settings = {"min_peers": "2"}
+    with _two_members_and(tmp_path, ROUNDS, settings, "progress_forger.py", *liar) as (
+        join, nodes, started,
+    ):  # fmt: skip
+        forged = started[-1].wait_line(lambda s: s.startswith("FORGED "), timeout_s=60)
         forged_round, forged_hash = int(forged.split()[1]), forged.split()[2]
         assert forged_round > 10
 
@@ -54,10 +64,6 @@ def test_a_forged_far_ahead_progress_record_lures_neither_a_joiner_nor_the_membe
                 peer.lines
             )
         assert not any(forged_hash[:12] in ln for ln in joiner.lines), joiner.lines
-    finally:
-        for peer in started:
-            peer.stop()
-        coordinator.stop()
 
 
 def test_a_flood_of_1100_throwaway_identities_in_the_round_keys_does_not_stop_the_rounds(
@@ -66,32 +72,14 @@ def test_a_flood_of_1100_throwaway_identities_in_the_round_keys_does_not_stop_th
     """Issue 19 point 3: a key holds 1,024 entries; 1,100 fresh identities writing the next
     rounds' matchmaking keys made every honest declaration there fail to store. The replicas
     now leave out the identities they met last, so the members' rounds go on."""
-    coordinator, join = start_coordinator(
-        tmp_path, 30, inner_steps=5, settings={"min_peers": "2", "id": '"flooded"'}
-    )
-    nodes = [node(join, tmp_path / f"n{i}") for i in range(2)]
-    started: list[PeerProcess] = [*nodes]
-    try:
-        nodes[0].wait_line(lambda s: s.startswith("round 1 "), timeout_s=90)
-        flooder = PeerProcess(
-            [
-                sys.executable,
-                str(ROOT / "tests" / "integration" / "round_flooder.py"),
-                "--join",
-                join,
-                "--run-id",
-                "flooded",
-            ]
-        )
-        started.append(flooder)
-        flooded = flooder.wait_line(lambda s: s.startswith("FLOODED "), timeout_s=90)
+    settings = {"min_peers": "2", "id": '"flooded"'}
+    with _two_members_and(tmp_path, 30, settings, "round_flooder.py", "--run-id", "flooded") as (
+        _, nodes, started,
+    ):  # fmt: skip
+        flooded = started[-1].wait_line(lambda s: s.startswith("FLOODED "), timeout_s=90)
         first, last = int(flooded.split()[1]), int(flooded.split()[2])
         assert not flooded.split(" ", 3)[3].startswith("[0,"), flooded  # the key was filled
         for peer in nodes:
             for r in range(first, last + 1):
                 line = peer.wait_line(lambda s, r=r: s.startswith(f"round {r} "), timeout_s=60)
                 assert "peers 2" in line and "agree yes (2/2)" in line, (line, peer.lines)
-    finally:
-        for peer in started:
-            peer.stop()
-        coordinator.stop()
