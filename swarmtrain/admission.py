@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import base64
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 from libp2p.crypto.keys import KeyPair
 
@@ -138,17 +138,6 @@ class Admission:
             if token_problem(token, self.coordinator, self.run_id, peer, now) is None:
                 found[peer] = token.expires_at
         self._tokens = found
-
-    def members_only(self, values: Mapping[str, bytes]) -> dict[str, bytes]:
-        """A DHT read (``{owner: value}``) without what non-members wrote."""
-        if self.open:
-            return dict(values)
-        return {owner: v for owner, v in values.items() if self.admits_id(owner)}
-
-    def pairs_members_only(self, pairs: Iterable[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-        if self.open:
-            return list(pairs)
-        return [(owner, v) for owner, v in pairs if self.admits_id(owner)]
 
 
 def own_problem(admission: Admission, me: PeerID, token: str | None, now: float) -> str | None:

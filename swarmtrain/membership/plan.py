@@ -175,8 +175,8 @@ def states_best_first(
 ) -> list[AgreedState]:
     """The states a joiner may adopt, best first, each with only the holders not in ``dead``.
 
-    First the agreed states in ``progress.agreed_states``' order (most holders, a quorum of
-    their round's members, newest round), those held by fewer than ``min_holders`` distinct
+    First the agreed states in ``progress.agreed_states``' order (most supporting members,
+    then holders, then the newest round), those held by fewer than ``min_holders`` distinct
     peers left out; a state none of whose holders lives is left out. With ``min_holders`` > 0
     nothing else is adopted. Then, as a last resort, the states live
     members hold after a failed round (each peer's own, newest first): when the agreed state's

@@ -290,11 +290,6 @@ class AgreedState:
     member_list: bytes = b""  # as those records list them
     support: int = 0  # listed members that vouch for it (the module docstring)
 
-    @property
-    def quorum(self) -> bool:
-        """Held by a majority of its round's members."""
-        return len(self.holders) > self.members // 2
-
 
 def agreed_states(
     records: Iterable[Progress], round_number: int | None = None
