@@ -43,6 +43,7 @@ This module is pure: encoding, decoding and the majority rule; drivers do the DH
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -256,6 +257,7 @@ def decode_all(values: dict[str, bytes]) -> list[Progress]:
     return sorted((p for p in found if p is not None), key=lambda p: p.peer_id)
 
 
+@functools.lru_cache(maxsize=4096)
 def member_tag(peer_id: str) -> bytes:
     """How a progress record lists one member."""
     return hashlib.sha256(b"swarmtrain/member/1\x00" + peer_id.encode()).digest()[:MEMBER_TAG_BYTES]
@@ -268,14 +270,18 @@ def member_list(contributors: Iterable[str]) -> bytes:
     return b"".join(tags) if len(tags) <= MAX_LISTED_MEMBERS else b""
 
 
+@functools.lru_cache(maxsize=4096)
+def _tags(members: bytes) -> frozenset[bytes]:
+    """A member list's tags as a set; each distinct list is split once (every record of a
+    round carries the same one)."""
+    return frozenset(
+        members[i : i + MEMBER_TAG_BYTES] for i in range(0, len(members), MEMBER_TAG_BYTES)
+    )
+
+
 def _lists(members: bytes, peer_id: str) -> bool:
     """``peer_id`` is on the list (an empty list: a round too large to list, unchecked)."""
-    if not members:
-        return True
-    tag = member_tag(peer_id)
-    return any(
-        members[i : i + MEMBER_TAG_BYTES] == tag for i in range(0, len(members), MEMBER_TAG_BYTES)
-    )
+    return not members or member_tag(peer_id) in _tags(members)
 
 
 @dataclass(frozen=True)
