@@ -116,7 +116,10 @@ class DiLoCo:
     quantization lost as the residual for the next round (error feedback, as in 1-bit SGD and
     PowerSGD). ``error_feedback=True`` without ``compress``: the averaging compresses
     (``AverageOutcome.sent`` says what it carried) and DiLoCo keeps what it dropped. The residual
-    lives in memory only: a restart or ``load_state`` zeroes it.
+    lives in memory only: a restart or ``load_state`` zeroes it. ``grad_scaler``: an enabled
+    ``torch.amp.GradScaler`` for float16 inner steps; ``step`` runs the optimizer through it, and
+    a step it skips for non-finite gradients still counts toward H. Its scale is not
+    checkpointed: a restart begins at the initial scale.
 
     Raises ValueError on bad settings, on a model without trainable parameters, or when
     ``state_dir`` holds a checkpoint of another config or layout.
@@ -137,6 +140,7 @@ class DiLoCo:
         run_id: str = "",
         compress: Callable[[torch.Tensor], torch.Tensor] | None = None,
         error_feedback: bool = False,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         schedule = (inner_steps,) if isinstance(inner_steps, int) else tuple(inner_steps)
         if not schedule or any(not isinstance(h, int) or h <= 0 for h in schedule):
@@ -148,6 +152,9 @@ class DiLoCo:
         self.inner_steps = schedule[0]
         self.outer = OuterConfig(outer_lr, outer_momentum, outer_momentum_warmup)
         self.overlap = overlap
+        # fp16 inner steps: ``step`` goes through the scaler (the caller scales the loss and
+        # unscales the gradients before clipping them, as torch.amp documents).
+        self.grad_scaler = grad_scaler
         self._state_dir = state_dir
         self._compress = compress
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -199,7 +206,17 @@ class DiLoCo:
         self._step_samples = samples
         self._outcome = None
         try:
-            self.inner_optimizer.step()
+            scaler = self.grad_scaler
+            if scaler is None or not scaler.is_enabled():
+                self.inner_optimizer.step()
+            else:
+                scale = scaler.get_scale()
+                scaler.step(self.inner_optimizer)
+                scaler.update()
+                if scaler.get_scale() < scale:
+                    # The scaler skipped the step (non-finite gradients) and backed off. The step
+                    # still counts toward H: every peer's rounds stay on the same schedule.
+                    self._after_inner_step(self.inner_optimizer)
         finally:
             self._step_samples = None
         # The hook ran the round inside ``inner_optimizer.step()``; it leaves the outcome here.

@@ -303,9 +303,11 @@ class TrainingSection(_Section):
         "clip each inner step's gradient to this global norm (0: no clipping)",
     )  # fmt: skip
     precision: str = _key(
-        "fp32", lambda v: v in ("fp32", "bf16"), "one of fp32, bf16",
+        "fp32", lambda v: v in ("fp32", "bf16", "fp16"), "one of fp32, bf16, fp16",
         '"bf16": forward and loss under bfloat16 autocast (CPU and CUDA; the parameters,\n'
-        "# their gradients and the DiLoCo state stay float32)",
+        '# their gradients and the DiLoCo state stay float32); "fp16": float16 autocast with\n'
+        "# a dynamic loss scaler (torch.amp.GradScaler; a step with non-finite gradients is\n"
+        "# skipped but still counts toward inner_steps)",
     )  # fmt: skip
     outer_lr: float = _key(
         0.7, *_POSITIVE, "Nesterov SGD learning rate of the outer step (OpenDiLoCo: 0.7)"

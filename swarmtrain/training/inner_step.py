@@ -1,7 +1,9 @@
 """One inner step of a DiLoCo volunteer as ``[training]`` sets it: the learning rate of the run's
 schedule, gradients accumulated over ``grad_accumulation`` batches (each loss divided by their
 number, so the gradient is the large batch's mean), the forward under bfloat16 autocast when
-``precision = "bf16"``, and the global-norm clip. The optimizer step itself is DiLoCo's
+``precision = "bf16"`` or float16 autocast with a gradient scaler when ``"fp16"`` (float16's
+narrow range underflows small gradients unless the loss is scaled up first), and the global-norm
+clip. The optimizer step itself is DiLoCo's
 (``DiLoCo.step``), which runs the round on the H-th. On a node of several local ranks
 (``--nproc-per-node``) the batches go through the ranks' ``DistributedDataParallel`` wrapper,
 which averages the gradients across ranks in the last batch's backward, before the clip."""
@@ -29,6 +31,14 @@ def inner_optimizer(model: torch.nn.Module, training: TrainingSection) -> torch.
     )
 
 
+def grad_scaler(model: torch.nn.Module, training: TrainingSection) -> torch.amp.GradScaler | None:
+    """The loss scaler of ``precision = "fp16"`` on the device of ``model``'s parameters; None
+    for the other precisions (bfloat16 has float32's range and needs none)."""
+    if training.precision != "fp16":
+        return None
+    return torch.amp.GradScaler(next(model.parameters()).device.type)
+
+
 def set_lr(
     optimizer: torch.optim.Optimizer, training: TrainingSection, step: int, total: int
 ) -> float:
@@ -47,11 +57,16 @@ def accumulate(
     micro: Sequence[tuple[torch.Tensor, torch.Tensor]],
     training: TrainingSection,
     ddp: DistributedDataParallel | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[float, int]:
     """Forward and backward over ``micro`` (the step's batches), gradients added into the
     parameters' ``.grad``, then clipped. ``ddp``: ``model`` wrapped for the node's local ranks
     (its forward is ``model.loss``); the gradients are averaged across ranks in the last batch's
-    backward only (``no_sync`` before it). Returns (this rank's mean loss, its tokens)."""
+    backward only (``no_sync`` before it). ``scaler`` (fp16, ``grad_scaler``): each loss is
+    scaled before its backward and ``optimizer``'s gradients unscaled before the clip; the step
+    itself must then go through the scaler (``DiLoCo.step`` does). Returns (this rank's mean
+    loss, its tokens)."""
     device = next(model.parameters()).device
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     forward = model.loss if ddp is None else ddp  # type: ignore[assignment]
@@ -61,12 +76,19 @@ def accumulate(
         last = index == len(micro) - 1
         with ddp.no_sync() if ddp is not None and not last else nullcontext():
             with torch.autocast(
-                device_type=device.type, dtype=torch.bfloat16, enabled=training.precision == "bf16"
+                device_type=device.type,
+                dtype=torch.float16 if training.precision == "fp16" else torch.bfloat16,
+                enabled=training.precision != "fp32",
             ):
                 loss = forward(inputs, targets)
-            (loss / len(micro)).backward()
+            scaled = loss / len(micro)
+            (scaled if scaler is None else scaler.scale(scaled)).backward()
         total += float(loss.detach())
         tokens += inputs.numel()
+    if scaler is not None:
+        if optimizer is None:
+            raise ValueError("a gradient scaler needs the optimizer whose gradients it unscales")
+        scaler.unscale_(optimizer)
     if training.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
     return total / len(micro), tokens

@@ -50,7 +50,7 @@ from swarmtrain.membership.progress import Progress, member_list
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.metrics import RoundSample
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.training.inner_step import accumulate, inner_optimizer, set_lr
+from swarmtrain.training.inner_step import accumulate, grad_scaler, inner_optimizer, set_lr
 from swarmtrain.training.progress_bar import InnerProgress
 from swarmtrain.training.ranks import LocalRanks
 from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
@@ -330,6 +330,7 @@ def build_diloco(
         run_id=config.run.id,
         error_feedback=training.error_feedback,
         overlap=training.overlap,
+        grad_scaler=grad_scaler(model, training),
     )
 
 
@@ -393,6 +394,7 @@ def native_inner_phase(
             loss, step_tokens = accumulate(
                 diloco.model, batches[step * micro : (step + 1) * micro], training,
                 ranks.ddp if ranks is not None else None,
+                diloco.grad_scaler, diloco.inner_optimizer,
             )  # fmt: skip
             if ranks is not None:
                 loss, step_tokens = ranks.mean_loss(loss), step_tokens * ranks.nproc

@@ -47,7 +47,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco import Corpus, inner_batches
 from swarmtrain.config import RunConfig, run_seed_of
-from swarmtrain.training.inner_step import accumulate, inner_optimizer, set_lr
+from swarmtrain.training.inner_step import accumulate, grad_scaler, inner_optimizer, set_lr
 from swarmtrain.training.ranks_plan import FLAG, Control, Op, RankDigests, control_key
 from swarmtrain.training.workload import build_model, check_data, load_data
 
@@ -89,8 +89,18 @@ class RankGroup:
     """One rank's side of the group: the DDP wrapper and a phase's collectives, the same on
     every rank and in the same order."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, nproc: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        rank: int,
+        nproc: int,
+        scaler: torch.amp.GradScaler | None = None,
+    ):
         self.model, self.optimizer, self.rank, self.nproc = model, optimizer, rank, nproc
+        # fp16: rank 0's DiLoCo steps through its own scaler; every rank sees the same averaged
+        # gradients, so the scalers skip the same steps and keep the same scale.
+        self.scaler = scaler
         self.device = next(model.parameters()).device
         ids = [self.device.index or 0] if self.device.type == "cuda" else None
         # Construction broadcasts rank 0's parameters and checks every rank's shapes.
@@ -338,7 +348,9 @@ def rank_main(job: RankJob) -> None:
             _backend(job.device), store=store, rank=job.rank, world_size=job.nproc,
             timeout=_timeout(COLLECTIVE_TIMEOUT_S),
         )  # fmt: skip
-        group = RankGroup(model, optimizer, job.rank, job.nproc)
+        group = RankGroup(
+            model, optimizer, job.rank, job.nproc, grad_scaler(model, job.config.training)
+        )
         sequence = 0
         while (control := _next_control(store, sequence)).op is Op.TRAIN:
             sequence += 1
@@ -377,10 +389,15 @@ def _phase(group: RankGroup, corpus: Corpus, job: RankJob, control: Control) -> 
     for step in range(control.steps):
         set_lr(group.optimizer, training, control.round * control.steps + step, total)
         loss, _ = accumulate(
-            group.model, batches[step * micro : (step + 1) * micro], training, group.ddp
-        )
+            group.model, batches[step * micro : (step + 1) * micro], training, group.ddp,
+            group.scaler, group.optimizer,
+        )  # fmt: skip
         group.mean_loss(loss)
-        group.optimizer.step()
+        if group.scaler is None:
+            group.optimizer.step()
+        else:
+            group.scaler.step(group.optimizer)
+            group.scaler.update()
         group.optimizer.zero_grad(set_to_none=True)
     group.digests()
 

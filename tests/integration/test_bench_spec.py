@@ -1,6 +1,7 @@
 """The node runs what the benchmark runs: two real node processes training a run spec over the
 swarm, and ``bench.diloco --config`` training the same spec in one process with the nodes' peer
-ids, give the same loss in every round and the same final state, bit for bit (issue 18).
+ids, give the same loss in every round and the same final state, bit for bit (issue 18), with
+float16 inner steps through the gradient scaler.
 
 Exact averaging (``[swarm] compression = "none"``) and one torch thread on both sides: then the
 swarm's all-reduce (float64 in sorted peer order) and the bench's ``LocalAverage`` compute the
@@ -39,6 +40,9 @@ def test_two_nodes_and_bench_diloco_on_one_spec_give_the_same_loss_curve_and_sta
             "compression": '"none"',
             "lr_schedule": '"cosine"',
             "outer_momentum_warmup": "2",
+            # float16 autocast: the loss scaler's scale and unscale on both sides, then the clip.
+            "precision": '"fp16"',
+            "grad_clip": "1.0",
         },
     )
     try:

@@ -531,3 +531,29 @@ def test_the_rounds_step_frees_the_gradients_before_the_round_runs() -> None:
             # A step inside the phase leaves the gradients to the user's loop, as torch does.
             assert all(p.grad is not None for p in model.parameters()) == (step == 0)
     assert held == [False]  # the round's buffers never met a full set of gradients
+
+
+def test_a_step_the_gradient_scaler_skips_still_counts_toward_the_round() -> None:
+    model = ByteTransformer(CONFIG, seed=1)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    rounds: list[int] = []
+
+    def average(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        rounds.append(round)
+        return AverageOutcome(vector, {"solo": weight})
+
+    with DiLoCo(model, inner, average, inner_steps=2, grad_scaler=scaler) as diloco:
+        (inputs, targets), second = _batches(0, 0, 2)
+        scaler.scale(model.loss(inputs, targets)).backward()
+        next(model.parameters()).grad[0, 0] = float("inf")  # an fp16 overflow
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.unscale_(inner)
+        diloco.step()
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+        assert scaler.get_scale() == 2.0**9 and rounds == []  # skipped, backed off
+        diloco.zero_grad()
+        scaler.scale(model.loss(*second)).backward()
+        scaler.unscale_(inner)
+        assert diloco.step() is not None  # the second step is the H-th: the round ran
+    assert rounds == [0] and diloco.round == 1

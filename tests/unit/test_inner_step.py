@@ -11,7 +11,7 @@ import torch
 
 from diloco import ByteTransformer, ByteTransformerConfig, lr_factor
 from swarmtrain.config import ConfigError, RunConfig, TrainingSection
-from swarmtrain.training.inner_step import accumulate, set_lr
+from swarmtrain.training.inner_step import accumulate, grad_scaler, set_lr
 
 SHAPE = ByteTransformerConfig(d_model=32, n_layers=2, n_heads=4, context=16)
 
@@ -69,3 +69,21 @@ def test_a_verified_run_refuses_other_inner_settings() -> None:
         RunConfig().replace(
             training={"grad_accumulation": 2, "precision": "bf16"}, verify={"rate": 1}
         )
+
+
+def test_fp16_scales_the_loss_and_hands_back_unscaled_float32_gradients() -> None:
+    training = TrainingSection(precision="fp16")
+    model = ByteTransformer(SHAPE, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scaler = grad_scaler(model, training)
+    assert scaler is not None and scaler.get_scale() == 2.0**16
+    assert grad_scaler(model, TrainingSection(precision="bf16")) is None
+    loss, _ = accumulate(model, [batch(4, 1)], training, None, scaler, optimizer)
+    exact = ByteTransformer(SHAPE, seed=0)
+    reference, _ = accumulate(exact, [batch(4, 1)], TrainingSection())
+    assert grads(model).dtype == torch.float32
+    assert loss == pytest.approx(reference, rel=0.01)
+    # Unscaled before returning: float16's gradients, not 65536 times them.
+    assert torch.allclose(grads(model), grads(exact), rtol=0.05, atol=1e-3)
+    with pytest.raises(ValueError, match="needs the optimizer"):
+        accumulate(model, [batch(4, 1)], training, None, scaler)
