@@ -43,7 +43,14 @@ from p2p.errors import (
     StreamEnded,
 )
 from p2p.host import Host, HostConfig, open_host
-from p2p.identity import default_identity_path, load_or_create_identity, peer_id_of
+from p2p.identity import (
+    MAX_WORK_BITS,
+    create_identity,
+    default_identity_path,
+    identity_work,
+    load_or_create_identity,
+    peer_id_of,
+)
 from p2p.nat.reachability import Reachability, ReachabilityVerdict
 from p2p.nat.traversal import (
     NatConfig,
@@ -66,6 +73,7 @@ from p2p.wire import Message, decode, encode, message
 
 __all__ = [
     "BULK_PROTOCOL",
+    "MAX_WORK_BITS",
     "AddressInUse",
     "BulkChannel",
     "BulkConfig",
@@ -106,10 +114,12 @@ __all__ = [
     "call_stream",
     "call_unary",
     "connection_kind",
+    "create_identity",
     "decode",
     "default_identity_path",
     "dht_key",
     "encode",
+    "identity_work",
     "join_addr",
     "load_or_create_identity",
     "merge_records",

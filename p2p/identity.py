@@ -9,6 +9,8 @@ volunteer's peer id is its reputation in a run, and a leaked key lets anyone imp
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -22,6 +24,11 @@ from libp2p.peer.id import ID
 from p2p.errors import IdentityError
 
 _MAX_KEY_FILE_BYTES = 4096
+_WORK_TAG = b"swarmtrain/identity-work/1"
+MAX_WORK_BITS = 28  # 2**28 key generations: hours of one core, the most a run may ask
+# An Ed25519 peer id is the identity multihash (0x00, length 36) of the protobuf PublicKey
+# (type Ed25519 = 1, 32 data bytes) around the raw public key: grinding skips libp2p's objects.
+_ED25519_ID_PREFIX = bytes([0x00, 0x24, 0x08, 0x01, 0x12, 0x20])
 
 
 def default_identity_path() -> Path:
@@ -65,9 +72,40 @@ def load_or_create_identity(path: Path | str) -> KeyPair:
     return _seed_to_keypair(seed)
 
 
-def _create(path: Path) -> KeyPair:
+def _work(peer: bytes) -> int:
+    digest = int.from_bytes(hashlib.sha256(_WORK_TAG + peer).digest(), "big")
+    return 256 - digest.bit_length()
+
+
+@functools.lru_cache(maxsize=65536)  # every record read checks its owner's
+def identity_work(peer: bytes) -> int:
+    """The proof of work a peer id carries: the leading zero bits of SHA-256(tag, id bytes).
+    A run that asks for N bits (Sybil resistance, as S/Kademlia's crypto puzzle) makes each new
+    identity cost about 2**N key generations, while checking one costs one hash."""
+    return _work(peer)
+
+
+def create_identity(path: Path | str, work_bits: int = 0) -> KeyPair:
+    """A new identity at ``path`` whose peer id carries at least ``work_bits`` of work
+    (``identity_work``; about ``2**work_bits`` key generations, 40 us each on one core).
+    Raises ``IdentityError`` when ``path`` exists or ``work_bits`` is out of range."""
+    if not 0 <= work_bits <= MAX_WORK_BITS:
+        raise IdentityError(f"work bits must be 0..{MAX_WORK_BITS}, not {work_bits}")
+    path = Path(path)
+    if path.exists():
+        raise IdentityError(f"identity {path} exists; move it away to make a new one")
+    return _create(path, work_bits)
+
+
+def _create(path: Path, work_bits: int = 0) -> KeyPair:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = Ed25519PrivateKey.generate()
+    while True:
+        key = Ed25519PrivateKey.generate()
+        raw = key.public_key().public_bytes(
+            serialization.Encoding.Raw, serialization.PublicFormat.Raw
+        )
+        if work_bits == 0 or _work(_ED25519_ID_PREFIX + raw) >= work_bits:
+            break
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )

@@ -11,6 +11,10 @@ liar's new identity costs it nothing (issue 19). A permissioned run names its me
   token is the coordinator's, for this run and that peer, and unexpired. A token copied from its
   holder is worthless: the DHT binds a subkey to its owner's signature, and the token to its peer.
 
+``[run] identity_work_bits`` N > 0 adds a cost to every identity, in any mode: a member's peer
+id must carry N bits of proof of work (``p2p.identity_work``), so the 1,100 fresh identities a
+flooder or a Sybil needs cost 1,100 x 2**N key generations instead of nothing.
+
 Every member then ignores what non-members write under the run's keys (progress records, start
 and join announcements, matchmaking declarations, state hashes) and refuses their state
 downloads; a non-member is never in a group, so no all-reduce stream of its is accepted. A node
@@ -34,6 +38,7 @@ from p2p import (
     RemoteProtocolError,
     decode,
     encode,
+    identity_work,
     message,
     verify_peer_signature,
 )
@@ -102,19 +107,26 @@ class Admission:
 
     def __init__(self, config: RunConfig, coordinator: PeerID) -> None:
         self.mode = config.run.admission
+        self.work_bits = config.run.identity_work_bits
         self.run_id = config.run.id
         self.coordinator = coordinator
         # The coordinator serves the run (bootstrap, relay, referee): always a member.
         self._allowed = {coordinator.to_bytes()} | {
             PeerID.from_base58(p).to_bytes() for p in config.run.allow
         }
+        self._coordinator = coordinator.to_bytes()
         self._tokens: dict[bytes, float] = {}  # peer -> its valid token's expiry
 
     @property
     def open(self) -> bool:
-        return self.mode == "open"
+        """Whether everyone is admitted (no filter to install)."""
+        return self.mode == "open" and self.work_bits == 0
 
     def admits(self, peer: bytes) -> bool:
+        if peer == self._coordinator:
+            return True
+        if self.work_bits and identity_work(peer) < self.work_bits:
+            return False
         if self.mode == "open" or peer in self._allowed:
             return True
         return self.mode == "token" and self._tokens.get(peer, 0.0) > time.time()
@@ -142,6 +154,14 @@ class Admission:
 
 def own_problem(admission: Admission, me: PeerID, token: str | None, now: float) -> str | None:
     """Why this node may not take part (the one line it exits with), or None."""
+    work = identity_work(me.to_bytes())
+    if work < admission.work_bits:
+        return (
+            f"run {admission.run_id} admits identities with {admission.work_bits} bits of proof "
+            f"of work (run.identity_work_bits), and this one ({me}) has {work}: move the node's "
+            f"identity.key away and make one with swarmtrain id --identity "
+            f"STATE_DIR/identity.key --work {admission.work_bits}"
+        )
     if admission.mode == "open":
         return None
     if admission.mode == "allowlist":

@@ -41,10 +41,13 @@ import trio
 from libp2p.crypto.keys import KeyPair
 
 from p2p import (
+    MAX_WORK_BITS,
     IdentityError,
     P2PError,
     PeerID,
+    create_identity,
     default_identity_path,
+    identity_work,
     load_or_create_identity,
     peer_id_of,
 )
@@ -111,6 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"the Ed25519 key file (a node's is <state-dir>/identity.key) "
         f"[{default_identity_path()}]",
+    )
+    p_id.add_argument(
+        "--work",
+        type=int,
+        default=0,
+        metavar="BITS",
+        help="make the absent identity with this many bits of proof of work, as a run with "
+        "run.identity_work_bits asks (about 2**BITS key generations; 20 bits ~1 min); an "
+        "existing identity is only checked: exit 1 when it has fewer [0]",
     )
 
     p_relay = sub.add_parser(
@@ -666,6 +678,34 @@ def _stop_on_sigterm() -> Callable[[], bool]:
     return lambda: bool(received)
 
 
+def _main_id(path: Path, work_bits: int) -> int:
+    """Print the identity's peer id; ``work_bits``: make it with that much proof of work when
+    absent, and refuse (exit 1) an existing one that has less."""
+    if not 0 <= work_bits <= MAX_WORK_BITS:
+        print(f"swarmtrain id: --work must be 0..{MAX_WORK_BITS}, not {work_bits}", file=sys.stderr)
+        return 1
+    try:
+        if work_bits and not path.exists():
+            print(f"making an identity with {work_bits} bits of work...", file=sys.stderr)
+            key_pair = create_identity(path, work_bits)
+        else:
+            key_pair = load_or_create_identity(path)
+    except (IdentityError, OSError) as exc:
+        print(f"swarmtrain id: --identity: {exc}", file=sys.stderr)
+        return 1
+    peer = peer_id_of(key_pair)
+    have = identity_work(peer.to_bytes())
+    if have < work_bits:
+        print(
+            f"swarmtrain id: --work {work_bits}: identity {path} has {have} bits of work; move "
+            "it away to make a new one",
+            file=sys.stderr,
+        )
+        return 1
+    print(peer)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # A shell starts background jobs (``swarmtrain coordinator &`` in a script) with SIGINT
     # ignored, and Python then never raises KeyboardInterrupt: restore it so Ctrl+C, or the
@@ -715,14 +755,13 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "status":
         return _main_status(args)
     identity_path = args.identity or default_identity_path()
+    if args.command == "id":
+        return _main_id(identity_path, args.work)
     try:
         key_pair = load_or_create_identity(identity_path)
     except (IdentityError, OSError) as exc:
         print(f"swarmtrain: identity: {exc}", file=sys.stderr)
         return 1
-    if args.command == "id":
-        print(peer_id_of(key_pair))
-        return 0
     _setup_logging(args.verbose)
     try:
         if args.command == "coordinator":

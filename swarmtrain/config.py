@@ -162,6 +162,13 @@ class RunSection(_Section):
         "a list of at most 4096 peer ids",
         'admission "allowlist": the members\' peer ids (swarmtrain id prints a node\'s)',
     )  # fmt: skip
+    identity_work_bits: int = _key(
+        0, lambda v: type(v) is int and 0 <= v <= 28, "an integer 0..28",
+        "proof of work every member's identity must carry (Sybil resistance: a new identity\n"
+        "# costs about 2**N key generations, 16 bits ~3 s of one core, 20 bits ~1 min);\n"
+        "# members ignore other peers as they ignore non-members. Make one with: swarmtrain id\n"
+        "# --identity STATE_DIR/identity.key --work N (0: any identity)",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
-from p2p import PeerID, encode, peer_id_of
+from p2p import PeerID, create_identity, encode, identity_work, peer_id_of
 from swarmtrain.admission import (
     Admission,
     JoinToken,
@@ -107,3 +109,25 @@ def test_the_config_refuses_a_closed_run_nobody_can_join() -> None:
         _config(admission="closed")
     with pytest.raises(ConfigError, match=r"run\.allow"):
         _config(admission="allowlist", allow=("not a peer id",))
+
+
+def test_identity_work_admits_only_identities_that_carry_it(tmp_path: Path) -> None:
+    _, coordinator = _peer()  # the coordinator needs none: it serves the run
+    poor = next(p for _, p in iter(_peer, None) if identity_work(p.to_bytes()) < 6)
+    worked = peer_id_of(create_identity(tmp_path / "worked.key", 6))
+    admission = Admission(_config(identity_work_bits=6), coordinator)
+    assert not admission.open
+    assert admission.admits(worked.to_bytes()) and admission.admits(coordinator.to_bytes())
+    assert not admission.admits(poor.to_bytes())
+    assert own_problem(admission, worked, None, NOW) is None
+    problem = own_problem(admission, poor, None, NOW) or ""
+    assert "6 bits of proof of work (run.identity_work_bits)" in problem
+    assert "swarmtrain id --identity STATE_DIR/identity.key --work 6" in problem
+    # Work adds to an allow-list: a listed peer without it is refused too.
+    listed = Admission(
+        _config(admission="allowlist", allow=(str(poor), str(worked)), identity_work_bits=6),
+        coordinator,
+    )
+    assert listed.admits(worked.to_bytes()) and not listed.admits(poor.to_bytes())
+    with pytest.raises(ConfigError, match="identity_work_bits"):
+        _config(identity_work_bits=29)

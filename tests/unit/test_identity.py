@@ -47,3 +47,26 @@ def test_garbage_and_wrong_key_types_are_refused(tmp_path: Path) -> None:
     os.chmod(ecdsa, 0o600)
     with pytest.raises(IdentityError, match="expected Ed25519"):
         load_or_create_identity(ecdsa)
+
+
+def test_an_identity_made_with_work_carries_it_and_is_never_overwritten(tmp_path: Path) -> None:
+    from p2p.identity import MAX_WORK_BITS, create_identity, identity_work
+
+    path = tmp_path / "worked.key"
+    made = create_identity(path, 8)
+    peer = peer_id_of(made)
+    assert identity_work(peer.to_bytes()) >= 8
+    assert peer_id_of(load_or_create_identity(path)) == peer  # an ordinary identity file
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(IdentityError, match="exists"):
+        create_identity(path, 8)
+    with pytest.raises(IdentityError, match="work bits"):
+        create_identity(tmp_path / "other.key", MAX_WORK_BITS + 1)
+    # The work is the leading zero bits of a hash of the id: checked the slow way here.
+    import hashlib
+
+    digest = hashlib.sha256(b"swarmtrain/identity-work/1" + peer.to_bytes()).digest()
+    assert (
+        digest[0] == 0
+        and identity_work(peer.to_bytes()) == 256 - int.from_bytes(digest, "big").bit_length()
+    )
