@@ -48,8 +48,10 @@ from p2p import (
     create_identity,
     default_identity_path,
     identity_work,
+    join_address_problem,
     load_or_create_identity,
     peer_id_of,
+    peer_id_problem,
 )
 from swarmtrain.commands import verify as verify_cmd
 from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
@@ -718,9 +720,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    for flag in ("listen", "announce"):
+    checks = {"listen": _multiaddr_problem, "announce": _multiaddr_problem,
+              "join": join_address_problem, "ping": peer_id_problem}  # fmt: skip
+    for flag, check in checks.items():
         for text in getattr(args, flag, None) or []:
-            problem = _multiaddr_problem(text)
+            problem = check(text)
             if problem is not None:
                 print(f"swarmtrain {args.command}: --{flag} {text}: {problem}", file=sys.stderr)
                 return 1

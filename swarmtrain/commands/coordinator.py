@@ -32,6 +32,7 @@ from p2p import (
     PeerID,
     call_unary,
     join_addr,
+    join_address_problem,
     message,
     open_node,
     serve_unary,
@@ -75,10 +76,10 @@ def serve_spec(host: Host, spec: bytes, signature: bytes) -> None:
 
 def coordinator_of(join: str) -> PeerID:
     """The peer id at the end of a join address: the identity the run spec must be signed by."""
-    try:
-        return PeerID.from_base58(multiaddr.Multiaddr(join).value_for_protocol("p2p"))
-    except Exception as exc:
-        raise P2PError(f"bad --join address {join!r}: it must end in /p2p/<peer id>") from exc
+    problem = join_address_problem(join)
+    if problem is not None:
+        raise P2PError(f"bad --join address {join!r}: {problem}")
+    return PeerID.from_base58(multiaddr.Multiaddr(join).value_for_protocol("p2p"))
 
 
 async def fetch_spec(node: Node, coordinator: PeerID) -> RunSpec:

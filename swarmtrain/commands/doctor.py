@@ -4,7 +4,9 @@ Reports our peer id, listen and observed addresses, reachability and how it was 
 slots we hold, our bulk data listener (a public peer opens one), and for each ``--ping`` peer
 (found through the DHT) whether we reached it, directly or through a relay, and the round-trip
 time. Without ``--join`` it starts a relay in this process on loopback and checks against that,
-so the whole stack runs on a machine with no network.
+so the whole stack runs on a machine with no network; the report then says that reachability
+from the internet was not judged (a loopback helper dials anyone back). A ``--join`` peer that
+cannot be reached still gives a report: the failure, and what to check.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class DoctorReport:
     problems: list[str] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     upnp: dict[str, object] = field(default_factory=dict)
+    # No --join: only a loopback relay in this process was asked (``reachability`` says so).
+    loopback_only: bool = False
 
     @property
     def ok(self) -> bool:
@@ -78,6 +82,7 @@ class DoctorReport:
             "problems": self.problems,
             "hints": self.hints,
             "upnp": self.upnp,
+            "loopback_only": self.loopback_only,
         }
 
 
@@ -106,8 +111,34 @@ def format_report(report: DoctorReport) -> str:
             lines.append(f"ping          {p.peer_id}: FAILED: {p.error}")
     lines.extend(f"problem       {text}" for text in report.problems)
     lines.extend(f"hint          {text}" for text in report.hints)
-    lines.append("result        " + ("all checks passed" if report.ok else "problems found"))
+    if not report.ok:
+        result = "problems found"
+    elif report.loopback_only:
+        result = "loopback self-test passed (reachability from the internet not checked)"
+    else:
+        result = "all checks passed"
+    lines.append(f"result        {result}")
     return "\n".join(lines)
+
+
+def _unreachable_report(
+    key_pair: KeyPair, options: DoctorOptions, join: Sequence[str], exc: P2PError
+) -> DoctorReport:
+    """The report when no ``--join`` peer answered: nothing else could be checked."""
+    return DoctorReport(
+        peer_id=str(ID.from_pubkey(key_pair.public_key)),
+        listen_addrs=list(options.listen),
+        reachability="not checked",
+        reachability_how="no --join peer could be reached",
+        joined=[],
+        problems=[f"--join: {exc}"],
+        hints=[
+            "check the address: the IP or name, the port, and the /p2p/<peer id> exactly as "
+            "the coordinator or relay printed it",
+            "check that the coordinator or relay is running, and that its port is open to us "
+            "(a firewall on either side may drop outbound TCP to it)",
+        ],
+    )
 
 
 def _address_mismatch_hints(listen: Sequence[str], observed_ips: Sequence[str]) -> list[str]:
@@ -158,14 +189,20 @@ async def run_doctor(
             )
             join = [join_addr(local)]
             ping = ping or [str(local.host.peer_id)]
-        node = await stack.enter_async_context(
-            open_node(
-                NodeConfig(
-                    HostConfig(key_pair, listen_addrs=options.listen, enable_upnp=options.upnp),
-                    bootstrap=tuple(join),
+        try:
+            node = await stack.enter_async_context(
+                open_node(
+                    NodeConfig(
+                        HostConfig(key_pair, listen_addrs=options.listen, enable_upnp=options.upnp),
+                        bootstrap=tuple(join),
+                    )
                 )
             )
-        )
+        except P2PError as exc:
+            report = _unreachable_report(key_pair, options, join, exc)
+            if emit is not None:
+                emit(report)
+            return report
         verdict = node.reachability
         report = DoctorReport(
             peer_id=str(node.host.peer_id),
@@ -181,7 +218,15 @@ async def run_doctor(
             ),
             joined=join,
             upnp=upnp_status(node.host),
+            loopback_only=not options.join,
         )
+        if report.loopback_only:
+            report.reachability = "not checked"
+            report.reachability_how = (
+                "no --join: only a relay in this process on loopback was asked, which reaches "
+                "anyone; give --join <a relay or coordinator address> to learn whether peers on "
+                "the internet can reach us"
+            )
         if verdict.status.value == "private":
             if not report.relays:
                 report.problems.append(
@@ -209,6 +254,8 @@ async def run_doctor(
                     )
                 except P2PError as exc:
                     result = replace(result, ok=False, error=f"bulk transfer failed: {exc}")
+            if not result.ok:  # the JSON's problems say what the text's FAILED line says
+                report.problems.append(f"--ping {text}: {result.error}")
             report.pings.append(result)
         if emit is not None:
             emit(report)
