@@ -98,6 +98,16 @@ def create_identity(path: Path | str, work_bits: int = 0) -> KeyPair:
 
 
 def _create(path: Path, work_bits: int = 0) -> KeyPair:
+    try:
+        return _write_new(path, work_bits)
+    except OSError as exc:  # errno's words, on the key's name rather than its temporary file's
+        # mkdir of a parent that is a file says "file exists"; opening below one, ENOTDIR.
+        folder_is_file = isinstance(exc, (FileExistsError, NotADirectoryError))
+        why = "a folder on the path is a file" if folder_is_file else (exc.strerror or "").lower()
+        raise IdentityError(f"cannot create identity {path}: {why}") from None
+
+
+def _write_new(path: Path, work_bits: int) -> KeyPair:
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     while True:
         key = Ed25519PrivateKey.generate()

@@ -57,7 +57,7 @@ from swarmtrain.commands import verify as verify_cmd
 from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.relay import RelayOptions, run_relay
-from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config
+from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config, plain_os_error
 from swarmtrain.faults import Faults, parse_task_fault
 from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
 from swarmtrain.pipeline import local as pipeline_local
@@ -488,7 +488,7 @@ def _main_init(args: argparse.Namespace) -> int:
     try:
         path.write_text(default_toml())
     except OSError as exc:
-        print(f"swarmtrain init: {exc}", file=sys.stderr)
+        print(f"swarmtrain init: cannot write {path}: {plain_os_error(exc)}", file=sys.stderr)
         return 1
     print(f"wrote {path}; start the run with: swarmtrain coordinator --config {path}")
     return 0

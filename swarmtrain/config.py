@@ -686,13 +686,26 @@ def config_from_mapping(data: Mapping[str, Any], *, source: str = "run config") 
         raise ConfigError(f"{source}: {exc}") from None
 
 
+def plain_os_error(exc: OSError) -> str:
+    """An OSError in words, without errno's number or the temporary file it happened on."""
+    if isinstance(exc, NotADirectoryError):
+        return "a folder on the path is a file"
+    return (exc.strerror or str(exc)).lower()
+
+
 def load_config(path: Path) -> RunConfig:
-    """Read and validate ``run.toml``. Raises ConfigError (bad TOML or value, naming the key and
-    the file) or OSError (unreadable file)."""
+    """Read and validate ``run.toml``. Raises ConfigError (absent, unreadable, bad TOML or a bad
+    value, naming the key and the file)."""
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such file (swarmtrain init {path} writes a commented one)"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it: {plain_os_error(exc)}") from None
     resolve_model_config(data, path.parent, str(path))
     return config_from_mapping(data, source=str(path))
 

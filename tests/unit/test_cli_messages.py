@@ -1,0 +1,44 @@
+"""The CLI's one-line errors for what a user mistypes or a machine refuses (issue 22), run in
+process: the message names the flag or file and the fix, and the exit status is 1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from swarmtrain.cli import _run
+
+
+def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert _run(list(argv)) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Errno" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_a_missing_config_says_how_to_write_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "cfg" / "nope.toml"
+    err = _fails(capsys, "coordinator", "--config", str(missing))
+    assert err == (
+        f"swarmtrain coordinator: {missing}: no such file (swarmtrain init {missing} writes a "
+        "commented one)"
+    )
+
+
+def test_init_and_id_name_the_path_they_cannot_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile").write_text("")
+    err = _fails(capsys, "init", str(tmp_path / "afile" / "run.toml"))
+    assert err.endswith("afile/run.toml: a folder on the path is a file"), err
+    err = _fails(capsys, "id", "--identity", str(tmp_path / "afile" / "identity.key"))
+    assert err.startswith("swarmtrain id: --identity: cannot create identity "), err
+    assert err.endswith("afile/identity.key: a folder on the path is a file"), err
+    if os.geteuid() != 0:  # root writes through a mode of 0555
+        folder = tmp_path / "ro"
+        folder.mkdir(mode=0o555)
+        assert "permission denied" in _fails(capsys, "init", str(folder / "run.toml"))
