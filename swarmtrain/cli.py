@@ -551,7 +551,7 @@ def _main_token(args: argparse.Namespace, key_pair: KeyPair) -> int:
 
 
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
-    from swarmtrain.commands.coordinator import CoordinatorOptions, run_coordinator
+    from swarmtrain.commands.coordinator import CoordinatorOptions, pick_run_id, run_coordinator
     from swarmtrain.training.workload import with_data_fingerprint, with_model_hash
 
     if args.action == "token":
@@ -562,6 +562,12 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
         # coordinator's copies unless run.toml sets them: nodes whose copies differ refuse
         # before training (training.workload).
         config = with_model_hash(with_data_fingerprint(config))
+        identity = args.identity or default_identity_path()
+        config, warning = pick_run_id(
+            config, args.config, identity.with_name(identity.name + ".runs.json")
+        )
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         metrics = _start_metrics(args, "coordinator")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)

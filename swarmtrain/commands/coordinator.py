@@ -14,11 +14,14 @@ and each audit that found a part wrong (``swarmtrain.verified.referee``).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import multiaddr
 import trio
@@ -114,12 +117,46 @@ def new_run_id() -> str:
     return f"run-{os.urandom(4).hex()}"
 
 
+MAX_REMEMBERED_RUNS = 64
+
+
+def pick_run_id(config: RunConfig, config_path: Path | None, memory: Path) -> tuple[RunConfig, str]:
+    """``config`` with a run id, and a warning line ("" when none). ``[run] id = ""`` gets a
+    fresh one; ``memory`` (beside the coordinator's identity) remembers the last id picked per
+    config file, so a coordinator restarted on the same file says that its nodes' checkpoints
+    belong to another run now, and how to continue that one instead."""
+    if config.run.id:
+        return config, ""
+    picked = new_run_id()
+    if config_path is None:
+        return config.replace(run={"id": picked}), ""
+    try:
+        seen = json.loads(memory.read_text())
+        seen = seen if isinstance(seen, dict) else {}
+    except (OSError, ValueError):
+        seen = {}
+    key = str(config_path.resolve())
+    previous = seen.pop(key, None)
+    seen[key] = picked
+    with contextlib.suppress(OSError):  # a read-only home loses the warning, not the run
+        kept = dict(list(seen.items())[-MAX_REMEMBERED_RUNS:])
+        memory.write_text(json.dumps(kept, indent=1) + "\n")
+    warning = ""
+    if isinstance(previous, str):
+        warning = (
+            f"warning: {config_path} sets no [run] id, so this start is a new run, {picked}; the "
+            f"last start on it was {previous}, whose nodes will not join this one. To continue "
+            f'that run, set id = "{previous}" under [run] in {config_path} and restart'
+        )
+    return config.replace(run={"id": picked}), warning
+
+
 async def run_coordinator(
     key_pair: KeyPair, options: CoordinatorOptions, emit: Callable[[str], None]
 ) -> None:
     """Run until cancelled (Ctrl+C). ``emit`` gets the run line, then the join command."""
     config = options.config
-    if not config.run.id:
+    if not config.run.id:  # the CLI picks it (pick_run_id); a library caller may not
         config = config.replace(run={"id": new_run_id()})
     async with open_node(relay_node_config(key_pair, options.relay)) as node:
         spec = RunSpec(config, str(node.host.peer_id), time.time())

@@ -42,3 +42,23 @@ def test_init_and_id_name_the_path_they_cannot_write(
         folder = tmp_path / "ro"
         folder.mkdir(mode=0o555)
         assert "permission denied" in _fails(capsys, "init", str(folder / "run.toml"))
+
+
+def test_a_coordinator_restarted_on_a_config_without_an_id_warns_that_the_run_changed(
+    tmp_path: Path,
+) -> None:
+    from swarmtrain.commands.coordinator import pick_run_id
+    from swarmtrain.config import RunConfig
+
+    config_path, memory = tmp_path / "run.toml", tmp_path / "identity.key.runs.json"
+    first, warning = pick_run_id(RunConfig(), config_path, memory)
+    assert first.run.id.startswith("run-") and warning == ""
+    second, warning = pick_run_id(RunConfig(), config_path, memory)
+    assert second.run.id != first.run.id
+    assert f"the last start on it was {first.run.id}" in warning
+    assert f'set id = "{first.run.id}" under [run] in {config_path}' in warning
+    # A run that names itself keeps its name and needs no warning.
+    named, warning = pick_run_id(RunConfig().replace(run={"id": "mine"}), config_path, memory)
+    assert named.run.id == "mine" and warning == ""
+    memory.write_text("not json")  # a damaged memory is forgotten, not fatal
+    assert pick_run_id(RunConfig(), config_path, memory)[1] == ""
