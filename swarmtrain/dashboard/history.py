@@ -10,6 +10,11 @@ to ``round -> peer -> PeerRound``; a round that started and ended between two re
 the curves (a gap, not a wrong point). ``max_rounds`` bounds the memory: past it the lowest rounds
 are dropped. Like ``swarmtrain status``, every figure is only what the peer that signed the
 record claims.
+
+A record's byte counts add up every round the peer contributed to since it started. A round's
+bytes are the difference to the same peer's record of its previous contribution, so they are
+known only where the history holds that record (or the round is the peer's first contribution):
+peers whose step is unknown are left out of the round's sum, and a round with none is null.
 """
 
 from __future__ import annotations
@@ -65,12 +70,14 @@ class Reading:
 @dataclass(frozen=True)
 class PeerRound:
     """One peer's figures for one round. ``throughput``: tokens/s for a DiLoCo peer, samples/s
-    for a pipeline trainer; ``state_hash`` is empty for a trainer (a pipeline has none)."""
+    for a pipeline trainer; ``state_hash`` is empty for a trainer (a pipeline has none). The
+    byte counts are the peer's totals over its ``contributed`` rounds; None for a trainer."""
 
     loss: float | None
     throughput: float
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    bytes_sent: int | None = None
+    bytes_received: int | None = None
+    contributed: int = 0
     state_hash: str = ""
 
 
@@ -91,13 +98,15 @@ class RunHistory:
         """Record a read: each peer's latest round joins the history (replacing what the same
         peer said earlier about the same round)."""
         for p in reading.progress:
-            self._add(
-                p.round,
-                p.peer_id,
-                PeerRound(
-                    p.loss, p.tokens_per_s, p.bytes_sent, p.bytes_received, p.state_hash.hex()
-                ),
+            figures = PeerRound(
+                p.loss,
+                p.tokens_per_s,
+                p.bytes_sent,
+                p.bytes_received,
+                p.rounds_contributed,
+                p.state_hash.hex(),
             )
+            self._add(p.round, p.peer_id, figures)
         for peer, t in reading.trainers.items():
             self._add(t.round, peer, PeerRound(t.loss, t.samples_per_s))
         self.last = reading
@@ -113,21 +122,26 @@ class RunHistory:
             del self.rounds[min(self.rounds)]
 
     def series(self) -> list[dict[str, Any]]:
-        """Per round, oldest first: records seen, mean loss, summed throughput and bytes, and
-        how many distinct state hashes its peers published (1: they agree)."""
+        """Per round, oldest first: records seen, mean loss, summed throughput, the bytes sent
+        and received in the round (the module docstring; None when unknown), and how many
+        distinct state hashes its peers published (1: they agree)."""
         out = []
+        # peer -> (rounds contributed, bytes sent, bytes received) of its latest record so far
+        totals: dict[str, tuple[int, int, int]] = {}
         for r in sorted(self.rounds):
-            peers = self.rounds[r].values()
-            losses = [p.loss for p in peers if p.loss is not None]
+            peers = self.rounds[r]
+            losses = [p.loss for p in peers.values() if p.loss is not None]
+            steps = [_step(totals, peer, p) for peer, p in peers.items()]
+            known = [step for step in steps if step is not None]
             out.append(
                 {
                     "round": r,
                     "peers": len(peers),
                     "loss": round(sum(losses) / len(losses), 4) if losses else None,
-                    "throughput": round(sum(p.throughput for p in peers), 1),
-                    "bytes_sent": sum(p.bytes_sent for p in peers),
-                    "bytes_received": sum(p.bytes_received for p in peers),
-                    "states": len({p.state_hash for p in peers if p.state_hash}),
+                    "throughput": round(sum(p.throughput for p in peers.values()), 1),
+                    "bytes_sent": sum(sent for sent, _ in known) if known else None,
+                    "bytes_received": sum(got for _, got in known) if known else None,
+                    "states": len({p.state_hash for p in peers.values() if p.state_hash}),
                 }
             )
         return out
@@ -164,6 +178,24 @@ class RunHistory:
             "verdicts": [v.to_json() for v in reading.verdicts],
             "banned": sorted(cheaters),
         }
+
+
+def _step(
+    totals: dict[str, tuple[int, int, int]], peer: str, p: PeerRound
+) -> tuple[int, int] | None:
+    """``(sent, received)`` in this round of ``peer``'s, from its totals and the ones of its
+    record before (``totals``, updated); None when that record is not in the history."""
+    if p.bytes_sent is None or p.bytes_received is None:
+        return None
+    before = totals.get(peer)
+    totals[peer] = (p.contributed, p.bytes_sent, p.bytes_received)
+    if before is None:
+        # Only a first contribution has nothing before it (its totals are the round's).
+        return (p.bytes_sent, p.bytes_received) if p.contributed <= 1 else None
+    contributed, sent, received = before
+    if p.contributed - contributed not in (0, 1) or p.bytes_sent < sent:
+        return None  # rounds missed between the two reads, or a restarted peer
+    return p.bytes_sent - sent, p.bytes_received - received
 
 
 def _banned_ids(verdicts: Iterable[Verdict]) -> list[str]:
