@@ -35,11 +35,20 @@ class DashboardOptions:
     def listen(self) -> DashboardListener:
         """Bind and listen. Raises ValueError naming the flag (busy port, unknown host)."""
         try:
-            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-            sock = socket.create_server((self.host, self.port), family=family)
+            family, kind, proto, _, address = socket.getaddrinfo(
+                self.host, self.port, type=socket.SOCK_STREAM
+            )[0]
         except socket.gaierror as exc:
             raise ValueError(f"--dashboard-host {self.host}: {exc.strerror or exc}") from exc
+        sock = socket.socket(family, kind, proto)
+        try:
+            # A restarted coordinator rebinds at once (TIME_WAIT); no SO_REUSEPORT, so a second
+            # process on the same port fails here instead of sharing it.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(128)
         except OSError as exc:
+            sock.close()
             raise ValueError(
                 f"--dashboard-port {self.port} on {self.host}: {exc.strerror or exc}"
             ) from exc
