@@ -95,6 +95,8 @@ class Dashboard:
         config.bind = [f"fd://{self.listener.sock.detach()}"]
         config.accesslog = None
         config.errorlog = HYPERCORN_LOG
+        # Whether hypercorn got as far as serving: a failure before that is the caller's (the
+        # coordinator does not start), one after it only the dashboard's.
         started = False
 
         class _Ready:
