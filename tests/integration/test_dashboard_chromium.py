@@ -91,7 +91,7 @@ def test_the_dashboard_of_a_local_run_draws_its_peers_and_loss_curve(tmp_path: P
         ]
     )  # fmt: skip
     try:
-        line = run.wait_line(lambda s: DASHBOARD_LINE.match(s) is not None, timeout_s=30)
+        line = run.wait_line(lambda s: DASHBOARD_LINE.match(s) is not None, timeout_s=60)
         url = DASHBOARD_LINE.match(line).group(1)  # type: ignore[union-attr]
         # Both nodes finished round 1 (their own lines): then at most a read away on the page.
         for node in (0, 1):
