@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
+from swarmtrain.commands.local import LocalOptions, dashboard_flags
 from swarmtrain.dashboard import dashboard_app
 
 
@@ -75,3 +78,10 @@ async def test_the_app_answers_the_lifespan_protocol() -> None:
 
     await dashboard_app(dict)({"type": "lifespan"}, receive, send)
     assert [m["type"] for m in sent] == ["lifespan.startup.complete", "lifespan.shutdown.complete"]
+
+
+def test_local_passes_its_dashboard_port_to_the_coordinator_and_checks_it() -> None:
+    assert dashboard_flags(None) == ()
+    assert dashboard_flags(0) == ("--dashboard-port", "0")
+    with pytest.raises(ValueError, match=r"^--dashboard-port must be 0-65535, got 70000$"):
+        LocalOptions(dashboard_port=70000)
