@@ -6,13 +6,13 @@
                         [--ping PEER_ID ...] [--linger SECONDS] [--json]
     swarmtrain init     [PATH]
     swarmtrain coordinator [--config run.toml] [--rounds R] [--identity PATH] [--listen MA ...]
-                        [--announce MA ...]
+                        [--announce MA ...] [--dashboard-port PORT [--dashboard-host HOST]]
     swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
                         [--allow-model MODULE:FUNCTION ...] [--nproc-per-node K]
     swarmtrain status   --join MULTIADDR [--json] [--probe]
     swarmtrain local    [--config run.toml] [--peers N] [--rounds R] [--inner-steps H]
-                        [--workdir DIR] [--json PATH] [--nproc-per-node K]
+                        [--workdir DIR] [--json PATH] [--nproc-per-node K] [--dashboard-port PORT]
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
     swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
@@ -58,6 +58,8 @@ from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_repor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.relay import RelayOptions, run_relay
 from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config, plain_os_error
+from swarmtrain.dashboard import add_dashboard_arguments
+from swarmtrain.dashboard import options_from as dashboard_options_from
 from swarmtrain.faults import Faults, parse_task_fault
 from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
 from swarmtrain.pipeline import local as pipeline_local
@@ -275,6 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p_coord, listen_default="/ip4/0.0.0.0/tcp/4001")
     _add_read_timeout(p_coord)
     add_metrics_arguments(p_coord)
+    add_dashboard_arguments(p_coord)
     p_coord.add_argument(
         "--config", type=Path, default=None, help="run config [the embedded default run]"
     )
@@ -365,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--delay-node", type=_delay_node, default=None, metavar="I:S", help=argparse.SUPPRESS
     )  # start node I S seconds after the others (a late volunteer; membership tests)
     p_local.add_argument("-v", "--verbose", action="store_true", help="show the nodes' logs")
+    add_dashboard_arguments(p_local, host=False)
     pipeline_local.add_arguments(p_local)
     verify_cmd.add_parser(sub)
     return parser
@@ -568,6 +572,8 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
         )
         if warning:
             print(warning, file=sys.stderr, flush=True)
+        dashboard_options = dashboard_options_from(args)
+        dashboard = dashboard_options.listen() if dashboard_options is not None else None
         metrics = _start_metrics(args, "coordinator")
     except (ConfigError, ValueError, OSError) as exc:
         print(f"swarmtrain coordinator: {_one_line(exc)}", file=sys.stderr)
@@ -581,6 +587,7 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
             read_timeout_s=args.read_timeout,
             metrics=metrics,
         ),
+        dashboard,
     )
     try:
         trio.run(run_coordinator, key_pair, options, lambda line: print(line, flush=True))
@@ -653,6 +660,7 @@ def _main_local(args: argparse.Namespace) -> int:
             verify_rate=args.verify_rate,
             delay_node=args.delay_node,
             nproc_per_node=args.nproc_per_node,
+            dashboard_port=args.dashboard_port,
         )
         summary = run_local(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:

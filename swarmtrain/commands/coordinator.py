@@ -9,12 +9,15 @@ to demand; ``fetch_spec`` is that check, on the volunteer's side.
 Output on stdout, nothing else there: the run line, then the exact command volunteers run; for
 a pipeline run (``pipeline.stages > 0``) two commands: a stage server's, then a trainer's
 (``--role trainer``). A verified run (``verify.rate > 0``) also prints each dispute and verdict
-and each audit that found a part wrong (``swarmtrain.verified.referee``).
+and each audit that found a part wrong (``swarmtrain.verified.referee``). With
+``--dashboard-port`` it serves a live web page of the run (``swarmtrain.dashboard``), fed by
+``read_run`` every second, and prints ``dashboard at URL`` right after the run line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -22,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import multiaddr
 import trio
@@ -43,9 +47,10 @@ from p2p import (
 )
 from swarmtrain.commands.relay import RelayOptions, keep_serving, relay_node_config
 from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.dashboard import Dashboard, DashboardListener, Reading, RunHistory, RunInfo
 from swarmtrain.keys import progress_key
-from swarmtrain.membership.progress import agreed_state, decode_all
-from swarmtrain.pipeline.progress import pipeline_status
+from swarmtrain.membership.progress import Progress, agreed_state, decode_all
+from swarmtrain.pipeline.progress import pipeline_status, trainer_progress
 from swarmtrain.runspec import MAX_SIGNATURE_BYTES, MAX_SPEC_BYTES, RunSpec, sign_spec, verify_spec
 from swarmtrain.verified.referee import RefereeService
 
@@ -111,6 +116,7 @@ async def fetch_spec(node: Node, coordinator: PeerID) -> RunSpec:
 class CoordinatorOptions:
     config: RunConfig
     relay: RelayOptions
+    dashboard: DashboardListener | None = None  # --dashboard-port: bound before the loop
 
 
 def new_run_id() -> str:
@@ -166,21 +172,64 @@ async def run_coordinator(
         if metrics is not None:
             metrics.watch_node(node)
         join = join_addr(node)
-        for line in join_lines(config, str(node.host.peer_id), join):
-            emit(line)
-        for addr in node.host.addrs()[1:]:
-            log.info("also reachable at %s", addr)
+        lines = join_lines(config, str(node.host.peer_id), join)
         async with trio.open_nursery() as nursery:
+            referee = None
+            if config.verify.rate > 0:
+                referee = RefereeService(node, config, run_seed_of(config.run.id), emit)
+                if metrics is not None:
+                    metrics.watch_referee(referee)
+            if options.dashboard is not None:
+                info = RunInfo(
+                    config.run.id,
+                    hashlib.sha256(data).hexdigest(),
+                    str(node.host.peer_id),
+                    config.run.rounds,
+                    config.pipeline.stages,
+                    config.verify.rate,
+                )
+                dashboard = Dashboard(
+                    RunHistory(info), lambda: read_run(node, config, referee), options.dashboard
+                )
+                # The run line first (scripts read it there), the command(s) to copy last.
+                lines.insert(1, f"dashboard at {await nursery.start(dashboard.run)}")
+            for line in lines:
+                emit(line)
+            for addr in node.host.addrs()[1:]:
+                log.info("also reachable at %s", addr)
             nursery.start_soon(keep_serving, node, options.relay.status_interval_s)
             if config.is_pipeline:
                 nursery.start_soon(_log_stages, node, config, PROGRESS_LOG_S)
             else:
                 nursery.start_soon(_log_progress, node, config.run.id, PROGRESS_LOG_S)
-            if config.verify.rate > 0:
-                referee = RefereeService(node, config, run_seed_of(config.run.id), emit)
-                if metrics is not None:
-                    metrics.watch_referee(referee)
+            if referee is not None:
                 nursery.start_soon(referee.run)
+
+
+async def read_progress(dht: Any, run_id: str) -> list[Progress]:
+    """Every peer's latest progress record, malformed ones skipped; raises P2PError when the
+    read fails."""
+    records = await dht.get_records(progress_key(run_id), latest=True)
+    values = subkey_values(records, now=time.time())
+    return decode_all({str(PeerID(records[k].owner)): v for k, v in values.items()})
+
+
+async def read_run(node: Node, config: RunConfig, referee: RefereeService | None) -> Reading:
+    """What the dashboard shows, read now: progress (or a pipeline's stages and trainers), the
+    referee's verdicts, and how we are connected to each peer. Raises P2PError."""
+    now = time.time()
+    verdicts = tuple(referee.verdicts) if referee is not None else ()
+    if config.is_pipeline:
+        stages = await pipeline_status(node.dht, config.run.id, config.pipeline.stages)
+        trainers = await trainer_progress(node.dht, config.run.id)
+        return Reading(now, trainers=trainers, stages=tuple(stages), verdicts=verdicts)
+    progress = await read_progress(node.dht, config.run.id)
+    links = {}
+    for p in progress:
+        kind = node.host.connection_kind(PeerID.from_base58(p.peer_id))
+        if kind is not None:
+            links[p.peer_id] = kind
+    return Reading(now, progress=tuple(progress), verdicts=verdicts, links=links)
 
 
 def join_lines(config: RunConfig, coordinator: str, join: str) -> list[str]:
@@ -242,12 +291,10 @@ async def _log_progress(node: Node, run_id: str, interval_s: float) -> None:
     while True:
         await trio.sleep(interval_s)
         try:
-            records = await node.dht.get_records(progress_key(run_id), latest=True)
+            progress = await read_progress(node.dht, run_id)
         except P2PError as exc:
             log.info("could not read the run's progress: %s", exc)
             continue
-        values = subkey_values(records, now=time.time())
-        progress = decode_all({str(PeerID(records[k].owner)): v for k, v in values.items()})
         agreed = agreed_state(progress)
         if agreed is None or agreed.round == last:
             continue

@@ -72,6 +72,8 @@ class LocalOptions:
     config: RunConfig | None = None
     # Each node's local data-parallel ranks (``swarmtrain node --nproc-per-node``).
     nproc_per_node: int = 1
+    # The coordinator's --dashboard-port (on loopback); None: no dashboard.
+    dashboard_port: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("peers", "rounds", "inner_steps", "nproc_per_node"):
@@ -81,6 +83,8 @@ class LocalOptions:
             index, delay_s = self.delay_node
             if not 0 <= index < self.peers or not 0 <= delay_s <= 600:
                 raise ValueError("--delay-node I:S needs 0 <= I < peers and 0 <= S <= 600")
+        if self.dashboard_port is not None and not 0 <= self.dashboard_port <= 65535:
+            raise ValueError(f"--dashboard-port must be 0-65535, got {self.dashboard_port}")
         if not 0 <= self.verify_rate <= 1:
             raise ValueError(f"--verify-rate must be in [0, 1], got {self.verify_rate}")
         if self.verify_rate > 0 and self.nproc_per_node > 1:
@@ -226,10 +230,15 @@ def work_directory(stack: ExitStack, given: Path | None, prefix: str) -> Path:
 
 
 def start_coordinator(
-    workdir: Path, config: RunConfig, children: list[Child], emit: Callable[[str], None]
+    workdir: Path,
+    config: RunConfig,
+    children: list[Child],
+    emit: Callable[[str], None],
+    extra: Sequence[str] = (),
 ) -> str:
     """Start the coordinator on ``config`` (written to ``workdir/run.toml``, as ``swarmtrain
-    init`` writes it) and return the join address it prints. Raises LocalFailed."""
+    init`` writes it) with ``extra`` flags, and return the join address it prints (its lines
+    until then, the dashboard's URL among them, go to ``emit``). Raises LocalFailed."""
     config_path = workdir / "run.toml"
     config_path.write_text(default_toml(config))
     lines: queue.Queue[str] = queue.Queue()
@@ -244,6 +253,7 @@ def start_coordinator(
             str(workdir / "coordinator.key"),
             "--listen",
             "/ip4/127.0.0.1/tcp/0",
+            *extra,
         ],
         workdir / "coordinator.log",
         lines.put,
@@ -252,8 +262,17 @@ def start_coordinator(
     deadline = time.monotonic() + RELAY_START_TIMEOUT_S
     while True:
         try:
-            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            # In slices, so a coordinator that exits (a bad flag, a busy port) is seen at once.
+            line = lines.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
         except queue.Empty:
+            status = coordinator.proc.poll()
+            if status is None and time.monotonic() < deadline:
+                continue
+            if status is not None:
+                raise LocalFailed(
+                    f"the coordinator exited with status {status}: "
+                    f"{coordinator.last_log_line() or 'no log'}"
+                ) from None
             raise LocalFailed(
                 f"the coordinator printed no join command within {RELAY_START_TIMEOUT_S:.0f} s: "
                 f"{coordinator.last_log_line() or 'no log'}"
@@ -289,7 +308,9 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
         workdir = work_directory(stack, options.workdir, "swarmtrain-")
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: [child.stop() for child in reversed(children)])
-        join = start_coordinator(workdir, config, children, emit)
+        join = start_coordinator(
+            workdir, config, children, emit, dashboard_flags(options.dashboard_port)
+        )
         emit(f"run {run_id}: {options.peers} peers join {join}")
         nodes: list[Child] = []
         delayed, delay_s = options.delay_node or (-1, 0.0)
@@ -334,6 +355,11 @@ def run_local(options: LocalOptions, emit: Callable[[str], None]) -> LocalSummar
         options.json_path.parent.mkdir(parents=True, exist_ok=True)
         options.json_path.write_text(json.dumps(summary.to_json()) + "\n")
     return summary
+
+
+def dashboard_flags(port: int | None) -> tuple[str, ...]:
+    """The coordinator's flags for ``swarmtrain local --dashboard-port`` (loopback only)."""
+    return () if port is None else ("--dashboard-port", str(port))
 
 
 def node_argv(

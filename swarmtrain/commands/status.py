@@ -25,21 +25,17 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, Node, NodeConfig, P2PError, PeerID, open_node, subkey_values
-from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
-from swarmtrain.keys import progress_key, verdicts_key
-from swarmtrain.membership.progress import Progress, agreed_state, decode_all
+from swarmtrain.commands.coordinator import coordinator_of, fetch_spec, read_progress
+from swarmtrain.keys import verdicts_key
+from swarmtrain.membership.progress import SHOWN_REACH, SILENT_AFTER_S, Progress, agreed_state
 from swarmtrain.pipeline.progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.runspec import RunSpec
 from swarmtrain.verified.plan import AGGREGATION, Verdict, banned, decode_verdicts
 
-# A peer whose latest record is older than this is shown as silent (it may have left).
-SILENT_AFTER_S = 120.0
 # --probe: peers connected to at once, and the time one may take (a relayed dial plus the
 # hole punch's budget, NatConfig.holepunch_timeout_s).
 PROBE_CONCURRENCY = 8
 PROBE_TIMEOUT_S = 15.0
-# What a peer's published verdict means to someone who wants to reach it.
-SHOWN_REACH = {"public": "direct", "private": "relayed", "unknown": "?"}
 
 
 @dataclass(frozen=True)
@@ -80,7 +76,7 @@ class StatusReport:
             "state_hash": agreed.state_hash.hex() if agreed else None,
             "state_holders": len(agreed.holders) if agreed else 0,
             "verify_rate": self.spec.config.verify.rate,
-            "verdicts": [_verdict_json(v) for v in self.verdicts],
+            "verdicts": [v.to_json() for v in self.verdicts],
             "banned": sorted(str(PeerID(p)) for p in banned(self.verdicts)),
             "nodes": [self._node_json(p) for p in self.records],
         }
@@ -185,19 +181,6 @@ class StatusReport:
         return "\n".join(lines)
 
 
-def _verdict_json(v: Verdict) -> dict[str, object]:
-    return {
-        "round": v.round,
-        "owner": str(PeerID(v.owner)),
-        "verifier": str(PeerID(v.verifier)),
-        "cheater": None if v.cheater is None else str(PeerID(v.cheater)),
-        "step": v.step,
-        "op": v.op,
-        "op_name": v.op_name,
-        "reason": v.reason,
-    }
-
-
 def _mean(values: list[float]) -> float | None:
     return round(sum(values) / len(values), 4) if values else None
 
@@ -220,14 +203,11 @@ async def run_status(
             stages = await pipeline_status(node.dht, settings.run.id, settings.pipeline.stages)
             trainers = await trainer_progress(node.dht, settings.run.id)
             return StatusReport(spec, [], time.time(), stages, trainers)
-        records = await node.dht.get_records(progress_key(settings.run.id), latest=True)
+        progress = await read_progress(node.dht, settings.run.id)
         verdicts = (
             await _verdicts(node, settings.run.id, coordinator) if settings.verify.rate > 0 else []
         )
-        now = time.time()
-        values = subkey_values(records, now=now)
-        by_owner = {str(PeerID(records[s].owner)): v for s, v in values.items()}
-        report = StatusReport(spec, decode_all(by_owner), now, verdicts=verdicts)
+        report = StatusReport(spec, progress, time.time(), verdicts=verdicts)
         if probe:
             active = [PeerID.from_base58(p.peer_id) for p in report.active()]
             report.reached.update(await probe_all(node, active))

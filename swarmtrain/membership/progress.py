@@ -64,6 +64,10 @@ MAX_MEMBER_LIST_BYTES = MAX_LISTED_MEMBERS * MEMBER_TAG_BYTES
 # How the peer found itself (its dial-back verdict): reachable directly ("public"), only through
 # its relays ("private"), or not known. Records written before the field existed read "unknown".
 REACHABILITY = ("public", "private", "unknown")
+# What a peer's published verdict means to someone who wants to reach it (status, dashboard).
+SHOWN_REACH = {"public": "direct", "private": "relayed", "unknown": "?"}
+# A peer whose latest record is older than this is shown as silent (it may have left).
+SILENT_AFTER_S = 120.0
 
 
 @message(500, max_bytes=MAX_PROGRESS_BYTES)

@@ -357,7 +357,8 @@ def run_pipeline(args: argparse.Namespace, emit: Callable[[str], None]) -> dict[
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-pipe-")))
         # Registered after the temporary directory, so children stop before it is removed.
         stack.callback(lambda: stop_all(list(reversed(children))))
-        join = local.start_coordinator(workdir, config, children, emit)
+        dashboard = local.dashboard_flags(getattr(args, "dashboard_port", None))
+        join = local.start_coordinator(workdir, config, children, emit, dashboard)
         emit(f"run {config.run.id}: {peers} stage servers and {TRAINERS} trainers join {join}")
         servers = []
         for i in range(peers):

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from p2p import LocalProtocolError, Message, RemoteProtocolError, decode, encode, message
+from p2p import LocalProtocolError, Message, PeerID, RemoteProtocolError, decode, encode, message
 from verify import Commitment
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,23 @@ class Verdict(Message):
             how = "reduced wrong" if self.cheater == self.owner else "its slice misstated"
             return f"round {self.round}, part {self.op} of the all-reduce ({how})"
         return f"round {self.round}, step {self.step}, operator {self.op} ({self.op_name})"
+
+    def to_json(self) -> dict[str, object]:
+        """The verdict for ``swarmtrain status --json`` and the dashboard: peer ids in base58."""
+
+        def name(peer: bytes | None) -> str | None:
+            return None if peer is None else str(PeerID(peer))
+
+        return {
+            "round": self.round,
+            "owner": name(self.owner),
+            "verifier": name(self.verifier),
+            "cheater": name(self.cheater),
+            "step": self.step,
+            "op": self.op,
+            "op_name": self.op_name,
+            "reason": self.reason,
+        }
 
 
 @message(503, max_bytes=MAX_VERDICTS_BYTES)

@@ -108,6 +108,7 @@ SANS_IO = [
     "verify/dispute/wire.py",
     "swarmtrain/membership/state_sync_plan.py",
     "swarmtrain/membership/progress.py",
+    "swarmtrain/dashboard/history.py",
     "swarmtrain/membership/plan.py",
     "swarmtrain/verified/plan.py",
     "swarmtrain/training/ranks_plan.py",

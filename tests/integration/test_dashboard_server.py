@@ -1,0 +1,87 @@
+"""The dashboard's server in process, on a real loopback socket (cheap: no child process, well
+under a second): its flags' one-line errors, hypercorn serving the page and the JSON on trio,
+failed and hung reads recorded instead of raised, and the socket closed on cancellation."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+import trio
+
+from p2p import P2PError
+from swarmtrain.dashboard import Dashboard, DashboardOptions, Reading, RunHistory, RunInfo
+
+INFO = RunInfo("run-x", "ab" * 32, "12D3KooWcoordinator", rounds=4)
+
+
+def test_a_busy_port_or_bad_flag_is_one_line_naming_it() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"^--dashboard-port {port} on 127\.0\.0\.1: "):
+            DashboardOptions(port).listen()
+    with pytest.raises(ValueError, match=r"^--dashboard-port must be 0-65535, got 70000$"):
+        DashboardOptions(70000)
+    with pytest.raises(ValueError, match=r"^--dashboard-host no-such-host\.invalid: "):
+        DashboardOptions(0, "no-such-host.invalid").listen()
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+async def test_the_driver_serves_over_hypercorn_records_failed_reads_and_stops() -> None:
+    reads: list[int] = []
+
+    async def read() -> Reading:
+        reads.append(1)
+        if len(reads) == 1:
+            raise P2PError("no peer answered")
+        return Reading(123.0)
+
+    listener = DashboardOptions(0).listen()
+    port = listener.sock.getsockname()[1]
+    dashboard = Dashboard(RunHistory(INFO), read, listener, interval_s=0.01)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(dashboard.run)
+            assert url == f"http://127.0.0.1:{port}/"
+            status, page = await trio.to_thread.run_sync(_get, url)
+            assert status == 200 and b"swarmtrain dashboard" in page
+            while dashboard.reads == 0:
+                await trio.sleep(0.01)
+            status, body = await trio.to_thread.run_sync(_get, url + "api/run.json")
+            doc = json.loads(body)
+            assert (status, doc["run_id"], doc["updated_at"]) == (200, "run-x", 123.0)
+            assert (await trio.to_thread.run_sync(_get, url + "nope"))[0] == 404
+            nursery.cancel_scope.cancel()
+    assert dashboard.history.error is None  # the failed first read was followed by good ones
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass  # cancellation closed the listening socket
+
+
+async def test_a_read_that_hangs_or_fails_is_recorded_not_raised(autojump_clock: Any) -> None:
+    async def hangs() -> Reading:
+        await trio.sleep_forever()
+        raise AssertionError  # never reached
+
+    listener = DashboardOptions(0).listen()
+    dashboard = Dashboard(RunHistory(INFO), hangs, listener, read_timeout_s=10)
+    await dashboard.refresh_once()
+    assert dashboard.history.error == "no answer within 10 s"
+
+    async def broken() -> Reading:
+        raise KeyError("a bug in a read")
+
+    dashboard.read = broken
+    await dashboard.refresh_once()
+    assert dashboard.history.error == "'a bug in a read'"
+    listener.sock.close()
