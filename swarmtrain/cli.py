@@ -431,11 +431,14 @@ def _cheat(text: str) -> tuple[int, int, int]:
 
 
 def _main_node(args: argparse.Namespace) -> int:
-    # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
-    from swarmtrain.commands.node import NodeOptions, run_node
-    from swarmtrain.pipeline.node import PipelineHooks
-
     _setup_logging(args.verbose)
+    log.info("starting: loading torch")  # seconds of silence otherwise
+    try:
+        # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
+        from swarmtrain.commands.node import NodeOptions, run_node
+        from swarmtrain.pipeline.node import PipelineHooks
+    except KeyboardInterrupt:
+        return 130
     state_dir = args.state_dir or _default_state_dir()
     metrics = None
     try:

@@ -197,6 +197,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     loader = ThreadPoolExecutor(1, thread_name_prefix="corpus")
     corpus = loader.submit(load_stdlib_corpus)
     loader.shutdown(wait=False)
+    log.info("joining via %s", options.join[0])
     runtime = PeerRuntime(node_config)
     if options.metrics is not None:
         options.metrics.watch_node(runtime.node, runtime.call_sync)
@@ -205,6 +206,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     try:
         node = runtime.node
         assert node is not None
+        log.info("joined; fetching the run spec from coordinator %s", str(coordinator)[-8:])
         spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
         config = spec.config
         # Before the node takes part in anything: data that is not the run's (another Python's

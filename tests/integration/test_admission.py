@@ -38,6 +38,9 @@ def test_an_allow_listed_run_trains_among_its_members_and_ignores_a_stranger(
         started.append(polite)
         assert wait_exit(polite, 60) == 1
         assert "is not one of them" in polite.stderr, polite.stderr[-2000:]
+        # What a node does while it starts is said as it happens, not after seconds of silence.
+        for step in ("starting: loading torch", "joining via ", "fetching the run spec"):
+            assert step in polite.stderr, polite.stderr[-2000:]
         stranger = node(join, tmp_path / "stranger", "--ignore-admission")
         started.append(stranger)
         stranger.wait_line(lambda s: "starting at round" in s, timeout_s=60)
