@@ -53,6 +53,7 @@ from p2p import (
     peer_id_of,
     peer_id_problem,
 )
+from swarmtrain.cli_help import describe
 from swarmtrain.commands import verify as verify_cmd
 from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
@@ -371,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dashboard_arguments(p_local, host=False)
     pipeline_local.add_arguments(p_local)
     verify_cmd.add_parser(sub)
+    describe(sub)
     return parser
 
 
