@@ -142,7 +142,7 @@ def assert_survivors_agree(net: SparseNetwork) -> np.ndarray | None:
     return first.result
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(round_setup)
 def test_sparse_rounds_finish_bit_identical_on_the_mean_of_what_was_sent(setup):
     net = build_sparse(setup)
@@ -157,7 +157,7 @@ def test_sparse_rounds_finish_bit_identical_on_the_mean_of_what_was_sent(setup):
     assert sum(net.bytes_sent.values()) == (n - 1) * sparse + (n - 1) * n * sparse or numel == 0
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(round_setup, st.integers(0, 400), st.integers(0, 7))
 def test_a_peer_killed_at_any_moment_leaves_sparse_survivors_agreeing(setup, crash_after, victim):
     net = build_sparse(setup)
@@ -170,7 +170,7 @@ def test_a_peer_killed_at_any_moment_leaves_sparse_survivors_agreeing(setup, cra
     assert_survivors_agree(net)
 
 
-@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(round_setup, st.integers(0, 400), st.integers(0, 7))
 def test_a_peer_frozen_at_any_moment_is_refused_or_agrees_when_it_thaws(setup, freeze_at, victim):
     """Frozen (SIGSTOP) mid-round and lost by the others' liveness: survivors agree without its

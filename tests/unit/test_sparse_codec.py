@@ -33,7 +33,7 @@ def _round_trip(codec: SparseCodec, x: np.ndarray) -> np.ndarray:
     return codec.decode(codec.encode(x), x.size)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_CODECS, _arrays())
 def test_the_bytes_are_a_pure_function_of_the_input(codec: SparseCodec, x: np.ndarray) -> None:
     data = codec.encode(x)
@@ -46,7 +46,7 @@ def test_the_bytes_are_a_pure_function_of_the_input(codec: SparseCodec, x: np.nd
     assert codec.encode(x.copy()) == data
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(_CODECS, _arrays())
 def test_what_is_sent_plus_what_is_left_is_the_input_exactly(
     codec: SparseCodec, x: np.ndarray
@@ -60,7 +60,7 @@ def test_what_is_sent_plus_what_is_left_is_the_input_exactly(
     assert (residual.astype(np.float64) == exact).all()
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(_CODECS, _arrays())
 def test_it_keeps_the_top_k_of_each_chunk_ties_by_index(codec: SparseCodec, x: np.ndarray) -> None:
     sent = _round_trip(codec, x)
@@ -187,7 +187,7 @@ def test_decode_refuses_indices_outside_their_chunk_or_not_ascending(case: str) 
         codec.decode(bad, 20)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.binary(max_size=80), st.integers(0, 120))
 def test_garbage_decodes_or_is_a_remote_protocol_error(data: bytes, numel: int) -> None:
     codec = SparseCodec(chunk=16, keep=3, bits=3)
