@@ -3,8 +3,9 @@
     python -m bench.diloco [--workers 4] [--steps 2000] [--inner-steps 125 | H1,H2,...] [--batch 8]
         [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
-        [--compression int8|none] [--eval-batches 8] [--sequential] [--only diloco,...]
-        [--wan [--wan-budget-s 150]]
+        [--compression int8|none|sparse] [--sparse-density 0.02] [--sparse-bits 2]
+        [--sparse-chunk 4096] [--sparse-outer-momentum M] [--eval-batches 8] [--sequential]
+        [--only diloco,...] [--wan [--wan-budget-s 150]]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
 in one sitting, each method from the same seeded initial parameters, the three side by side in
@@ -18,6 +19,12 @@ threads (``--sequential``: one after another; the losses do not change, only the
   each peer's part, and the mean again for the all-gather), with DiLoCo's error feedback on the
   sender's side. The all-reduce itself is in-process: this bench measures optimization, the
   all-reduce benches measure the wire.
+- Sparse DiLoCo (``--compression sparse``, beside int8 DiLoCo in the same sitting): each
+  worker's part slices go through ``swarm.SparseCodec`` (the top ``--sparse-density`` of every
+  ``--sparse-chunk`` entries at ``--sparse-bits`` bits) with error feedback, and the mean is
+  exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
+  re-quantization). ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the
+  error-feedback residual in the momentum's place); by default the same outer step as int8.
 - Data parallel: gradients averaged every step, which is one model taking ``--steps`` steps of
   ``workers x batch`` windows (the same windows the DiLoCo workers see, step by step).
 - Alone: one worker's share, ``--steps`` steps of ``--batch`` windows.
@@ -32,13 +39,15 @@ recovered 0.34, 0.50 and 0.52 of the gap to data parallel.
 
 Bytes each worker sends, bandwidth-optimal ring/butterfly all-reduce of N peers: data parallel
 2(N-1)/N x 4 x params per step (float32 gradients); DiLoCo 2(N-1)/N x the codec's bytes per round
-(per-tensor, per-part int8 blocks: a few more scales than one flat vector). Printed: held-out loss
+(per-tensor, per-part int8 blocks: a few more scales than one flat vector); sparse DiLoCo (N-1)/N
+x (the slices' bytes + the reduced parts' bytes, each N slices). Printed: held-out loss
 (nats/byte) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
 parallel) and ``recovered_fraction`` = (alone - DiLoCo) / (alone - data parallel). The last line is
 one JSON object with those keys and ``wan_loss_ratio``: with ``--wan`` (root: the NAT lab), after
 the equal-tokens part, ``bench.diloco_wan`` runs the two methods on the swarm itself at equal
 wall-clock over shaped links and its ratio is filled in (its whole result under ``wan``); without
-it, null.
+it, null. With ``--compression sparse`` it adds ``sparse_bytes_ratio`` (data parallel over sparse
+DiLoCo), ``sparse_loss_ratio`` and ``sparse_recovered_fraction``.
 """
 
 from __future__ import annotations
@@ -74,7 +83,8 @@ from diloco import (
 from diloco.schedule import lr_factor
 from swarm.averaging.allreduce import partition
 from swarm.averaging.codec import Compression, decode, encode
-from swarm.averaging.payload import Layout
+from swarm.averaging.payload import Codec, Layout
+from swarm.averaging.sparse_codec import SparseCodec
 
 RUN_SEED = 0
 
@@ -145,17 +155,24 @@ class _Wire:
     start, not at multiples of 1024 of the whole vector. ``round_trip`` is the sender's
     quantization: DiLoCo's error feedback keeps exactly what it drops. The reducer quantizes the
     mean again for the all-gather (``finish``); every peer gets the same bits, which error feedback
-    cannot see (it is the same for all).
+    cannot see (it is the same for all). A sparse codec's reduced parts are its contributors'
+    slices (``Layout.gathers``): the mean is exact over the decoded slices, nothing re-quantized.
     """
 
-    def __init__(self, sizes: list[int], workers: int, compression: Compression) -> None:
+    def __init__(self, sizes: list[int], workers: int, compression: Codec) -> None:
         self.layout = Layout.for_sizes(sizes, compression)
         peers = sorted(_peer(k) for k in range(workers))
         self.parts = [(a, b) for _, a, b in partition(sum(sizes), peers, [1] * workers)]
         self.sizes = sizes
+        self.workers = workers
 
-    def bytes(self) -> int:
-        return sum(self.layout.wire_bytes(a, b) for a, b in self.parts)
+    def bytes_per_worker(self) -> float:
+        """What one worker sends in a round, averaged over the workers: its slices of the N-1
+        parts others reduce, and its reduced part to the N-1 others."""
+        n = self.workers
+        slices = sum(self.layout.wire_bytes(a, b) for a, b in self.parts)
+        reduced = sum(self.layout.reduced_bytes(a, b, n) for a, b in self.parts)
+        return (n - 1) / n * (slices + reduced)
 
     def round_trip(self, flat: torch.Tensor) -> torch.Tensor:
         values = flat.detach().to("cpu", torch.float32).numpy()
@@ -165,6 +182,9 @@ class _Wire:
         return torch.from_numpy(out)
 
     def finish(self, average: Any) -> Any:
+        if self.layout.gathers:
+            return average  # the exact mean of the decoded slices, as every receiver computes
+
         def wrapped(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
             outcome = average(round, vector, weight)
             return dataclasses.replace(outcome, vector=self.round_trip(outcome.vector))
@@ -179,17 +199,18 @@ def run_diloco(
     *,
     aggregation: str = "mean",
     wrap: Callable[[int, Average], Average] | None = None,
+    compression: Codec | None = None,
+    outer_momentum: float | None = None,
 ) -> float:
     """DiLoCo's held-out loss after the run. ``aggregation``: ``LocalAverage``'s rule; ``wrap``
-    (worker, its average) -> what that worker calls instead (``bench.byzantine``'s attacker)."""
+    (worker, its average) -> what that worker calls instead (``bench.byzantine``'s attacker);
+    ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run)."""
     local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
     sizes = [p.numel() for p in models[0].parameters()]
-    wire = (
-        None
-        if args.compression is Compression.NONE
-        else _Wire(sizes, args.workers, args.compression)
-    )
+    codec = args.compression if compression is None else compression
+    wire = None if codec is Compression.NONE else _Wire(sizes, args.workers, codec)
+    momentum = args.outer_momentum if outer_momentum is None else outer_momentum
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
@@ -205,7 +226,7 @@ def run_diloco(
                 average if wire is None else wire.finish(average),
                 inner_steps=args.schedule_h,
                 outer_lr=args.outer_lr,
-                outer_momentum=args.outer_momentum,
+                outer_momentum=momentum,
                 outer_momentum_warmup=args.outer_momentum_warmup,
                 compress=None if wire is None else wire.round_trip,
             ) as diloco:
@@ -276,12 +297,32 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--outer-momentum-warmup", type=int, default=12, help="rounds")
-    parser.add_argument("--compression", default="int8", choices=["int8", "none"])
+    parser.add_argument(
+        "--compression", default="int8", choices=["int8", "none", "sparse"],
+        help="sparse: int8 DiLoCo and sparse DiLoCo side by side",
+    )  # fmt: skip
+    parser.add_argument("--sparse-density", type=float, default=0.02)
+    parser.add_argument("--sparse-bits", type=int, default=2)
+    parser.add_argument("--sparse-chunk", type=int, default=4096)
+    parser.add_argument(
+        "--sparse-outer-momentum", type=float, default=None,
+        help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
+    )  # fmt: skip
     parser.add_argument("--eval-batches", type=int, default=8)
 
 
 def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Turn the parsed options into what ``run_diloco`` reads: the codec, H of every round."""
+    """Turn the parsed options into what ``run_diloco`` reads: the codec (``--compression
+    sparse``: int8, and the sparse codec as ``args.sparse``), H of every round."""
+    args.sparse = None
+    if args.compression == "sparse":
+        try:
+            args.sparse = SparseCodec.from_density(
+                args.sparse_density, args.sparse_bits, args.sparse_chunk
+            )
+        except ValueError as error:
+            parser.error(str(error))
+        args.compression = "int8"
     args.compression = Compression[args.compression.upper()]
     try:
         args.schedule_h = h_schedule(args.inner_steps, args.steps)
@@ -296,8 +337,9 @@ def main() -> None:
         "--sequential", dest="concurrent", action="store_false", help="one method at a time"
     )
     parser.add_argument(
-        "--only", default="diloco,data_parallel,alone", help="comma list of methods to run"
-    )
+        "--only", default=None, help="comma list of methods to run (default: all; "
+        "diloco,data_parallel,alone and with --compression sparse diloco_sparse)",
+    )  # fmt: skip
     parser.add_argument(
         "--wan", action="store_true", help="then run bench.diloco_wan (root) for wan_loss_ratio"
     )
@@ -318,13 +360,16 @@ def main() -> None:
     heldout = eval_batches(corpus, batches=args.eval_batches, context=args.context)
     params = sum(p.numel() for p in ByteTransformer(seed=0).parameters())
     rounds = len(args.schedule_h)
+    codecs = args.compression.name
+    if args.sparse is not None:
+        codecs += f" and {args.sparse.name} (outer momentum {_sparse_momentum(args)})"
     h_text = str(args.schedule_h[0]) if len(set(args.schedule_h)) == 1 else args.inner_steps
     print(
         f"=== DiLoCo vs data parallel vs alone ({git_sha()}): {args.workers} workers x "
         f"{args.steps} steps of {args.batch}x{args.context} bytes, {params} parameters, "
         f"H={h_text} ({rounds} rounds), outer Nesterov lr {args.outer_lr} momentum "
         f"{args.outer_momentum} (warm-up {args.outer_momentum_warmup} rounds), inner AdamW "
-        f"{args.inner_lr} {args.schedule}, {args.compression.name} pseudo-gradients, "
+        f"{args.inner_lr} {args.schedule}, {codecs} pseudo-gradients, "
         f"{os.cpu_count()} cores ===",
         flush=True,
     )
@@ -333,8 +378,12 @@ def main() -> None:
         "data_parallel": lambda: run_data_parallel(corpus, args, heldout, [*range(args.workers)]),
         "alone": lambda: run_data_parallel(corpus, args, heldout, [0]),
     }
+    if args.sparse is not None:
+        methods["diloco_sparse"] = lambda: run_diloco(
+            corpus, args, heldout, compression=args.sparse, outer_momentum=_sparse_momentum(args)
+        )
     results: dict[str, float] = {}
-    names = args.only.split(",")
+    names = list(methods) if args.only is None else args.only.split(",")
     # Concurrently (one thread per method) unless asked otherwise: each method's result does not
     # depend on the others, and on a shared machine running them side by side finishes sooner.
     with ThreadPoolExecutor(len(names) if args.concurrent else 1) as pool:
@@ -352,10 +401,9 @@ def main() -> None:
     n = args.workers
     share = 2 * (n - 1) / n
     sizes = [p.numel() for p in ByteTransformer(seed=0).parameters()]
-    round_bytes = _Wire(sizes, n, args.compression).bytes()
     dp_bytes = share * 4 * params * args.steps
-    diloco_bytes = share * round_bytes * rounds
-    if len(results) < 3:
+    diloco_bytes = _Wire(sizes, n, args.compression).bytes_per_worker() * rounds
+    if not {"diloco", "data_parallel", "alone"} <= results.keys():
         print(json.dumps({"heldout": results, "config": _config(args)}))
         return
     gap = results["alone"] - results["data_parallel"]
@@ -367,6 +415,7 @@ def main() -> None:
         "wan_loss_ratio": wan["wan_loss_ratio"] if wan else None,
         "heldout": results,
         "bytes_per_worker": {"data_parallel": dp_bytes, "diloco": diloco_bytes},
+        **_sparse_summary(args, results, sizes, dp_bytes),
         "config": _config(args),
         "git_sha": git_sha(),
         "wan": wan,
@@ -378,7 +427,44 @@ def main() -> None:
         f"{np.nan if gap == 0 else summary['recovered_fraction']:.2f}; wan_loss_ratio "
         + (f"{wan['wan_loss_ratio']:.3f}" if wan else "not run (--wan)")
     )
+    if "sparse_bytes_ratio" in summary:
+        print(
+            f"sparse DiLoCo ({args.sparse.name}): "
+            f"{summary['bytes_per_worker']['diloco_sparse'] / 1e6:.3f} MB -> sparse_bytes_ratio "
+            f"{summary['sparse_bytes_ratio']:.0f}; sparse_loss_ratio "
+            f"{summary['sparse_loss_ratio']:.3f}; sparse_recovered_fraction "
+            f"{np.nan if gap == 0 else summary['sparse_recovered_fraction']:.2f}"
+        )
     print(json.dumps(summary))
+
+
+def _sparse_momentum(args: argparse.Namespace) -> float:
+    given = args.sparse_outer_momentum
+    return args.outer_momentum if given is None else given
+
+
+def _sparse_summary(
+    args: argparse.Namespace, results: dict[str, float], sizes: list[int], dp_bytes: float
+) -> dict[str, Any]:
+    """The sparse run's keys of the last line (none without ``--compression sparse``)."""
+    if "diloco_sparse" not in results:
+        return {}
+    sparse_bytes = _Wire(sizes, args.workers, args.sparse).bytes_per_worker()
+    sparse_bytes *= len(args.schedule_h)
+    gap = results["alone"] - results["data_parallel"]
+    return {
+        "sparse_bytes_ratio": dp_bytes / sparse_bytes,
+        "sparse_loss_ratio": results["diloco_sparse"] / results["data_parallel"],
+        "sparse_recovered_fraction": (
+            (results["alone"] - results["diloco_sparse"]) / gap if gap else None
+        ),
+        "bytes_per_worker": {
+            "data_parallel": dp_bytes,
+            "diloco": _Wire(sizes, args.workers, args.compression).bytes_per_worker()
+            * len(args.schedule_h),
+            "diloco_sparse": sparse_bytes,
+        },
+    }
 
 
 def run_wan(budget_s: float) -> dict[str, Any] | None:
@@ -396,7 +482,10 @@ def run_wan(budget_s: float) -> dict[str, Any] | None:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (v.name if isinstance(v, Compression) else v) for k, v in vars(args).items()}
+    return {
+        k: (v.name if isinstance(v, Compression | SparseCodec) else v)
+        for k, v in vars(args).items()
+    }
 
 
 if __name__ == "__main__":

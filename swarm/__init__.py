@@ -50,6 +50,7 @@ from swarm.averaging.matchmaking import (
     state_key,
     target_round,
 )
+from swarm.averaging.sparse_codec import SparseCodec
 from swarm.errors import AveragingFailed, SwarmError
 from swarm.pipeline.rebalance import Move, RebalanceConfig, plan_move, stage_status
 from swarm.pipeline.records import ServerAnnouncement, param_digest, servers_key
@@ -83,6 +84,7 @@ __all__ = [
     "RoutingConfig",
     "ServerAnnouncement",
     "SliceRequest",
+    "SparseCodec",
     "StateAgreement",
     "SwarmError",
     "aggregate",

@@ -112,7 +112,7 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
 MODEL_KINDS = ("default", "transformers")
 DATA_KINDS = ("stdlib", "text", "tokens", "datasets")
 TOKEN_DTYPES = ("uint16", "uint32")
-COMPRESSIONS = ("auto", "int8", "none")
+COMPRESSIONS = ("auto", "int8", "none", "sparse")
 ADMISSIONS = ("open", "allowlist", "token")
 # swarm.averaging.aggregation.AGGREGATIONS, spelled out: the config is read before swarm loads.
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
@@ -320,8 +320,10 @@ class TrainingSection(_Section):
         0.7, *_POSITIVE, "Nesterov SGD learning rate of the outer step (OpenDiLoCo: 0.7)"
     )
     outer_momentum: float = _key(
-        0.9, lambda v: 0 <= v < 1, "a number in [0, 1)", "Nesterov momentum of the outer step"
-    )
+        0.9, lambda v: 0 <= v < 1, "a number in [0, 1)",
+        "Nesterov momentum of the outer step; 0: a plain SGD outer step (SparseLoCo's, whose\n"
+        '# error feedback takes the momentum\'s place: with swarm.compression = "sparse")',
+    )  # fmt: skip
     outer_momentum_warmup: int = _key(
         0, _non_negative, "a non-negative integer",
         "rounds over which the outer momentum ramps up from 0 (0: constant); with few rounds\n"
@@ -332,7 +334,7 @@ class TrainingSection(_Section):
         False, _any, "true or false",
         "add what the lossy codec (swarm.compression) dropped from last round's\n"
         "# pseudo-gradient to this round's (DiLoCo's int8 rounds in bench.diloco); costs one\n"
-        "# more float32 copy of the parameters in memory",
+        '# more float32 copy of the parameters in memory; always on with "sparse"',
     )  # fmt: skip
     overlap: bool = _key(
         False, _any, "true or false",
@@ -354,7 +356,23 @@ class SwarmSection(_Section):
         "auto", lambda v: v in COMPRESSIONS, f"one of {', '.join(COMPRESSIONS)}",
         'pseudo-gradients on the wire: "auto" int8 for tensors over 64K elements and exact\n'
         '# below, "int8" every tensor (blockwise, deterministic), "none" exact float32\n'
-        "# (verified runs always average exactly)",
+        '# (verified runs always average exactly), "sparse" the top sparse_density of every\n'
+        "# sparse_chunk entries at sparse_bits bits (SparseLoCo; error feedback always on,\n"
+        '# aggregation "mean" only)',
+    )  # fmt: skip
+    sparse_density: float = _key(
+        0.02, lambda v: 0 < v <= 1, "a number in (0, 1]",
+        'compression = "sparse": the share of each chunk\'s entries a peer sends (largest\n'
+        "# magnitudes first; ceil(density x chunk) per chunk)",
+    )  # fmt: skip
+    sparse_bits: int = _key(
+        2, lambda v: 2 <= v <= 8, "an integer in [2, 8]",
+        'compression = "sparse": bits per entry sent, on a power-of-two scale per chunk\n'
+        "# (2: sign times the scale, or zero)",
+    )  # fmt: skip
+    sparse_chunk: int = _key(
+        4096, lambda v: 2 <= v <= 65536, "an integer in [2, 65536]",
+        'compression = "sparse": entries per chunk (4096: 12-bit indices)',
     )  # fmt: skip
     max_weight_rounds: int = _key(
         8, *_POSITIVE_INT,
@@ -505,10 +523,15 @@ class RunConfig:
                 f'swarm.aggregation = "{self.swarm.aggregation}": verified runs (the coordinator '
                 'recomputes sums) and pipeline runs average with "mean"'
             )
-        if self.verify.rate > 0 and self.swarm.compression == "int8":
+        if self.verify.rate > 0 and self.swarm.compression in ("int8", "sparse"):
             raise ConfigError(
-                'swarm.compression = "int8": a verified run averages exactly (the coordinator '
-                "recomputes any part's sum from its inputs)"
+                f'swarm.compression = "{self.swarm.compression}": a verified run averages exactly '
+                "(the coordinator recomputes any part's sum from its inputs)"
+            )
+        if self.swarm.compression == "sparse" and self.swarm.aggregation != "mean":
+            raise ConfigError(
+                f'swarm.aggregation = "{self.swarm.aggregation}": swarm.compression = "sparse" '
+                'needs "mean" (every peer recomputes a part\'s mean from the sparse slices)'
             )
         if model.factory and self.verify.rate > 0:
             raise ConfigError(

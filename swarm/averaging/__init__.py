@@ -3,6 +3,6 @@ the butterfly all-reduce machine (``allreduce``), what its reducers compute (``a
 mean or a Byzantine-robust rule) and its driver (``session`` over
 ``session_links``, with ``session_wire`` for the wire), the driver's sub-rules (``liveness``, and
 ``channels`` for kept data channels, held between rounds by ``channel_pool``), payload codecs
-(``codec``, ``payload``), buffers, bandwidth estimates, the aggregation audit (``audit``), and the
-public ``Averager`` (``averager``).
+(``codec``, ``sparse_codec``, ``payload``), buffers, bandwidth estimates, the aggregation audit
+(``audit``), and the public ``Averager`` (``averager``).
 """

@@ -70,6 +70,7 @@ from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, re
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import Session, SessionConfig
 from swarm.averaging.session_wire import PROTOCOL, Hello
+from swarm.averaging.sparse_codec import SparseCodec
 from swarm.errors import AveragingFailed
 
 log = logging.getLogger(__name__)
@@ -103,9 +104,10 @@ class AveragingFaults(Protocol):
 
 @dataclass(frozen=True)
 class AveragerConfig:
-    """``compression``: one codec for every tensor, or None to choose per tensor (int8 above
-    64K elements, none below). ``bandwidth_bps`` sizes our share of the reduction; None (the
-    default) declares what our uploads achieved in earlier rounds (``swarm.averaging.bandwidth``).
+    """``compression``: one codec for every tensor (a ``SparseCodec`` too), or None to choose
+    per tensor (int8 above 64K elements, none below). ``bandwidth_bps`` sizes our share of the
+    reduction; None (the default) declares what our uploads achieved in earlier rounds
+    (``swarm.averaging.bandwidth``).
     ``peer_timeout_s``: a peer that leaves a ping unanswered this long (with nothing in flight
     between us) is lost. 10 s, because 8 peers sharing 2 saturated cores answered pings in over
     2 s and lost whole rounds to false alarms at 2-3 s; a frozen peer costs that much time."""
@@ -116,7 +118,7 @@ class AveragerConfig:
     allreduce_timeout_s: float = 60.0
     peer_timeout_s: float = 10.0
     heartbeat_s: float = 0.5
-    compression: Compression | None = Compression.NONE
+    compression: Compression | SparseCodec | None = Compression.NONE
     bandwidth_bps: float | None = None
     bulk: BulkConfig = field(default_factory=BulkConfig)
     # Report what we reduced and serve our slices to ``auditor`` (a peer id) for a referee's
@@ -152,6 +154,10 @@ class AveragerConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
         if self.audit and self.aggregation != "mean":
             raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
+        if isinstance(self.compression, SparseCodec) and self.aggregation != "mean":
+            # Receivers recompute each part's mean from the slices (``payload.Layout.gathers``);
+            # a robust rule's median of mostly-zero sparse coordinates would be zero anyway.
+            raise ValueError(f'sparse compression needs aggregation="mean", not {self.aggregation}')
 
 
 @dataclass(frozen=True)

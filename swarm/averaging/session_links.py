@@ -384,19 +384,25 @@ class PeerLinks:
                     self._landing.discard(item.part_index)
             self._live.heard(peer, trio.current_time())
         self.bytes_received += len(data)
+        contributors = tuple(zip(item.contributors, item.weights, strict=True))
+        decode: Any = self.layout.decode
+        arguments: tuple[Any, ...] = (data, start, stop)
+        if item.kind == KIND_REDUCED and self.layout.gathers:
+            decode, arguments = self.layout.decode_reduced, (*arguments, contributors)
         if raw is not None:
             values = raw  # the machine checks every part it is handed for NaN and inf
         elif self._big:
-            values = await trio.to_thread.run_sync(self.layout.decode, data, start, stop)
+            values = await trio.to_thread.run_sync(decode, *arguments)
         else:
-            values = self.layout.decode(data, start, stop)
+            values = decode(*arguments)
         if item.kind == KIND_SLICE:
             if self.config.sign is not None:
                 await self._values.check_proof(peer, item, values)
+            if self.layout.gathers:  # kept for the reduced part it goes into
+                self._values.remember_slice(item.part_index, peer, bytes(data))
             return PartReceived(peer, item.part_index, values, item.weight)
         if not self.layout.lossless():
             self._values.remember(values, bytes(data))
-        contributors = tuple(zip(item.contributors, item.weights, strict=True))
         return ReducedPartReceived(peer, item.part_index, values, contributors)
 
     @contextmanager

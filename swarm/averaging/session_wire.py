@@ -142,6 +142,11 @@ def check_item(
         raise RemoteProtocolError(f"part index {item.part_index} out of range")
     _, start, stop = parts[item.part_index]
     expected = layout.wire_bytes(start, stop)
+    if item.kind == KIND_REDUCED and layout.gathers:
+        # The contributors' slices, one each (``Layout.gathers``): at most the whole group.
+        if not 1 <= len(item.contributors) <= len({peer for peer, _, _ in parts}):
+            raise RemoteProtocolError(f"{len(item.contributors)} contributors in a reduced part")
+        expected = layout.reduced_bytes(start, stop, len(item.contributors))
     if item.nbytes != expected:
         raise RemoteProtocolError(
             f"part {item.part_index} payload of {item.nbytes} bytes, expected {expected}"
@@ -173,6 +178,9 @@ class RoundValues:
         self.sign = sign
         self.parts: list[tuple[bytes, int, int]] = []  # the machine's, once it exists
         self.encoded: dict[int, tuple[np.ndarray, bytes]] = {}  # by id() of the held array
+        # A gathering layout's slice payloads, (part, sender) -> bytes, ours included: a part we
+        # reduce travels as its contributors' slices (``Layout.gathers``).
+        self.slices: dict[tuple[int, bytes], bytes] = {}
         # An audited round's evidence, (part, sender) -> the slice's signature and SHA-256: made
         # for our slices as we send them, checked for the others' as they arrive.
         self.proofs: dict[tuple[int, bytes], bytes] = {}
@@ -195,6 +203,12 @@ class RoundValues:
     ) -> Callable[[int, np.ndarray], np.ndarray] | None:
         """The machine's ``finalize``: a lossy codec's round trip, after ``tamper`` (the
         aggregation audit's tests: ``AveragingFaults``) when given."""
+        if self.layout.gathers:
+            # Receivers recompute the mean from the slices: nothing to finalize, and a tampered
+            # part could not travel as slices.
+            if tamper is not None:
+                raise ValueError("a reduced part that travels as its slices cannot be tampered")
+            return None
         if tamper is not None:
             if self.layout.lossless():
                 return tamper
@@ -213,13 +227,35 @@ class RoundValues:
         if not self.layout.lossless():
             self.encoded[id(values)] = (values, data)
 
-    def payload(self, order: SendPart | SendReduced) -> bytes:
+    def remember_slice(self, part: int, sender: bytes, data: bytes) -> None:
+        """A slice payload received, kept for the reduced part it goes into (gathering)."""
+        self.slices[(part, sender)] = data
+
+    def payload(self, order: SendPart | SendReduced) -> bytes | memoryview:
         if isinstance(order, SendPart):
-            return self.layout.encode(self.local[order.start : order.stop], order.start)
+            return self._slice(order.part_index)
         cached = self.encoded.get(id(order.data))
         if cached is not None and cached[0] is order.data:
             return cached[1]
+        if self.layout.gathers:
+            data = b"".join(self._slice(order.part_index, p) for p, _ in order.contributors)
+            self.encoded[id(order.data)] = (order.data, data)
+            return data
         return self.layout.encode(order.data, self.parts[order.part_index][1])
+
+    def _slice(self, part: int, sender: bytes | None = None) -> bytes | memoryview:
+        """The payload of ``sender``'s slice of ``part``: ours is encoded (kept when gathering;
+        else a raw float32 slice is a view of ``local``, not a copy)."""
+        sender = self.me if sender is None else sender
+        data = self.slices.get((part, sender))
+        if data is None:
+            assert sender == self.me  # the machine reduces only over slices it received
+            _, start, stop = self.parts[part]
+            encoded = self.layout.encode(self.local[start:stop], start)
+            if not self.layout.gathers:
+                return encoded
+            data = self.slices[(part, sender)] = bytes(encoded)
+        return data
 
     async def own_proof(self, part: int, values: np.ndarray, weight: float) -> bytes:
         """Our signature over our slice ``values`` of ``part`` (as the wire carries it), made

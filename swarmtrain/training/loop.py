@@ -138,7 +138,7 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
         run_id=config.run.id,
         matchmaking_timeout_s=config.swarm.matchmaking_timeout_s,
         allreduce_timeout_s=config.swarm.allreduce_timeout_s,
-        compression=swarm.Compression.NONE if verified else _COMPRESSIONS[config.swarm.compression],
+        compression=swarm.Compression.NONE if verified else compression(config),
         audit=verified,
         aggregation=config.swarm.aggregation,
         auditor=coordinator.to_bytes() if verified and coordinator is not None else None,
@@ -169,6 +169,14 @@ _COMPRESSIONS = {
     "int8": swarm.Compression.INT8,
     "none": swarm.Compression.NONE,
 }
+
+
+def compression(config: RunConfig) -> swarm.Compression | swarm.SparseCodec | None:
+    """The codec ``[swarm] compression`` names (None: chosen per tensor), with the sparse keys."""
+    sw = config.swarm
+    if sw.compression == "sparse":
+        return swarm.SparseCodec.from_density(sw.sparse_density, sw.sparse_bits, sw.sparse_chunk)
+    return _COMPRESSIONS[sw.compression]
 
 
 def _reach(runtime: PeerRuntime) -> str:
@@ -328,7 +336,8 @@ def build_diloco(
         outer_momentum_warmup=training.outer_momentum_warmup,
         state_dir=state_dir,
         run_id=config.run.id,
-        error_feedback=training.error_feedback,
+        # Sparse rounds drop most of each pseudo-gradient: without its residual it is lost.
+        error_feedback=training.error_feedback or config.swarm.compression == "sparse",
         overlap=training.overlap,
         grad_scaler=grad_scaler(model, training),
     )

@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 from peerproc import PeerProcess, start_relay
 
-from swarm import reduce_part
+from swarm import SparseCodec, reduce_part
 from swarm.averaging.aggregation import aggregate
+from swarm.averaging.payload import Layout
 
 SCRIPT = Path(__file__).with_name("averager_peer.py")
 NUMEL = 300_000
@@ -262,6 +263,28 @@ def test_compressed_rounds_agree_bit_for_bit_and_are_close(swarm: Swarm, codec: 
     # something, and at most half a quantization step (int8: the block's max / 127).
     for r in replies:
         assert 0 < r["sent_error"] <= r["local_max"] / 127, r
+
+
+def test_sparse_rounds_agree_bit_for_bit_on_the_mean_of_what_was_sent(swarm: Swarm) -> None:
+    """Sparse slices, reduced parts as their contributors' slices (``Layout.gathers``): every
+    peer holds the weighted mean of the decoded sparse contributions, part by part, and sends
+    a small fraction of float32's bytes."""
+    peers = swarm.start(3, None, "--run-id", "codec-sparse", "--compression", "sparse")
+    swarm.average(peers, 0)
+    replies = [p.reply() for p in peers]
+    assert all(r["ok"] for r in replies), replies
+    assert len({r["digest"] for r in replies}) == 1
+    reply, layout = replies[0], Layout.for_sizes([NUMEL], SparseCodec())
+    mean = np.concatenate([
+        reduce_part({
+            bytes.fromhex(p): (layout.round_trip(vector(swarm.seeds[p])[a:b], a), w)
+            for p, w in reply["contributors"].items()
+        })
+        for a, b in reply["parts"]
+    ])  # fmt: skip
+    assert digest(mean) == reply["digest"]
+    full = 4 * NUMEL * 2 * (len(peers) - 1) / len(peers)
+    assert max(r["bytes_sent"] for r in replies) < 0.1 * full, replies
 
 
 @pytest.mark.parametrize(

@@ -124,3 +124,16 @@ def test_the_in_place_update_in_slices_gives_the_same_bits_and_reuses_the_tensor
     assert state.round == 5
     assert state.params.numpy().tobytes() == params.numpy().tobytes()
     assert state.momentum.numpy().tobytes() == momentum.numpy().tobytes()
+
+
+def test_momentum_zero_is_a_plain_sgd_step_bit_for_bit() -> None:
+    """SparseLoCo's outer step (``outer_momentum = 0``, the error-feedback residual in the
+    momentum's place): p - lr * g exactly in float32, the momentum buffer holding g alone."""
+    rng = np.random.default_rng(20)
+    params = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    stale = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    gradient = torch.from_numpy(rng.standard_normal(1000).astype(np.float32))
+    new_params, new_momentum = nesterov_update(params, stale, gradient, lr=0.7, mu=0.0)
+    expected = params.numpy() - np.float32(0.7) * gradient.numpy()
+    assert new_params.numpy().tobytes() == expected.tobytes()
+    assert torch.equal(new_momentum, gradient)

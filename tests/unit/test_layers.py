@@ -92,6 +92,7 @@ SANS_IO = [
     "p2p/nat/reservations.py",
     "swarm/averaging/codec.py",
     "swarm/averaging/payload.py",
+    "swarm/averaging/sparse_codec.py",
     "swarm/averaging/matchmaking.py",
     "swarm/averaging/aggregation.py",
     "swarm/averaging/allreduce.py",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from pathlib import Path
@@ -11,12 +12,15 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID as PeerID
 
+from swarm import SparseCodec
 from swarmtrain.config import (
     ConfigError,
     ModelSection,
     PipelineSection,
     RunConfig,
     RunSection,
+    SwarmSection,
+    TrainingSection,
     config_from_mapping,
     default_toml,
     load_config,
@@ -93,6 +97,18 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
         (
             '[swarm]\naggregation = "centered_clip"\n[pipeline]\nstages = 2\n',
             "pipeline runs average with",
+        ),
+        ('[swarm]\ncompression = "topk"\n', "swarm.compression must be one of auto, int8"),
+        ("[swarm]\nsparse_density = 0\n", "swarm.sparse_density must be a number in (0, 1]"),
+        ("[swarm]\nsparse_bits = 1\n", "swarm.sparse_bits must be an integer in [2, 8]"),
+        ("[swarm]\nsparse_chunk = 70000\n", "swarm.sparse_chunk must be an integer in [2,"),
+        (
+            '[swarm]\ncompression = "sparse"\naggregation = "trimmed_mean"\n',
+            'swarm.aggregation = "trimmed_mean": swarm.compression = "sparse" needs "mean"',
+        ),
+        (
+            '[swarm]\ncompression = "sparse"\n[verify]\nrate = 0.5\n',
+            'swarm.compression = "sparse": a verified run averages exactly',
         ),
     ],
 )
@@ -245,3 +261,61 @@ def test_malformed_spec_bytes_are_refused() -> None:
         RunSpec.from_bytes(b"\xc1garbage")
     with pytest.raises(SpecRefused, match="over"):
         RunSpec.from_bytes(b"x" * (MAX_SPEC_BYTES + 1))
+
+
+SPARSE = RunConfig(
+    run=RunSection(id="sparse"),
+    swarm=SwarmSection(compression="sparse", sparse_density=0.01, sparse_bits=3, sparse_chunk=1024),
+)
+
+
+def test_a_sparse_spec_is_signed_and_tampering_with_its_keys_is_refused() -> None:
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, signature = sign_spec(RunSpec(SPARSE, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config == SPARSE
+    obj = msgpack.unpackb(data, raw=False)
+    for key, value in [
+        ("swarm.compression", "int8"),
+        ("swarm.sparse_density", 0.02),
+        ("swarm.sparse_bits", 2),
+        ("swarm.sparse_chunk", 4096),
+    ]:
+        assert key in dict(obj[1])
+        changed = [[k, value if k == key else v] for k, v in obj[1]]
+        tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        with pytest.raises(SpecRefused, match="tampered with"):
+            verify_spec(tampered, signature, coordinator)
+
+
+def test_sparse_keys_make_the_nodes_codec_and_turn_error_feedback_on() -> None:
+    import torch
+
+    from diloco import AverageOutcome, ByteTransformer
+    from swarmtrain.training.loop import averager_config, build_diloco, compression
+
+    assert compression(SPARSE) == SparseCodec(chunk=1024, keep=11, bits=3)
+    assert averager_config(SPARSE).compression == SparseCodec(chunk=1024, keep=11, bits=3)
+    assert compression(RunConfig()) is None  # "auto": chosen per tensor
+    # Error feedback is on although [training] leaves it off: what round 0's averaging reports
+    # it did not carry (everything: sent = 0) comes back in round 1's contribution.
+    config = dataclasses.replace(SPARSE, training=TrainingSection(inner_steps=1))
+    model = ByteTransformer(seed=0)
+    given: list[tuple[torch.Tensor, torch.Tensor]] = []  # (contribution, progress) per round
+
+    def average(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        given.append((vector.clone(), diloco.global_state.params - flat))
+        zero = torch.zeros_like(vector)
+        return AverageOutcome(zero, {"me": weight}, sent=zero)
+
+    with build_diloco(config, model, average) as diloco:
+        for _ in range(2):
+            batch = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+            model.loss(batch[:, :-1], batch[:, 1:]).backward()
+            diloco.step(samples=2)
+            diloco.zero_grad()
+    (sent0, progress0), (sent1, progress1) = given
+    assert torch.equal(sent0, progress0)  # nothing carried yet
+    assert torch.allclose(sent1 - progress1, progress0, atol=1e-7)  # round 0's, carried
+    assert progress0.abs().max() > 1e-4

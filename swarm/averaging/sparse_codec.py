@@ -1,0 +1,233 @@
+"""The sparse codec (issue 20): per chunk, the top-k entries by magnitude at a few bits each.
+
+A float32 vector is cut into chunks of ``chunk`` elements (the last one may be shorter). Each
+chunk keeps its ``keep`` entries of largest magnitude (a chunk of ``n < chunk`` elements keeps
+``ceil(keep * n / chunk)``), ties broken by the lower index, and sends them as ``bits``-bit codes
+on one scale per chunk. What it does not send is the caller's to keep (error feedback, DiLoCo's
+residual): ``x - decode(encode(x))`` is computed exactly in float32, so the values sent plus that
+residual are the input bit for bit (tested).
+
+Rules, those of ``swarm.averaging.codec``:
+
+- Pure numpy, no IO, no randomness; the driver calls it from worker threads.
+- Deterministic: the selection is a pure function of the magnitudes (``np.partition`` gives the
+  k-th largest value, which is unique whatever the algorithm; the entries above it are kept, and
+  of those equal to it the lowest indices), and the quantization only divides and multiplies by
+  powers of two and rounds half to even (``np.rint``): exact operations, so the same input gives
+  the same bytes on any machine.
+- Decoders trust nothing: the exact byte length is checked before anything is allocated, and an
+  exponent, code or index no encoder writes (an index out of its chunk or not ascending) raises
+  ``RemoteProtocolError``.
+
+Quantization. A chunk's scale is a power of two ``h = 2**e``; entry ``x`` is sent as
+``c * h`` with the integer ``c = clip(rint(x / h), -L, L)``, ``L = 2**(bits - 1) - 1`` (2 bits:
+-1, 0, +1; 3 bits: -3..3; the last code, ``2**bits - 1``, is never written). ``h`` is the finer of
+the largest power of two at most twice the chunk's smallest kept magnitude (then every kept entry
+has a nonzero code) and the smallest one with ``L * h`` at least its largest (then none is
+clamped): 2 bits send sign times scale, 8 bits the largest within 1/254. Then ``h`` is raised to
+at least ``largest * 2**-22`` and kept in ``[2**-126, 2**(128 - bits)]`` (normal; ``L * h``
+finite). Why powers of two and a zero code: ``x - c * h`` is then exact in float32 for every
+kept entry (a nonzero code means ``|x| > h/2``, so ``x`` and ``c * h`` are multiples of
+``2**(e - 24)`` at most ``h/2`` apart; a clamped ``c * h`` has ``x``'s sign, is smaller and lies
+on ``x``'s grid, ``|x| < 2**23 * h``), which is what makes the residual exact; and the scale costs
+one byte.
+
+Wire format (``numel`` is known to both sides from the round's plan), for ``m`` chunks keeping
+``K`` entries in all:
+
+- ``m`` int8 exponents ``e``, one per chunk;
+- ``K`` indices (within their chunk, ascending in each chunk), ``index_bits = bit_length(chunk -
+  1)`` bits each (12 for 4096), packed little-endian bit first, padded to a byte;
+- ``K`` codes ``c + L`` (0 .. 2L; ``2**bits - 1`` is never written), ``bits`` each, packed the
+  same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2p import RemoteProtocolError
+
+__all__ = ["SparseCodec"]
+
+_F32 = np.dtype("<f4")
+_MIN_EXPONENT = -126  # 2**-126: the smallest normal float32
+
+
+@dataclass(frozen=True)
+class SparseCodec:
+    """Top-``keep`` of every ``chunk`` entries at ``bits`` bits (module docstring). Raises
+    ``ValueError`` for a chunk outside 2..65536, ``keep`` outside 1..chunk or bits outside 2..8."""
+
+    chunk: int = 4096
+    keep: int = 82
+    bits: int = 2
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("chunk", 2, 1 << 16), ("keep", 1, self.chunk), ("bits", 2, 8)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"sparse {name} must be an integer in [{low}, {high}]: {value!r}")
+
+    @classmethod
+    def from_density(cls, density: float, bits: int = 2, chunk: int = 4096) -> SparseCodec:
+        """The codec keeping ``ceil(density * chunk)`` entries per chunk (0 < density <= 1)."""
+        if not 0 < density <= 1:
+            raise ValueError(f"sparse density must be in (0, 1]: {density!r}")
+        return cls(chunk, max(1, math.ceil(density * chunk)), bits)
+
+    @property
+    def name(self) -> str:
+        """What a layout's digest names it by: every parameter, so peers must agree on all."""
+        return f"SPARSE:{self.chunk}:{self.keep}:{self.bits}"
+
+    @property
+    def index_bits(self) -> int:
+        return max(1, (self.chunk - 1).bit_length())
+
+    @property
+    def limit(self) -> int:
+        """L: the largest code magnitude."""
+        return (1 << (self.bits - 1)) - 1
+
+    def kept(self, n: int) -> int:
+        """Entries a chunk of ``n`` elements keeps."""
+        return min(n, -(-self.keep * n // self.chunk))
+
+    def wire_bytes(self, numel: int) -> int:
+        """Exactly ``len(encode(x))`` for any ``x`` of ``numel`` elements."""
+        if isinstance(numel, bool) or not isinstance(numel, int | np.integer) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        chunks, total = self._shape(int(numel))
+        return chunks + _packed(total, self.index_bits) + _packed(total, self.bits)
+
+    def encode(self, array: np.ndarray) -> bytes:
+        """The float32 ``array`` (flattened) as sparse bytes, the same on every machine. Raises
+        ``ValueError`` for another dtype or a NaN or inf."""
+        if not isinstance(array, np.ndarray) or array.dtype != np.float32:
+            got = getattr(array, "dtype", type(array))
+            raise ValueError(f"expected a float32 ndarray, got {got}")
+        flat = np.ascontiguousarray(array, dtype=_F32).reshape(-1)
+        if not np.isfinite(flat).all():
+            raise ValueError("cannot encode NaN or inf")
+        full = flat.size // self.chunk * self.chunk
+        pieces = [self._encode_rows(flat[:full].reshape(-1, self.chunk))]
+        if full < flat.size:
+            pieces.append(self._encode_rows(flat[full:].reshape(1, -1)))
+        exponents = np.concatenate([p[0] for p in pieces]).astype(np.int8)
+        indices = np.concatenate([p[1] for p in pieces])
+        codes = np.concatenate([p[2] for p in pieces])
+        return (
+            exponents.tobytes()
+            + _pack(indices, self.index_bits)
+            + _pack(codes + self.limit, self.bits)
+        )
+
+    def decode(self, data: bytes | bytearray | memoryview, numel: int) -> np.ndarray:
+        """``numel`` float32 values from a peer's bytes: a new writable array, zero where nothing
+        was sent. Raises ``RemoteProtocolError`` for a wrong length, an exponent outside the
+        encoder's range, the unused code, or an index outside its chunk or not ascending."""
+        expected = self.wire_bytes(numel)
+        raw = memoryview(data).cast("B")
+        if raw.nbytes != expected:
+            raise RemoteProtocolError(
+                f"{self.name} payload for {numel} elements must be {expected} bytes, "
+                f"got {raw.nbytes}"
+            )
+        chunks, total = self._shape(numel)
+        exponents = np.frombuffer(raw, dtype=np.int8, count=chunks).astype(np.int32)
+        if (exponents < _MIN_EXPONENT).any() or (exponents > 128 - self.bits).any():
+            raise RemoteProtocolError(f"{self.name} payload has a scale out of range")
+        offset = chunks + _packed(total, self.index_bits)
+        indices = _unpack(raw[chunks:offset], total, self.index_bits)
+        codes = _unpack(raw[offset:], total, self.bits).astype(np.int32) - self.limit
+        if (codes > self.limit).any():
+            raise RemoteProtocolError(f"{self.name} payload holds a code no encoder writes")
+        # Each entry's chunk, and where each chunk's entries start.
+        per_chunk = np.full(chunks, self.keep, dtype=np.int64)
+        if chunks and numel % self.chunk:
+            per_chunk[-1] = self.kept(numel % self.chunk)
+        chunk_of = np.repeat(np.arange(chunks, dtype=np.int64), per_chunk)
+        lengths = np.full(chunks, self.chunk, dtype=np.int64)
+        if chunks and numel % self.chunk:
+            lengths[-1] = numel % self.chunk
+        if (indices >= lengths[chunk_of]).any():
+            raise RemoteProtocolError(f"{self.name} payload has an index outside its chunk")
+        first = np.zeros(total, dtype=bool)
+        first[np.cumsum(per_chunk)[:-1]] = True
+        if total and ((np.diff(indices.astype(np.int64)) <= 0) & ~first[1:]).any():
+            raise RemoteProtocolError(f"{self.name} payload has indices not ascending in a chunk")
+        out = np.zeros(numel, dtype=np.float32)
+        values = np.ldexp(codes.astype(np.float32), exponents[chunk_of]).astype(np.float32)
+        out[chunk_of * self.chunk + indices] = values
+        return out
+
+    # -- encoding --------------------------------------------------------------------------------
+
+    def _shape(self, numel: int) -> tuple[int, int]:
+        """(chunks, entries kept in all) for ``numel`` elements."""
+        full, rest = divmod(numel, self.chunk)
+        return full + (rest > 0), full * self.keep + (self.kept(rest) if rest else 0)
+
+    def _encode_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Exponents, indices and signed codes of each row (a chunk), rows in order."""
+        count, n = rows.shape
+        k = self.kept(n)
+        if count == 0:
+            return np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64)
+        magnitude = np.abs(rows)
+        # The k-th largest magnitude of each row: a value, unique whatever np.partition's
+        # algorithm; entries above it are kept, and of the ties the lowest indices.
+        threshold = np.partition(magnitude, n - k, axis=1)[:, n - k]
+        above = magnitude > threshold[:, None]
+        ties = magnitude == threshold[:, None]
+        keep = above | ties
+        room = k - above.sum(axis=1)
+        crowded = np.flatnonzero(ties.sum(axis=1) > room)  # more ties than room: rare
+        if crowded.size:
+            first_ties = np.cumsum(ties[crowded], axis=1) <= room[crowded, None]
+            keep[crowded] = above[crowded] | (ties[crowded] & first_ties)
+        row, index = np.nonzero(keep)  # row-major: each row's indices ascending
+        exponent = self._exponents(threshold, magnitude.max(axis=1))
+        values = rows[row, index]
+        scaled = np.ldexp(values, -exponent[row])  # exact: a power-of-two scaling, no underflow
+        codes = np.clip(np.rint(scaled), -self.limit, self.limit).astype(np.int64)
+        return exponent, index.astype(np.int64), codes
+
+    def _exponents(self, threshold: np.ndarray, largest: np.ndarray) -> np.ndarray:
+        """Each chunk's scale exponent e (h = 2**e) from its smallest and largest kept magnitude
+        (the module docstring's rule)."""
+        # frexp(v) = (m, a) with v = m * 2**a, 0.5 <= m < 1: 2**(a - 1) <= v < 2**a.
+        _, at_threshold = np.frexp(threshold.astype(np.float64))
+        # Largest power of two <= 2 * threshold: every kept entry's code is then nonzero.
+        nonzero_codes = np.where(threshold > 0, at_threshold, _MIN_EXPONENT)
+        # A power of two >= largest / L (the division's rounding cannot go past a power of
+        # two): no kept entry is clamped.
+        _, no_clamping = np.frexp(largest.astype(np.float64) / self.limit)
+        # Whichever is finer, but never below largest / 2**22, so a clamped entry is within
+        # 2**23 steps of the scale: its residual stays exact.
+        _, at_largest = np.frexp(largest.astype(np.float64))
+        exponent = np.maximum(np.minimum(nonzero_codes, no_clamping), at_largest - 22)
+        exponent = np.where(largest > 0, exponent, _MIN_EXPONENT)
+        return np.clip(exponent, _MIN_EXPONENT, 128 - self.bits).astype(np.int32)
+
+
+def _packed(count: int, width: int) -> int:
+    return -(-count * width // 8)
+
+
+def _pack(values: np.ndarray, width: int) -> bytes:
+    """``values`` (non-negative, below ``2**width``) as ``width``-bit fields, low bit first."""
+    shifts = np.arange(width, dtype=np.int64)
+    bits = ((values.astype(np.int64)[:, None] >> shifts) & 1).astype(np.uint8)
+    return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
+
+
+def _unpack(raw: memoryview, count: int, width: int) -> np.ndarray:
+    """``count`` ``width``-bit fields from ``raw`` (its length already checked)."""
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), count=count * width, bitorder="little")
+    weights = np.left_shift(np.int64(1), np.arange(width, dtype=np.int64))
+    return (bits.reshape(count, width).astype(np.int64) * weights).sum(axis=1)

@@ -1,0 +1,198 @@
+"""The sparse codec, no sockets: its bytes are a pure function of its input, what it sends plus
+what it leaves (error feedback) is the input exactly, it keeps the top-k by magnitude (ties by
+index), and a decoder refuses every payload no encoder writes with a RemoteProtocolError."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from p2p import RemoteProtocolError
+from swarm.averaging.sparse_codec import SparseCodec
+
+# Elements of every kind: subnormals, zeros of both signs, huge values, many exact ties.
+_ELEMENTS = st.one_of(
+    st.floats(width=32, allow_nan=False, allow_infinity=False),
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.0**-149, -(2.0**-140), 3.0e38, -3.4e38]),
+)
+_CODECS = st.sampled_from([2, 7, 16, 64]).flatmap(
+    lambda chunk: st.builds(SparseCodec, st.just(chunk), st.integers(1, chunk), st.integers(2, 8))
+)
+
+
+def _arrays(max_size: int = 400) -> st.SearchStrategy:
+    return hnp.arrays(np.float32, st.integers(0, max_size), elements=_ELEMENTS)
+
+
+def _round_trip(codec: SparseCodec, x: np.ndarray) -> np.ndarray:
+    return codec.decode(codec.encode(x), x.size)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_CODECS, _arrays())
+def test_the_bytes_are_a_pure_function_of_the_input(codec: SparseCodec, x: np.ndarray) -> None:
+    data = codec.encode(x)
+    assert len(data) == codec.wire_bytes(x.size)
+    # Another copy, another alignment, another byte order: the same bytes.
+    shifted = np.empty(x.size + 1, np.float32)[1:]
+    shifted[:] = x
+    assert codec.encode(shifted) == data
+    assert codec.encode(x.astype(">f4").astype(np.float32)) == data
+    assert codec.encode(x.copy()) == data
+
+
+@settings(max_examples=120, deadline=None)
+@given(_CODECS, _arrays())
+def test_what_is_sent_plus_what_is_left_is_the_input_exactly(
+    codec: SparseCodec, x: np.ndarray
+) -> None:
+    """Error feedback's mass conservation, in float32 (DiLoCo's residual dtype): the residual
+    ``x - sent`` is exact, so ``sent + residual`` gives back every bit of ``x``."""
+    sent = _round_trip(codec, x)
+    residual = x - sent
+    assert ((sent + residual) == x).all()
+    exact = x.astype(np.float64) - sent.astype(np.float64)
+    assert (residual.astype(np.float64) == exact).all()
+
+
+@settings(max_examples=80, deadline=None)
+@given(_CODECS, _arrays())
+def test_it_keeps_the_top_k_of_each_chunk_ties_by_index(codec: SparseCodec, x: np.ndarray) -> None:
+    sent = _round_trip(codec, x)
+    for start in range(0, x.size, codec.chunk):
+        chunk, got = x[start : start + codec.chunk], sent[start : start + codec.chunk]
+        k = codec.kept(chunk.size)
+        # Largest magnitude first, the lower index first among equals (a stable sort).
+        ranked = np.argsort(-np.abs(chunk.astype(np.float64)), kind="stable")
+        chosen = np.zeros(chunk.size, bool)
+        chosen[ranked[:k]] = True
+        assert not got[~chosen].any()  # nothing outside the top k is sent
+        # A kept entry goes out with its sign, or as zero.
+        nonzero = got != 0
+        assert (np.sign(got[nonzero]) == np.sign(chunk[nonzero])).all()
+
+
+def test_two_bits_send_sign_and_scale_and_the_residual_keeps_the_rest() -> None:
+    codec = SparseCodec(chunk=8, keep=3, bits=2)
+    x = np.array([0.1, -5.0, 3.0, 0.0, 3.0, -3.0, 0.2, 1.0], np.float32)
+    sent = _round_trip(codec, x)
+    # Top 3 by magnitude: -5, then two of the three tied at 3.0: the lower indices 2 and 4. The
+    # scale is the largest power of two <= 2 * 3.0, 4, and the codes -1, 1, 1.
+    assert sent.tolist() == [0, -4, 4, 0, 4, 0, 0, 0]
+    assert (x - sent).tolist() == pytest.approx([0.1, -1, -1, 0, -1, -3, 0.2, 1])
+
+
+def test_more_bits_carry_more_of_each_value() -> None:
+    x = np.random.default_rng(3).standard_normal(50_000).astype(np.float32)
+    errors = []
+    for bits in (2, 3, 4, 8):
+        codec = SparseCodec(chunk=4096, keep=82, bits=bits)
+        sent = _round_trip(codec, x)
+        assert np.count_nonzero(sent) <= 12 * 82 + codec.kept(50_000 % 4096)
+        errors.append(float(np.square(x - sent).sum()))
+    assert errors == sorted(errors, reverse=True) and len(set(errors)) == 4
+
+
+def test_wire_size_is_the_packed_entries() -> None:
+    codec = SparseCodec.from_density(0.02)
+    assert (codec.chunk, codec.keep, codec.bits, codec.index_bits) == (4096, 82, 2, 12)
+    # 25M elements: 6104 chunks (the last, of 2112, keeps 43), one exponent byte each, 12 + 2 bits
+    # per kept entry.
+    numel = 25_000_000
+    kept = 6103 * 82 + 43
+    assert codec.wire_bytes(numel) == 6104 + -(-kept * 12 // 8) + -(-kept * 2 // 8)
+    assert codec.wire_bytes(0) == 0 and codec.encode(np.zeros(0, np.float32)) == b""
+    assert codec.name == "SPARSE:4096:82:2"
+
+
+def test_golden_bytes() -> None:
+    """Pinned output: a platform or numpy that selected or rounded differently would show here."""
+    x = (np.random.default_rng(20).standard_normal(10_000) * 1e-3).astype(np.float32)
+    x[17] = x[18] = -x[19]  # a tie
+    data = SparseCodec.from_density(0.02, bits=3, chunk=1024).encode(x)
+    assert hashlib.sha256(data).hexdigest()[:16] == GOLDEN
+
+
+GOLDEN = "c2738670b118a96e"
+
+
+def test_encode_refuses_what_it_cannot_carry() -> None:
+    codec = SparseCodec()
+    with pytest.raises(ValueError, match="float32"):
+        codec.encode(np.zeros(4, np.float64))
+    with pytest.raises(ValueError, match="NaN"):
+        codec.encode(np.array([1, np.nan], np.float32))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [({"chunk": 1}, "chunk"), ({"keep": 0}, "keep"), ({"chunk": 8, "keep": 9}, "keep"),
+     ({"bits": 1}, "bits"), ({"bits": 9}, "bits"), ({"bits": True}, "bits")],
+)  # fmt: skip
+def test_parameters_out_of_range_name_themselves(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=f"sparse {name}"):
+        SparseCodec(**kwargs)
+    with pytest.raises(ValueError, match="density"):
+        SparseCodec.from_density(0.0)
+
+
+def _payload(codec: SparseCodec, numel: int = 40) -> tuple[bytearray, int]:
+    x = np.arange(1, numel + 1, dtype=np.float32)
+    return bytearray(codec.encode(x)), numel
+
+
+def test_decode_refuses_a_wrong_length() -> None:
+    codec = SparseCodec(chunk=16, keep=4)
+    data, numel = _payload(codec)
+    for bad in (data[:-1], data + b"\0"):
+        with pytest.raises(RemoteProtocolError, match="must be"):
+            codec.decode(bad, numel)
+
+
+def test_decode_refuses_an_exponent_the_encoder_never_writes() -> None:
+    codec = SparseCodec(chunk=16, keep=4)
+    data, numel = _payload(codec)
+    for exponent in (-127, -128, 127):
+        data[0] = exponent & 0xFF
+        with pytest.raises(RemoteProtocolError, match="scale"):
+            codec.decode(data, numel)
+
+
+def test_decode_refuses_the_unused_code() -> None:
+    codec = SparseCodec(chunk=16, keep=4, bits=2)
+    data, numel = _payload(codec)
+    data[-1] = 0xFF  # the last codes all 3: 2 bits' fourth code
+    with pytest.raises(RemoteProtocolError, match="code"):
+        codec.decode(data, numel)
+
+
+@pytest.mark.parametrize("case", ["descending", "repeated", "outside"])
+def test_decode_refuses_indices_outside_their_chunk_or_not_ascending(case: str) -> None:
+    codec = SparseCodec(chunk=16, keep=2, bits=2)
+    x = np.zeros(20, np.float32)
+    x[[3, 9, 17]] = [1.5, 2, 3]  # chunks of 16 and 4: 2 + 1 entries
+    good = codec.encode(x)
+    assert np.flatnonzero(codec.decode(good, 20)).tolist() == [3, 9, 17]
+    # The three 4-bit indices rewritten; 5 is outside the last chunk, of 4 elements.
+    indices = {"descending": (9, 3, 1), "repeated": (5, 5, 1), "outside": (3, 9, 5)}[case]
+    packed = sum(i << (4 * n) for n, i in enumerate(indices)).to_bytes(2, "little")
+    bad = bytearray(good)
+    bad[2:4] = packed
+    with pytest.raises(RemoteProtocolError, match=r"index|indices"):
+        codec.decode(bad, 20)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.binary(max_size=80), st.integers(0, 120))
+def test_garbage_decodes_or_is_a_remote_protocol_error(data: bytes, numel: int) -> None:
+    codec = SparseCodec(chunk=16, keep=3, bits=3)
+    try:
+        values = codec.decode(data, numel)
+    except RemoteProtocolError:
+        return
+    assert values.dtype == np.float32 and values.size == numel and np.isfinite(values).all()
