@@ -109,7 +109,8 @@ def test_node_refuses_a_k_over_the_cpus_in_one_line_before_joining(
         NodeOptions(join=("/ip4/127.0.0.1/tcp/1",), state_dir=tmp_path, nproc_per_node=0)
     too_many = (os.cpu_count() or 1) + 1
     # The join address names nobody: the refusal comes before any dial.
-    argv = ["node", "--join", "/ip4/127.0.0.1/tcp/9", "--state-dir", str(tmp_path / "n"),
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZiYVZb"
+    argv = ["node", "--join", nobody, "--state-dir", str(tmp_path / "n"),
             "--device", "cpu", "--nproc-per-node", str(too_many)]  # fmt: skip
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
