@@ -150,7 +150,8 @@ class SimGroup:
             self._feed(peer, event)
         for member, froze in self.left.items():
             if member != peer:
-                self.clock.after(self._detect(member, peer, froze), self._feed, peer, PeerLost(member))
+                detect = self._detect(member, peer, froze)
+                self.clock.after(detect, self._feed, peer, PeerLost(member))
         self.clock.at(machine.deadline, self._feed, peer, DeadlineReached())
         self.clock.after(self.timeouts.join_wait_s, self._missing_members, peer)
 

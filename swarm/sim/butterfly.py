@@ -13,7 +13,7 @@ group id: peers that computed different groups meet no one from the other view).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from swarm.averaging.allreduce import Fail as AllReduceFail
 from swarm.averaging.allreduce import Finish as AllReduceFinish
@@ -40,7 +40,7 @@ class ButterflyConfig:
     allreduce_timeout_s: float = 30.0
     peer_timeout_s: float = 10.0
     confirm_timeout_s: float = MatchmakingConfig(1, b"x").confirm_timeout_s
-    vector: VectorModel = VectorModel()
+    vector: VectorModel = field(default_factory=VectorModel)
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:

@@ -35,6 +35,8 @@ from swarm.sim.clock import Clock
 from swarm.sim.dht import SimDht, record_bytes
 from swarm.sim.network import Network
 
+AskDone = Callable[[bytes, "Declaration | None", bool], None]
+
 
 @dataclass(frozen=True)
 class Directory:
@@ -180,9 +182,7 @@ class SimMatchmaking:
             self._reread_token += 1
             self._run_queue()
 
-    def _ask(
-        self, peer: bytes, round_number: int, done: Callable[[bytes, Declaration | None, bool], None]
-    ) -> None:
+    def _ask(self, peer: bytes, round_number: int, done: AskDone) -> None:
         self._asked(peer)
         timeout = self.dht.model.request_timeout_s
         if peer not in self.network.links or not self.directory.answers(peer):

@@ -1,10 +1,10 @@
 """The simulator: peers, their rounds and churn on one virtual clock, reproducible from a seed.
 
-``Simulation(config, protocol).run()`` creates ``config.peers`` peers (links drawn from
-``config.network``), starts each one's round 0 within ``start_skew_s``, and after each peer's
-round (``protocol`` calls ``end_round``) starts its next one ``compute_s`` later (times a factor
-in [0.9, 1.1] drawn per peer: peers train at slightly different speeds), until ``rounds``. It
-returns one ``RoundFigures`` per round.
+``Simulation(config, protocol)`` creates ``config.peers`` peers (links drawn from
+``config.network``); ``run()`` starts each one's round 0 within ``start_skew_s``, and after each
+peer's round (``protocol`` calls ``end_round``) starts its next one ``compute_s`` later (times a
+factor in [0.9, 1.1] drawn per peer: peers train at slightly different speeds), until
+``rounds``. It returns one ``RoundFigures`` per round.
 
 Churn (``churn`` > 0): when the first peer starts round r >= 1, the number of departures is drawn
 from Poisson(churn x present peers), each departing peer picked uniformly and leaving at a time
@@ -94,6 +94,7 @@ class Simulation:
         self.joins = 0
         self.departures = 0
         protocol.bind(self)
+        self.peers = [self._add_peer() for _ in range(config.peers)]
 
     def _declaration(self, peer: bytes, round_number: int) -> object:
         find = getattr(self.protocol, "declaration", None)
@@ -124,12 +125,16 @@ class Simulation:
     # -- running -----------------------------------------------------------------------------
 
     def run(self) -> list[RoundFigures]:
-        for _ in range(self.config.peers):
-            peer = self._add_peer()
+        """Run every round to its end; the figures of each."""
+        for peer in self.peers:
             skew = self._timing_rng.uniform(0.0, self.config.start_skew_s)
             self.clock.at(skew, self._start_round, peer, 0)
         self.clock.run()
         return self.figures()
+
+    def leave_at(self, peer: bytes, t: float, *, froze: bool = False) -> None:
+        """Make ``peer`` leave at virtual time ``t`` (a scripted departure, beside churn's)."""
+        self.clock.at(t, self._leave, peer, froze)
 
     def figures(self) -> list[RoundFigures]:
         rounds: dict[int, list[PeerRound]] = {}
