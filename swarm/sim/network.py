@@ -16,6 +16,11 @@ Model (kept simple on purpose; every figure the simulator prints rests on it):
   ``8 size / min(up_a, down_b[, relay])`` seconds on the wire, and arrives one pair latency after
   its last bit left. Downlinks are not serialised: several senders may fill one receiver's
   downlink at once (optimistic where many reducers send to one slow home peer at once).
+  With ``uplink="shared"`` instead, the messages a peer sends in one instant (a broadcast of a
+  reduced part, the scatter of its slices) share its uplink as concurrent streams do: they leave
+  together, all at the end of their summed time (later than fair sharing for the smaller ones of
+  a mixed batch). FIFO delivers a broadcast's first copy early and its last one late; real
+  sessions send on one stream per peer at once, closer to ``shared``.
 * Loss is what TCP makes of it: a lost message arrives one retransmission timeout later
   (``max(0.2 s, 2 RTT)``), and each pair's messages still arrive in order (one stream per pair;
   a late one holds back the ones behind it).
@@ -47,6 +52,9 @@ def _share(value: float, name: str, top: float = 1.0) -> None:
         raise ValueError(f"network.{name} must be in [0, {top}], got {value!r}")
 
 
+UPLINKS = ("fifo", "shared")
+
+
 @dataclass(frozen=True)
 class NetworkConfig:
     """The distributions peers' links are drawn from (module docstring); rates in bit/s."""
@@ -61,8 +69,11 @@ class NetworkConfig:
     relay_bps: float = 20e6
     relay_latency_s: float = 0.05
     loss: float = 0.0
+    uplink: str = "shared"
 
     def __post_init__(self) -> None:
+        if self.uplink not in UPLINKS:
+            raise ValueError(f"network.uplink must be one of {UPLINKS}, got {self.uplink!r}")
         for name in ("home_up_bps", "home_down_factor", "datacenter_bps", "rtt_s"):
             _range(getattr(self, name), name)
         _share(self.datacenter_share, "datacenter_share")
@@ -124,6 +135,9 @@ class Network:
         self.bytes_sent: dict[bytes, int] = {}
         self._uplink_free: dict[bytes, float] = {}
         self._last_arrival: dict[tuple[bytes, bytes], float] = {}
+        self._batches: dict[
+            bytes, list[tuple[bytes, float, Callable[..., Any], tuple[Any, ...]]]
+        ] = {}
 
     def add(self, peer: bytes, link: PeerLink) -> None:
         self.links[peer] = link
@@ -156,24 +170,53 @@ class Network:
     def send(self, src: bytes, dst: bytes, size: float, fn: Callable[..., Any], *args: Any) -> None:
         if src in self.left_at:
             return
-        a, b = self.links[src], self.links[dst]
-        rate, latency = min(a.up_bps, b.down_bps), a.leg_s + b.leg_s
-        if a.relayed and b.relayed:
-            rate, latency = min(rate, self.config.relay_bps), latency + self.config.relay_latency_s
+        if self.config.uplink == "fifo":
+            self._transmit(src, [(dst, size, fn, args)], together=False)
+            return
+        batch = self._batches.get(src)
+        if batch is None:
+            batch = self._batches[src] = []
+            self.clock.at(self.clock.now, self._flush, src)  # after this instant's sends
+        batch.append((dst, size, fn, args))
+
+    def _flush(self, src: bytes) -> None:
+        batch = self._batches.pop(src)
+        if src not in self.left_at:
+            self._transmit(src, batch, together=True)
+
+    def _transmit(
+        self,
+        src: bytes,
+        messages: list[tuple[bytes, float, Callable[..., Any], tuple[Any, ...]]],
+        *,
+        together: bool,
+    ) -> None:
         now = self.clock.now
+        a = self.links[src]
         free = self._uplink_free[src]
-        sent = (free if free > now else now) + 8.0 * size / rate
+        sent = free if free > now else now
+        timed = []
+        for dst, size, fn, args in messages:
+            b = self.links[dst]
+            rate, latency = min(a.up_bps, b.down_bps), a.leg_s + b.leg_s
+            if a.relayed and b.relayed:
+                rate = min(rate, self.config.relay_bps)
+                latency += self.config.relay_latency_s
+            sent += 8.0 * size / rate
+            self.bytes_sent[src] += int(size)
+            timed.append((dst, sent, latency, fn, args))
         self._uplink_free[src] = sent
-        self.bytes_sent[src] += int(size)
-        arrival = sent + latency
-        if self.config.loss and self.rng.random() < self.config.loss:
-            arrival += max(0.2, 4 * (a.leg_s + b.leg_s))
-        pair = (src, dst)
-        last = self._last_arrival.get(pair)
-        if last is not None and last > arrival:
-            arrival = last
-        self._last_arrival[pair] = arrival
-        self.clock.at(arrival, self._deliver, src, dst, sent, fn, args)
+        for dst, own_sent, latency, fn, args in timed:
+            left_uplink = sent if together else own_sent
+            arrival = left_uplink + latency
+            if self.config.loss and self.rng.random() < self.config.loss:
+                arrival += max(0.2, 4 * (a.leg_s + self.links[dst].leg_s))
+            pair = (src, dst)
+            last = self._last_arrival.get(pair)
+            if last is not None and last > arrival:
+                arrival = last
+            self._last_arrival[pair] = arrival
+            self.clock.at(arrival, self._deliver, src, dst, left_uplink, fn, args)
 
     def _deliver(
         self, src: bytes, dst: bytes, sent: float, fn: Callable[..., Any], args: tuple[Any, ...]

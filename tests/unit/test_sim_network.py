@@ -19,7 +19,7 @@ A, B, C = b"a" * 38, b"b" * 38, b"c" * 38
 
 def network(loss: float = 0.0, **links: PeerLink) -> tuple[Clock, Network, list]:
     clock = Clock()
-    net = Network(clock, NetworkConfig(loss=loss), np.random.default_rng(0))
+    net = Network(clock, NetworkConfig(loss=loss, uplink="fifo"), np.random.default_rng(0))
     defaults = {
         A: PeerLink(up_bps=8e6, down_bps=80e6, leg_s=0.010, relayed=False, datacenter=False),
         B: PeerLink(up_bps=1e9, down_bps=4e6, leg_s=0.030, relayed=False, datacenter=False),
@@ -116,3 +116,17 @@ def test_dht_limits_are_the_real_ones_and_a_full_key_keeps_its_oldest_owners() -
     assert math.isclose(
         size / 3 / sim_dht.MAX_SUBKEYS, sim_dht.record_bytes(key, found[0][0]), rel_tol=0.01
     )
+
+
+def test_a_shared_uplink_sends_one_instants_messages_together() -> None:
+    clock = Clock()
+    net = Network(clock, NetworkConfig(uplink="shared"), np.random.default_rng(0))
+    fast = PeerLink(up_bps=8e6, down_bps=1e9, leg_s=0.01, relayed=False, datacenter=False)
+    for peer in (A, B, C):
+        net.add(peer, fast)
+    arrivals: dict = {}
+    net.send(A, B, 1_000_000, lambda: arrivals.setdefault("b", clock.now))
+    net.send(A, C, 1_000_000, lambda: arrivals.setdefault("c", clock.now))
+    clock.run()
+    # Two 1 MB messages on an 8 Mbit/s uplink at once: both leave after 2 s, as two streams do.
+    assert arrivals == {"b": pytest.approx(2.02), "c": pytest.approx(2.02)}
