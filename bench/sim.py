@@ -1,0 +1,135 @@
+"""Today's averaging protocol at scale, in the simulator (``swarm.sim``): real ``Matchmaker`` and
+``AllReduce`` machines on a simulated network, in virtual time.
+
+    python -m bench.sim --peers 1000 --rounds 5 --churn 0.05 --seed 0
+        [--params 1e8] [--bytes-per-param 1] [--allreduce-timeout 600]
+        [--matchmaking-timeout 4] [--max-group-size 64] [--compute-s 0] [--loss 0]
+        [--uplink fifo|shared] [--numel 256]
+
+Peers' links are drawn from ``swarm.sim.NetworkConfig``'s defaults (a fifth in datacenters at
+1-10 Gbit/s, the rest homes with 10-100 Mbit/s uplinks, RTT 10-300 ms, a fifth of homes behind
+NATs that need a relay). Each message's time is that of its part of a ``--params`` vector at
+``--bytes-per-param`` (1: int8, what run.toml's ``compression = "auto"`` sends for big tensors;
+4: float32); the machines average small real vectors. ``--allreduce-timeout`` defaults to 600 s,
+not run.toml's 30 s, which a 100M-parameter round over a home uplink cannot meet (the bound alone
+is 2 x 100 MB over 10-100 Mbit/s: 16-160 s).
+
+One row per round (``swarm.sim.report`` defines every column): peers that started it, peers that
+left during it, groups, peers that finished, distinct result states among them, the share of
+peers whose contribution is in the kept state (the one most finishers hold), round time, the
+longest matchmaking, the slowest group's all-reduce time against its limit (a perfect ring over
+its slowest member's link), the most connections one peer had, DHT bytes read per peer. The last
+line is one JSON object: ``peers``, ``rounds_ok`` (rounds that left one state), the median
+``allreduce_over_limit``, the mean ``contributed_fraction``, ``max_connections_per_peer``,
+``dht_read_bytes_per_peer_round``, ``groups_per_round``, ``states_per_round_max``,
+``mismatched_groups`` (groups whose finishers disagree: must be 0), and the run's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from bench.common import git_sha
+from swarm.sim import (
+    ButterflyConfig,
+    ButterflyRounds,
+    NetworkConfig,
+    SimConfig,
+    Simulation,
+    VectorModel,
+    summary,
+)
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Simulation]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--churn", type=float, default=0.0, help="share leaving per round")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--params", type=float, default=1e8, help="simulated vector length")
+    parser.add_argument("--bytes-per-param", type=float, default=1.0)
+    parser.add_argument("--allreduce-timeout", type=float, default=600.0)
+    parser.add_argument("--matchmaking-timeout", type=float, default=4.0)
+    parser.add_argument("--max-group-size", type=int, default=64)
+    parser.add_argument("--compute-s", type=float, default=0.0, help="inner phase per round")
+    parser.add_argument("--loss", type=float, default=0.0, help="message loss probability")
+    parser.add_argument(
+        "--uplink",
+        default="shared",
+        help="fifo (one message at a time) or shared (swarm.sim.network)",
+    )
+    parser.add_argument("--numel", type=int, default=256, help="real values each peer averages")
+    args = parser.parse_args(argv)
+    try:
+        protocol = ButterflyRounds(
+            ButterflyConfig(
+                max_group_size=args.max_group_size,
+                matchmaking_timeout_s=args.matchmaking_timeout,
+                allreduce_timeout_s=args.allreduce_timeout,
+                vector=VectorModel(params=int(args.params), bytes_per_param=args.bytes_per_param),
+            )
+        )
+        config = SimConfig(
+            peers=args.peers,
+            rounds=args.rounds,
+            seed=args.seed,
+            churn=args.churn,
+            compute_s=args.compute_s,
+            numel=args.numel,
+            network=NetworkConfig(loss=args.loss, uplink=args.uplink),
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    return args, Simulation(config, protocol)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float | int]:
+    args, sim = parse(argv)
+    print(
+        f"=== bench.sim ({git_sha()}): {args.peers} peers, {args.rounds} rounds, churn "
+        f"{args.churn}, {args.params:.3g} params x {args.bytes_per_param} B, seed {args.seed}, "
+        f"uplink {args.uplink}, max group {args.max_group_size}, timeouts "
+        f"{args.matchmaking_timeout} / {args.allreduce_timeout} s ===",
+        flush=True,
+    )
+    started, cpu = time.perf_counter(), time.process_time()
+    figures = sim.run()
+    print(
+        f"{'round':>5} {'peers':>5} {'left':>4} {'groups':>6} {'done':>5} {'states':>6} "
+        f"{'contrib':>7} {'round_s':>8} {'match_s':>7} {'ar_s':>7} {'limit_s':>7} "
+        f"{'ar/lim':>6} {'conns':>5} {'dht_kB':>7}"
+    )
+    for f in figures:
+        print(
+            f"{f.round:>5} {f.peers:>5} {f.left:>4} {f.groups:>6} {f.finished:>5} {f.states:>6} "
+            f"{f.contributed_fraction:>7.3f} {_fmt(f.round_s):>8} {_fmt(f.match_s):>7} "
+            f"{_fmt(f.allreduce_s):>7} {_fmt(f.limit_s):>7} {_fmt(f.over_limit, 2):>6} "
+            f"{f.max_connections:>5} {f.dht_read_bytes_per_peer / 1000:>7.0f}"
+        )
+    result = summary(figures)
+    result.update(
+        seed=args.seed,
+        churn=args.churn,
+        joins=sim.joins,
+        departures=sim.departures,
+        dht_evicted=sim.dht.evicted,
+        events=sim.clock.events_run,
+        virtual_s=round(sim.clock.now, 1),
+        wall_s=round(time.perf_counter() - started, 1),
+        cpu_s=round(time.process_time() - cpu, 1),
+    )
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

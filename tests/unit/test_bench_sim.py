@@ -1,0 +1,25 @@
+"""``python -m bench.sim`` in-process at a small size: its table and its last line's JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import sim
+
+
+def test_bench_sim_prints_rounds_and_one_json_line(capsys: pytest.CaptureFixture[str]) -> None:
+    result = sim.main(["--peers", "6", "--rounds", "2", "--params", "1e6", "--numel", "16"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(lines[-1]) == result
+    keys = {"peers", "rounds_ok", "allreduce_over_limit", "contributed_fraction"}
+    assert keys | {"max_connections_per_peer", "dht_read_bytes_per_peer_round"} <= result.keys()
+    assert result["peers"] == 6 and result["rounds_ok"] == 2 and result["mismatched_groups"] == 0
+    assert len([line for line in lines if line.split()[0].isdigit()]) == 2
+
+
+def test_bench_sim_bad_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        sim.main(["--peers", "4", "--churn", "3"])
+    assert "churn must be in [0, 1]" in capsys.readouterr().err
