@@ -59,12 +59,13 @@ from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_repor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.relay import RelayOptions, run_relay
 from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config, plain_os_error
-from swarmtrain.dashboard import add_dashboard_arguments
-from swarmtrain.dashboard import options_from as dashboard_options_from
+from swarmtrain.dashboard.options import add_dashboard_arguments
+from swarmtrain.dashboard.options import options_from as dashboard_options_from
 from swarmtrain.faults import Faults, parse_task_fault
 from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
 from swarmtrain.pipeline import local as pipeline_local
 from swarmtrain.runspec import SpecRefused
+from swarmtrain.tracking import Tracker, open_trackers
 
 log = logging.getLogger("swarmtrain")
 
@@ -181,6 +182,15 @@ def build_parser() -> argparse.ArgumentParser:
         p_node, listen_default="/ip4/0.0.0.0/tcp/0", identity_default="<state-dir>/identity.key"
     )
     add_metrics_arguments(p_node)
+    p_node.add_argument(
+        "--log-to",
+        action="append",
+        default=[],
+        metavar="KIND:WHERE",
+        help="also log each round to an experiment tracker: tensorboard:DIR (event files; "
+        "needs the tensorboard package) or wandb:PROJECT (only if wandb is installed); "
+        "repeatable [off]",
+    )
     p_node.add_argument(
         "--join",
         action="append",
@@ -443,8 +453,10 @@ def _main_node(args: argparse.Namespace) -> int:
         return 130
     state_dir = args.state_dir or _default_state_dir()
     metrics = None
+    trackers: list[Tracker] = []
     try:
         metrics = _start_metrics(args, "node")
+        trackers = open_trackers(args.log_to, name=state_dir.name)
         options = NodeOptions(
             join=tuple(args.join),
             state_dir=state_dir,
@@ -466,6 +478,7 @@ def _main_node(args: argparse.Namespace) -> int:
             pipeline_hooks=PipelineHooks.parse(args.pipeline_hook),
             token=args.token,
             metrics=metrics,
+            trackers=tuple(trackers),
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -485,6 +498,8 @@ def _main_node(args: argparse.Namespace) -> int:
     finally:
         if metrics is not None:
             metrics.close()
+        for tracker in trackers:
+            tracker.close()
     print(summary.done_line(), flush=True)
     return 3 if getattr(summary, "banned", "") else 0
 

@@ -47,7 +47,9 @@ from p2p import (
 )
 from swarmtrain.commands.relay import RelayOptions, keep_serving, relay_node_config
 from swarmtrain.config import RunConfig, run_seed_of
-from swarmtrain.dashboard import Dashboard, DashboardListener, Reading, RunHistory, RunInfo
+from swarmtrain.dashboard.history import Reading, RunHistory, RunInfo
+from swarmtrain.dashboard.options import DashboardListener
+from swarmtrain.dashboard.server import Dashboard
 from swarmtrain.keys import progress_key
 from swarmtrain.membership.progress import Progress, agreed_state, decode_all
 from swarmtrain.pipeline.progress import pipeline_status, trainer_progress

@@ -48,11 +48,12 @@ from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import admissions_key
 from swarmtrain.membership.state_sync import StateServer
-from swarmtrain.metrics import Metrics
+from swarmtrain.metrics import Metrics, RoundSample
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_pipeline
 from swarmtrain.runspec import RunSpec
 from swarmtrain.runtime import PeerRuntime
+from swarmtrain.tracking import Tracker
 from swarmtrain.training.loop import NodeSummary, averager_config, train
 from swarmtrain.training.ranks import LocalRanks
 from swarmtrain.training.ranks_plan import check_nproc, check_run, threads_per_rank
@@ -89,6 +90,8 @@ class NodeOptions:
     nproc_per_node: int = 1
     # ``--metrics-port``: fed the node's rounds and sampled from its p2p node; None: off.
     metrics: Metrics | None = None
+    # ``--log-to``: experiment trackers fed the same rounds (``swarmtrain.tracking``).
+    trackers: tuple[Tracker, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -272,7 +275,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
                 join_wait_s=options.join_wait_s,
                 faults=options.faults,
                 ranks=ranks,
-                on_round=options.metrics.observe_round if options.metrics is not None else None,
+                on_round=_round_observers(options),
             )
             summary.peer_id = str(peer_id_of(key_pair))
     except Exception as exc:
@@ -291,6 +294,21 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
     if isinstance(summary, PipelineSummary) and summary.stopped:
         raise KeyboardInterrupt
     return summary
+
+
+def _round_observers(options: NodeOptions) -> Callable[[RoundSample], None] | None:
+    """What each finished round is told to: the metrics and every tracker; None: nothing."""
+    observers = [t.observe_round for t in options.trackers]
+    if options.metrics is not None:
+        observers.append(options.metrics.observe_round)
+    if not observers:
+        return None
+
+    def observe(sample: RoundSample) -> None:
+        for observer in observers:
+            observer(sample)
+
+    return observe
 
 
 def _run_pipeline(

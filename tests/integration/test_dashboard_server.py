@@ -14,7 +14,9 @@ import pytest
 import trio
 
 from p2p import P2PError
-from swarmtrain.dashboard import Dashboard, DashboardOptions, Reading, RunHistory, RunInfo
+from swarmtrain.dashboard.history import Reading, RunHistory, RunInfo
+from swarmtrain.dashboard.options import DashboardOptions
+from swarmtrain.dashboard.server import Dashboard
 
 INFO = RunInfo("run-x", "ab" * 32, "12D3KooWcoordinator", rounds=4)
 

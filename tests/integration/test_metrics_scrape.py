@@ -1,5 +1,6 @@
 """``--metrics-port``: a real coordinator, nodes and relay serve Prometheus metrics, scraped over
-HTTP and parsed with ``prometheus_client``'s own parser; a node's values are its round lines'.
+HTTP and parsed with ``prometheus_client``'s own parser; a node's values are its round lines', and
+so are the TensorBoard scalars one writes with ``--log-to``.
 
 Small settings (3 rounds of H=5) keep the swarm test well under a minute on a 2-core machine."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from peerproc import SWARMTRAIN, PeerProcess
 from prometheus_client.parser import text_string_to_metric_families
 from runproc import node, round_lines, start_coordinator, wait_exit
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 URL = re.compile(r"serving Prometheus metrics at (http://127\.0\.0\.1:\d+/metrics)")
 ROUND = re.compile(
@@ -51,7 +53,12 @@ def test_nodes_and_coordinator_serve_their_rounds_as_metrics(tmp_path: Path) -> 
     nodes: list[PeerProcess] = []
     try:
         coordinator_url = metrics_url(coordinator)
-        nodes = [node(join, tmp_path / f"n{i}", "--metrics-port", "0") for i in range(2)]
+        # Node 0 also logs its rounds to TensorBoard (``--log-to``), read back at the end.
+        tensorboard = ("--log-to", f"tensorboard:{tmp_path / 'tb'}")
+        nodes = [
+            node(join, tmp_path / f"n{i}", "--metrics-port", "0", *(tensorboard if i == 0 else ()))
+            for i in range(2)
+        ]
         urls = [metrics_url(n, timeout_s=60) for n in nodes]
         # Node 0 after its first round: the scrape shows the last finished round, which its
         # round line (printed right after the round is fed) names with the same numbers.
@@ -91,6 +98,13 @@ def test_nodes_and_coordinator_serve_their_rounds_as_metrics(tmp_path: Path) -> 
         for peer in nodes:
             assert wait_exit(peer, 60) == 0, peer.stderr[-3000:]
             assert len(round_lines(peer)) == 3, peer.lines
+        logged = EventAccumulator(str(tmp_path / "tb"))
+        logged.Reload()
+        losses = [(e.step, e.value) for e in logged.Scalars("round/loss")]
+        printed = sorted(round_lines(nodes[0]).items())
+        assert [step for step, _ in losses] == [r for r, _ in printed], losses
+        for (_, value), (_, line) in zip(losses, printed, strict=True):
+            assert abs(value - float(ROUND.match(line).group(2))) < 5e-4, (value, line)  # type: ignore[union-attr]
     finally:
         for peer in nodes:
             peer.stop()

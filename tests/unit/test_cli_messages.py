@@ -62,3 +62,16 @@ def test_a_coordinator_restarted_on_a_config_without_an_id_warns_that_the_run_ch
     assert named.run.id == "mine" and warning == ""
     memory.write_text("not json")  # a damaged memory is forgotten, not fatal
     assert pick_run_id(RunConfig(), config_path, memory)[1] == ""
+
+
+def test_the_cli_starts_without_importing_torch() -> None:
+    # id, init, relay, doctor and status answer in a fraction of a second; torch costs seconds
+    # (an import of the dashboard's package once pulled it in through the verified-run plan).
+    import subprocess
+    import sys
+
+    probe = "import sys, swarmtrain.cli; print(sorted({'torch', 'hypercorn'} & set(sys.modules)))"
+    found = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert found.stdout.strip() == "[]", found.stdout

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from swarmtrain.commands.local import LocalOptions, dashboard_flags
-from swarmtrain.dashboard import dashboard_app
+from swarmtrain.dashboard.app import dashboard_app
 
 
 async def _call(app: Any, method: str, path: str) -> tuple[int, dict[bytes, bytes], bytes]:

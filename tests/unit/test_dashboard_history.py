@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import PeerID
-from swarmtrain.dashboard import JSON_VERSION, Reading, RunHistory, RunInfo
+from swarmtrain.dashboard.history import JSON_VERSION, Reading, RunHistory, RunInfo
 from swarmtrain.membership.progress import SILENT_AFTER_S, Progress, member_list
 from swarmtrain.pipeline.progress import TrainerProgress
 from swarmtrain.verified.plan import Verdict
