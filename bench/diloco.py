@@ -69,6 +69,7 @@ import torch
 
 from bench import diloco_spec
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from diloco import (
     Average,
     AverageOutcome,
@@ -201,10 +202,12 @@ def run_diloco(
     wrap: Callable[[int, Average], Average] | None = None,
     compression: Codec | None = None,
     outer_momentum: float | None = None,
+    on_round: Callable[[], None] | None = None,
 ) -> float:
     """DiLoCo's held-out loss after the run. ``aggregation``: ``LocalAverage``'s rule; ``wrap``
     (worker, its average) -> what that worker calls instead (``bench.byzantine``'s attacker);
-    ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run)."""
+    ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run); ``on_round``:
+    told when worker 0 finishes a round (progress)."""
     local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
     sizes = [p.numel() for p in models[0].parameters()]
@@ -236,6 +239,8 @@ def run_diloco(
                         diloco.step(samples=inputs.shape[0])
                         diloco.zero_grad()
                         scheduler.step()
+                    if k == 0 and on_round is not None:
+                        on_round()
         except BaseException as exc:
             errors.append(exc)
 
@@ -251,7 +256,11 @@ def run_diloco(
 
 
 def run_data_parallel(
-    corpus: Any, args: argparse.Namespace, heldout: list[Any], workers: list[int]
+    corpus: Any,
+    args: argparse.Namespace,
+    heldout: list[Any],
+    workers: list[int],
+    on_round: Callable[[], None] | None = None,
 ) -> float:
     """Gradients averaged every step over ``workers``' windows: one model, one big batch.
 
@@ -277,6 +286,8 @@ def run_data_parallel(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+            if on_round is not None:
+                on_round()
     return evaluate(model, heldout)
 
 
@@ -373,17 +384,28 @@ def main() -> None:
         f"{os.cpu_count()} cores ===",
         flush=True,
     )
+    progress = BenchProgress()
+
+    def tick(name: str) -> Callable[[], None]:
+        return lambda: progress.advance(name)
+
+    everyone = [*range(args.workers)]
     methods = {
-        "diloco": lambda: run_diloco(corpus, args, heldout),
-        "data_parallel": lambda: run_data_parallel(corpus, args, heldout, [*range(args.workers)]),
-        "alone": lambda: run_data_parallel(corpus, args, heldout, [0]),
+        "diloco": lambda: run_diloco(corpus, args, heldout, on_round=tick("diloco")),
+        "data_parallel": lambda: run_data_parallel(
+            corpus, args, heldout, everyone, tick("data_parallel")
+        ),
+        "alone": lambda: run_data_parallel(corpus, args, heldout, [0], tick("alone")),
     }
     if args.sparse is not None:
         methods["diloco_sparse"] = lambda: run_diloco(
-            corpus, args, heldout, compression=args.sparse, outer_momentum=_sparse_momentum(args)
-        )
+            corpus, args, heldout, compression=args.sparse,
+            outer_momentum=_sparse_momentum(args), on_round=tick("diloco_sparse"),
+        )  # fmt: skip
     results: dict[str, float] = {}
     names = list(methods) if args.only is None else args.only.split(",")
+    for name in names:
+        progress.add(name, rounds)
     # Concurrently (one thread per method) unless asked otherwise: each method's result does not
     # depend on the others, and on a shared machine running them side by side finishes sooner.
     with ThreadPoolExecutor(len(names) if args.concurrent else 1) as pool:
@@ -397,6 +419,7 @@ def main() -> None:
                 f"({time.perf_counter() - start:.0f} s after the start)",
                 flush=True,
             )
+    progress.close()
     results = {name: results[name] for name in names}
     n = args.workers
     share = 2 * (n - 1) / n
