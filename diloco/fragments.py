@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def fragments_of(sizes: Sequence[int], count: int) -> tuple[Fragment, ...]:
     cuts.append(n)
     return tuple(
         Fragment(f, a, b, ends[a], ends[b], tuple(sizes[a:b]))
-        for f, (a, b) in enumerate(zip(cuts, cuts[1:], strict=False))
+        for f, (a, b) in enumerate(pairwise(cuts))
     )
 
 
