@@ -4,7 +4,8 @@
         [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
         [--compression int8|none|sparse] [--sparse-density 0.02] [--sparse-bits 2]
-        [--sparse-chunk 4096] [--sparse-outer-momentum M] [--eval-batches 8] [--sequential]
+        [--sparse-chunk 4096] [--sparse-outer-momentum M] [--fragments F] [--eval-batches 8]
+        [--sequential]
         [--only diloco,...] [--wan [--wan-budget-s 150]]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
@@ -25,6 +26,9 @@ threads (``--sequential``: one after another; the losses do not change, only the
   exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
   re-quantization). ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the
   error-feedback residual in the momentum's place); by default the same outer step as int8.
+- Streaming fragments (``--fragments F``, both DiLoCo runs): round r averages and outer-steps
+  fragment r mod F of the model only (``DiLoCo(fragments=F)``), so a round's bytes are that
+  fragment's; the bytes below count each round's fragment.
 - Data parallel: gradients averaged every step, which is one model taking ``--steps`` steps of
   ``workers x batch`` windows (the same windows the DiLoCo workers see, step by step).
 - Alone: one worker's share, ``--steps`` steps of ``--batch`` windows.
@@ -78,6 +82,8 @@ from diloco import (
     LocalAverage,
     eval_batches,
     evaluate,
+    fragment_at,
+    fragments_of,
     inner_batches,
     load_stdlib_corpus,
 )
@@ -158,28 +164,45 @@ class _Wire:
     mean again for the all-gather (``finish``); every peer gets the same bits, which error feedback
     cannot see (it is the same for all). A sparse codec's reduced parts are its contributors'
     slices (``Layout.gathers``): the mean is exact over the decoded slices, nothing re-quantized.
+    With streaming fragments (``fragments`` > 1) a round's vector is one fragment's parameters:
+    each fragment has its own layout and parts, found by the vector's length.
     """
 
-    def __init__(self, sizes: list[int], workers: int, compression: Codec) -> None:
-        self.layout = Layout.for_sizes(sizes, compression)
+    def __init__(
+        self, sizes: list[int], workers: int, compression: Codec, fragments: int = 1
+    ) -> None:
         peers = sorted(_peer(k) for k in range(workers))
-        self.parts = [(a, b) for _, a, b in partition(sum(sizes), peers, [1] * workers)]
-        self.sizes = sizes
+        self.fragments = fragments_of(sizes, fragments)
+        # numel -> (its layout, its parts): what the swarm cuts a vector of that fragment into.
+        self.cuts = {
+            f.numel: (
+                Layout.for_sizes(list(f.sizes), compression),
+                [(a, b) for _, a, b in partition(f.numel, peers, [1] * workers)],
+            )
+            for f in self.fragments
+        }
+        if len(self.cuts) != len(self.fragments):
+            raise ValueError(f"--fragments {fragments}: two fragments of one length")
+        self.layout = self.cuts[self.fragments[0].numel][0]  # ``gathers`` is the codec's
         self.workers = workers
 
-    def bytes_per_worker(self) -> float:
-        """What one worker sends in a round, averaged over the workers: its slices of the N-1
-        parts others reduce, and its reduced part to the N-1 others."""
-        n = self.workers
-        slices = sum(self.layout.wire_bytes(a, b) for a, b in self.parts)
-        reduced = sum(self.layout.reduced_bytes(a, b, n) for a, b in self.parts)
-        return (n - 1) / n * (slices + reduced)
+    def bytes_per_worker(self, rounds: int) -> float:
+        """What one worker sends in ``rounds`` rounds, averaged over the workers: in each its
+        slices of the N-1 parts others reduce, and its reduced part to the N-1 others."""
+        n, total = self.workers, 0.0
+        for r in range(rounds):
+            layout, parts = self.cuts[fragment_at(self.fragments, r).numel]
+            slices = sum(layout.wire_bytes(a, b) for a, b in parts)
+            reduced = sum(layout.reduced_bytes(a, b, n) for a, b in parts)
+            total += (n - 1) / n * (slices + reduced)
+        return total
 
     def round_trip(self, flat: torch.Tensor) -> torch.Tensor:
         values = flat.detach().to("cpu", torch.float32).numpy()
+        layout, parts = self.cuts[values.size]
         out = np.empty_like(values)
-        for a, b in self.parts:
-            out[a:b] = self.layout.round_trip(values[a:b], a)
+        for a, b in parts:
+            out[a:b] = layout.round_trip(values[a:b], a)
         return torch.from_numpy(out)
 
     def finish(self, average: Any) -> Any:
@@ -212,7 +235,7 @@ def run_diloco(
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
     sizes = [p.numel() for p in models[0].parameters()]
     codec = args.compression if compression is None else compression
-    wire = None if codec is Compression.NONE else _Wire(sizes, args.workers, codec)
+    wire = None if codec is Compression.NONE else _Wire(sizes, args.workers, codec, args.fragments)
     momentum = args.outer_momentum if outer_momentum is None else outer_momentum
     errors: list[BaseException] = []
 
@@ -232,6 +255,7 @@ def run_diloco(
                 outer_momentum=momentum,
                 outer_momentum_warmup=args.outer_momentum_warmup,
                 compress=None if wire is None else wire.round_trip,
+                fragments=args.fragments,
             ) as diloco:
                 for r in range(len(args.schedule_h)):
                     for inputs, targets in _batches(corpus, args, r, k):
@@ -318,6 +342,10 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sparse-outer-momentum", type=float, default=None,
         help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--fragments", type=int, default=1,
+        help="streaming DiLoCo: round r averages fragment r mod F of the model only",
     )  # fmt: skip
     parser.add_argument("--eval-batches", type=int, default=8)
 
@@ -425,7 +453,7 @@ def main() -> None:
     share = 2 * (n - 1) / n
     sizes = [p.numel() for p in ByteTransformer(seed=0).parameters()]
     dp_bytes = share * 4 * params * args.steps
-    diloco_bytes = _Wire(sizes, n, args.compression).bytes_per_worker() * rounds
+    diloco_bytes = _Wire(sizes, n, args.compression, args.fragments).bytes_per_worker(rounds)
     if not {"diloco", "data_parallel", "alone"} <= results.keys():
         print(json.dumps({"heldout": results, "config": _config(args)}))
         return
@@ -472,8 +500,8 @@ def _sparse_summary(
     """The sparse run's keys of the last line (none without ``--compression sparse``)."""
     if "diloco_sparse" not in results:
         return {}
-    sparse_bytes = _Wire(sizes, args.workers, args.sparse).bytes_per_worker()
-    sparse_bytes *= len(args.schedule_h)
+    rounds = len(args.schedule_h)
+    sparse_bytes = _Wire(sizes, args.workers, args.sparse, args.fragments).bytes_per_worker(rounds)
     gap = results["alone"] - results["data_parallel"]
     return {
         "sparse_bytes_ratio": dp_bytes / sparse_bytes,
@@ -483,8 +511,9 @@ def _sparse_summary(
         ),
         "bytes_per_worker": {
             "data_parallel": dp_bytes,
-            "diloco": _Wire(sizes, args.workers, args.compression).bytes_per_worker()
-            * len(args.schedule_h),
+            "diloco": _Wire(sizes, args.workers, args.compression, args.fragments).bytes_per_worker(
+                rounds
+            ),
             "diloco_sparse": sparse_bytes,
         },
     }

@@ -50,6 +50,7 @@ from diloco.data import (
     load_stdlib_corpus,
 )
 from diloco.datasets import load_datasets_corpus, load_text_corpus, load_token_corpus
+from diloco.fragments import Fragment, fragment_at, fragments_of
 from diloco.loop import DiLoCo, DiLoCoStatistics, RoundOutcome
 from diloco.model import VOCAB_SIZE, ByteTransformer, ByteTransformerConfig
 from diloco.outer import OuterConfig, nesterov_update, outer_step, skipped_round
@@ -70,6 +71,7 @@ __all__ = [
     "DataError",
     "DiLoCo",
     "DiLoCoStatistics",
+    "Fragment",
     "GlobalState",
     "LocalAverage",
     "ModelError",
@@ -81,6 +83,8 @@ __all__ = [
     "check_sizes",
     "eval_batches",
     "evaluate",
+    "fragment_at",
+    "fragments_of",
     "inner_batches",
     "is_heldout",
     "layout_digest",

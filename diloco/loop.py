@@ -30,6 +30,18 @@ The call that ran a round (the H-th ``step``, ``finish_inner_phase``) returns it
 ``RoundOutcome``: applied or not, the contributors, why it failed and the averaging's own report
 (torchft's ``should_commit()`` answer), so the caller reads it there and not from a side channel.
 
+Streaming fragments (``fragments=F``, Streaming DiLoCo): the trainable tensors are cut into F
+contiguous fragments of about equal size (``diloco.fragments``, a pure function of the layout).
+Round r averages and outer-steps fragment f = r mod F only: its slice of the global parameters
+and momentum; ``average`` gets that slice's pseudo-gradient, so a round sends about 1/F of the
+model. The other fragments' local parameters keep training untouched; each fragment's
+pseudo-gradient is global - local over everything it trained since its last applied round, and
+weighs the samples of those steps (a fragment syncs every F rounds, so F rounds' worth at steady
+state). With ``overlap`` the fragment's averaging runs behind the next inner phase and is applied
+one round late (the fragment is rebased on its new global parameters keeping the progress made
+since it was sent). The global state (and its hash) covers every fragment; a restart or a
+downloaded state sets the model to it, so a peer's unsynced progress is dropped, never mixed in.
+
 Error feedback (``compress``, or ``error_feedback=True``): the pseudo-gradient sent is
 progress + residual, compressed by ``compress`` when given, and the residual keeps what the codec
 dropped, committed only when the round is applied. What was dropped is known exactly: either
@@ -48,6 +60,7 @@ import hashlib
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,6 +72,7 @@ import torch
 
 from diloco import checkpoint
 from diloco.averaging import Average, AverageOutcome, AveragingFailed
+from diloco.fragments import Fragment, fragment_at, fragments_of
 from diloco.outer import OuterConfig, outer_step, skipped_round
 from diloco.state import GlobalState, layout_digest
 
@@ -79,13 +93,16 @@ class RoundOutcome:
     """How round ``round`` went on this peer. ``ok``: averaged and applied; ``contributors``:
     peer id -> weight of the mean (empty when not ok); ``error``: why it failed (the
     averaging's ``AveragingFailed`` message, else ``ExceptionType: message``); ``detail``: the
-    averaging's report of the round (``AverageOutcome.detail``; None when it raised)."""
+    averaging's report of the round (``AverageOutcome.detail``; None when it raised);
+    ``exposed_s``: the seconds training waited for the averaging (without overlap all of it,
+    with overlap the wait for its result that the next inner phase did not hide)."""
 
     round: int
     ok: bool
     contributors: dict[str, float] = field(default_factory=dict)
     error: str = ""
     detail: Any = None
+    exposed_s: float = field(default=0.0, compare=False)  # a timing, not part of what happened
 
     @property
     def peers(self) -> int:
@@ -97,6 +114,8 @@ class _Pending:
     """An averaging running in the background (overlap mode)."""
 
     future: Future[AverageOutcome]
+    fragment: Fragment  # the part of the parameters it averages (all of them when F = 1)
+    anchor: torch.Tensor  # the fragment's local parameters when it was sent
     delta: torch.Tensor  # the progress sent, before compression: carried if the round fails
     weight: float
     sent: torch.Tensor  # what was handed to the averaging
@@ -119,7 +138,8 @@ class DiLoCo:
     lives in memory only: a restart or ``load_state`` zeroes it. ``grad_scaler``: an enabled
     ``torch.amp.GradScaler`` for float16 inner steps; ``step`` runs the optimizer through it, and
     a step it skips for non-finite gradients still counts toward H. Its scale is not
-    checkpointed: a restart begins at the initial scale.
+    checkpointed: a restart begins at the initial scale. ``fragments``: F > 1 averages one
+    fragment of the parameters per round (module docstring; ``self.fragments`` holds the cut).
 
     Raises ValueError on bad settings, on a model without trainable parameters, or when
     ``state_dir`` holds a checkpoint of another config or layout.
@@ -141,6 +161,7 @@ class DiLoCo:
         compress: Callable[[torch.Tensor], torch.Tensor] | None = None,
         error_feedback: bool = False,
         grad_scaler: torch.amp.GradScaler | None = None,
+        fragments: int = 1,
     ) -> None:
         schedule = (inner_steps,) if isinstance(inner_steps, int) else tuple(inner_steps)
         if not schedule or any(not isinstance(h, int) or h <= 0 for h in schedule):
@@ -163,18 +184,18 @@ class DiLoCo:
         self._params = [p for _, p in named]
         self._names = [n for n, _ in named]
         layout = layout_digest([(n, tuple(p.shape)) for n, p in named])
-        self.fingerprint = _fingerprint(layout, schedule, self.outer, overlap, run_id)
+        self.fragments = fragments_of([p.numel() for p in self._params], fragments)
+        self.fingerprint = _fingerprint(
+            layout, schedule, self.outer, overlap, run_id, len(self.fragments)
+        )
 
         flat = self._local_flat()
-        # The anchor (where the current inner phase started) exists in overlap mode only; the
-        # synchronous mode keeps no copy of the parameters beyond the global ones.
-        params = flat.clone() if overlap else flat
-        self._state = GlobalState(0, params, torch.zeros_like(flat), layout)
-        self._anchor: torch.Tensor | None = flat if overlap else None
+        self._state = GlobalState(0, flat, torch.zeros_like(flat), layout)
         feedback = compress is not None or error_feedback
         self._residual = torch.zeros_like(flat) if feedback else None
         self._local_step = 0
-        self._samples = 0.0  # samples of local progress not yet in an applied round
+        # By fragment: samples of local progress not yet in an applied round of that fragment.
+        self._samples = [0.0] * len(self.fragments)
         self._step_samples: float | None = None
         self._pending: _Pending | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -233,10 +254,12 @@ class DiLoCo:
         Returns the round's outcome."""
         if self.overlap:
             raise ValueError("finish_inner_phase needs synchronous rounds (overlap=False)")
+        if len(self.fragments) > 1:
+            raise ValueError("finish_inner_phase needs the whole model each round (fragments=1)")
         if local.dtype != torch.float32 or local.shape != self._state.params.shape:
             raise ValueError("local must be a flat float32 vector of the parameters' size")
         self._write_model(local)
-        self._samples = float(samples)
+        self._samples = [float(samples)]
         self._local_step = 0
         self._synchronous_round()
         self._save_checkpoint()
@@ -250,9 +273,8 @@ class DiLoCo:
         None when no round is in flight (always without overlap)."""
         if self._pending is None:
             return None
-        assert self._anchor is not None
         self._outcome = None
-        self._finish_pending(torch.sub(self._anchor, self._local_flat()))
+        self._finish_pending(self._local_flat())
         self._save_checkpoint()
         outcome, self._outcome = self._outcome, None
         return outcome
@@ -345,7 +367,9 @@ class DiLoCo:
     # -- rounds ------------------------------------------------------------------------------
 
     def _after_inner_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._samples += 1.0 if self._step_samples is None else self._step_samples
+        samples = 1.0 if self._step_samples is None else self._step_samples
+        # The step trained every fragment: each counts it until a round of its own applies.
+        self._samples = [s + samples for s in self._samples]
         self._local_step += 1
         if self._local_step == self.inner_steps_at(self.round):
             self._local_step = 0
@@ -359,60 +383,76 @@ class DiLoCo:
             self._save_checkpoint()
 
     def _synchronous_round(self) -> None:
-        local = self._local_flat()
-        delta = torch.sub(self._state.params, local, out=local)  # in place: one flat vector
-        sent, corrected = self._contribution(delta)
-        outcome = self._run_average(self._state.round, sent, self._samples)
+        fragment = fragment_at(self.fragments, self._state.round)
+        span = slice(fragment.start, fragment.stop)
+        local = self._local_flat(fragment)
+        delta = torch.sub(self._state.params[span], local, out=local)  # in place: one vector
+        sent, corrected = self._contribution(delta, fragment)
+        weight = self._samples[fragment.index]
+        outcome = self._run_average(self._state.round, sent, fragment, weight)
         if outcome is None:
             self._state = skipped_round(self._state)
             return
-        self._state = outer_step(self._state, outcome.vector, self.outer, in_place=True)
-        self._samples = 0.0
-        self._keep_dropped(corrected, sent, outcome)
+        self._state = outer_step(self._state, outcome.vector, self.outer, in_place=True, span=span)
+        self._samples[fragment.index] = 0.0
+        self._keep_dropped(corrected, sent, outcome, fragment)
         del outcome, delta, sent, corrected  # the mean goes back to the averager's pool
-        self._write_model(self._state.params)
+        self._write_model(self._state.params[span], fragment)
 
     def _overlapped_round(self) -> None:
-        assert self._anchor is not None
         local = self._local_flat()
-        delta = torch.sub(self._anchor, local)
-        if self._pending is not None:
-            delta = self._finish_pending(delta)
+        rebased = self._finish_pending(local) if self._pending is not None else None
+        fragment = fragment_at(self.fragments, self._state.round)
+        span = slice(fragment.start, fragment.stop)
+        if rebased is not None and rebased[0] == fragment:
+            # One fragment (F = 1): the progress since the last send, exactly as measured.
+            delta = rebased[1]
         else:
-            self._anchor = local
+            # Everything this fragment trained since its last applied round.
+            delta = torch.sub(self._state.params[span], local[span])
+        # The whole vector when F = 1 (no copy); a fragment's slice alone otherwise.
+        anchor = local[span] if len(self.fragments) == 1 else local[span].clone()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
-        weight, self._samples = self._samples, 0.0
-        sent, corrected = self._contribution(delta)
+        weight, self._samples[fragment.index] = self._samples[fragment.index], 0.0
+        sent, corrected = self._contribution(delta, fragment)
         future = self._executor.submit(self._average, self._state.round, sent, weight)
-        self._pending = _Pending(future, delta, weight, sent, corrected)
+        self._pending = _Pending(future, fragment, anchor, delta, weight, sent, corrected)
 
-    def _finish_pending(self, delta: torch.Tensor) -> torch.Tensor:
-        """Wait for the round in flight, apply it, and rebase the model on the global params
-        keeping the progress not yet averaged. ``delta`` is the progress since the anchor (anchor -
-        local). Returns the progress still to be averaged: ``delta``, plus the pending round's own
-        when that round failed. The model and anchor become global params - that progress."""
+    def _finish_pending(self, local: torch.Tensor) -> tuple[Fragment, torch.Tensor]:
+        """Wait for the round in flight, apply it, and rebase its fragment on the new global
+        params keeping the progress not yet averaged: in ``local`` (the flat local parameters,
+        changed in place) and in the model. Returns the fragment and that progress: what it
+        trained since it was sent, plus the pending round's own when that round failed."""
         pending, self._pending = self._pending, None
         assert pending is not None
-        outcome = self._run_average(self._state.round, pending.sent, None, pending.future)
+        fragment = pending.fragment
+        span = slice(fragment.start, fragment.stop)
+        progress = torch.sub(pending.anchor, local[span])
+        outcome = self._run_average(self._state.round, pending.sent, fragment, None, pending.future)
         if outcome is None:
             self._state = skipped_round(self._state)
-            delta = torch.add(pending.delta, delta)
-            self._samples += pending.weight
+            progress = torch.add(pending.delta, progress)
+            self._samples[fragment.index] += pending.weight
         else:
-            self._state = outer_step(self._state, outcome.vector, self.outer, in_place=True)
-            self._keep_dropped(pending.corrected, pending.sent, outcome)
-        self._anchor = torch.sub(self._state.params, delta)
-        self._write_model(self._anchor)
-        return delta
+            self._state = outer_step(
+                self._state, outcome.vector, self.outer, in_place=True, span=span
+            )
+            self._keep_dropped(pending.corrected, pending.sent, outcome, fragment)
+        rebased = torch.sub(self._state.params[span], progress, out=local[span])
+        self._write_model(rebased, fragment)
+        return fragment, progress
 
-    def _contribution(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What to send for ``delta`` and, with error feedback, ``delta`` + residual (what the
-        residual is computed from if the round succeeds; ``_keep_dropped``). A failed round
-        keeps the old residual: its loss is already in the local progress carried on."""
+    def _contribution(
+        self, delta: torch.Tensor, fragment: Fragment
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What to send for ``delta`` (``fragment``'s progress) and, with error feedback,
+        ``delta`` + the fragment's residual (what the residual is computed from if the round
+        succeeds; ``_keep_dropped``). A failed round keeps the old residual: its loss is already
+        in the local progress carried on."""
         if self._residual is None:
             return delta, None
-        corrected = torch.add(delta, self._residual)
+        corrected = torch.add(delta, self._residual[fragment.start : fragment.stop])
         if self._compress is None:
             return corrected, corrected
         sent = self._compress(corrected)
@@ -421,36 +461,45 @@ class DiLoCo:
         return sent, corrected
 
     def _keep_dropped(
-        self, corrected: torch.Tensor | None, sent: torch.Tensor, outcome: AverageOutcome
+        self,
+        corrected: torch.Tensor | None,
+        sent: torch.Tensor,
+        outcome: AverageOutcome,
+        fragment: Fragment,
     ) -> None:
-        """After an applied round: the residual becomes what the codec dropped from
+        """After an applied round: the fragment's residual becomes what the codec dropped from
         ``corrected``, the values the peers received (``outcome.sent``) or else ``sent``."""
         if corrected is not None:
+            assert self._residual is not None
             received = sent if outcome.sent is None else outcome.sent
-            # In place: ``corrected`` (which ``sent`` may be) is not needed after this.
-            self._residual = torch.sub(corrected, received, out=corrected)
+            torch.sub(corrected, received, out=self._residual[fragment.start : fragment.stop])
 
     def _run_average(
         self,
         round: int,
         sent: torch.Tensor,
+        fragment: Fragment,
         weight: float | None,
         future: Future[AverageOutcome] | None = None,
     ) -> AverageOutcome | None:
-        """The averaging's outcome (its vector checked: the averaged flat pseudo-gradient on
-        the CPU), or None when the round failed (logged, counted). Either way the round's
-        ``RoundOutcome`` is left for the call that ran it to return."""
+        """The averaging's outcome (its vector checked: ``fragment``'s averaged pseudo-gradient
+        on the CPU), or None when the round failed (logged, counted). Either way the round's
+        ``RoundOutcome`` is left for the call that ran it to return, with the seconds spent
+        here waiting for the averaging (all of it, or the rest of a ``future``)."""
+        started = time.perf_counter()
         try:
             if future is None:
                 assert weight is not None
                 outcome = self._average(round, sent, weight)
             else:
                 outcome = future.result()
-            averaged = self._check_outcome(outcome)
+            exposed_s = time.perf_counter() - started
+            averaged = self._check_outcome(outcome, fragment)
         except Exception as error:
+            exposed_s = time.perf_counter() - started
             self._failed += 1
             why = str(error) if isinstance(error, AveragingFailed) else _describe(error)
-            self._outcome = RoundOutcome(round, ok=False, error=why)
+            self._outcome = RoundOutcome(round, ok=False, error=why, exposed_s=exposed_s)
             logger.warning(
                 "round %d: averaging failed (%s: %s); no outer update, local progress kept for "
                 "the next round",
@@ -462,17 +511,21 @@ class DiLoCo:
         self._applied += 1
         self._last_contributors = dict(outcome.contributors)
         self._outcome = RoundOutcome(
-            round, ok=True, contributors=dict(outcome.contributors), detail=outcome.detail
+            round,
+            ok=True,
+            contributors=dict(outcome.contributors),
+            detail=outcome.detail,
+            exposed_s=exposed_s,
         )
         return averaged
 
-    def _check_outcome(self, outcome: AverageOutcome) -> AverageOutcome:
-        shape = self._state.params.shape
+    def _check_outcome(self, outcome: AverageOutcome, fragment: Fragment) -> AverageOutcome:
+        shape = torch.Size([fragment.numel])
         for name, vector in (("averaged", outcome.vector), ("sent", outcome.sent)):
             if vector is not None and (vector.shape != shape or vector.dtype != torch.float32):
                 raise ValueError(
                     f"the {name} vector is {vector.dtype} of shape {tuple(vector.shape)}, the "
-                    f"parameters float32 of {tuple(shape)}"
+                    f"round's parameters float32 of {tuple(shape)}"
                 )
         sent = None if outcome.sent is None else outcome.sent.detach().to("cpu")
         return dataclasses.replace(outcome, vector=outcome.vector.detach().to("cpu"), sent=sent)
@@ -491,25 +544,30 @@ class DiLoCo:
             raise ValueError("the state is for another model (parameter layout differs)")
         self._state = state
         self._write_model(state.params)
-        self._anchor = state.params.clone() if self.overlap else None
         self._local_step = 0
-        self._samples = 0.0
+        self._samples = [0.0] * len(self.fragments)
         if self._residual is not None:
             self._residual = torch.zeros_like(state.params)
 
-    def _local_flat(self) -> torch.Tensor:
+    def _tensors(self, fragment: Fragment | None) -> list[torch.nn.Parameter]:
+        return self._params if fragment is None else self._params[fragment.first : fragment.last]
+
+    def _local_flat(self, fragment: Fragment | None = None) -> torch.Tensor:
+        """The local parameters (of ``fragment``; all by default) as one flat float32 copy."""
         with torch.no_grad():
             return torch.cat(
-                [p.detach().to("cpu", torch.float32).reshape(-1) for p in self._params]
+                [p.detach().to("cpu", torch.float32).reshape(-1) for p in self._tensors(fragment)]
             )
 
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        sizes = [p.numel() for p in self._params]
-        return [c.view(p.shape) for c, p in zip(flat.split(sizes), self._params, strict=True)]
+    def _split(self, flat: torch.Tensor, fragment: Fragment | None = None) -> list[torch.Tensor]:
+        params = self._tensors(fragment)
+        sizes = [p.numel() for p in params]
+        return [c.view(p.shape) for c, p in zip(flat.split(sizes), params, strict=True)]
 
-    def _write_model(self, flat: torch.Tensor) -> None:
+    def _write_model(self, flat: torch.Tensor, fragment: Fragment | None = None) -> None:
         with torch.no_grad():
-            for chunk, param in zip(self._split(flat), self._params, strict=True):
+            params = self._tensors(fragment)
+            for chunk, param in zip(self._split(flat, fragment), params, strict=True):
                 param.copy_(chunk)
 
 
@@ -528,10 +586,15 @@ def _describe(error: Exception) -> str:
 
 
 def _fingerprint(
-    layout: bytes, schedule: tuple[int, ...], outer: OuterConfig, overlap: bool, run_id: str
+    layout: bytes,
+    schedule: tuple[int, ...],
+    outer: OuterConfig,
+    overlap: bool,
+    run_id: str,
+    fragments: int = 1,
 ) -> str:
     """What must match for a checkpoint to be resumed: layout, H (schedule), outer settings, mode,
-    run id."""
+    fragments, run id."""
     hasher = hashlib.sha256(b"swarmtrain/diloco/config/1")
     hasher.update(layout)
     hasher.update(struct.pack("<Qdd?", schedule[0], outer.lr, outer.momentum, overlap))
@@ -541,5 +604,7 @@ def _fingerprint(
         hasher.update(struct.pack("<Q", outer.momentum_warmup))
     if len(schedule) > 1:
         hasher.update(struct.pack(f"<{len(schedule)}Q", *schedule))
+    if fragments > 1:
+        hasher.update(struct.pack("<8sQ", b"fragment", fragments))
     hasher.update(run_id.encode())
     return hasher.hexdigest()[:32]

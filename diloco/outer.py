@@ -110,20 +110,24 @@ def outer_step(
     config: OuterConfig,
     *,
     in_place: bool = False,
+    span: slice | None = None,
 ) -> GlobalState:
     """The global state after one outer round: Nesterov step on the averaged pseudo-gradient with
     the momentum of ``state.round`` (see ``OuterConfig.momentum_at``), round + 1.
-    ``pseudo_gradient`` is flat float32 of the state's length (ValueError otherwise).
-    ``in_place``: the new state reuses (and changes) ``state``'s tensors instead of copying them,
-    for a caller that drops ``state`` (DiLoCo: no second copy of a large model's state)."""
+    ``span``: the elements the round averaged (a streaming fragment, ``slice(start, stop)``);
+    only their params and momentum change. ``pseudo_gradient`` is flat float32 of the span's
+    length, the state's without one (ValueError otherwise). ``in_place``: the new state reuses
+    (and changes) ``state``'s tensors instead of copying them, for a caller that drops ``state``
+    (DiLoCo: no second copy of a large model's state)."""
     mu = config.momentum_at(state.round)
-    if not in_place:
-        params, momentum = nesterov_update(
-            state.params, state.momentum, pseudo_gradient, config.lr, mu
-        )
-        return GlobalState(state.round + 1, params, momentum, state.layout)
-    nesterov_update_(state.params, state.momentum, pseudo_gradient, config.lr, mu)
-    return GlobalState(state.round + 1, state.params, state.momentum, state.layout)
+    params, momentum = (
+        (state.params, state.momentum)
+        if in_place
+        else (state.params.clone(), state.momentum.clone())
+    )
+    part = slice(None) if span is None else span
+    nesterov_update_(params[part], momentum[part], pseudo_gradient, config.lr, mu)
+    return GlobalState(state.round + 1, params, momentum, state.layout)
 
 
 def skipped_round(state: GlobalState) -> GlobalState:

@@ -342,6 +342,15 @@ class TrainingSection(_Section):
         "# trains, and its outer step is applied at the end of that phase (hides the\n"
         "# all-reduce behind compute; not in verified runs)",
     )  # fmt: skip
+    fragments: int = _key(
+        1, *_POSITIVE_INT,
+        "streaming DiLoCo: the model's tensors cut into this many contiguous fragments of\n"
+        "# about equal size; round r averages and outer-steps fragment r mod fragments only\n"
+        "# (about 1/fragments of the bytes a round; each fragment syncs every `fragments`\n"
+        "# rounds, the others train on meanwhile); with overlap each fragment's averaging runs\n"
+        "# behind the next inner phase; at most the model's trainable tensors; not in verified\n"
+        "# runs",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -510,6 +519,7 @@ class RunConfig:
                     "precision",
                     "overlap",
                     "error_feedback",
+                    "fragments",
                 )
                 if getattr(training, name) != getattr(defaults, name)
             ]

@@ -40,6 +40,8 @@ from diloco import (
     RoundOutcome,
     eval_batches,
     evaluate,
+    fragment_at,
+    fragments_of,
     inner_batches,
 )
 from p2p import PeerID
@@ -79,6 +81,9 @@ class NodeSummary:
     eval_loss: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
+    # Seconds training waited for averaging (all of it without overlap; with overlap the wait
+    # for a result the next inner phase did not hide), summed over this process's rounds.
+    averaging_exposed_s: float = 0.0
     agree: bool | None = None  # the last round's state hash equals the majority's
     syncs: int = 0  # states downloaded from peers (joining, catching up, re-syncing)
     round_seconds: list[float] = field(default_factory=list)
@@ -104,6 +109,7 @@ class NodeSummary:
             "eval_loss": self.eval_loss,
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
+            "averaging_exposed_s": round(self.averaging_exposed_s, 3),
             "agree": self.agree,
             "syncs": self.syncs,
             "round_seconds": [round(s, 3) for s in self.round_seconds],
@@ -156,12 +162,29 @@ def tokens_per_round(config: RunConfig) -> int:
 
 
 def weight_bounds(config: RunConfig) -> tuple[float, float]:
-    """The weights the run's reducers accept (``[swarm] max_weight_rounds``); a verified run's
-    tasks are one round each, so its weight is exactly one round's tokens."""
+    """The weights the run's reducers accept (``[swarm] max_weight_rounds``, per fragment: a
+    streaming fragment syncs every ``fragments`` rounds and weighs the tokens of all of them); a
+    verified run's tasks are one round each, so its weight is exactly one round's tokens."""
     one = float(tokens_per_round(config))
     if config.verify.rate > 0:
         return one, one
-    return 0.0, one * config.swarm.max_weight_rounds
+    return 0.0, one * config.swarm.max_weight_rounds * config.training.fragments
+
+
+def round_sizes(config: RunConfig, model: nn.Module) -> Callable[[int], tuple[int, ...]]:
+    """The segments of DiLoCo's vector in round r: the sizes of the trainable parameters of the
+    round's fragment (``[training] fragments``; all of them when 1), in model order, as
+    ``DiLoCo`` cuts the same model. Raises ValueError naming the key when there are more
+    fragments than trainable tensors."""
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    count = config.training.fragments
+    if count > len(sizes):
+        raise ValueError(
+            f"training.fragments = {count} is more than the model's {len(sizes)} trainable "
+            "tensors (a fragment holds whole tensors)"
+        )
+    fragments = fragments_of(sizes, count)
+    return lambda round: fragment_at(fragments, round).sizes
 
 
 _COMPRESSIONS = {
@@ -239,9 +262,9 @@ def train(
         runtime,
         averager,
         check=verification.check_aggregation if verification is not None else None,
-        # DiLoCo's vector is its trainable parameters in model order; each is one segment, so
-        # the averager picks codecs per parameter.
-        sizes=[p.numel() for p in model.parameters() if p.requires_grad],
+        # DiLoCo's vector is its trainable parameters (of the round's fragment) in model order;
+        # each is one segment, so the averager picks codecs per parameter.
+        sizes=round_sizes(config, model),
     )
     diloco = build_diloco(config, model, average, state_dir, inner)
     elastic = Elastic(
@@ -340,6 +363,7 @@ def build_diloco(
         error_feedback=training.error_feedback or config.swarm.compression == "sparse",
         overlap=training.overlap,
         grad_scaler=grad_scaler(model, training),
+        fragments=training.fragments,
     )
 
 
@@ -509,6 +533,8 @@ def _record_round(
     summary.loss_first = mean_loss if summary.loss_first is None else summary.loss_first
     summary.loss_last = mean_loss
     summary.round_losses[r] = mean_loss
+    summary.averaging_exposed_s += outcome.exposed_s
+    exposed = f"averaging exposed {outcome.exposed_s:.2f} s"
     state_hash = diloco.state_hash()
     elastic.fresh = False  # only the first round after adopting a state needs the expected set
     # Before the record that tells joiners to ask us for it; after a failed round as well: when
@@ -543,7 +569,7 @@ def _record_round(
         why = outcome.error or "no averaging"
         emit(
             f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s FAILED ({why}); "
-            f"state {state_hash[:12]} {round_s:.1f} s"
+            f"{exposed} state {state_hash[:12]} {round_s:.1f} s"
         )
         # The others may have succeeded: then their state is ahead of our skipped one. They may
         # still be in the round: its deadlines bound how long it can outlast ours.
@@ -575,7 +601,7 @@ def _record_round(
     emit(
         f"round {r} loss {mean_loss:.3f} {tokens / inner_s:.0f} tok/s peers {report.peers} "
         f"sent {_mib(report.bytes_sent)} recv {_mib(report.bytes_received)} "
-        f"allreduce {report.allreduce_s:.2f} s state {state_hash[:12]} agree {agree} "
+        f"allreduce {report.allreduce_s:.2f} s {exposed} state {state_hash[:12]} agree {agree} "
         f"{round_s:.1f} s{verification.note(r) if verification is not None else ''}"
     )
     drifted = agreement is not None and not agreement.agrees and agreement.majority is not None

@@ -60,8 +60,9 @@ class RoundReport:
 class SwarmAverage:
     """Callable as diloco's ``Average``; the outcome's ``detail`` is the round's ``RoundReport``.
 
-    ``sizes``: the segments of DiLoCo's vector (its trainable parameters' sizes, in order); one
-    segment when not given."""
+    ``sizes``: the segments of DiLoCo's vector (its trainable parameters' sizes, in order), or
+    a function of the round giving them (streaming fragments: the vector is one fragment's,
+    another each round); one segment when not given."""
 
     def __init__(
         self,
@@ -72,13 +73,13 @@ class SwarmAverage:
         check: Callable[[swarm.AveragingResult], None] | None = None,
         behind: Callable[[int], str | None] | None = None,
         *,
-        sizes: Sequence[int] | None = None,
+        sizes: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         self._runtime = runtime
         self._averager = averager
         self._max_weight = averager.config.weight_bounds[1]
         self._check = check
-        self._sizes = None if sizes is None else tuple(sizes)
+        self._sizes = sizes if sizes is None or callable(sizes) else tuple(sizes)
         self.set_rules(expected=expected, exclude=exclude, behind=behind)
 
     def set_rules(
@@ -102,7 +103,8 @@ class SwarmAverage:
             raise AveragingFailed(why)
         expected = self._expected(round) if self._expected is not None else None
         exclude = frozenset(self._exclude(round)) if self._exclude is not None else frozenset()
-        averager, sizes = self._averager, self._sizes
+        averager = self._averager
+        sizes = self._sizes(round) if callable(self._sizes) else self._sizes
         # Rounds of carried work past the run's bound: counted at the bound, not dropped by
         # every reducer as an inflated claim.
         weight = min(weight, self._max_weight)

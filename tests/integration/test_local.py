@@ -54,13 +54,15 @@ def test_local_swarm_trains_and_agrees(tmp_path: Path) -> None:
 
 
 def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Path) -> None:
-    """``[training] overlap`` and ``error_feedback`` with ``[swarm] compression = "int8"``:
-    each round's averaging runs behind the next inner phase, every tensor travels as int8
-    and what the codec dropped is carried into the next round; the peers still end each
-    round bit-identical and the loss falls."""
+    """``[training] overlap`` and ``error_feedback`` with ``[swarm] compression = "int8"``,
+    streaming two fragments: each round's averaging (of one fragment, the other training on)
+    runs behind the next inner phase, every tensor travels as int8 and what the codec dropped
+    is carried into the next round; the peers still end each round bit-identical, the loss
+    falls, and each round line says how long training waited for its averaging."""
     run_toml = tmp_path / "run.toml"
     run_toml.write_text(
-        '[training]\noverlap = true\nerror_feedback = true\n[swarm]\ncompression = "int8"\n'
+        "[training]\noverlap = true\nerror_feedback = true\nfragments = 2\n"
+        '[swarm]\ncompression = "int8"\n'
     )
     summary_path = tmp_path / "local.json"
     command = [
@@ -84,6 +86,7 @@ def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Pa
         assert "averaging while round 1 trains" in lines[0], lines
         averaged = [line for line in lines if "agree yes (2/2)" in line]
         assert [line.split()[2] for line in averaged] == ["0", "1", "2"], lines
+        assert all("averaging exposed" in line for line in averaged), lines
 
 
 def test_ctrl_c_then_restart_resumes_from_the_checkpoint_skipping_a_corrupt_one(

@@ -110,6 +110,12 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
             '[swarm]\ncompression = "sparse"\n[verify]\nrate = 0.5\n',
             'swarm.compression = "sparse": a verified run averages exactly',
         ),
+        ("[training]\nfragments = 0\n", "training.fragments must be a positive integer"),
+        ("[training]\nfragments = true\n", "training.fragments must be a positive integer"),
+        (
+            "[training]\nfragments = 2\n[verify]\nrate = 0.5\n",
+            "training.fragments: a verified run",
+        ),
     ],
 )
 def test_bad_configs_name_the_key(tmp_path: Path, toml: str, message: str) -> None:
@@ -319,3 +325,30 @@ def test_sparse_keys_make_the_nodes_codec_and_turn_error_feedback_on() -> None:
     assert torch.equal(sent0, progress0)  # nothing carried yet
     assert torch.allclose(sent1 - progress1, progress0, atol=1e-7)  # round 0's, carried
     assert progress0.abs().max() > 1e-4
+
+
+def test_fragments_are_signed_and_cut_the_nodes_rounds_as_diloco_does() -> None:
+    from diloco import ByteTransformer
+    from swarmtrain.training.loop import build_diloco, round_sizes, weight_bounds
+
+    config = RunConfig(run=RunSection(id="streaming"), training=TrainingSection(fragments=3))
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config.training.fragments == 3
+    obj = msgpack.unpackb(data, raw=False)
+    changed = [[k, 1 if k == "training.fragments" else v] for k, v in obj[1]]
+    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    with pytest.raises(SpecRefused, match="tampered with"):
+        verify_spec(tampered, signature, coordinator)
+
+    model = ByteTransformer(seed=0)
+    sizes_at = round_sizes(config, model)
+    with build_diloco(config, model, lambda *_: None) as diloco:  # type: ignore[arg-type,return-value]
+        # The averaging's segments in round r are the parameters of DiLoCo's fragment r mod 3.
+        assert [sizes_at(r) for r in range(6)] == [diloco.fragments[r % 3].sizes for r in range(6)]
+    # A fragment weighs the tokens of the 3 rounds since it last synced: the bound follows.
+    assert weight_bounds(config)[1] == 3 * weight_bounds(RunConfig())[1]
+    too_many = config.replace(training={"fragments": 1000})
+    with pytest.raises(ValueError, match=r"training\.fragments = 1000 is more than the model's"):
+        round_sizes(too_many, model)
