@@ -416,7 +416,7 @@ def _nll_loss(
     x = _f32(x, "aten.nll_loss_forward")
     rows, tgt = x.reshape(-1, x.shape[-1]), target.reshape(-1, 1)
     kept = tgt != ignore_index
-    picked = rows.gather(1, torch.where(kept, tgt, 0)).masked_fill_(~kept, 0.0)[:, 0].neg_()
+    picked = rows.gather(1, torch.where(kept, tgt, 0)).neg_().masked_fill_(~kept, 0.0)[:, 0]
     count = kept.sum().to(F32)
     if reduction == 0:
         return picked.view(target.shape), torch.zeros((), dtype=F32, device=x.device)
