@@ -335,6 +335,11 @@ def test_unmapped_operator_is_refused_with_its_name_before_it_runs() -> None:
             call()
 
 
+def test_the_mode_is_entered_once() -> None:
+    with RepOpsMode(), pytest.raises(RuntimeError, match="already active"), RepOpsMode():
+        pass
+
+
 def test_integer_arithmetic_and_data_movement_run_natively() -> None:
     tokens = torch.tensor([[3, 1], [2, 7]])
     x = torch.randn(2, 3)

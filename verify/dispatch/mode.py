@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 from verify.dispatch.aten import EXACT, HANDLERS, UnmappedOperator
@@ -74,6 +74,9 @@ class RepOpsMode(TorchDispatchMode):
         self._attention: Any = None
 
     def __enter__(self) -> RepOpsMode:
+        # A second RepOpsMode would see the first one's kernels as operators to route.
+        if any(isinstance(m, RepOpsMode) for m in _get_current_dispatch_mode_stack()):
+            raise RuntimeError("RepOpsMode is already active; enter it once")
         self._attention = sdpa_kernel([SDPBackend.MATH])
         self._attention.__enter__()
         try:
