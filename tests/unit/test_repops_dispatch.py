@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from verify.dispatch import HANDLERS, RepOpsMode, UnmappedOperator, survey
 from verify.dispatch.reference import REFERENCE
 from verify.repops import native as repops_native
+from verify.repops import ops, reference
 
 FEW = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 Rng = np.random.Generator
@@ -172,6 +173,14 @@ def _backward_pair(rng: Rng) -> Case:
     return _pair(rng), {}
 
 
+def _gelu(backward: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        args = _pair(rng) if backward else (_x(rng, _shape(rng)),)
+        return args, {"approximate": str(rng.choice(["none", "tanh"]))}
+
+    return build
+
+
 CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.add.Tensor": _binary("alpha"),
     "aten.add.Scalar": _binary("scalar"),
@@ -212,8 +221,8 @@ CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.sigmoid_backward.default": _backward_pair,
     "aten.silu.default": _unary(),
     "aten.silu_backward.default": _backward_pair,
-    "aten.gelu.default": _unary(),
-    "aten.gelu_backward.default": _backward_pair,
+    "aten.gelu.default": _gelu(False),
+    "aten.gelu_backward.default": _gelu(True),
     "aten.pow.Tensor_Scalar": _pow,
     "aten.mm.default": _matmul(False),
     "aten.bmm.default": _matmul(True),
@@ -322,7 +331,7 @@ def test_unmapped_operator_is_refused_with_its_name_before_it_runs() -> None:
     a = torch.ones(2, 2, dtype=torch.float64)
     refusals = [
         (lambda: torch.mm(a, a), r"aten\.mm .*float64 tensor; RepOps maps float32"),
-        (lambda: torch.nn.functional.gelu(x, approximate="tanh"), "approximate='tanh'"),
+        (lambda: torch.ops.aten.gelu(x, approximate="erf"), "approximate='erf'"),
         (
             lambda: x.abs().pow(2.5),
             r"aten\.pow\.Tensor_Scalar has no RepOps mapping \(exponent 2\.5\)",
@@ -360,3 +369,24 @@ def test_survey_lists_the_operators_and_the_unmapped_ones() -> None:
     assert survey(lambda: torch.randn(2)).unmapped == {"aten.randn.default"}  # no RNG mapped
     assert found.ops["aten.log1p.default"] == 1 and found.ops["aten.sum.default"] == 1
     assert model.weight.grad is not None  # it ran, natively
+
+
+def test_tanh_sin_and_cos_kernels_are_accurate_and_equal_their_numpy_twins() -> None:
+    # The kernels RepOps adds for tanh (GPT-2's GELU) and sin/cos (rotary embeddings).
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(20000) * rng.choice([0.01, 0.5, 3.0, 200.0], 20000)).astype(np.float32)
+    x = np.concatenate([x, np.array([0.0, -0.0, 0.625, -0.625, 44.0, 100.0, -1e-30], np.float32)])
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        tanh = ops.tanh(torch.from_numpy(x)).numpy()
+        sin, cos = (t.numpy() for t in ops.sin_cos(torch.from_numpy(x)))
+        with np.errstate(all="ignore"):
+            _same(tanh, reference.tanh(x), "tanh")
+            _same([sin, cos], list(reference.sin_cos(x)), "sin_cos")
+    torch.set_num_threads(1)
+    wide = x.astype(np.float64)
+    ulp = np.spacing(np.abs(np.tanh(wide)).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(tanh - np.tanh(wide)) <= 3 * ulp)
+    for got, truth in ((sin, np.sin(wide)), (cos, np.cos(wide))):
+        ulp = np.spacing(np.abs(truth).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(got - truth) <= ulp)  # within one ulp (measured: half of one)

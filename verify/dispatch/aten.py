@@ -224,22 +224,43 @@ def _silu_backward(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.mul(grad, s.mul_(inner))
 
 
-def _gelu_exact(name: str, approximate: str) -> None:
-    if approximate != "none":
-        raise UnmappedOperator(name, f"approximate={approximate!r}; RepOps maps the exact GELU")
+GELU_BETA, GELU_KAPPA = math.sqrt(2.0 / math.pi), 0.044715  # tanh GELU: tanh(beta (x + k x^3))
+
+
+def _gelu_kind(name: str, approximate: str) -> bool:
+    """True for the tanh approximation, False for the exact GELU; refuses anything else."""
+    if approximate not in ("none", "tanh"):
+        raise UnmappedOperator(name, f"approximate={approximate!r}")
+    return approximate == "tanh"
+
+
+def _gelu_tanh_inner(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x^2, tanh(beta (x + kappa x^3))) in torch's operation order, each op rounded."""
+    x2 = torch.mul(x, x)
+    inner = torch.mul(x2, x).mul_(GELU_KAPPA).add_(x).mul_(GELU_BETA)
+    return x2, ops.tanh(inner)
 
 
 @_maps(aten.gelu.default)
 def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    _gelu_exact("aten.gelu.default", approximate)
+    """x Phi(x) with RepOps' erf; or (x / 2)(1 + tanh(beta (x + kappa x^3)))."""
     x = _f32(x, "aten.gelu")
-    return torch.mul(x, ops.OPS["gelu_cdf"]([x.contiguous()], {}))  # x Phi(x)
+    if _gelu_kind("aten.gelu.default", approximate):
+        return torch.mul(x, 0.5).mul_(_gelu_tanh_inner(x)[1].add_(1.0))
+    return torch.mul(x, ops.OPS["gelu_cdf"]([x.contiguous()], {}))
 
 
 @_maps(aten.gelu_backward.default)
 def _gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    _gelu_exact("aten.gelu_backward.default", approximate)
+    """dy (Phi(x) + x phi(x)); for tanh, torch's formula: dy ((1 + t) / 2
+    + (x / 2)(1 - t^2) beta (1 + 3 kappa x^2)), t the forward's tanh."""
     x = _f32(x, "aten.gelu_backward").contiguous()
+    if _gelu_kind("aten.gelu_backward.default", approximate):
+        x2, t = _gelu_tanh_inner(x)
+        left = torch.add(t, 1.0).mul_(0.5)
+        slope = x2.mul_(3.0 * GELU_KAPPA).add_(1.0)
+        right = torch.mul(x, 0.5).mul_(torch.sub(_one(t), torch.mul(t, t))).mul_(GELU_BETA)
+        return torch.mul(grad, left.add_(right.mul_(slope)))
     cdf = ops.OPS["gelu_cdf"]([x], {})
     return ops.OPS["gelu_backward"]([x, cdf, grad.contiguous()], {})
 

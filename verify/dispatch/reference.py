@@ -60,6 +60,30 @@ def gelu_cdf(x: np.ndarray) -> np.ndarray:
     return kernels.OPS["gelu_cdf"]([x], {})
 
 
+BETA, KAPPA = F32(math.sqrt(2.0 / math.pi)), F32(0.044715)
+
+
+def _tanh_inner(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x2 = x * x
+    return x2, kernels.tanh((((x2 * x) * KAPPA) + x) * BETA)
+
+
+def gelu(x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    if approximate == "tanh":
+        return (x * F32(0.5)) * (_tanh_inner(x)[1] + ONE)
+    return x * gelu_cdf(x)
+
+
+def gelu_backward(g: np.ndarray, x: np.ndarray, approximate: str = "none") -> np.ndarray:
+    if approximate == "tanh":
+        x2, t = _tanh_inner(x)
+        left = (t + ONE) * F32(0.5)
+        slope = (x2 * F32(3.0 * 0.044715)) + ONE
+        right = ((x * F32(0.5)) * (ONE - t * t)) * BETA
+        return g * (left + right * slope)
+    return kernels.OPS["gelu_backward"]([x, gelu_cdf(x), g], {})
+
+
 def power(x: np.ndarray, exponent: float) -> np.ndarray:
     if exponent == 0.5:
         return np.sqrt(x)
@@ -249,10 +273,8 @@ REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.sigmoid_backward.default": lambda g, y: g * ((ONE - y) * y),
     "aten.silu.default": lambda x: x / (kernels.exp(-x) + ONE),
     "aten.silu_backward.default": silu_backward,
-    "aten.gelu.default": lambda x, approximate="none": x * gelu_cdf(x),
-    "aten.gelu_backward.default": lambda g, x, approximate="none": kernels.OPS["gelu_backward"](
-        [x, gelu_cdf(x), g], {}
-    ),
+    "aten.gelu.default": gelu,
+    "aten.gelu_backward.default": gelu_backward,
     "aten.pow.Tensor_Scalar": power,
     "aten.mm.default": kernels.matmul,
     "aten.bmm.default": kernels.matmul,
