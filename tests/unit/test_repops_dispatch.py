@@ -5,7 +5,7 @@ the compiled kernels switched off; unmapped operators are refused by name."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,14 @@ from verify.repops import ops, reference
 FEW = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 Rng = np.random.Generator
 Case = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    # The tests switch torch's thread count; whatever they leave, the next test starts as before.
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
 
 
 def _x(rng: Rng, shape: tuple[int, ...], positive: bool = False) -> np.ndarray:
@@ -304,7 +312,26 @@ def test_mapped_operator_equals_numpy_reference(name: str, seed: int) -> None:
         if inplace:
             assert got is torch_args[0]
         _same(_numpy(got), want, f"{name} threads={threads} compiled={compiled}")
-    torch.set_num_threads(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mapped_operator_on_cuda_equals_cpu(name: str) -> None:
+    # The eager kernels on the GPU (the compiled ones are CPU-only) against the CPU's bits.
+    for seed in range(3):
+        args, kwargs = CASES[name](np.random.default_rng(seed))
+        op = _overload(name)
+        results = []
+        for device in ("cpu", "cuda"):
+            moved = [_torch(a).to(device) if isinstance(a, np.ndarray) else a for a in args]
+            with RepOpsMode():
+                got = op(*moved, **kwargs)
+            results.append(torch.utils._pytree.tree_map(_to_cpu, got))
+        _same(_numpy(results[1]), _numpy(results[0]), f"{name} cuda, seed {seed}")
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
 # ---- refusals ---------------------------------------------------------------------------------
@@ -383,7 +410,6 @@ def test_tanh_sin_and_cos_kernels_are_accurate_and_equal_their_numpy_twins() -> 
         with np.errstate(all="ignore"):
             _same(tanh, reference.tanh(x), "tanh")
             _same([sin, cos], list(reference.sin_cos(x)), "sin_cos")
-    torch.set_num_threads(1)
     wide = x.astype(np.float64)
     ulp = np.spacing(np.abs(np.tanh(wide)).astype(np.float32)).astype(np.float64)
     assert np.all(np.abs(tanh - np.tanh(wide)) <= 3 * ulp)

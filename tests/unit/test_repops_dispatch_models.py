@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -50,6 +50,14 @@ COMMON = {
 }  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    # The tests switch torch's thread count; whatever they leave, the next test starts as before.
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def _step(
     model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, repops: bool
 ) -> tuple[dict[str, np.ndarray], float, list[torch.Tensor], Counter[str]]:
@@ -75,13 +83,11 @@ def test_training_step_is_bit_identical_on_one_and_two_threads(name: str) -> Non
     model = build()
     generator = torch.Generator().manual_seed(7)
     inputs, targets = torch.randint(0, vocab, (2, 2, 24), generator=generator)
-    try:
-        torch.set_num_threads(1)
-        one, loss, grads, ops = _step(model, inputs, targets, repops=True)
-        torch.set_num_threads(2)
-        two, *_ = _step(model, inputs, targets, repops=True)
-    finally:
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
+    one, loss, grads, ops = _step(model, inputs, targets, repops=True)
+    torch.set_num_threads(2)
+    two, *_ = _step(model, inputs, targets, repops=True)
+    torch.set_num_threads(1)
     assert state_hash(one) == state_hash(two)
 
     used = set(ops)

@@ -441,7 +441,7 @@ def _nll_loss(
     count = kept.sum().to(F32)
     if reduction == 0:
         return picked.view(target.shape), torch.zeros((), dtype=F32, device=x.device)
-    total = ops.sum_tree(picked, 0) if len(picked) else torch.zeros((), dtype=F32)
+    total = ops.sum_tree(picked, 0) if len(picked) else torch.zeros((), dtype=F32, device=x.device)
     return (torch.div(total, count) if reduction == 1 else total), count
 
 
