@@ -1,7 +1,7 @@
 """RepOps training-step time against native torch, same model, same batch, same process.
 
     python -m bench.repops [--steps 10] [--warmup 2] [--threads 1] [--batch 8] [--traced]
-    python -m bench.repops --model default|llama-tiny|gpt2-tiny [--steps 10] [--threads 1] ...
+    python -m bench.repops --model default|llama-tiny|gpt2-tiny [--list-ops] [--steps 10] ...
 
 With ``--model`` the RepOps side is RepOps by dispatch (``verify.dispatch.RepOpsMode``): the
 named model's own forward, loss, backward and ``torch.optim.AdamW`` step, run under the mode, on
@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--traced", action="store_true", help="also time the recorded step")
     parser.add_argument(
+        "--list-ops", action="store_true", help="with --model: print each aten operator's calls"
+    )
+    parser.add_argument(
         "--model",
         choices=["default", *DISPATCH_MODELS],
         help="time RepOps by dispatch on this model (default: the hand-written graph)",
@@ -78,6 +81,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.threads < 1 or args.batch < 1:
         parser.error("--steps, --threads and --batch must be positive, --warmup non-negative")
+    if args.list_ops and not args.model:
+        parser.error("--list-ops lists RepOps by dispatch's operators: it needs --model")
     if args.model and args.traced:
         parser.error("--traced times the hand-written graph; it does not combine with --model")
     torch.set_num_threads(args.threads)
@@ -219,6 +224,10 @@ def dispatch_bench(args: argparse.Namespace) -> None:
     print(f"ratio repops/native: {result['ratio']:.2f} wall, {result['ratio_cpu']:.2f} CPU")
     first, last = losses[0], losses[-1]
     print(f"loss native {first[0]:.3f} -> {last[0]:.3f}, repops {first[1]:.3f} -> {last[1]:.3f}")
+    if args.list_ops:
+        print(f"{'calls':>6}  aten operator (one RepOps step)")
+        for name, calls in sorted(modes[0].ops.items()):
+            print(f"{calls:6d}  {name}")
     print(json.dumps(result))
 
 
