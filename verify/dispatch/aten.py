@@ -319,7 +319,9 @@ def sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
     kept = [d for d in range(x.dim()) if d not in dims]
     moved = x.permute(*kept, *dims)
     flat = moved.reshape(*moved.shape[: len(kept)], -1)
-    if flat.shape[-1]:
+    if flat.shape[-1] == 1:  # sum_tree would return a view of the input: a result must not alias
+        out = flat[..., 0].clone()
+    elif flat.shape[-1]:
         out = ops.sum_tree(flat, -1)
     else:
         out = torch.zeros(flat.shape[:-1], dtype=x.dtype, device=x.device)

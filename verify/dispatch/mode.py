@@ -2,10 +2,11 @@
 
 Inside the mode every aten operator is routed by ``verify.dispatch.aten``: a mapped operator runs
 its reproducible definition, an exact one (views, copies, selections, integer arithmetic) runs
-natively, and any other operator raises ``UnmappedOperator`` naming it before it computes
-anything. Attention goes through torch's math path (``sdpa_kernel(MATH)`` is entered with the
-mode), which decomposes ``scaled_dot_product_attention`` into matmuls and a softmax the mode
-maps; the fused CPU and CUDA attention kernels are not mapped.
+natively, and any other operator raises ``UnmappedOperator`` naming it: before it runs when it
+has floating-point inputs, and before its result is used when only its output is floating
+point. Attention goes through torch's math path (``sdpa_kernel(MATH)`` is entered with the mode),
+which decomposes ``scaled_dot_product_attention`` into matmuls and a softmax the mode maps; the
+fused CPU and CUDA attention kernels are not mapped.
 
 ``survey(fn)`` lists the operators ``fn`` uses and the unmapped ones among them, running
 everything natively: what a run's spec check calls to refuse a model before training starts.
