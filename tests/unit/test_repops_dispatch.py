@@ -33,9 +33,10 @@ def _threads_restored() -> Iterator[None]:
 
 
 def _x(rng: Rng, shape: tuple[int, ...], positive: bool = False) -> np.ndarray:
-    """float32 values over several binades (and some exact zeros)."""
+    """float32 values over several binades (and some zeros of either sign)."""
     x = np.asarray(rng.standard_normal(shape) * rng.choice([0.01, 1.0, 12.0], shape))
     x[rng.random(shape) < 0.05] = 0.0
+    x[rng.random(shape) < 0.03] = -0.0
     return np.asarray(np.abs(x) + 1e-3 if positive else x, dtype=np.float32)
 
 
@@ -163,6 +164,7 @@ def _layer_norm(backward: bool) -> Callable[[Rng], Case]:
 
 def _embedding_backward(rng: Rng) -> Case:
     vocab, tokens, width = (int(v) for v in rng.integers(1, 50, size=3))
+    tokens = 1 if rng.random() < 0.25 else tokens  # one token: the exact sum is the gradient
     indices = rng.integers(0, vocab, (tokens,))
     padding = int(rng.integers(0, vocab)) if rng.random() < 0.3 else -1
     return (_x(rng, (tokens, width)), indices, vocab, padding, False), {}
@@ -225,6 +227,7 @@ CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.sin.default": _unary(),
     "aten.cos.default": _unary(),
     "aten.sigmoid.default": _unary(),
+    "aten.relu.default": _unary(),
     "aten.tanh_backward.default": _backward_pair,
     "aten.sigmoid_backward.default": _backward_pair,
     "aten.silu.default": _unary(),

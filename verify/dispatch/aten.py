@@ -200,6 +200,14 @@ HANDLERS.update(
 )
 
 
+@_maps(aten.relu.default)
+def _relu(x: torch.Tensor) -> torch.Tensor:
+    """x where x > 0, else +0: a selection (torch's max(x, 0) may keep a -0 in its vector body
+    and not in its scalar tail)."""
+    x = _f32(x, "aten.relu")
+    return torch.where(x > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 @_maps(aten.tanh_backward.default)
 def _tanh_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.mul(grad, torch.sub(_one(y), torch.mul(y, y)))  # dy (1 - y^2)
@@ -543,7 +551,11 @@ def _embedding_backward(
     if scale_grad_by_freq:
         raise UnmappedOperator("aten.embedding_dense_backward.default", "scale_grad_by_freq")
     dy = _f32(grad, "aten.embedding_dense_backward").reshape(-1, grad.shape[-1])
-    out = ops.OPS["embedding_backward"]([indices.reshape(1, -1), dy], {"vocab": num_weights})
+    if len(dy) == 1:  # one token: the kernel's grids would need 52 bits; its exact sum is dy
+        out = torch.zeros(num_weights, dy.shape[1], dtype=F32, device=dy.device)
+        out[indices.reshape(-1)[0]] = torch.add(dy[0], 0.0)  # + 0: as the matmul's -0 -> +0
+    else:
+        out = ops.OPS["embedding_backward"]([indices.reshape(1, -1), dy], {"vocab": num_weights})
     if padding_idx >= 0:
         out[padding_idx] = 0.0
     return out
@@ -567,10 +579,10 @@ EXACT: frozenset[torch._ops.OpOverloadPacket] = frozenset(
         aten.fill,
         # moving and selecting values
         aten.cat, aten.stack, aten.embedding, aten.index_select, aten.index, aten.gather,
-        aten.scatter, aten.where, aten.masked_fill, aten.masked_fill_, aten.tril, aten.triu,
+        aten.where, aten.masked_fill, aten.masked_fill_, aten.tril, aten.triu,
         aten.tril_, aten.triu_, aten.flip, aten.roll, aten.repeat, aten.repeat_interleave,
         aten.slice_backward, aten.select_backward, aten.slice_scatter, aten.select_scatter,
-        aten.neg, aten.abs, aten.relu, aten.threshold_backward,
+        aten.neg, aten.abs, aten.threshold_backward,
         # comparisons and logic
         aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.logical_not,
         aten.logical_and, aten.logical_or, aten.all, aten.any, aten.isnan, aten.isinf,

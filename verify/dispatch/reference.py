@@ -269,6 +269,7 @@ REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.sin.default": lambda x: kernels.sin_cos(x)[0],
     "aten.cos.default": lambda x: kernels.sin_cos(x)[1],
     "aten.sigmoid.default": sigmoid,
+    "aten.relu.default": lambda x: np.where(x > 0, x, F32(0.0)),
     "aten.tanh_backward.default": lambda g, y: g * (ONE - y * y),
     "aten.sigmoid_backward.default": lambda g, y: g * ((ONE - y) * y),
     "aten.silu.default": lambda x: x / (kernels.exp(-x) + ONE),
