@@ -54,6 +54,18 @@ SQRT_HALF = 0.7071067811865476
 LN2 = 0.6931471805599453
 # log(f) = 2 atanh(u), u = (f - 1) / (f + 1): coefficients 1/(2k+1), highest degree first.
 LOG_SERIES = tuple(1.0 / (2 * k + 1) for k in range(8, -1, -1))
+# Cephes tanhf: tanh(x) ~ x + x^3 P(x^2) for |x| < TANH_SMALL, highest degree first.
+TANH_POLY = (-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2, 1.33314422036e-1,
+             -3.33332819422e-1)  # fmt: skip
+TANH_SMALL = 0.625
+# sin and cos reduce x by k pi/2 in float64: PIO2_HI holds pi/2's first 33 bits, so k * PIO2_HI
+# is exact for |k| < 2**20 (fdlibm's pio2_1 and pio2_1t); beyond that accuracy, not
+# reproducibility, degrades.
+TWO_OVER_PI = 0.6366197723675814
+PIO2_HI, PIO2_LO = 1.57079632673412561417e00, 6.07710050650619224932e-11
+# Taylor coefficients of sin(r) / r - 1 and cos(r) - 1 in r^2 (|r| <= pi/4), highest degree first.
+SIN_SERIES = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(8, 0, -1))
+COS_SERIES = tuple((-1) ** k / math.factorial(2 * k) for k in range(8, 0, -1))
 # The constants above as float32, in the order verify/repops/native.c's kernels read them.
 NATIVE_CONSTANTS = torch.tensor(
     [EXP_LO, EXP_HI, LOG2E, EXP_C1, EXP_C2, *EXP_POLY, *ERF_NUM, *ERF_DEN, INV_SQRT2,
@@ -299,6 +311,49 @@ def log_pos(s: torch.Tensor) -> torch.Tensor:
         p.mul_(u2).add_(c)
     p.mul_(u).mul_(2.0)
     return torch.mul(e, LN2).add_(p).to(F32)
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    """float32 tanh (Cephes tanhf scheme): x + x^3 P(x^2) below TANH_SMALL in magnitude, else
+    1 - 2 / (exp(2|x|) + 1) with our ``exp`` and x's sign. Within 3 float32 ulp (tested)."""
+    a = x.abs()
+    big = torch.sub(_c(1.0, x), torch.div(_c(2.0, x), exp(torch.add(a, a)).add_(1.0)))
+    big = torch.where(x < 0, big.neg(), big)
+    z = torch.mul(x, x)
+    p = torch.mul(z, TANH_POLY[0]).add_(TANH_POLY[1])
+    for c in TANH_POLY[2:]:
+        p.mul_(z).add_(c)
+    small = p.mul_(z).mul_(x).add_(x)
+    return torch.where(a < TANH_SMALL, small, big)
+
+
+def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (sin x, cos x), each computed in float64 and rounded once.
+
+    x - k pi/2 with k = round(x 2/pi) is reduced in two exact-product steps, then Taylor series
+    to r^17 on |r| <= pi/4 (truncation below 1e-16); the quadrant k mod 4, computed in float64
+    (no float-to-int conversion, whose overflow differs between vector and scalar code), picks
+    the signs. Every step is a separate IEEE float64 operation."""
+    x64 = x.to(F64)
+    k = torch.mul(x64, TWO_OVER_PI).round_()
+    r = torch.sub(x64, torch.mul(k, PIO2_HI)).sub_(torch.mul(k, PIO2_LO))
+    r2 = torch.mul(r, r)
+    s = torch.mul(r2, SIN_SERIES[0]).add_(SIN_SERIES[1])
+    for c in SIN_SERIES[2:]:
+        s.mul_(r2).add_(c)
+    s.mul_(r2).mul_(r).add_(r)
+    co = torch.mul(r2, COS_SERIES[0]).add_(COS_SERIES[1])
+    for c in COS_SERIES[2:]:
+        co.mul_(r2).add_(c)
+    co.mul_(r2).add_(1.0)
+    quadrant = torch.sub(k, torch.floor(torch.mul(k, 0.25)).mul_(4.0))
+    sin = torch.where(
+        quadrant == 0, s, torch.where(quadrant == 1, co, torch.where(quadrant == 2, -s, -co))
+    )
+    cos = torch.where(
+        quadrant == 0, co, torch.where(quadrant == 1, -s, torch.where(quadrant == 2, -co, s))
+    )
+    return sin.to(F32), cos.to(F32)
 
 
 def softmax_rows(x: torch.Tensor) -> torch.Tensor:

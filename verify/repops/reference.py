@@ -44,6 +44,9 @@ ERF_NUM = [F32(c) for c in (-2.72614225801306e-10, 2.77068142495902e-08, -2.1010
 ERF_DEN = [F32(c) for c in (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
                             -7.37332916720468e-03, -1.42647390514189e-02)]  # fmt: skip
 ONE, HALF, TWO = F32(1.0), F32(0.5), F32(2.0)
+TANH_POLY = [F32(c) for c in (-5.70498872745e-3, 2.06390887954e-2, -5.37397155531e-2,
+                              1.33314422036e-1, -3.33332819422e-1)]  # fmt: skip
+PIO2_HI, PIO2_LO = 1.57079632673412561417e00, 6.07710050650619224932e-11
 
 
 def _bits_for(k: int) -> int:
@@ -138,6 +141,41 @@ def log_pos(s: np.ndarray) -> np.ndarray:
         p = p * u2 + c
     p = p * u * 2.0
     return (e * 0.6931471805599453 + p).astype(F32)
+
+
+def tanh(x: np.ndarray) -> np.ndarray:
+    """Cephes tanhf: polynomial below 0.625 in magnitude, else 1 - 2 / (exp(2|x|) + 1)."""
+    a = np.abs(x)
+    big = ONE - TWO / (exp(a + a) + ONE)
+    big = np.where(x < 0, -big, big)
+    z = x * x
+    p = np.full_like(x, TANH_POLY[0]) * z + TANH_POLY[1]
+    for c in TANH_POLY[2:]:
+        p = p * z + c
+    small = ((p * z) * x) + x
+    return np.where(a < F32(0.625), small, big).astype(F32)
+
+
+def sin_cos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sin x, cos x) in float64 from x - k pi/2 and Taylor series, rounded to float32 once."""
+    x64 = x.astype(np.float64)
+    k = np.round(x64 * 0.6366197723675814)
+    r = (x64 - k * PIO2_HI) - k * PIO2_LO
+    r2 = r * r
+    sin_terms = [(-1) ** k / math.factorial(2 * k + 1) for k in range(8, 0, -1)]
+    cos_terms = [(-1) ** k / math.factorial(2 * k) for k in range(8, 0, -1)]
+    s = np.full_like(r, sin_terms[0])
+    for c in sin_terms[1:]:
+        s = s * r2 + c
+    s = ((s * r2) * r) + r
+    c2 = np.full_like(r, cos_terms[0])
+    for c in cos_terms[1:]:
+        c2 = c2 * r2 + c
+    c2 = c2 * r2 + 1.0
+    quadrant = k - np.floor(k * 0.25) * 4.0
+    sin = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [s, c2, -s], -c2)
+    cos = np.select([quadrant == 0, quadrant == 1, quadrant == 2], [c2, -s, -c2], s)
+    return sin.astype(F32), cos.astype(F32)
 
 
 def softmax_rows(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,421 @@
+"""RepOps by dispatch, operator by operator: every mapped aten operator under ``RepOpsMode``
+equals its numpy twin bit for bit on random shapes and values, on one and two threads and with
+the compiled kernels switched off; unmapped operators are refused by name."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from verify.dispatch import HANDLERS, RepOpsMode, UnmappedOperator, survey
+from verify.dispatch.reference import REFERENCE
+from verify.repops import native as repops_native
+from verify.repops import ops, reference
+
+FEW = settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+Rng = np.random.Generator
+Case = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored() -> Iterator[None]:
+    # The tests switch torch's thread count; whatever they leave, the next test starts as before.
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def _x(rng: Rng, shape: tuple[int, ...], positive: bool = False) -> np.ndarray:
+    """float32 values over several binades (and some zeros of either sign)."""
+    x = np.asarray(rng.standard_normal(shape) * rng.choice([0.01, 1.0, 12.0], shape))
+    x[rng.random(shape) < 0.05] = 0.0
+    x[rng.random(shape) < 0.03] = -0.0
+    return np.asarray(np.abs(x) + 1e-3 if positive else x, dtype=np.float32)
+
+
+def _shape(rng: Rng, low: int = 1, high: int = 3) -> tuple[int, ...]:
+    return tuple(int(n) for n in rng.integers(1, 9, size=rng.integers(low, high + 1)))
+
+
+def _unary(positive: bool = False) -> Callable[[Rng], Case]:
+    return lambda rng: ((_x(rng, _shape(rng), positive),), {})
+
+
+def _pair(rng: Rng) -> tuple[np.ndarray, np.ndarray]:
+    shape = _shape(rng)
+    return _x(rng, shape), _x(rng, shape)
+
+
+def _binary(kind: str) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        a, b = _pair(rng)
+        if kind == "positive":
+            b = np.abs(b) + np.float32(0.5)
+        if kind == "scalar":
+            return (a, float(rng.choice([0.1, -1.7, 3.0]))), {}
+        if kind == "mode":
+            return (a, np.abs(b) + np.float32(0.5)), {"rounding_mode": None}
+        if kind == "scalar_mode":
+            return (a, float(rng.choice([0.1, -1.7, 3.0]))), {"rounding_mode": None}
+        if kind == "alpha":
+            return (a, b), {"alpha": float(rng.choice([1, 0.3, -2.5]))}
+        if kind == "tensor0d":  # a float64 0-d tensor is a scalar, rounded to float32 first
+            return (a, np.array(rng.standard_normal(), np.float64)), {}
+        return (a, b), {}
+
+    return build
+
+
+def _ternary(value: bool, positive_last: bool = False) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        shape = _shape(rng)
+        s, a, b = (_x(rng, shape) for _ in range(3))
+        if positive_last:
+            b = np.abs(b) + np.float32(0.5)
+        return (s, a, b), ({"value": float(rng.choice([1, 1e-3, -0.02]))} if value else {})
+
+    return build
+
+
+def _lerp(tensor_weight: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        a, b = _pair(rng)
+        w = rng.uniform(-0.2, 1.2, a.shape).astype(np.float32) if tensor_weight else 0.1
+        return (a, b, w if tensor_weight else float(rng.choice([0.1, 0.5, 0.9]))), {}
+
+    return build
+
+
+def _matmul(batched: bool, bias: bool = False) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        m, k, n = (int(v) for v in rng.integers(1, 40, size=3))
+        lead = (int(rng.integers(1, 4)),) if batched else ()
+        a, b = _x(rng, (*lead, m, k)), _x(rng, (*lead, k, n))
+        if not bias:
+            return (a, b), {}
+        scales = {"alpha": 0.5, "beta": 2.0} if rng.random() < 0.5 else {}
+        return (_x(rng, (n,)), a, b), scales
+
+    return build
+
+
+def _reduce(with_dim: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        x = _x(rng, _shape(rng, 1, 4))
+        if not with_dim:
+            return (x,), {}
+        dims = sorted(rng.choice(x.ndim, size=rng.integers(1, x.ndim + 1), replace=False))
+        return (x, [int(d) for d in dims], bool(rng.random() < 0.5)), {}
+
+    return build
+
+
+def _softmax(backward: bool, safe: bool = False) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        x = _x(rng, _shape(rng, 1, 3))
+        dim = int(rng.integers(-x.ndim, x.ndim))
+        if safe:
+            x[x < -5] = -np.inf  # some entries masked, sometimes whole rows
+            return (x, dim), {}
+        if backward:
+            return (x, _x(rng, x.shape), dim, torch.float32), {}
+        return (x, dim, False), {}
+
+    return build
+
+
+def _nll(backward: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        rows, classes = int(rng.integers(1, 40)), int(rng.integers(1, 30))
+        x = _x(rng, (rows, classes))
+        target = rng.integers(0, classes, rows)
+        target[rng.random(rows) < 0.2] = -100
+        reduction = int(rng.integers(0, 3))
+        if not backward:
+            return (x, target, None, reduction, -100), {}
+        grad = _x(rng, (rows,) if reduction == 0 else ())
+        count = np.array(np.sum(target != -100), np.float32)
+        return (grad, x, target, None, reduction, -100, count), {}
+
+    return build
+
+
+def _layer_norm(backward: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        rows, width = int(rng.integers(1, 12)), int(rng.integers(1, 70))
+        x = _x(rng, (rows, width))
+        affine = rng.random() < 0.7
+        w, b = (_x(rng, (width,)), _x(rng, (width,))) if affine else (None, None)
+        if not backward:
+            return (x, [width], w, b, 1e-5), {}
+        mean = _x(rng, (rows, 1))
+        rstd = _x(rng, (rows, 1), positive=True)
+        return (_x(rng, x.shape), x, [width], mean, rstd, w, b, [True, True, True]), {}
+
+    return build
+
+
+def _embedding_backward(rng: Rng) -> Case:
+    vocab, tokens, width = (int(v) for v in rng.integers(1, 50, size=3))
+    tokens = 1 if rng.random() < 0.25 else tokens  # one token: the exact sum is the gradient
+    indices = rng.integers(0, vocab, (tokens,))
+    padding = int(rng.integers(0, vocab)) if rng.random() < 0.3 else -1
+    return (_x(rng, (tokens, width)), indices, vocab, padding, False), {}
+
+
+def _pow(rng: Rng) -> Case:
+    exponent = float(rng.choice([0.0, 1.0, 2.0, 3.0, -1.0, 0.5, -0.5]))
+    return (_x(rng, _shape(rng), positive=exponent in (0.5, -0.5, -1.0)), exponent), {}
+
+
+def _arange(rng: Rng) -> Case:
+    return (int(rng.integers(-5, 5)), int(rng.integers(5, 40))), {"dtype": torch.float32}
+
+
+def _backward_pair(rng: Rng) -> Case:
+    return _pair(rng), {}
+
+
+def _gelu(backward: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        args = _pair(rng) if backward else (_x(rng, _shape(rng)),)
+        return args, {"approximate": str(rng.choice(["none", "tanh"]))}
+
+    return build
+
+
+CASES: dict[str, Callable[[Rng], Case]] = {
+    "aten.add.Tensor": _binary("alpha"),
+    "aten.add.Scalar": _binary("scalar"),
+    "aten.add_.Tensor": _binary("tensor0d"),
+    "aten.add_.Scalar": _binary("scalar"),
+    "aten.sub.Tensor": _binary("alpha"),
+    "aten.sub.Scalar": _binary("scalar"),
+    "aten.sub_.Tensor": _binary("alpha"),
+    "aten.sub_.Scalar": _binary("scalar"),
+    "aten.rsub.Tensor": _binary("alpha"),
+    "aten.rsub.Scalar": _binary("scalar"),
+    "aten.mul.Tensor": _binary("tensor0d"),
+    "aten.mul.Scalar": _binary("scalar"),
+    "aten.mul_.Tensor": _binary("plain"),
+    "aten.mul_.Scalar": _binary("scalar"),
+    "aten.div.Tensor": _binary("positive"),
+    "aten.div.Scalar": _binary("scalar"),
+    "aten.div.Tensor_mode": _binary("mode"),
+    "aten.div.Scalar_mode": _binary("scalar_mode"),
+    "aten.div_.Tensor": _binary("tensor0d"),
+    "aten.div_.Scalar": _binary("scalar"),
+    "aten.lerp.Scalar": _lerp(False),
+    "aten.lerp.Tensor": _lerp(True),
+    "aten.lerp_.Scalar": _lerp(False),
+    "aten.lerp_.Tensor": _lerp(True),
+    "aten.addcmul.default": _ternary(True),
+    "aten.addcmul_.default": _ternary(True),
+    "aten.addcdiv.default": _ternary(True, positive_last=True),
+    "aten.addcdiv_.default": _ternary(True, positive_last=True),
+    "aten.sqrt.default": _unary(positive=True),
+    "aten.rsqrt.default": _unary(positive=True),
+    "aten.exp.default": _unary(),
+    "aten.tanh.default": _unary(),
+    "aten.sin.default": _unary(),
+    "aten.cos.default": _unary(),
+    "aten.sigmoid.default": _unary(),
+    "aten.relu.default": _unary(),
+    "aten.tanh_backward.default": _backward_pair,
+    "aten.sigmoid_backward.default": _backward_pair,
+    "aten.silu.default": _unary(),
+    "aten.silu_backward.default": _backward_pair,
+    "aten.gelu.default": _gelu(False),
+    "aten.gelu_backward.default": _gelu(True),
+    "aten.pow.Tensor_Scalar": _pow,
+    "aten.mm.default": _matmul(False),
+    "aten.bmm.default": _matmul(True),
+    "aten.addmm.default": _matmul(False, bias=True),
+    "aten.sum.dim_IntList": _reduce(True),
+    "aten.sum.default": _reduce(False),
+    "aten.mean.dim": _reduce(True),
+    "aten.mean.default": _reduce(False),
+    "aten._softmax.default": _softmax(False),
+    "aten._safe_softmax.default": _softmax(False, safe=True),
+    "aten._softmax_backward_data.default": _softmax(True),
+    "aten._log_softmax.default": _softmax(False),
+    "aten._log_softmax_backward_data.default": _softmax(True),
+    "aten.nll_loss_forward.default": _nll(False),
+    "aten.nll_loss_backward.default": _nll(True),
+    "aten.native_layer_norm.default": _layer_norm(False),
+    "aten.native_layer_norm_backward.default": _layer_norm(True),
+    "aten.embedding_dense_backward.default": _embedding_backward,
+    "aten.arange.start": _arange,
+}
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    _, packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
+
+
+def _torch(value: Any) -> Any:
+    return torch.from_numpy(value.copy()) if isinstance(value, np.ndarray) else value
+
+
+def _numpy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, (tuple, list)):
+        return [_numpy(v) for v in value]
+    return value
+
+
+def _same(got: Any, want: Any, name: str) -> None:
+    if isinstance(want, (tuple, list)):
+        assert len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            _same(g, w, name)
+        return
+    if want is None:
+        assert got is None, name
+        return
+    want = np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype)
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    differ = np.sum(got.view(np.uint8) != want.view(np.uint8))
+    assert got.tobytes() == want.tobytes(), f"{name}: {differ} bytes differ"
+
+
+def test_every_mapped_operator_has_a_reference_and_a_case() -> None:
+    names = {str(op) for op in HANDLERS}
+    assert names <= set(REFERENCE), names - set(REFERENCE)
+    untested = names - set(CASES) - {"aten.arange.default", "aten.arange.start_step"}
+    assert not untested, untested
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@FEW
+@given(seed=st.integers(0, 2**32 - 1))
+def test_mapped_operator_equals_numpy_reference(name: str, seed: int) -> None:
+    args, kwargs = CASES[name](np.random.default_rng(seed))
+    with np.errstate(all="ignore"):
+        want = REFERENCE[name](*args, **kwargs)
+    op = _overload(name)
+    inplace = name.split(".")[1].endswith("_")
+    for threads, compiled in ((1, True), (2, True), (1, False)):
+        torch.set_num_threads(threads)
+        torch_args = [_torch(a) for a in args]
+        eager = contextlib.nullcontext() if compiled else repops_native.disabled()
+        with RepOpsMode() as mode, eager:
+            got = op(*torch_args, **kwargs)
+        assert mode.ops[name] == 1
+        if inplace:
+            assert got is torch_args[0]
+        _same(_numpy(got), want, f"{name} threads={threads} compiled={compiled}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_mapped_operator_on_cuda_equals_cpu(name: str) -> None:
+    # The eager kernels on the GPU (the compiled ones are CPU-only) against the CPU's bits.
+    for seed in range(3):
+        args, kwargs = CASES[name](np.random.default_rng(seed))
+        op = _overload(name)
+        results = []
+        for device in ("cpu", "cuda"):
+            moved = [_torch(a).to(device) if isinstance(a, np.ndarray) else a for a in args]
+            with RepOpsMode():
+                got = op(*moved, **kwargs)
+            results.append(torch.utils._pytree.tree_map(_to_cpu, got))
+        _same(_numpy(results[1]), _numpy(results[0]), f"{name} cuda, seed {seed}")
+
+
+def _to_cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+class _LogOnePlus(torch.nn.Module):
+    """A user's module with an operator RepOps has no mapping for (log1p: a libm function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(x.abs() * self.weight).sum()
+
+
+def test_unmapped_operator_is_refused_with_its_name_before_it_runs() -> None:
+    x = torch.randn(3, 4)
+    name = r"^aten\.log1p\.default has no RepOps mapping"
+    with pytest.raises(UnmappedOperator, match=name), RepOpsMode():
+        _LogOnePlus()(x).backward()
+    with pytest.raises(UnmappedOperator, match=r"aten\.cumsum\.default"), RepOpsMode():
+        torch.cumsum(x, 0)  # a float reduction in an order of torch's choosing
+    a = torch.ones(2, 2, dtype=torch.float64)
+    refusals = [
+        (lambda: torch.mm(a, a), r"aten\.mm .*float64 tensor; RepOps maps float32"),
+        (lambda: torch.ops.aten.gelu(x, approximate="erf"), "approximate='erf'"),
+        (
+            lambda: x.abs().pow(2.5),
+            r"aten\.pow\.Tensor_Scalar has no RepOps mapping \(exponent 2\.5\)",
+        ),
+        (lambda: torch.arange(0.0, 1.0, 0.1), r"aten\.arange"),
+        (lambda: torch.div(x, 2.0, rounding_mode="floor"), "rounding_mode='floor'"),
+    ]
+    for call, message in refusals:
+        with pytest.raises(UnmappedOperator, match=message), RepOpsMode():
+            call()
+
+
+def test_the_mode_is_entered_once() -> None:
+    with RepOpsMode(), pytest.raises(RuntimeError, match="already active"), RepOpsMode():
+        pass
+
+
+def test_integer_arithmetic_and_data_movement_run_natively() -> None:
+    tokens = torch.tensor([[3, 1], [2, 7]])
+    x = torch.randn(2, 3)
+    with RepOpsMode() as mode:
+        positions = torch.cumsum(torch.ones_like(tokens), 1) - 1
+        picked = torch.cat([x, -x]).t().contiguous()[:, tokens[0, 1]]
+        ratio = tokens / 2  # integer inputs, a float result: the mapped true division
+    assert positions.tolist() == [[0, 1], [0, 1]]
+    assert torch.equal(picked, torch.cat([x, -x]).t()[:, 1])
+    assert ratio.tolist() == [[1.5, 0.5], [1.0, 3.5]]
+    assert mode.ops["aten.cumsum.default"] == 1 and mode.ops["aten.div.Tensor"] == 1
+
+
+def test_survey_lists_the_operators_and_the_unmapped_ones() -> None:
+    model, x = _LogOnePlus(), torch.randn(3, 4)
+    found = survey(lambda: model(x).backward())
+    assert found.unmapped == {"aten.log1p.default"}
+    assert survey(lambda: torch.randn(2)).unmapped == {"aten.randn.default"}  # no RNG mapped
+    assert found.ops["aten.log1p.default"] == 1 and found.ops["aten.sum.default"] == 1
+    assert model.weight.grad is not None  # it ran, natively
+
+
+def test_tanh_sin_and_cos_kernels_are_accurate_and_equal_their_numpy_twins() -> None:
+    # The kernels RepOps adds for tanh (GPT-2's GELU) and sin/cos (rotary embeddings).
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(20000) * rng.choice([0.01, 0.5, 3.0, 200.0], 20000)).astype(np.float32)
+    x = np.concatenate([x, np.array([0.0, -0.0, 0.625, -0.625, 44.0, 100.0, -1e-30], np.float32)])
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        tanh = ops.tanh(torch.from_numpy(x)).numpy()
+        sin, cos = (t.numpy() for t in ops.sin_cos(torch.from_numpy(x)))
+        with np.errstate(all="ignore"):
+            _same(tanh, reference.tanh(x), "tanh")
+            _same([sin, cos], list(reference.sin_cos(x)), "sin_cos")
+    wide = x.astype(np.float64)
+    ulp = np.spacing(np.abs(np.tanh(wide)).astype(np.float32)).astype(np.float64)
+    assert np.all(np.abs(tanh - np.tanh(wide)) <= 3 * ulp)
+    for got, truth in ((sin, np.sin(wide)), (cos, np.cos(wide))):
+        ulp = np.spacing(np.abs(truth).astype(np.float32)).astype(np.float64)
+        assert np.all(np.abs(got - truth) <= ulp)  # within one ulp (measured: half of one)

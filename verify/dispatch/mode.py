@@ -1,0 +1,149 @@
+"""``RepOpsMode``: a ``TorchDispatchMode`` that runs any model's training step with RepOps.
+
+Inside the mode every aten operator is routed by ``verify.dispatch.aten``: a mapped operator runs
+its reproducible definition, an exact one (views, copies, selections, integer arithmetic) runs
+natively, and any other operator raises ``UnmappedOperator`` naming it: before it runs when it
+has floating-point inputs, and before its result is used when only its output is floating
+point. Attention goes through torch's math path (``sdpa_kernel(MATH)`` is entered with the mode),
+which decomposes ``scaled_dot_product_attention`` into matmuls and a softmax the mode maps; the
+fused CPU and CUDA attention kernels are not mapped.
+
+``survey(fn)`` lists the operators ``fn`` uses and the unmapped ones among them, running
+everything natively: what a run's spec check calls to refuse a model before training starts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves
+
+from verify.dispatch.aten import EXACT, HANDLERS, UnmappedOperator
+
+# Operators outside aten that carry no data (the profiler's record_function markers).
+PASSIVE_NAMESPACES = frozenset({"profiler"})
+
+
+def _floating(values: Any) -> bool:
+    """Whether any leaf is a floating-point (or complex) tensor or a Python float."""
+    for leaf in tree_leaves(values):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.is_floating_point() or leaf.is_complex():
+                return True
+        elif isinstance(leaf, (float, complex)):
+            return True
+    return False
+
+
+def route(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
+    """Run one aten operator the RepOps way (see the module docstring); raise
+    ``UnmappedOperator`` for an operator with no mapping."""
+    name = str(func)
+    if func.overloadpacket in EXACT or func.namespace in PASSIVE_NAMESPACES:
+        return func(*args, **kwargs)
+    handler = HANDLERS.get(func)
+    if _floating((args, kwargs)):
+        if handler is None:
+            raise UnmappedOperator(name)
+        return handler(*args, **kwargs)
+    # Integer and boolean arithmetic is exact; an integer operator with a floating result
+    # (true division, a float arange) takes the mapped definition, or is refused.
+    out = func(*args, **kwargs)
+    if _floating(out):
+        if handler is None:
+            raise UnmappedOperator(name, "floating-point result from integer inputs")
+        return handler(*args, **kwargs)
+    return out
+
+
+class RepOpsMode(TorchDispatchMode):
+    """Run the block's torch operators reproducibly (see the module docstring).
+
+    ``ops`` counts the aten operators the block used, by name (``aten.mm.default``): the listing
+    of a step. A model whose step raises ``UnmappedOperator`` cannot be verified.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self._attention: Any = None
+
+    def __enter__(self) -> RepOpsMode:
+        # A second RepOpsMode would see the first one's kernels as operators to route.
+        if any(isinstance(m, RepOpsMode) for m in _get_current_dispatch_mode_stack()):
+            raise RuntimeError("RepOpsMode is already active; enter it once")
+        self._attention = sdpa_kernel([SDPBackend.MATH])
+        self._attention.__enter__()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._attention.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._attention.__exit__(*exc)
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.ops[str(func)] += 1
+        return route(func, args, kwargs or {})
+
+
+@dataclass
+class Survey:
+    """The aten operators a function used (name -> calls) and those RepOps cannot run."""
+
+    ops: Counter[str] = field(default_factory=Counter)
+    unmapped: set[str] = field(default_factory=set)
+
+
+class _SurveyMode(TorchDispatchMode):
+    def __init__(self, survey: Survey) -> None:
+        super().__init__()
+        self.survey = survey
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = str(func)
+        self.survey.ops[name] += 1
+        out = func(*args, **kwargs)
+        mapped = (
+            func.overloadpacket in EXACT
+            or func.namespace in PASSIVE_NAMESPACES
+            or func in HANDLERS
+            or not _floating((args, kwargs, out))
+        )
+        if not mapped:
+            self.survey.unmapped.add(name)
+        return out
+
+
+def survey(fn: Callable[[], Any]) -> Survey:
+    """Run ``fn`` natively (attention on the math path, as ``RepOpsMode`` runs it) and list the
+    operators it used and the unmapped ones. Handlers that refuse some arguments (a GELU's
+    tanh approximation, a pow's exponent) are only refused when ``RepOpsMode`` runs them."""
+    result = Survey()
+    with sdpa_kernel([SDPBackend.MATH]), _SurveyMode(result):
+        fn()
+    return result
