@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=4.0,
         metavar="MIB",
-        help="send this much over the bulk data plane to each pinged peer (0: skip)",
+        help="send this much over the bulk data plane to each pinged peer (0: skip) [4]",
     )
     p_doc.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -49,14 +49,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--cheat-step", type=int, help="provider B tampers at this step (0-based)")
     parser.add_argument("--cheat-op", type=int, help="... with this operator (record index)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per referee query")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per referee query [60]")
     return parser
 
 
 def _task_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=4, help="training steps in the task")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per provider")
-    parser.add_argument("--seed", type=int, default=0, help="data seed of the task")
+    parser.add_argument("--steps", type=int, default=4, help="training steps in the task [4]")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per provider [1]")
+    parser.add_argument("--seed", type=int, default=0, help="data seed of the task [0]")
     # A smaller model of the same architecture, for tests (not the default model).
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 

@@ -75,3 +75,27 @@ def test_the_cli_starts_without_importing_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert found.stdout.strip() == "[]", found.stdout
+
+
+def test_every_option_with_a_default_shows_it_in_its_help() -> None:
+    import argparse
+
+    from swarmtrain.cli import build_parser
+
+    def commands(parser: argparse.ArgumentParser, name: str = "swarmtrain"):
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub, child in action.choices.items():
+                    yield from commands(child, f"{name} {sub}")
+
+    missing = [
+        f"{name} {action.option_strings[0]}"
+        for name, parser in commands(build_parser())
+        for action in parser._actions
+        if action.option_strings
+        and action.help not in (None, argparse.SUPPRESS)
+        and action.default not in (None, False, [], (), argparse.SUPPRESS)
+        and "[" not in action.help
+    ]
+    assert not missing, missing
