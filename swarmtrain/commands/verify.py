@@ -49,7 +49,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--cheat-step", type=int, help="provider B tampers at this step (0-based)")
     parser.add_argument("--cheat-op", type=int, help="... with this operator (record index)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per referee query [60]")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds per referee query [60]"
+    )
     return parser
 
 
