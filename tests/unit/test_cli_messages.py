@@ -99,3 +99,23 @@ def test_every_option_with_a_default_shows_it_in_its_help() -> None:
         and "[" not in action.help
     ]
     assert not missing, missing
+
+
+PEER = "12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZiYVZb"
+
+
+@pytest.mark.parametrize(
+    ("join", "problem"),
+    [
+        (f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER[:20]}", f"'{PEER[:20]}' is not a peer id (cut short"),
+        (f"/ip4/127.0.0.1/tcp/70000/p2p/{PEER}", "port 70000 is not a port (1..65535)"),
+        (f"/ip4/10.0.0.256/tcp/4001/p2p/{PEER}", "10.0.0.256 is not an IPv4 address"),
+        (f"/ip4/10.0.0.1/udp/4001/quic-v1/p2p/{PEER}", "/quic-v1 addresses are not supported"),
+    ],
+)
+def test_node_names_what_is_wrong_with_its_join_address(
+    join: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _fails(capsys, "node", "--join", join, "--state-dir", str(tmp_path / "n"))
+    assert err.startswith(f"swarmtrain node: --join {join}: {problem}"), err
+    assert not (tmp_path / "n").exists()  # refused before anything was written or dialed
