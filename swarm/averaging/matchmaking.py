@@ -291,6 +291,8 @@ class MatchmakingConfig:
     max_group_size: int
     run_seed: bytes
     confirm_timeout_s: float = 5.0
+    # One group of every member however many (a hierarchical all-reduce lays them out itself).
+    one_group: bool = False
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:
@@ -428,7 +430,9 @@ class Matchmaker:
         groups = derive_groups(
             members,
             self.round,
-            max_group_size=self.config.max_group_size,
+            max_group_size=max(1, len(members))
+            if self.config.one_group
+            else (self.config.max_group_size),
             run_seed=self.config.run_seed,
         )
         mine = [group for group in groups if self.peer_id in group.peer_ids]
