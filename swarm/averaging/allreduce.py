@@ -347,6 +347,10 @@ class AllReduce:
         self.deadline = deadline
         self.state = AllReduceState.SCATTERING
         self.alive: set[bytes] = set(self.peers)  # may still send and reduce; only shrinks
+        # _skip[i] == i while peers[i] is alive, else a later index to look from (cyclic):
+        # finding a chain's head skips runs of lost peers in near-constant time.
+        self._index = {peer: i for i, peer in enumerate(self.peers)}
+        self._skip = list(range(len(self.peers)))
         self.members: set[bytes] = set(self.peers)  # the contributor set we aim for; only shrinks
         self.weights: dict[bytes, float] = {me: self.weight}
         # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced
@@ -451,13 +455,14 @@ class AllReduce:
 
     def _chain_head(self, part_index: int) -> bytes:
         """Part p's reducer: the first alive peer from p's owner on, cyclic in sorted order."""
-        n = len(self.peers)
-        owner = part_index // self.chunks
-        for step in range(n):
-            candidate = self.peers[(owner + step) % n]
-            if candidate in self.alive:
-                return candidate
-        raise LocalProtocolError("no peers left")  # unreachable: we are alive
+        skip = self._skip
+        root = part_index // self.chunks
+        while skip[root] != root:  # ends: we are alive
+            root = skip[root]
+        i = part_index // self.chunks
+        while skip[i] != root:
+            skip[i], i = root, skip[i]
+        return self.peers[root]
 
     def _check_part(self, event: PartReceived) -> str | None:
         if not 0 <= event.part_index < len(self.parts):
@@ -516,7 +521,10 @@ class AllReduce:
         for peer, reason in sorted(reasons.items()):
             if peer in self.alive or (contributor_too and peer in self.members):
                 actions.append(DropPeer(peer, reason))
-            self.alive.discard(peer)
+            if peer in self.alive:
+                self.alive.discard(peer)
+                index = self._index[peer]
+                self._skip[index] = (index + 1) % len(self.peers)
             if contributor_too and peer in self.members:
                 self.members.discard(peer)
                 shrunk = True
