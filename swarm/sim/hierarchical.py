@@ -151,15 +151,14 @@ class SimGrid:
 
     def _apply(self, peer: bytes, actions: list[object]) -> None:
         for action in actions:
-            if isinstance(action, SendItem) and isinstance(action.item, Accumulated | Reduced):
-                # One sub-part per instant: they follow each other down one stream, so the
-                # chain pipelines (items sent in one instant would all land at its end).
+            if isinstance(action, SendItem):
+                # In the machine's order; a chain's sub-part alone in its instant, so that
+                # sub-parts follow each other down one stream and the chain pipelines (items
+                # sent in one instant all land at its end), and other items together.
                 queue = self._paced.setdefault(peer, deque())
                 queue.append(action)
                 if len(queue) == 1:
                     self.clock.at(self.clock.now, self._pump, peer)
-            elif isinstance(action, SendItem):
-                self._send(peer, action)
             elif isinstance(action, DropPeer):
                 self.dropped.setdefault(peer, {})[action.peer] = action.reason
             elif isinstance(action, Finish | Fail):
@@ -171,7 +170,11 @@ class SimGrid:
 
     def _pump(self, peer: bytes) -> None:
         queue = self._paced[peer]
-        self._send(peer, queue.popleft())
+        first = queue.popleft()
+        self._send(peer, first)
+        if not isinstance(first.item, Accumulated | Reduced):
+            while queue and not isinstance(queue[0].item, Accumulated | Reduced):
+                self._send(peer, queue.popleft())
         if queue:
             self.clock.at(self.clock.now, self._pump, peer)
 
