@@ -41,13 +41,13 @@ from bench.common import git_sha
 from swarm.sim import (
     ButterflyConfig,
     ButterflyRounds,
+    HierarchicalRounds,
     NetworkConfig,
     SimConfig,
     Simulation,
     VectorModel,
     summary,
 )
-from swarm.sim.hierarchical import HierarchicalRounds
 
 
 def _fmt(value: float, digits: int = 1) -> str:
