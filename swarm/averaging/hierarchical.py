@@ -202,6 +202,8 @@ class GridAllReduce:
         self.gathered: dict[int, tuple[Tag, np.ndarray]] = {}
         self.sent: dict[tuple[object, ...], tuple[bytes, Tag | None]] = {}
         self.awaiting: dict[int, set[bytes]] = {}  # column taken over -> Handover still due from
+        self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
+        self._raw_due = True  # our slices' heads may have moved since we last sent them
         self.mine: list[int] = self._my_columns()
 
     # -- public ----------------------------------------------------------------------------------
@@ -249,13 +251,19 @@ class GridAllReduce:
 
     def head(self, row: int, column: int) -> bytes | None:
         """The head of ``(row, column)``: first alive peer from the row's ``column``-th on."""
+        key = (row, column)
+        if key in self._heads:
+            return self._heads[key]
         members = self.plan.row(row)
         n = len(members)
+        found = None
         for step in range(n):
             peer = self.plan.peers[members.start + (column + step) % n]
             if peer in self.alive:
-                return peer
-        return None
+                found = peer
+                break
+        self._heads[key] = found
+        return found
 
     def _my_columns(self) -> list[int]:
         return [c for c in range(self.plan.columns) if self.head(self.my_row, c) == self.me]
@@ -270,10 +278,18 @@ class GridAllReduce:
         gone = [p for p in peers if p in self.alive and p != self.me]
         if not gone:
             return []
-        before = {(k, c): self.head(k, c) for k in self._near_rows() for c in self._columns()}
+        # A head changes only when it is lost (the peers before it were already gone).
+        gone_set = set(gone)
+        near = set(self._near_rows())
+        moved = {key: old for key, old in self._heads.items() if old in gone_set}
+        for key in moved:
+            del self._heads[key]
         self.alive.difference_update(gone)
+        self._raw_due = True
         actions: list[object] = []
-        for (k, c), old in before.items():
+        for (k, c), old in sorted(moved.items()):
+            if k not in near:
+                continue
             new = self.head(k, c)
             if new == old or new is None:
                 continue
@@ -428,11 +444,14 @@ class GridAllReduce:
             return []
         actions: list[object] = []
         plan = self.plan
-        for c in self._columns():
-            head = self.head(self.my_row, c)
-            if head is not None and head != self.me and self._owe(("raw", c), head, None):
-                start, stop = plan.part(c)
-                actions.append(SendItem(head, RawPart(c, self.local[start:stop], self.weight)))
+        if self._raw_due:
+            self._raw_due = False
+            for c in self._columns():
+                head = self.head(self.my_row, c)
+                if head is not None and head != self.me and self._owe(("raw", c), head, None):
+                    start, stop = plan.part(c)
+                    piece = self.local[start:stop]
+                    actions.append(SendItem(head, RawPart(c, piece, self.weight)))
         for c in self.mine:
             if self.awaiting.get(c):
                 continue  # a taken-over column waits for its neighbours' handovers
