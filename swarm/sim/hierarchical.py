@@ -8,7 +8,9 @@ that have not joined, feeding ``DeadlineReached``), with what a grid changes:
 * A peer watches only the peers it talks to: a member that leaves is lost to its row mates and to
   every peer that exchanged an item with it (``contacts``), after the same delays as there. Others
   learn of it by sending to it: an item to a member that left, or that has not joined
-  ``join_wait_s`` after the sender did, makes it lost to the sender one detection delay later.
+  ``join_wait_s`` after the sender did, makes it lost to the sender one detection delay later;
+  past that wait, an item to a member that never joined is refused at the hello (one round trip,
+  no payload, no connection counted).
 * Sizes are those of the simulated vector: a raw slice or reduced part at ``bytes_per_param``, a
   partial sum at 8 bytes a value (float64, never compressed), plus each item's header and 38
   bytes per exclusion it names.
@@ -180,6 +182,12 @@ class SimGrid:
 
     def _send(self, peer: bytes, action: SendItem) -> None:
         dst, item = action.peer, action.item
+        now = self.clock.now
+        if dst not in self.joined_at and now >= self.joined_at[peer] + self.timeouts.join_wait_s:
+            # past the join wait it is in another group (or gone): its handler refuses our hello
+            latency = self.network.latency(peer, dst) + self.network.latency(dst, peer)
+            self._suspect(peer, dst, now + latency)
+            return
         self.contacts[peer].add(dst)
         self.contacts[dst].add(peer)
         if dst in self.left:
