@@ -4,7 +4,7 @@
     python -m bench.sim --peers 1000 --rounds 5 --churn 0.05 --seed 0
         [--params 1e8] [--bytes-per-param 1] [--allreduce-timeout 600]
         [--matchmaking-timeout 4] [--max-group-size 64] [--compute-s 0] [--loss 0]
-        [--uplink fifo|shared] [--numel 256]
+        [--uplink fifo|shared] [--numel 256] [--protocol butterfly|hierarchical]
 
 Peers' links are drawn from ``swarm.sim.NetworkConfig``'s defaults (a fifth in datacenters at
 1-10 Gbit/s, the rest homes with 10-100 Mbit/s uplinks, RTT 10-300 ms, a fifth of homes behind
@@ -23,6 +23,10 @@ line is one JSON object: ``peers``, ``rounds_ok`` (rounds that left one state), 
 ``allreduce_over_limit``, the mean ``contributed_fraction``, ``max_connections_per_peer``,
 ``dht_read_bytes_per_peer_round``, ``groups_per_round``, ``states_per_round_max``,
 ``mismatched_groups`` (groups whose finishers disagree: must be 0), and the run's cost.
+
+``--protocol hierarchical``: matchmaking forms one group of every declarer and the round runs the
+hierarchical all-reduce (``swarm.averaging.hierarchical``) on rows of at most ``--max-group-size``;
+the JSON adds ``sent_over_vector``, the most bytes one peer sent in a round over the vector's size.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from bench.common import git_sha
 from swarm.sim import (
     ButterflyConfig,
     ButterflyRounds,
+    HierarchicalRounds,
     NetworkConfig,
     SimConfig,
     Simulation,
@@ -68,9 +73,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Simulation]:
         help="fifo (one message at a time) or shared (swarm.sim.network)",
     )
     parser.add_argument("--numel", type=int, default=256, help="real values each peer averages")
+    parser.add_argument("--protocol", default="butterfly", choices=("butterfly", "hierarchical"))
     args = parser.parse_args(argv)
+    kind = HierarchicalRounds if args.protocol == "hierarchical" else ButterflyRounds
     try:
-        protocol = ButterflyRounds(
+        protocol = kind(
             ButterflyConfig(
                 max_group_size=args.max_group_size,
                 matchmaking_timeout_s=args.matchmaking_timeout,
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
     print(
         f"=== bench.sim ({git_sha()}): {args.peers} peers, {args.rounds} rounds, churn "
         f"{args.churn}, {args.params:.3g} params x {args.bytes_per_param} B, seed {args.seed}, "
-        f"uplink {args.uplink}, max group {args.max_group_size}, timeouts "
+        f"uplink {args.uplink}, {args.protocol}, max group {args.max_group_size}, timeouts "
         f"{args.matchmaking_timeout} / {args.allreduce_timeout} s ===",
         flush=True,
     )
@@ -116,6 +123,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
             f"{f.max_connections:>5} {f.dht_read_bytes_per_peer / 1000:>7.0f}"
         )
     result = summary(figures)
+    if isinstance(sim.protocol, HierarchicalRounds):
+        sent = [sim.protocol.sent_over_vector(f.round) for f in figures]
+        result["sent_over_vector"] = round(
+            max((s for s in sent if not math.isnan(s)), default=0), 3
+        )
     result.update(
         seed=args.seed,
         churn=args.churn,

@@ -259,6 +259,14 @@ def is_view_at(piece: np.ndarray, vector: np.ndarray, start: int) -> bool:
     return piece.ctypes.data == address and piece.strides == vector.strides
 
 
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def _good_weight(weight: object, bounds: tuple[float, float] = (0.0, math.inf)) -> bool:
     return (
         isinstance(weight, int | float)
@@ -321,6 +329,7 @@ class AllReduce:
             raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
         self.aggregation = aggregation
         self.peers: tuple[bytes, ...] = tuple(sorted(set(peers)))
+        self._peer_set = frozenset(self.peers)
         if me not in self.peers or len(self.peers) != len(peers):
             raise LocalProtocolError("peers must be unique and include me")
         if _finite_float32(local, len(local) if isinstance(local, np.ndarray) else -1):
@@ -338,6 +347,10 @@ class AllReduce:
         self.deadline = deadline
         self.state = AllReduceState.SCATTERING
         self.alive: set[bytes] = set(self.peers)  # may still send and reduce; only shrinks
+        # _skip[i] == i while peers[i] is alive, else a later index to look from (cyclic):
+        # finding a chain's head skips runs of lost peers in near-constant time.
+        self._index = {peer: i for i, peer in enumerate(self.peers)}
+        self._skip = list(range(len(self.peers)))
         self.members: set[bytes] = set(self.peers)  # the contributor set we aim for; only shrinks
         self.weights: dict[bytes, float] = {me: self.weight}
         # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced
@@ -347,6 +360,14 @@ class AllReduce:
         self.held: list[tuple[np.ndarray, frozenset[bytes]] | None] = [None] * len(self.parts)
         self.sent: list[frozenset[bytes] | None] = [None] * len(self.parts)  # what we broadcast
         self.reducer_of: list[bytes] = [self._chain_head(p) for p in range(len(self.parts))]
+        # Indices kept so that one event costs what it touches, not O(parts): the parts each
+        # peer reduces, and the parts settled (held over exactly ``members``).
+        self._parts_of: dict[bytes, list[int]] = {}
+        for p, reducer in enumerate(self.reducer_of):
+            self._parts_of.setdefault(reducer, []).append(p)
+        self._settled_parts: set[int] = set()
+        # Contributor lists already checked (a broadcast's list is the same for every part).
+        self._checked_lists: set[Contributors] = set()
         # Parts this peer reduced itself, and over which set: what it can be audited for.
         self.reduced_here: dict[int, frozenset[bytes]] = {}
         self.started = False
@@ -386,7 +407,7 @@ class AllReduce:
         if isinstance(event, DeadlineReached):
             return self._expire() if expired else []  # a finished round stands
         peer = self._peer_of(event)
-        if peer not in self.peers:
+        if peer not in self._peer_set:
             raise RemoteProtocolError(f"event from a peer outside the group: {peer!r}")
         if expired:
             return self._expire()
@@ -417,7 +438,7 @@ class AllReduce:
             self.weights.setdefault(p, w)
         held = self.held[event.part_index]
         if held is None or contributors != held[1]:
-            self.held[event.part_index] = (event.data, contributors)
+            self._hold(event.part_index, (event.data, contributors))
         outsiders = {p: "excluded by another peer" for p in self.members - contributors}
         return self._remove(outsiders) if outsiders else self._progress()
 
@@ -434,13 +455,14 @@ class AllReduce:
 
     def _chain_head(self, part_index: int) -> bytes:
         """Part p's reducer: the first alive peer from p's owner on, cyclic in sorted order."""
-        n = len(self.peers)
-        owner = part_index // self.chunks
-        for step in range(n):
-            candidate = self.peers[(owner + step) % n]
-            if candidate in self.alive:
-                return candidate
-        raise LocalProtocolError("no peers left")  # unreachable: we are alive
+        skip = self._skip
+        root = part_index // self.chunks
+        while skip[root] != root:  # ends: we are alive
+            root = skip[root]
+        i = part_index // self.chunks
+        while skip[i] != root:
+            skip[i], i = root, skip[i]
+        return self.peers[root]
 
     def _check_part(self, event: PartReceived) -> str | None:
         if not 0 <= event.part_index < len(self.parts):
@@ -467,15 +489,21 @@ class AllReduce:
         entries = event.contributors
         if not isinstance(entries, tuple) or not entries:
             return "empty contributor list"
-        ids = [e[0] for e in entries if isinstance(e, tuple) and len(e) == 2]
-        if len(ids) != len(entries) or ids != sorted(set(ids)) or not set(ids) <= set(self.peers):
-            return f"contributors of part {p} malformed or not in the group"
-        for peer, weight in entries:
-            if (
-                not _good_weight(weight, self.weight_bounds)
-                or self.weights.get(peer, weight) != weight
-            ):
-                return f"weight of {peer!r} invalid or inconsistent"
+        # A list that passed once passes again: the checks below read only constants and weights
+        # first set from a passed list, never changed.
+        if not (_hashable(entries) and entries in self._checked_lists):
+            ids = [e[0] for e in entries if isinstance(e, tuple) and len(e) == 2]
+            known = self._peer_set.issuperset(ids)
+            if len(ids) != len(entries) or ids != sorted(set(ids)) or not known:
+                return f"contributors of part {p} malformed or not in the group"
+            for peer, weight in entries:
+                if (
+                    not _good_weight(weight, self.weight_bounds)
+                    or self.weights.get(peer, weight) != weight
+                ):
+                    return f"weight of {peer!r} invalid or inconsistent"
+            if _hashable(entries):
+                self._checked_lists.add(entries)
         _, start, stop = self.parts[p]
         why = _finite_float32(event.data, stop - start)
         return f"reduced part {p}: {why}" if why else None
@@ -489,14 +517,27 @@ class AllReduce:
         if self.me in reasons:
             return self._fail(f"excluded from the round: {reasons[self.me]}")
         actions: list[Action] = []
+        shrunk = False
         for peer, reason in sorted(reasons.items()):
             if peer in self.alive or (contributor_too and peer in self.members):
                 actions.append(DropPeer(peer, reason))
-            self.alive.discard(peer)
-            if contributor_too:
+            if peer in self.alive:
+                self.alive.discard(peer)
+                index = self._index[peer]
+                self._skip[index] = (index + 1) % len(self.peers)
+            if contributor_too and peer in self.members:
                 self.members.discard(peer)
-        for p in range(len(self.parts)):
+                shrunk = True
+        if shrunk:
+            self._recount_settled()
+        # Only the parts of a reducer that left alive move: a chain's head only changes when it
+        # is removed (peers before it on the chain were already gone).
+        moved = sorted(
+            p for peer in reasons if peer not in self.alive for p in self._parts_of.pop(peer, ())
+        )
+        for p in moved:
             head = self._chain_head(p)
+            self._parts_of.setdefault(head, []).append(p)
             if head == self.reducer_of[p]:
                 continue
             self.reducer_of[p] = head
@@ -512,9 +553,9 @@ class AllReduce:
 
     def _progress(self) -> list[Action]:
         actions: list[Action] = []
-        for p, reducer in enumerate(self.reducer_of):
-            if reducer != self.me:
-                continue
+        mine = self._parts_of.get(self.me, [])
+        mine.sort()  # parts in index order, as a scan of all parts would take them
+        for p in mine:
             held = self.held[p]
             if held is None or held[1] != self.members:
                 if not self.alive <= self.raw[p].keys():
@@ -528,21 +569,18 @@ class AllReduce:
                 reduced = aggregate(self.aggregation, contributions, into)
                 if self._finalize is not None:
                     reduced = self._finalize(p, reduced)
-                self.held[p] = held = (reduced, frozenset(self.members))
+                held = (reduced, frozenset(self.members))
+                self._hold(p, held)
                 self.reduced_here[p] = held[1]
             if self.sent[p] != held[1]:
                 self.sent[p] = held[1]
                 listed = self._contributors(held[1])
                 targets = sorted(self.alive - {self.me})
                 actions += [SendReduced(q, p, held[0], listed) for q in targets]
-        mine_settled = all(
-            self._settled(p) and self.sent[p] is not None
-            for p, r in enumerate(self.reducer_of)
-            if r == self.me
-        )
+        mine_settled = all(self._settled(p) and self.sent[p] is not None for p in mine)
         if self.state is AllReduceState.DONE:
             pass  # a finished peer still serves parts reassigned to it, and finishes once
-        elif all(self._settled(p) for p in range(len(self.parts))) and mine_settled:
+        elif len(self._settled_parts) == len(self.parts) and mine_settled:
             if len(self.peers) > 1 and self.members == {self.me}:
                 return actions + self._fail("every other peer of the round was lost")  # rule 7
             self.state = AllReduceState.DONE
@@ -567,8 +605,20 @@ class AllReduce:
         return self._fail(f"deadline reached; parts not settled: {self._unsettled()}")
 
     def _settled(self, p: int) -> bool:
-        held = self.held[p]
-        return held is not None and held[1] == self.members
+        return p in self._settled_parts
+
+    def _hold(self, p: int, entry: tuple[np.ndarray, frozenset[bytes]]) -> None:
+        self.held[p] = entry
+        if entry[1] == self.members:
+            self._settled_parts.add(p)
+        else:
+            self._settled_parts.discard(p)
+
+    def _recount_settled(self) -> None:
+        members = self.members
+        self._settled_parts = {
+            p for p, held in enumerate(self.held) if held is not None and held[1] == members
+        }
 
     def _unsettled(self) -> list[int]:
         return [p for p in range(len(self.parts)) if not self._settled(p)]

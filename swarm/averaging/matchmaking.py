@@ -12,7 +12,9 @@ votes or leads, so any two peers that read the same set compute the same groups,
 * Only declarations for round ``r`` count; a peer that appears twice keeps its greatest
   declaration (by ``declared_at``, then the other fields), so the input order never matters.
 * Up to ``max_group_size`` peers form one group. Above it the swarm splits into
-  ``g = ceil(n / max_group_size)`` groups whose sizes differ by at most one.
+  ``g = ceil(n / max_group_size)`` groups whose sizes differ by at most one, unless
+  ``MatchmakingConfig.one_group`` (a hierarchical all-reduce, which lays the peers out in rows
+  itself): then every member is in the round's one group, its id a hash of them all.
 * Splits change every round so that information mixes (Moshpit SGD, a grid of groups). Peers are
   ordered by ``sha256(run_seed, peer_id)`` and laid out in rows of ``g``; in round ``r`` the peer
   at row ``k``, column ``c`` joins group ``(c + k * r) mod g``. Each full row puts one peer in
@@ -291,6 +293,8 @@ class MatchmakingConfig:
     max_group_size: int
     run_seed: bytes
     confirm_timeout_s: float = 5.0
+    # One group of every member however many (a hierarchical all-reduce lays them out itself).
+    one_group: bool = False
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:
@@ -428,7 +432,9 @@ class Matchmaker:
         groups = derive_groups(
             members,
             self.round,
-            max_group_size=self.config.max_group_size,
+            max_group_size=max(1, len(members))
+            if self.config.one_group
+            else (self.config.max_group_size),
             run_seed=self.config.run_seed,
         )
         mine = [group for group in groups if self.peer_id in group.peer_ids]

@@ -4,7 +4,8 @@ Virtual time (``clock``), a network model of home and datacenter links with NAT,
 (``network``), the DHT as a store with latency and byte counts (``dht``), churn and the run
 (``simulation``), and round protocols (``protocol``: the interface; ``butterfly``: today's
 matchmaking + butterfly all-reduce, driving ``Matchmaker`` through ``matchmaking`` and
-``AllReduce`` through ``allreduce``). ``report`` turns the records into per-round figures.
+``AllReduce`` through ``allreduce``; ``hierarchical``: one group of every declarer and the
+``GridAllReduce``). ``report`` turns the records into per-round figures.
 No sockets, threads or wall clock: a run is a function of its config and seed.
 """
 
@@ -12,6 +13,7 @@ from swarm.sim.allreduce import GroupTimeouts, SimGroup, VectorModel
 from swarm.sim.butterfly import ButterflyConfig, ButterflyRounds
 from swarm.sim.clock import Clock
 from swarm.sim.dht import DhtModel, SimDht, record_bytes
+from swarm.sim.hierarchical import HierarchicalRounds, SimGrid
 from swarm.sim.network import Network, NetworkConfig, PeerLink, draw_link
 from swarm.sim.protocol import RoundProtocol, World
 from swarm.sim.report import GroupFigures, PeerRound, RoundFigures, round_figures, summary
@@ -24,6 +26,7 @@ __all__ = [
     "DhtModel",
     "GroupFigures",
     "GroupTimeouts",
+    "HierarchicalRounds",
     "Network",
     "NetworkConfig",
     "PeerLink",
@@ -32,6 +35,7 @@ __all__ = [
     "RoundProtocol",
     "SimConfig",
     "SimDht",
+    "SimGrid",
     "SimGroup",
     "Simulation",
     "VectorModel",

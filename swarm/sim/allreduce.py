@@ -27,7 +27,7 @@ What the driver does, as ``swarm.averaging.session`` does it:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +94,18 @@ class GroupTimeouts:
 
 
 Outcome = Callable[[bytes, Finish | Fail], None]
+
+
+def limit_s(network: Network, members: Sequence[bytes], vector: VectorModel) -> float:
+    """What a perfect ring or butterfly needs for this vector among ``members``: ``2 (n - 1) / n``
+    of it over the slowest member's slower direction, plus the two phases' latency (the worst
+    pair)."""
+    n = len(members)
+    links = [network.links[m] for m in members]
+    slowest = min(link.rate_bps for link in links)
+    legs = sorted(link.leg_s for link in links)
+    worst_latency = legs[-1] + (legs[-2] if n > 1 else 0.0)
+    return 2 * (n - 1) / n * 8 * vector.nbytes / slowest + 2 * worst_latency
 
 
 class SimGroup:
@@ -218,14 +230,7 @@ class SimGroup:
     # -- figures -----------------------------------------------------------------------------
 
     def limit_s(self, vector: VectorModel) -> float:
-        """What a perfect ring or butterfly needs for this vector: ``2 (n - 1) / n`` of it over
-        the slowest member's slower direction, plus the two phases' latency (the worst pair)."""
-        n = len(self.members)
-        links = [self.network.links[m] for m in self.members]
-        slowest = min(link.rate_bps for link in links)
-        legs = sorted(link.leg_s for link in links)
-        worst_latency = legs[-1] + (legs[-2] if n > 1 else 0.0)
-        return 2 * (n - 1) / n * 8 * vector.nbytes / slowest + 2 * worst_latency
+        return limit_s(self.network, self.members, vector)
 
     def allreduce_s(self) -> float:
         """From the moment the last member joined to the last finish (nan: nobody finished)."""

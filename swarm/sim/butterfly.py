@@ -22,10 +22,11 @@ from swarm.averaging.matchmaking import (
     Declaration,
     Fail,
     Finish,
+    Group,
     MatchmakingConfig,
     round_key,
 )
-from swarm.sim.allreduce import GroupTimeouts, SimGroup, VectorModel
+from swarm.sim.allreduce import GroupTimeouts, Outcome, SimGroup, VectorModel
 from swarm.sim.matchmaking import SimMatchmaking
 from swarm.sim.protocol import RoundProtocol
 from swarm.sim.report import GroupFigures
@@ -125,18 +126,18 @@ class ButterflyRounds(RoundProtocol):
         session = self.sessions.get(group.group_id)
         if session is None:
             r = group.round
-            session = SimGroup(
-                world.clock,
-                world.network,
-                group,
-                self.config.vector,
-                self.timeouts,
-                outcome=lambda member, result: self._averaged(r, member, result),
-            )
+            session = self._session(group, lambda member, result: self._averaged(r, member, result))
             self.sessions[group.group_id] = session
             self.by_round.setdefault(r, []).append(session)
         self.current.setdefault(peer, []).append(session)
         session.join(peer, *world.contribution(peer, round_number))
+
+    def _session(self, group: Group, outcome: Outcome) -> SimGroup:
+        """The all-reduce of one group (a subclass runs another kind)."""
+        world = self.world
+        return SimGroup(
+            world.clock, world.network, group, self.config.vector, self.timeouts, outcome=outcome
+        )
 
     def _averaged(
         self, round_number: int, peer: bytes, result: AllReduceFinish | AllReduceFail

@@ -5,8 +5,8 @@ what one peer does in one round. ``start(peer, r)`` begins it; the protocol fill
 ``PeerRound`` (``world.record``) and calls ``world.end_round(peer, r)`` once when the peer's part
 is over (it may keep serving others after that, as a real session does). ``left(peer, froze)``
 tells it a peer just left. ``groups(r)`` reports the groups it ran, for the figures. Today's
-protocol is ``butterfly.ButterflyRounds``; another one (a hierarchical all-reduce) plugs in the
-same way.
+protocol is ``butterfly.ButterflyRounds``; ``hierarchical.HierarchicalRounds`` plugs in the same
+way.
 """
 
 from __future__ import annotations

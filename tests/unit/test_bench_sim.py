@@ -23,3 +23,11 @@ def test_bench_sim_bad_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         sim.main(["--peers", "4", "--churn", "3"])
     assert "churn must be in [0, 1]" in capsys.readouterr().err
+
+
+def test_bench_sim_runs_the_hierarchical_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--peers", "9", "--rounds", "1", "--params", "1e6", "--numel", "16"]
+    result = sim.main([*argv, "--protocol", "hierarchical", "--max-group-size", "3"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["rounds_ok"] == 1 and result["groups_per_round"] == 1
+    assert result["contributed_fraction"] == 1.0 and 0 < result["sent_over_vector"] < 4.5

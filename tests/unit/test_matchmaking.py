@@ -359,3 +359,19 @@ class Swarm(RuleBasedStateMachine):
 
 TestSwarm = Swarm.TestCase
 TestSwarm.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+
+
+def test_one_group_takes_every_declarer_above_max_group_size_in_any_order() -> None:
+    config = MatchmakingConfig(
+        max_group_size=4, run_seed=SEED, confirm_timeout_s=1.0, one_group=True
+    )
+    groups = []
+    for me, order in ((0, range(10)), (7, reversed(range(10)))):
+        m = Matchmaker(b"peer-%03d" % me, 0, expected_peers=[], deadline=1.0, config=config)
+        m.handle(LocalRequest(decl(me)), 0.0)
+        m.handle(DeclarationsSeen(tuple(decl(i) for i in order)), 0.5)
+        m.handle(DeadlineReached(), 1.0)
+        (finish,) = m.handle(DeclarationsReread(()), 1.1)
+        assert len(finish.groups) == 1
+        groups.append(finish.group)
+    assert groups[0] == groups[1] and len(groups[0].members) == 10

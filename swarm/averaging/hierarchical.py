@@ -1,0 +1,606 @@
+"""Sans-IO core of a hierarchical all-reduce: one round of many peers on a grid (``grid``).
+
+Theory of operation
+-------------------
+Peers sit in rows (contiguous runs of the sorted peer ids); the vector is cut into columns, and
+each column into one sub-part per row. Column c of row k has a *head*: the first alive peer of
+row k from the row's c-th peer on, cyclic within the row (the flat ``AllReduce``'s reducer chain,
+inside one row).
+
+1. *Scatter in rows.* Each peer sends its slice of column c to its row's head of c (raw float32,
+   with its weight).
+2. *A chain of partial sums down the rows.* For each sub-part, the head of (row 0, c) sums its
+   row's slices in sorted peer order into a float64 accumulator and sends it to the head of
+   (row 1, c), which adds its own row's slices in sorted order, and so on. The last row's head
+   divides by the total weight (summed in sorted order) and casts to float32. This is, value for
+   value, the flat all-reduce's ``reduce_part``: one float64 sum in sorted peer order over every
+   contributor, then one division. So the result is bit-identical to the flat all-reduce's over
+   the same contributors. Sub-parts pipeline the chain.
+3. *Gather.* The reduced sub-parts travel back up the chain (last row to row 0); each head, once
+   it holds its whole column, sends it to its row. Every peer ends with every column.
+
+Per peer: connections to its row and to the column chain's two neighbours, ``O(row)``; bytes
+sent about ``2 (row - 1) / row`` of the vector plus ``8 / (columns x bytes per value)`` of it for
+the float64 chain.
+
+Losses (every rule from facts the peer sees; nothing is negotiated):
+
+* *Exclusions only grow.* ``excluded`` is the set of peers left out of the sum; every item carries
+  the exclusions it was computed under (an accumulator at row k: those in rows <= k), and a peer
+  that receives an item naming an exclusion it did not know adopts it. An item computed under
+  fewer exclusions than the receiver knows is stale and ignored (a newer one follows: whoever
+  computed it learns the exclusion the same way). A peer that sees itself excluded fails.
+* *Lost is not excluded* (as in ``allreduce`` rule 4): a head excludes a row member only when it
+  must compute an accumulator, lacks that member's slice, and the member is lost.
+* *A lost head's roles move* to the next alive peer of its row. Its row mates send the new head
+  the column they hold (if gathered) and then their slice; the new head announces itself
+  (``Takeover``) to the heads above and below it in the column's chain, which send it what they
+  hold from that role (accumulators, reduced sub-parts), then what they owe it, then
+  ``Handover``. Only after every announced neighbour's ``Handover`` does the new head compute:
+  a partial sum or reduced sub-part that reached any of them is reused, not recomputed, so a
+  lost head whose contribution already went down the chain stays a contributor.
+* *Finish* when every column is held under exactly ``excluded``; a finished peer keeps serving
+  (forwarding, answering takeovers) until the driver ends the round.
+* *Deadline* as in ``allreduce`` rule 8.
+
+What this machine does not cover: a lost head whose neighbours in the chain are lost at the same
+time may leave a column that only a dead peer held; peers then miss it and fail at the deadline
+(a failure, never a wrong result: no peer computes a sum without a slice it needs).
+
+Events: ``ItemReceived``, ``allreduce.PeerLost``, ``allreduce.DeadlineReached``. Actions:
+``SendItem``, ``allreduce.Finish``, ``allreduce.Fail``. Events naming a non-member raise
+``RemoteProtocolError``; calls after ``FAILED`` raise ``LocalProtocolError``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2p import LocalProtocolError, RemoteProtocolError
+from swarm.averaging.allreduce import (
+    DeadlineReached,
+    DropPeer,
+    Fail,
+    Finish,
+    PeerLost,
+    all_finite,
+)
+from swarm.averaging.grid import GridPlan
+
+__all__ = [
+    "Accumulated",
+    "Excluded",
+    "Gathered",
+    "GridAllReduce",
+    "GridState",
+    "Handover",
+    "ItemReceived",
+    "RawPart",
+    "Reduced",
+    "SendItem",
+    "Takeover",
+]
+
+Tag = frozenset[bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class RawPart:
+    """A peer's own slice of ``column`` (float32) and its weight: to its row's head."""
+
+    column: int
+    data: np.ndarray
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulated:
+    """The float64 partial sum of sub-part ``(column, sub)`` over rows ``0..row``, without
+    ``excluded``: from the head of ``(row, column)`` to the head of ``(row + 1, column)``."""
+
+    column: int
+    sub: int
+    row: int
+    excluded: Tag
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Reduced:
+    """Sub-part ``(column, sub)`` of the result (float32) over everyone but ``excluded``."""
+
+    column: int
+    sub: int
+    excluded: Tag
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """Column ``column`` of the result (float32) over everyone but ``excluded``."""
+
+    column: int
+    excluded: Tag
+    data: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """The sender is now the head of ``(row, column)`` (every peer before it there is lost)."""
+
+    column: int
+    row: int
+
+
+@dataclass(frozen=True, slots=True)
+class Handover:
+    """The sender has sent everything it holds from the role ``(row, column)``."""
+
+    column: int
+    row: int
+
+
+@dataclass(frozen=True, slots=True)
+class Excluded:
+    """News: every peer of ``excluded`` is left out of the round's sum."""
+
+    excluded: Tag
+
+
+Item = RawPart | Accumulated | Reduced | Gathered | Takeover | Handover | Excluded
+
+
+@dataclass(frozen=True, slots=True)
+class ItemReceived:
+    sender: bytes
+    item: Item
+
+
+@dataclass(frozen=True, slots=True)
+class SendItem:
+    peer: bytes
+    item: Item
+
+
+class GridState(enum.Enum):
+    RUNNING = "RUNNING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+class GridAllReduce:
+    """One peer's view of one hierarchical round (module docstring). ``start(now)``, then
+    ``handle(event, now)``; both return actions."""
+
+    def __init__(self, me: bytes, plan: GridPlan, local: np.ndarray, deadline: float) -> None:
+        if me not in plan.peers:
+            raise LocalProtocolError("me must be in the plan")
+        if (
+            not isinstance(local, np.ndarray)
+            or local.dtype != np.float32
+            or local.shape != (plan.numel,)
+            or not all_finite(local)
+        ):
+            raise LocalProtocolError("local vector must be 1-D finite float32 of plan.numel")
+        self.me, self.plan, self.local, self.deadline = me, plan, local, deadline
+        self.index = {peer: i for i, peer in enumerate(plan.peers)}
+        self.row_index = {peer: plan.row_of(i) for i, peer in enumerate(plan.peers)}
+        self.my_row = self.row_index[me]
+        self.weight = plan.weights[self.index[me]]
+        self.state = GridState.RUNNING
+        self.started = False
+        self.alive: set[bytes] = set(plan.peers)
+        self.excluded: set[bytes] = set()
+        self.raw: dict[int, dict[bytes, np.ndarray]] = {}  # column -> row member -> slice
+        self.acc_in: dict[tuple[int, int], tuple[Tag, np.ndarray]] = {}  # from the row above
+        self.acc_out: dict[tuple[int, int], tuple[Tag, np.ndarray]] = {}  # ours, or handed over
+        self.reduced: dict[tuple[int, int], tuple[Tag, np.ndarray]] = {}
+        self.gathered: dict[int, tuple[Tag, np.ndarray]] = {}
+        self.sent: dict[tuple[object, ...], tuple[bytes, Tag | None]] = {}
+        self.awaiting: dict[int, set[bytes]] = {}  # column taken over -> Handover still due from
+        self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
+        self._raw_due = True  # our slices' heads may have moved since we last sent them
+        self.mine: list[int] = self._my_columns()
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def start(self, now: float) -> list[object]:
+        self._check_live()
+        if self.started:
+            raise LocalProtocolError("already started")
+        self.started = True
+        if now >= self.deadline:
+            return self._fail("deadline reached before the round started")
+        return self._progress()
+
+    def handle(self, event: object, now: float) -> list[object]:
+        self._check_live()
+        if not self.started:
+            raise LocalProtocolError("handle before start")
+        expired = now >= self.deadline and self.state is not GridState.DONE
+        if isinstance(event, DeadlineReached):
+            return self._fail("deadline reached") if expired else []
+        if isinstance(event, PeerLost):
+            peer = event.peer
+        elif isinstance(event, ItemReceived):
+            peer = event.sender
+        else:
+            raise LocalProtocolError(f"unknown event {type(event).__name__}")
+        if peer not in self.index:
+            raise RemoteProtocolError(f"event from a peer outside the round: {peer!r}")
+        if expired:
+            return self._fail("deadline reached")
+        if peer not in self.alive:
+            return []  # late messages from lost peers are normal
+        if isinstance(event, PeerLost):
+            return self._lost([peer]) + self._progress()
+        return self._receive(peer, event.item)
+
+    @property
+    def contributors(self) -> tuple[tuple[bytes, float], ...]:
+        plan = self.plan
+        return tuple(
+            (p, w) for p, w in zip(plan.peers, plan.weights, strict=True) if p not in self.excluded
+        )
+
+    # -- roles -----------------------------------------------------------------------------------
+
+    def head(self, row: int, column: int) -> bytes | None:
+        """The head of ``(row, column)``: first alive peer from the row's ``column``-th on."""
+        key = (row, column)
+        if key in self._heads:
+            return self._heads[key]
+        members = self.plan.row(row)
+        n = len(members)
+        found = None
+        for step in range(n):
+            peer = self.plan.peers[members.start + (column + step) % n]
+            if peer in self.alive:
+                found = peer
+                break
+        self._heads[key] = found
+        return found
+
+    def _my_columns(self) -> list[int]:
+        return [c for c in range(self.plan.columns) if self.head(self.my_row, c) == self.me]
+
+    def _tag(self, row: int) -> Tag:
+        """The exclusions an accumulator through ``row`` is computed under."""
+        return frozenset(p for p in self.excluded if self.row_index[p] <= row)
+
+    # -- events ----------------------------------------------------------------------------------
+
+    def _lost(self, peers: Iterable[bytes]) -> list[object]:
+        gone = [p for p in peers if p in self.alive and p != self.me]
+        if not gone:
+            return []
+        # A head changes only when it is lost (the peers before it were already gone).
+        gone_set = set(gone)
+        near = set(self._near_rows())
+        moved = {key: old for key, old in self._heads.items() if old in gone_set}
+        for key in moved:
+            del self._heads[key]
+        self.alive.difference_update(gone)
+        self._raw_due = True
+        actions: list[object] = []
+        for (k, c), old in sorted(moved.items()):
+            if k not in near:
+                continue
+            new = self.head(k, c)
+            if new == old or new is None:
+                continue
+            if new == self.me:
+                actions += self._take_over(c)
+            elif k == self.my_row and c in self.gathered:
+                # forward the column first (FIFO): the new head reuses it before deciding
+                tag, data = self.gathered[c]
+                actions.append(SendItem(new, Gathered(c, tag, data)))
+        for c, due in self.awaiting.items():
+            for peer in list(due):
+                if peer not in self.alive:
+                    due.discard(peer)
+                    actions += self._announce(c, due)
+        self.mine = self._my_columns()
+        return actions
+
+    def _near_rows(self) -> list[int]:
+        return [
+            k for k in (self.my_row - 1, self.my_row, self.my_row + 1) if 0 <= k < self.plan.rows
+        ]
+
+    def _columns(self) -> range:
+        return range(self.plan.columns)
+
+    def _take_over(self, column: int) -> list[object]:
+        if self.plan.rows == 1:
+            return []
+        due: set[bytes] = set()
+        self.awaiting[column] = due
+        return self._announce(column, due)
+
+    def _announce(self, column: int, due: set[bytes]) -> list[object]:
+        """Tell the column's chain neighbours we head ``(my_row, column)`` now."""
+        actions: list[object] = []
+        for k in (self.my_row - 1, self.my_row + 1):
+            if 0 <= k < self.plan.rows:
+                peer = self.head(k, column)
+                if peer is not None and peer != self.me and peer not in due:
+                    due.add(peer)
+                    actions.append(SendItem(peer, Takeover(column, self.my_row)))
+        return actions
+
+    def _receive(self, sender: bytes, item: object) -> list[object]:
+        if isinstance(item, Takeover | Handover):
+            if not (
+                isinstance(item.row, int)
+                and isinstance(item.column, int)
+                and 0 <= item.row < self.plan.rows
+                and 0 <= item.column < self.plan.columns
+            ):
+                return self._drop(sender, "takeover outside the grid")
+            if isinstance(item, Handover):
+                self.awaiting.get(item.column, set()).discard(sender)
+                return self._progress()
+            return self._answer_takeover(sender, item)
+        tag = getattr(item, "excluded", None)
+        if tag is not None:
+            if not isinstance(tag, frozenset) or not tag <= self.index.keys():
+                return self._drop(sender, "malformed exclusions")
+            if self.me in tag:
+                return self._fail("excluded from the round")
+            spread = self._exclude(tag, sender)
+        else:
+            spread = []
+        why = self._store(sender, item)
+        return spread + (self._drop(sender, why) if why else self._progress())
+
+    def _store(self, sender: bytes, item: object) -> str | None:
+        plan = self.plan
+        if isinstance(item, RawPart):
+            c = item.column
+            if not (isinstance(c, int) and 0 <= c < plan.columns):
+                return "column outside the grid"
+            if self.row_index[sender] != self.my_row:
+                return "raw slice from outside our row"
+            if item.weight != plan.weights[self.index[sender]]:
+                return "weight differs from its declaration"
+            start, stop = plan.part(c)
+            why = _check(item.data, stop - start, np.float32)
+            if not why:
+                self.raw.setdefault(c, {})[sender] = item.data
+            return why
+        if isinstance(item, Accumulated | Reduced):
+            c, j = item.column, item.sub
+            if not (isinstance(c, int) and isinstance(j, int)):
+                return "indices are not integers"
+            if not (0 <= c < plan.columns and 0 <= j < plan.rows):
+                return "sub-part outside the grid"
+            start, stop = plan.sub(c, j)
+            if isinstance(item, Reduced):
+                why = _check(item.data, stop - start, np.float32)
+                if not why and item.excluded == self.excluded:
+                    self.reduced[(c, j)] = (item.excluded, item.data)
+                return why
+            why = _check(item.data, stop - start, np.float64)
+            if why:
+                return why
+            if item.row == self.my_row - 1 and item.excluded == self._tag(item.row):
+                self.acc_in[(c, j)] = (item.excluded, item.data)
+            elif item.row == self.my_row and item.excluded == self._tag(item.row):
+                self.acc_out[(c, j)] = (item.excluded, item.data)  # handed over by the row below
+            return None
+        if isinstance(item, Gathered):
+            c = item.column
+            if not (isinstance(c, int) and 0 <= c < plan.columns):
+                return "column outside the grid"
+            start, stop = plan.part(c)
+            why = _check(item.data, stop - start, np.float32)
+            if not why and item.excluded == self.excluded:
+                self.gathered[c] = (item.excluded, item.data)
+                for j in range(plan.rows):  # its sub-parts, for the chain's gather
+                    a, b = plan.sub(c, j)
+                    self.reduced[(c, j)] = (item.excluded, item.data[a - start : b - start])
+            return why
+        if isinstance(item, Excluded):
+            return None
+        return f"unknown item {type(item).__name__}"
+
+    def _answer_takeover(self, sender: bytes, item: Takeover) -> list[object]:
+        """``sender`` heads ``(item.row, item.column)``: peers before it there are lost; send it
+        what we hold from that role, what we owe it, then ``Handover``."""
+        members = self.plan.row(item.row)
+        n, pos = len(members), self.index[sender] - members.start
+        if self.index[sender] not in members or self.my_row not in (item.row - 1, item.row + 1):
+            return self._drop(sender, "takeover from outside our chain")
+        skipped = [self.plan.peers[members.start + (item.column + s) % n] for s in range(n)]
+        skipped = skipped[: (pos - item.column) % n]
+        actions = self._lost(skipped)
+        c = item.column
+        if self.head(self.my_row, c) == self.me:
+            if item.row == self.my_row + 1:  # it is below us: the reduced sub-parts came from it
+                for j in range(self.plan.rows):
+                    if (c, j) in self.reduced:
+                        tag, data = self.reduced[(c, j)]
+                        actions.append(SendItem(sender, Reduced(c, j, tag, data)))
+            else:  # it is above us: its accumulators came to us
+                for j in range(self.plan.rows):
+                    if (c, j) in self.acc_in:
+                        tag, data = self.acc_in[(c, j)]
+                        actions.append(SendItem(sender, Accumulated(c, j, item.row, tag, data)))
+        for key in [k for k in self.sent if k[0] in ("acc", "red") and k[1] == c]:
+            del self.sent[key]  # what we owe it goes again
+        actions += self._progress()
+        actions.append(SendItem(sender, Handover(c, item.row)))
+        return actions
+
+    # -- progress --------------------------------------------------------------------------------
+
+    def _progress(self) -> list[object]:
+        if self.state is GridState.FAILED:
+            return []
+        actions: list[object] = []
+        plan = self.plan
+        if self._raw_due:
+            self._raw_due = False
+            for c in self._columns():
+                head = self.head(self.my_row, c)
+                if head is not None and head != self.me and self._owe(("raw", c), head, None):
+                    start, stop = plan.part(c)
+                    piece = self.local[start:stop]
+                    actions.append(SendItem(head, RawPart(c, piece, self.weight)))
+        for c in self.mine:
+            if self.awaiting.get(c):
+                continue  # a taken-over column waits for its neighbours' handovers
+            more = self._column(c, actions)
+            if more is not None:
+                return actions + more
+        if self.state is not GridState.DONE and all(
+            self._column_result(c) is not None for c in self._columns()
+        ):
+            self.state = GridState.DONE
+            result = np.empty_like(self.local)
+            for c in self._columns():
+                start, stop = plan.part(c)
+                result[start:stop] = self._column_result(c)
+            actions.append(Finish(result, self.contributors))
+        return actions
+
+    def _column(self, c: int, actions: list[object]) -> list[object] | None:
+        """Our duties as head of ``(my_row, c)``; returns the rest of the actions when an
+        exclusion restarts the progress."""
+        plan, k = self.plan, self.my_row
+        last = k == plan.rows - 1
+        tag = frozenset(self.excluded)
+        for j in range(plan.rows):
+            if self.reduced.get((c, j), (None,))[0] == tag:
+                continue
+            if not last:
+                out = self.acc_out.get((c, j))
+                if out is None or out[0] != self._tag(k):
+                    computed = self._accumulate(c, j)
+                    if isinstance(computed, list):
+                        return computed
+                    if computed is None:
+                        continue
+                    out = self.acc_out[(c, j)] = (self._tag(k), computed)
+                below = self.head(k + 1, c)
+                if below is not None and self._owe(("acc", c, j), below, out[0]):
+                    actions.append(SendItem(below, Accumulated(c, j, k, out[0], out[1])))
+                continue
+            computed = self._accumulate(c, j)
+            if isinstance(computed, list):
+                return computed
+            if computed is not None:
+                total = 0.0
+                for _, weight in self.contributors:  # sorted, as reduce_part sums them
+                    total += weight
+                np.divide(computed, total, out=computed)
+                self.reduced[(c, j)] = (tag, computed.astype(np.float32))
+        if k > 0:
+            above = self.head(k - 1, c)
+            for j in range(plan.rows):
+                entry = self.reduced.get((c, j))
+                owed = above is not None and entry is not None and entry[0] == tag
+                if owed and self._owe(("red", c, j), above, tag):  # type: ignore[arg-type]
+                    actions.append(SendItem(above, Reduced(c, j, tag, entry[1])))
+        part = self._column_result(c)
+        if part is not None:
+            for i in plan.row(k):
+                peer = plan.peers[i]
+                if (
+                    peer != self.me
+                    and peer in self.alive
+                    and self._owe(("col", c, peer), peer, tag)
+                ):
+                    actions.append(SendItem(peer, Gathered(c, tag, part)))
+        return None
+
+    def _accumulate(self, c: int, j: int) -> np.ndarray | list[object] | None:
+        """Our row's partial sum of ``(c, j)`` on top of the row above's, in float64; None while
+        an input is due; the progress's actions if a lost member had to be excluded."""
+        plan, k = self.plan, self.my_row
+        if k > 0:
+            upstream = self.acc_in.get((c, j))
+            if upstream is None or upstream[0] != self._tag(k - 1):
+                return None
+        slices = self.raw.setdefault(c, {})
+        start, stop = plan.part(c)
+        slices.setdefault(self.me, self.local[start:stop])
+        members = [plan.peers[i] for i in plan.row(k) if plan.peers[i] not in self.excluded]
+        missing = [p for p in members if p not in slices]
+        if any(p in self.alive for p in missing):
+            return None
+        if missing:  # lost before their slice came: no sum anywhere holds it
+            return self._exclude(missing, None) + self._progress()
+        a, b = plan.sub(c, j)
+        acc = upstream[1].copy() if k > 0 else np.zeros(b - a, np.float64)
+        product = np.empty(b - a, np.float64)
+        for peer in members:  # sorted: rows are runs of the sorted ids
+            weight = plan.weights[self.index[peer]]
+            np.multiply(slices[peer][a - start : b - start], weight, out=product, dtype=np.float64)
+            acc += product
+        return acc
+
+    def _exclude(self, peers: Iterable[bytes], source: bytes | None) -> list[object]:
+        """Add exclusions; tell the heads that need them now rather than when a column comes
+        back: the chain neighbours of the columns we head, and (news from outside our row) our
+        row's heads. Otherwise two columns could each wait for the other's news."""
+        new = set(peers) - self.excluded
+        if not new:
+            return []
+        self.excluded |= new
+        tag = frozenset(self.excluded)
+        targets: set[bytes] = set()
+        for c in self.mine:
+            for k in (self.my_row - 1, self.my_row + 1):
+                if 0 <= k < self.plan.rows:
+                    targets.add(self.head(k, c))  # type: ignore[arg-type]
+        if source is None or self.row_index[source] != self.my_row:
+            targets.update(self.head(self.my_row, c) for c in self._columns())  # type: ignore[misc]
+        targets -= {None, self.me, source}
+        return [SendItem(peer, Excluded(tag)) for peer in sorted(targets)]  # type: ignore[type-var]
+
+    def _column_result(self, c: int) -> np.ndarray | None:
+        tag = frozenset(self.excluded)
+        held = self.gathered.get(c)
+        if held is not None and held[0] == tag:
+            return held[1]
+        pieces = [self.reduced.get((c, j)) for j in range(self.plan.rows)]
+        if all(p is not None and p[0] == tag for p in pieces):
+            part = np.concatenate([p[1] for p in pieces])  # type: ignore[index]
+            self.gathered[c] = (tag, part)
+            return part
+        return None
+
+    def _owe(self, key: tuple[object, ...], peer: bytes, tag: Tag | None) -> bool:
+        """Whether ``key`` is still to be sent to ``peer`` under ``tag`` (and mark it sent)."""
+        if self.sent.get(key) == (peer, tag):
+            return False
+        self.sent[key] = (peer, tag)
+        return True
+
+    # -- endings ---------------------------------------------------------------------------------
+
+    def _drop(self, peer: bytes, reason: str) -> list[object]:
+        """A peer that breaks the protocol is lost to us (and excluded if its slice is due)."""
+        return [DropPeer(peer, reason), *self._lost([peer]), *self._progress()]
+
+    def _fail(self, reason: str) -> list[object]:
+        self.state = GridState.FAILED
+        return [Fail(reason)]
+
+    def _check_live(self) -> None:
+        if self.state is GridState.FAILED:
+            raise LocalProtocolError("the round failed; this machine refuses further calls")
+
+
+def _check(data: object, length: int, dtype: type) -> str | None:
+    """Why ``data`` is not a 1-D ``dtype`` array of ``length`` finite values (None if it is)."""
+    if not isinstance(data, np.ndarray) or data.dtype != dtype or data.shape != (length,):
+        return f"not a 1-D {np.dtype(dtype).name} array of {length} values"
+    finite = all_finite(data) if dtype is np.float32 else bool(np.isfinite(data).all())
+    return None if finite else "NaN or inf values"
