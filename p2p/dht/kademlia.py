@@ -219,20 +219,11 @@ class Dht:
 
     async def serve(self) -> None:
         """Become a Kad server (a peer found publicly reachable): serve ``/ipfs/kad/1.0.0`` and
-        tell connected peers (identify push), so that they admit us to their tables. The push
-        runs in the background: one connected peer that never answers it (the dial-back
-        helper's short-lived connection, measured) held every node's start for the whole
-        request timeout, 3 s."""
+        tell connected peers (identify push), so that they admit us to their tables."""
         if self.is_server:
             return
         self._kad.mode = DHTMode.SERVER
         self._host.set_handler(str(PROTOCOL_ID), self._serve_kad)
-        if self._nursery is not None:
-            self._nursery.start_soon(self._push_identify)
-        else:
-            await self._push_identify()
-
-    async def _push_identify(self) -> None:
         with trio.move_on_after(self.config.request_timeout_s):
             await push_identify_to_peers(self._libp2p)
 
