@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -108,7 +109,56 @@ def limit_s(network: Network, members: Sequence[bytes], vector: VectorModel) -> 
     return 2 * (n - 1) / n * 8 * vector.nbytes / slowest + 2 * worst_latency
 
 
-class SimGroup:
+class SessionDriver:
+    """What every simulated round protocol's driver does the same way: telling each joined
+    machine, when it notices, that a member left (``leave``), and feeding a machine its events
+    (held until it joins; none once it failed or its peer is gone). A driver sets ``clock``,
+    ``network``, ``timeouts``, ``machines``, ``joined_at``, ``waiting`` and ``left``, and says
+    how its machines act (``_apply``), when one has failed (``_failed``) and whom an observer
+    watches (``_watches``)."""
+
+    clock: Clock
+    network: Network
+    timeouts: GroupTimeouts
+    machines: dict[bytes, Any]
+    joined_at: dict[bytes, float]
+    waiting: dict[bytes, list[object]]  # events for members not joined yet
+    left: dict[bytes, bool]  # member -> froze (else crashed)
+
+    def leave(self, peer: bytes, froze: bool) -> None:
+        """``peer`` (a member) just left; tell each member watching it when it notices."""
+        self.left[peer] = froze
+        for observer in self.machines:
+            if observer != peer and self._watches(observer, peer):
+                at = max(
+                    self.clock.now + self._detect(peer, observer, froze),
+                    self.network.last_arrival(peer, observer),
+                )
+                self.clock.at(at, self._feed, observer, PeerLost(peer))
+
+    def _watches(self, observer: bytes, peer: bytes) -> bool:
+        return True
+
+    def _detect(self, lost: bytes, observer: bytes, froze: bool) -> float:
+        return self.timeouts.peer_s if froze else self.network.latency(lost, observer)
+
+    def _feed(self, peer: bytes, event: object) -> None:
+        machine = self.machines.get(peer)
+        if machine is None:
+            self.waiting.setdefault(peer, []).append(event)
+            return
+        if self._failed(machine) or not self.network.present(peer):
+            return
+        self._apply(peer, machine.handle(event, self.clock.now))
+
+    def _failed(self, machine: Any) -> bool:
+        raise NotImplementedError
+
+    def _apply(self, peer: bytes, actions: list[object]) -> None:
+        raise NotImplementedError
+
+
+class SimGroup(SessionDriver):
     """The all-reduce of one ``Group``; ``outcome(peer, Finish | Fail)`` once per member that
     joined (unless it left first). ``contacts[peer]``: the members it exchanged messages with."""
 
@@ -167,35 +217,15 @@ class SimGroup:
         self.clock.at(machine.deadline, self._feed, peer, DeadlineReached())
         self.clock.after(self.timeouts.join_wait_s, self._missing_members, peer)
 
-    def leave(self, peer: bytes, froze: bool) -> None:
-        """``peer`` (a member) just left; tell each member that joined when it notices."""
-        self.left[peer] = froze
-        for observer in self.machines:
-            if observer != peer:
-                at = max(
-                    self.clock.now + self._detect(peer, observer, froze),
-                    self.network.last_arrival(peer, observer),
-                )
-                self.clock.at(at, self._feed, observer, PeerLost(peer))
-
     # -- the machines ------------------------------------------------------------------------
-
-    def _detect(self, lost: bytes, observer: bytes, froze: bool) -> float:
-        return self.timeouts.peer_s if froze else self.network.latency(lost, observer)
 
     def _missing_members(self, peer: bytes) -> None:
         for member in self.members:
             if member not in self.joined_at:
                 self._feed(peer, PeerLost(member))
 
-    def _feed(self, peer: bytes, event: object) -> None:
-        machine = self.machines.get(peer)
-        if machine is None:
-            self.waiting.setdefault(peer, []).append(event)
-            return
-        if machine.state is AllReduceState.FAILED or not self.network.present(peer):
-            return
-        self._apply(peer, machine.handle(event, self.clock.now))  # type: ignore[arg-type]
+    def _failed(self, machine: AllReduce) -> bool:
+        return machine.state is AllReduceState.FAILED
 
     def _apply(self, peer: bytes, actions: list[object]) -> None:
         network = self.network

@@ -40,6 +40,7 @@ from swarm.sim.allreduce import (
     ITEM_HEADER_BYTES,
     GroupTimeouts,
     Outcome,
+    SessionDriver,
     VectorModel,
     limit_s,
 )
@@ -50,7 +51,7 @@ from swarm.sim.network import Network
 EXCLUSION_BYTES = 38
 
 
-class SimGrid:
+class SimGrid(SessionDriver):
     """The hierarchical all-reduce of one ``Group`` (module docstring); the same surface as
     ``SimGroup`` for ``ButterflyRounds``."""
 
@@ -103,25 +104,12 @@ class SimGrid:
         self.clock.at(machine.deadline, self._feed, peer, DeadlineReached())
         self.clock.after(self.timeouts.join_wait_s, self._missing_row_mates, peer)
 
-    def leave(self, peer: bytes, froze: bool) -> None:
-        self.left[peer] = froze
-        for observer in self.machines:
-            if observer != peer and self._watches(observer, peer):
-                at = max(
-                    self.clock.now + self._detect(peer, observer, froze),
-                    self.network.last_arrival(peer, observer),
-                )
-                self.clock.at(at, self._feed, observer, PeerLost(peer))
-
     # -- the machines ------------------------------------------------------------------------
 
     def _watches(self, observer: bytes, peer: bytes) -> bool:
         machine = self.machines[observer]
         same_row = machine.row_index[peer] == machine.my_row
         return same_row or peer in self.contacts[observer]
-
-    def _detect(self, lost: bytes, observer: bytes, froze: bool) -> float:
-        return self.timeouts.peer_s if froze else self.network.latency(lost, observer)
 
     def _missing_row_mates(self, peer: bytes) -> None:
         machine = self.machines[peer]
@@ -130,14 +118,8 @@ class SimGrid:
             if member not in self.joined_at:
                 self._feed(peer, PeerLost(member))
 
-    def _feed(self, peer: bytes, event: object) -> None:
-        machine = self.machines.get(peer)
-        if machine is None:
-            self.waiting.setdefault(peer, []).append(event)
-            return
-        if machine.state is GridState.FAILED or not self.network.present(peer):
-            return
-        self._apply(peer, machine.handle(event, self.clock.now))
+    def _failed(self, machine: GridAllReduce) -> bool:
+        return machine.state is GridState.FAILED
 
     def _suspect(self, sender: bytes, peer: bytes, at: float) -> None:
         """``peer`` may not answer ``sender``: lost to it at ``at`` unless it joined by then."""
