@@ -30,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +61,41 @@ def _timed(fn: Callable[[], T]) -> tuple[T, float, float]:
     wall, cpu = time.perf_counter(), time.process_time()
     out = fn()
     return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def _medians(times: dict[str, list[tuple[float, float]]]) -> dict[str, float]:
+    """Median wall (``_s``) and CPU (``_cpu_s``) seconds of a step, and RepOps over native."""
+
+    def median(name: str, which: int) -> float:
+        return statistics.median(t[which] for t in times[name])
+
+    return {
+        "repops_s": median("repops", 0),
+        "native_s": median("native", 0),
+        "ratio": median("repops", 0) / median("native", 0),
+        "repops_cpu_s": median("repops", 1),
+        "native_cpu_s": median("native", 1),
+        "ratio_cpu": median("repops", 1) / median("native", 1),
+    }
+
+
+def _print_times(
+    times: dict[str, list[tuple[float, float]]],
+    names: tuple[str, ...],
+    result: dict[str, Any],
+    losses: list[tuple[float, float]],
+) -> None:
+    """Each way's step times, the ratio, and the first and last losses, readable."""
+    for name in names:
+        walls = np.array([t[0] for t in times[name]]) * 1000
+        cpu = statistics.median(t[1] for t in times[name])
+        print(
+            f"{name:>7}: median {np.median(walls):7.1f} ms wall (min {walls.min():.1f}, "
+            f"max {walls.max():.1f}), {cpu * 1000:7.1f} ms CPU"
+        )
+    print(f"ratio repops/native: {result['ratio']:.2f} wall, {result['ratio_cpu']:.2f} CPU")
+    first, last = losses[0], losses[-1]
+    print(f"loss native {first[0]:.3f} -> {last[0]:.3f}, repops {first[1]:.3f} -> {last[1]:.3f}")
 
 
 def main() -> None:
@@ -124,27 +159,15 @@ def main() -> None:
         "bench": "repops",
         "config": {"batch": args.batch, "context": 128, "threads": args.threads},
         "params": sum(p.numel() for p in model.parameters()),
-        "repops_s": median("repops", 0),
-        "native_s": median("native", 0),
-        "ratio": median("repops", 0) / median("native", 0),
-        "repops_cpu_s": median("repops", 1),
-        "native_cpu_s": median("native", 1),
-        "ratio_cpu": median("repops", 1) / median("native", 1),
+        **_medians(times),
         "git_sha": git_sha(),
     }
     if args.traced:
         result["traced_s"] = median("traced", 0)
     print(f"model: ByteTransformer default, {result['params']} parameters, batch {args.batch}x128")
     print(f"threads: {args.threads}; {args.steps} timed steps after {args.warmup} warm-up")
-    for name in ("native", "repops", "traced") if args.traced else ("native", "repops"):
-        walls = np.array([t[0] for t in times[name]]) * 1000
-        print(
-            f"{name:>7}: median {np.median(walls):7.1f} ms wall (min {walls.min():.1f}, "
-            f"max {walls.max():.1f}), {median(name, 1) * 1000:7.1f} ms CPU"
-        )
-    print(f"ratio repops/native: {result['ratio']:.2f} wall, {result['ratio_cpu']:.2f} CPU")
-    first, last = losses[0], losses[-1]
-    print(f"loss native {first[0]:.3f} -> {last[0]:.3f}, repops {first[1]:.3f} -> {last[1]:.3f}")
+    names = ("native", "repops", "traced") if args.traced else ("native", "repops")
+    _print_times(times, names, result, losses)
     print(json.dumps(result))
 
 
@@ -192,9 +215,6 @@ def dispatch_bench(args: argparse.Namespace) -> None:
             times["repops"].append((repops[0], repops[1]))
         losses.append((native_loss, repops_loss))
 
-    def median(name: str, which: int) -> float:
-        return statistics.median(t[which] for t in times[name])
-
     result = {
         "bench": "repops",
         "mode": "dispatch",
@@ -202,12 +222,7 @@ def dispatch_bench(args: argparse.Namespace) -> None:
         "config": {"batch": args.batch, "context": CONTEXT, "threads": args.threads},
         "params": sum(p.numel() for p in native_model.parameters()),
         "ops_per_step": sum(modes[0].ops.values()),
-        "repops_s": median("repops", 0),
-        "native_s": median("native", 0),
-        "ratio": median("repops", 0) / median("native", 0),
-        "repops_cpu_s": median("repops", 1),
-        "native_cpu_s": median("native", 1),
-        "ratio_cpu": median("repops", 1) / median("native", 1),
+        **_medians(times),
         "git_sha": git_sha(),
     }
     print(
@@ -215,15 +230,7 @@ def dispatch_bench(args: argparse.Namespace) -> None:
         f"batch {args.batch}x{CONTEXT}, {result['ops_per_step']} aten operators a step"
     )
     print(f"threads: {args.threads}; {args.steps} timed steps after {args.warmup} warm-up")
-    for name in ("native", "repops"):
-        walls = np.array([t[0] for t in times[name]]) * 1000
-        print(
-            f"{name:>7}: median {np.median(walls):7.1f} ms wall (min {walls.min():.1f}, "
-            f"max {walls.max():.1f}), {median(name, 1) * 1000:7.1f} ms CPU"
-        )
-    print(f"ratio repops/native: {result['ratio']:.2f} wall, {result['ratio_cpu']:.2f} CPU")
-    first, last = losses[0], losses[-1]
-    print(f"loss native {first[0]:.3f} -> {last[0]:.3f}, repops {first[1]:.3f} -> {last[1]:.3f}")
+    _print_times(times, ("native", "repops"), result, losses)
     if args.list_ops:
         print(f"{'calls':>6}  aten operator (one RepOps step)")
         for name, calls in sorted(modes[0].ops.items()):
