@@ -6,7 +6,7 @@ This package imports nothing else of swarmtrain's; everything above builds on th
 from libp2p.abc import INetStream as Stream
 from libp2p.peer.id import ID as PeerID
 
-from p2p.addresses import join_address_problem, peer_id_problem
+from p2p.addresses import join_address_problem, listen_address_problem, peer_id_problem
 from p2p.blocking import NodeThread, poll
 from p2p.bulk.channel import BulkChannel, accept_channel, open_channel
 from p2p.bulk.control import PROTOCOL as BULK_PROTOCOL
@@ -123,6 +123,7 @@ __all__ = [
     "identity_work",
     "join_addr",
     "join_address_problem",
+    "listen_address_problem",
     "load_or_create_identity",
     "merge_records",
     "message",

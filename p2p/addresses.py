@@ -44,13 +44,30 @@ def join_address_problem(text: str) -> str | None:
     return peer_id_problem(address.value_for_protocol("p2p"))
 
 
-def _parse_problem(text: str, message: str) -> str:
+def listen_address_problem(text: str) -> str | None:
+    """Why ``text`` is not an address to listen on or announce (``/ip4/IP/tcp/PORT``), or
+    None."""
+    try:
+        multiaddr.Multiaddr(text)
+    except Exception as exc:
+        return _parse_problem(text, str(exc), suffix="", example="/ip4/0.0.0.0/tcp/4001")
+    return None
+
+
+def _parse_problem(
+    text: str,
+    message: str,
+    suffix: str = "/p2p/<peer id>",
+    example: str = "/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW…",
+) -> str:
     parts = text.split("/")
     if not text.startswith("/"):
         host, _, port = text.rpartition(":")
         if host and port.isdigit():
-            return f"a multiaddr is written /ip4/{host}/tcp/{port}/p2p/<peer id>, not host:port"
-        return "not a multiaddr (for example /ip4/203.0.113.7/tcp/4001/p2p/12D3KooW…)"
+            host = host.strip("[]")
+            family = "ip6" if ":" in host else "ip4"
+            return f"a multiaddr is written /{family}/{host}/tcp/{port}{suffix}, not host:port"
+        return f"not a multiaddr (for example {example})"
     for proto, value in zip(parts[1::2], parts[2::2], strict=False):
         if proto in ("ip4", "ip6") and f"'{value}' is not IPv" in message:
             return f"{value} is not an {proto[:2].upper()}v{proto[2]} address"

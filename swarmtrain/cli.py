@@ -54,6 +54,7 @@ from p2p import (
     default_identity_path,
     identity_work,
     join_address_problem,
+    listen_address_problem,
     load_or_create_identity,
     peer_id_of,
     peer_id_problem,
@@ -389,21 +390,6 @@ def build_parser() -> argparse.ArgumentParser:
     verify_cmd.add_parser(sub)
     describe(sub)
     return parser
-
-
-def _multiaddr_problem(text: str) -> str | None:
-    """Why ``text`` is not a listen/announce address (one line with the fix), or None."""
-    import multiaddr
-
-    try:
-        multiaddr.Multiaddr(text)
-    except Exception:
-        host, _, port = text.rpartition(":")
-        if host and port.isdigit():
-            family = "ip6" if ":" in host.strip("[]") else "ip4"
-            return f"a multiaddr is written /{family}/{host.strip('[]')}/tcp/{port}, not host:port"
-        return "not a multiaddr (for example /ip4/0.0.0.0/tcp/4001)"
-    return None
 
 
 def _version() -> str:
@@ -759,7 +745,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
-    checks = {"listen": _multiaddr_problem, "announce": _multiaddr_problem,
+    checks = {"listen": listen_address_problem, "announce": listen_address_problem,
               "join": join_address_problem, "ping": peer_id_problem}  # fmt: skip
     for flag, check in checks.items():
         for text in getattr(args, flag, None) or []:
