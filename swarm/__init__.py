@@ -14,16 +14,20 @@ Errors raised on purpose derive from ``SwarmError`` (``swarm.errors``); a failed
 from swarm.averaging.aggregation import AGGREGATIONS, aggregate
 from swarm.averaging.allreduce import AllReduce, AllReduceState, partition, reduce_part
 from swarm.averaging.audit import (
+    MAX_SLICE_DISPUTES,
     AuditRecord,
     PartAudit,
+    SliceDispute,
     audited,
     contested,
     decode_audits,
     encode_audits,
     merge_records,
+    misbound,
     proof_message,
     recheck,
     records_by_group,
+    slice_hash,
     split_record,
 )
 from swarm.averaging.averager import (
@@ -58,6 +62,7 @@ from swarm.pipeline.routing import MicrobatchRoute, Router, RoutingConfig
 
 __all__ = [
     "AGGREGATIONS",
+    "MAX_SLICE_DISPUTES",
     "SLICE_PROTOCOL",
     "AllReduce",
     "AllReduceState",
@@ -83,6 +88,7 @@ __all__ = [
     "Router",
     "RoutingConfig",
     "ServerAnnouncement",
+    "SliceDispute",
     "SliceRequest",
     "SparseCodec",
     "StateAgreement",
@@ -98,6 +104,7 @@ __all__ = [
     "encode_audits",
     "matchmaking",
     "merge_records",
+    "misbound",
     "param_digest",
     "partition",
     "pipeline_routing",
@@ -109,6 +116,7 @@ __all__ = [
     "reduce_part",
     "round_key",
     "servers_key",
+    "slice_hash",
     "split_record",
     "stage_status",
     "state_key",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,10 +41,16 @@ def tensor_hash(array: np.ndarray) -> bytes:
 
 def state_hash(state: Mapping[str, np.ndarray]) -> bytes:
     """SHA-256 over the sorted names and their tensor hashes: one value per training state."""
+    return state_hash_of((name, tensor_hash(state[name])) for name in sorted(state))
+
+
+def state_hash_of(named_hashes: Iterable[tuple[str, bytes]]) -> bytes:
+    """``state_hash`` from (name, tensor hash) pairs in sorted name order: a state can be
+    checked against its hash with only some of its tensors at hand."""
     digest = hashlib.sha256(_STATE_TAG)
-    for name in sorted(state):
+    for name, tensor_digest in named_hashes:
         encoded = name.encode()
-        digest.update(struct.pack("<I", len(encoded)) + encoded + tensor_hash(state[name]))
+        digest.update(struct.pack("<I", len(encoded)) + encoded + tensor_digest)
     return digest.digest()
 
 

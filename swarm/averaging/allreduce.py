@@ -370,6 +370,8 @@ class AllReduce:
         self._checked_lists: set[Contributors] = set()
         # Parts this peer reduced itself, and over which set: what it can be audited for.
         self.reduced_here: dict[int, frozenset[bytes]] = {}
+        # Slices ``check_slice`` refused, sender -> (part, weight): evidence a caller may report.
+        self.refused: dict[bytes, tuple[int, float]] = {}
         self.started = False
         # A lossy wire codec: the reducer must hold what everyone else decodes, not its own
         # float32 mean, or its result would differ from theirs in the dropped bits.
@@ -480,6 +482,8 @@ class AllReduce:
         why = _finite_float32(event.data, stop - start)
         if not why and self.check_slice is not None:
             why = self.check_slice(event.sender, start, event.data)
+            if why:
+                self.refused[event.sender] = (event.part_index, float(event.weight))
         return f"part {event.part_index}: {why}" if why else None
 
     def _check_reduced(self, event: ReducedPartReceived) -> str | None:

@@ -107,6 +107,51 @@ class PartAudit(Message):
             raise ValueError(f"the output hash must be {DIGEST_BYTES} bytes")
 
 
+MAX_SLICE_DISPUTES = 16
+
+
+@message(134, max_bytes=MAX_AUDIT_RECORD_BYTES)
+class SliceDispute(Message):
+    """Evidence that ``peer`` sent a slice of ``part`` (``[start, stop)`` of the vector) other
+    than its task's: the weight and slice hash it signed, and its signature over them
+    (``proof_message``). A verifier, which re-executed the peer's task and so knows its
+    pseudo-gradient bit for bit, publishes one for a referee to rule on. Raises ``ValueError``
+    when a field is out of range."""
+
+    part: int
+    start: int
+    stop: int
+    peer: bytes
+    weight: float
+    digest: bytes
+    proof: bytes
+
+    def __post_init__(self) -> None:
+        if not (self.part >= 0 and 0 <= self.start <= self.stop):
+            raise ValueError("a slice dispute needs part >= 0 and 0 <= start <= stop")
+        _check_peer(self.peer)
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise ValueError("a slice dispute's weight must be positive and finite")
+        if len(self.digest) != DIGEST_BYTES or len(self.proof) > MAX_PROOF_BYTES:
+            raise ValueError("a slice dispute's hash or signature has a bad length")
+
+
+def misbound(record: AuditRecord, peer: bytes, expected: np.ndarray) -> list[SliceDispute]:
+    """The inputs from ``peer`` that ``record``'s claims list with another hash than that of
+    ``expected``'s range (the whole vector ``peer`` owes the round), as disputes carrying the
+    claim's signed evidence: the slices ``peer`` signed that are not what it owes."""
+    out = []
+    for audit in record.audits:
+        if audit.stop > len(expected):
+            continue  # another layout than ours: nothing we can say about it
+        for q, weight, digest, proof in audit.inputs:
+            if q == peer and digest != slice_hash(expected[audit.start : audit.stop]):
+                out.append(
+                    SliceDispute(audit.part, audit.start, audit.stop, q, weight, digest, proof)
+                )
+    return out
+
+
 def audits_of(
     machine: AllReduce,
     proofs: Mapping[tuple[int, bytes], bytes],
@@ -201,12 +246,16 @@ class AuditRecord(Message):
     reducers: tuple[bytes, ...]
     audits: tuple[PartAudit, ...]
     disputed: tuple[int, ...] = ()
+    # Slices that a member (a verifier of their sender's task) says are not what they owe.
+    slice_disputes: tuple[SliceDispute, ...] = ()
 
     def __post_init__(self) -> None:
         if self.round < 0:
             raise ValueError("round must be >= 0")
         if max(len(self.reducers), len(self.audits), len(self.disputed)) > MAX_PARTS:
             raise ValueError(f"reducers, claims and disputes are at most {MAX_PARTS} each")
+        if len(self.slice_disputes) > MAX_SLICE_DISPUTES:
+            raise ValueError(f"a record carries at most {MAX_SLICE_DISPUTES} slice disputes")
         for reducer in self.reducers:
             _check_peer(reducer)
         if any(p < 0 for p in self.disputed):
@@ -244,8 +293,14 @@ def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:
         return None
     claims = {a.part: a for r in records for a in r.audits}
     disputed = sorted({p for r in records for p in r.disputed})
+    slices = {(d.part, d.peer): d for r in records for d in r.slice_disputes}
     return AuditRecord(
-        first.round, first.group_id, first.reducers, tuple(claims.values()), tuple(disputed)
+        first.round,
+        first.group_id,
+        first.reducers,
+        tuple(claims.values()),
+        tuple(disputed),
+        tuple(slices[k] for k in sorted(slices))[:MAX_SLICE_DISPUTES],
     )
 
 

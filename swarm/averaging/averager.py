@@ -60,7 +60,7 @@ from p2p import (
 )
 from swarm.averaging.aggregation import AGGREGATIONS
 from swarm.averaging.allreduce import all_finite
-from swarm.averaging.audit import PartAudit, audits_of
+from swarm.averaging.audit import PartAudit, SliceDispute, audits_of
 from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
@@ -183,6 +183,8 @@ class AveragingResult:
     parts: tuple[tuple[int, int], ...] = ()  # every part's [start, stop) in the vector
     reducers: tuple[bytes, ...] = ()  # each part's reducer as the round ended here
     slice_hashes: tuple[bytes, ...] = ()  # with config.audit: our slice of each part, hashed
+    # With config.audit: the slices our ``check_slice`` refused, with their senders' signatures.
+    refused: tuple[SliceDispute, ...] = ()
     # Our contribution as the round's peers decoded it (a lossy codec's round trip of what we
     # gave): what error feedback subtracts. None when the codec was lossless (what we gave).
     sent: np.ndarray | None = None
@@ -430,10 +432,17 @@ class Averager:
             self._bandwidth.observe(session.upload_bps)
         audits: list[PartAudit] = []
         mine: list[bytes] = []
+        refused: list[SliceDispute] = []
         if self.config.audit:
             proofs, digests = await session.audit_evidence()
             audits = await trio.to_thread.run_sync(audits_of, session.machine, proofs, digests)
             mine = [digests[(p, self.me)] for p in range(len(session.parts))]
+            for peer, (p, w) in sorted(session.machine.refused.items()):
+                _, start, stop = session.parts[p]
+                if (p, peer) in proofs:  # a refused slice's signature was checked on arrival
+                    refused.append(
+                        SliceDispute(p, start, stop, peer, w, digests[(p, peer)], proofs[(p, peer)])
+                    )
             self._contributed[(r, group.group_id)] = session.machine.local
             for key in sorted(self._contributed)[:-KEEP_CONTRIBUTIONS]:
                 del self._contributed[key]
@@ -454,6 +463,7 @@ class Averager:
             parts=tuple((start, stop) for _, start, stop in session.parts),
             reducers=tuple(session.machine.reducer_of),
             slice_hashes=tuple(mine),
+            refused=tuple(refused),
             sent=session.sent,
         )
 

@@ -52,6 +52,9 @@ MAX_REASON_CHARS = 200
 PEER_ID_MAX_BYTES = 64
 CLAIMS_TTL_S = 600.0
 AGGREGATION = "aggregation"  # a Verdict's op_name when it names a reducer (op: the part)
+# A Verdict's op_name on a slice dispute (``swarmtrain.verified.binding``; op: the part): the
+# owner signed a slice that is not its task's pseudo-gradient, or its verifier said so falsely.
+SLICE = "slice"
 AGREE = "commitments agree"  # decide's reason when the owner's and verifier's claims are equal
 VERDICTS_TTL_S = 7 * 24 * 3600.0
 
@@ -205,6 +208,13 @@ class Verdict(Message):
         signed)."""
         if self.op_name == AGGREGATION:
             how = "reduced wrong" if self.cheater == self.owner else "its slice misstated"
+            return f"round {self.round}, part {self.op} of the all-reduce ({how})"
+        if self.op_name == SLICE:
+            how = (
+                "a slice other than its task's pseudo-gradient"
+                if self.cheater == self.owner
+                else "a false accusation of its owner's slice"
+            )
             return f"round {self.round}, part {self.op} of the all-reduce ({how})"
         return f"round {self.round}, step {self.step}, operator {self.op} ({self.op_name})"
 

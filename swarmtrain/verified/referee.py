@@ -38,11 +38,28 @@ import trio
 
 import swarm
 from diloco import Corpus, load_stdlib_corpus
-from p2p import Node, P2PError, PeerID, call_stream, subkey_values, verify_peer_signature
+from p2p import (
+    Node,
+    P2PError,
+    PeerID,
+    call_stream,
+    call_unary,
+    subkey_values,
+    verify_peer_signature,
+)
 from swarmtrain.config import RunConfig
 from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
+from swarmtrain.verified.binding import (
+    STATE_PROTOCOL,
+    TaskStateAnswer,
+    TaskStateQuery,
+    covering,
+    param_ranges,
+    rule_slice,
+)
 from swarmtrain.verified.plan import (
     AGGREGATION,
+    SLICE,
     VERDICTS_TTL_S,
     AuditResult,
     RoundClaims,
@@ -79,6 +96,7 @@ class RefereeService:
         self._audited: set[tuple[int, bytes, int]] = set()
         self._first_seen: dict[tuple[int, bytes], float] = {}
         self._refereed: set[tuple[int, bytes, bytes]] = set()
+        self._slices_ruled: set[tuple[int, bytes, int, bytes]] = set()
         self._corpus: Corpus | None = None
         self._oldest = 0
 
@@ -164,6 +182,12 @@ class RefereeService:
         groups = swarm.records_by_group(values, r)
         grace_s = self.config.verify.timeout_s / 2
         for gid, members in sorted(groups.items()):
+            for accuser, record in sorted(members.items()):
+                for dispute in record.slice_disputes:
+                    key = (r, gid, dispute.part, dispute.peer)
+                    if key not in self._slices_ruled:
+                        self._slices_ruled.add(key)
+                        await self._rule_slice(r, gid, accuser, dispute)
             seen = self._first_seen.setdefault((r, gid), trio.current_time())
             votes = Counter(rec.reducers for rec in members.values())
             reducers = max(votes, key=lambda v: (votes[v], v))
@@ -189,6 +213,67 @@ class RefereeService:
                     result = await self._recheck(r, gid, reducer, claim)
                 self._audited.add(key)
                 await self._rule(result)
+
+    async def _rule_slice(
+        self, r: int, gid: bytes, accuser: bytes, dispute: swarm.SliceDispute
+    ) -> None:
+        """Rule on ``accuser``'s claim that ``dispute.peer`` signed a slice other than its task's
+        pseudo-gradient (``swarmtrain.verified.binding``): ban whichever of them lied."""
+        owner, names = dispute.peer, (str(PeerID(dispute.peer))[-8:], str(PeerID(accuser))[-8:])
+        signed = swarm.proof_message(
+            self.config.run.id, r, gid, dispute.part, dispute.weight, dispute.digest
+        )
+        if not verify_peer_signature(owner, signed, dispute.proof):
+            log.info("round %d: a slice dispute by %s carries no valid signature", r, names[1])
+            return
+        claims = await self._read(verify_key(self.config.run.id, r), RoundClaims.from_bytes)
+        own, theirs = claims.get(owner), claims.get(accuser)
+        committed = None if own is None else own.claims.get(owner)
+        if committed is None or theirs is None or theirs.claims.get(owner) != committed:
+            log.info("round %d: slice dispute on %s without an agreed commitment", r, names[0])
+            return
+        self.emit(f"round {r}: {names[1]} disputes the slice of {names[0]} in part {dispute.part}")
+        task = await trio.to_thread.run_sync(self._task, r, owner)
+        spec = TaskSpec(own.start_state_hash, task.spec.data_seed, task.spec.steps)
+        ranges = param_ranges(model_shape(self.config))
+        asked = [p.name for p in covering(ranges, dispute.start, dispute.stop)]
+        answers: list[TaskStateAnswer] = []
+        with trio.move_on_after(SLICE_TIMEOUT_S):
+            try:
+                await self.node.reach(PeerID(accuser))
+                for step in (0, spec.steps):
+                    query = TaskStateQuery(spec.task_id, step, asked)
+                    answers.append(
+                        await call_unary(
+                            self.node.host,
+                            PeerID(accuser),
+                            STATE_PROTOCOL,
+                            query,
+                            TaskStateAnswer,
+                            deadline_s=SLICE_TIMEOUT_S,
+                        )
+                    )
+            except Exception as exc:  # P2PError, a refusal, libp2p's own stream errors
+                log.info("round %d: no task state from %s: %s", r, names[1], exc)
+        if len(answers) != 2:
+            self.emit(
+                f"round {r}: slice dispute on {names[0]} not ruled: its accuser did not answer"
+            )
+            return
+        ruling = await trio.to_thread.run_sync(
+            rule_slice, dispute, ranges, *answers, spec.start_state_hash, committed.final_state_hash
+        )
+        if ruling.guilty is None:
+            self.emit(f"round {r}: slice dispute on {names[0]} not ruled: {ruling.reason}")
+            return
+        cheater = owner if ruling.guilty else accuser
+        verdict = Verdict(r, owner, accuser, cheater, None, dispute.part, SLICE, ruling.reason)
+        self.emit(
+            f"round {r}: verdict on the slice of {names[0]}: cheater "
+            f"{str(PeerID(cheater))[-8:]}: {ruling.reason}"
+        )
+        self.verdicts.append(verdict)
+        await self._publish()
 
     async def _recheck(
         self, r: int, gid: bytes, reducer: bytes, claim: swarm.PartAudit

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -33,11 +33,17 @@ import trio
 
 import swarm
 from diloco import AveragingFailed, Corpus
-from p2p import Message, PeerID, RemoteProtocolError
+from p2p import Message, PeerID, RemoteProtocolError, serve_unary
 from swarmtrain.config import RunConfig
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
 from swarmtrain.runtime import PeerRuntime
+from swarmtrain.verified.binding import (
+    STATE_PROTOCOL,
+    TaskStateAnswer,
+    TaskStateQuery,
+    answer_state,
+)
 from swarmtrain.verified.plan import (
     AGREE,
     CLAIMS_TTL_S,
@@ -116,18 +122,34 @@ class Verification:
         node = runtime.node
         assert node is not None
         runtime.call_sync(serve_provider, node.host, self, None, self._is_referee)
+        runtime.call_sync(serve_unary, node.host, STATE_PROTOCOL, TaskStateQuery, self._serve_state)
 
     def _is_referee(self, peer: PeerID) -> bool:
         return peer == self.coordinator
 
     def answer(self, query: Message) -> Message:
         """Dispatch a dispute query to the provider of its task (``Provider.answer``)."""
-        task_id = getattr(query, "task_id", None)
+        provider = self._provider(getattr(query, "task_id", None))
+        if provider is None:
+            raise ValueError("unknown task")
+        return provider.answer(query)
+
+    def _provider(self, task_id: bytes | None) -> Provider | None:
         with self._lock:
             found = [kept[task_id] for kept in self._providers.values() if task_id in kept]
-        if not found:
-            raise ValueError("unknown task")
-        return found[0].answer(query)
+        return found[0] if found else None
+
+    async def _serve_state(self, peer: PeerID, query: TaskStateQuery) -> TaskStateAnswer:
+        """A kept task's start or final tensors, for the referee ruling on a slice dispute."""
+        if not self._is_referee(peer):
+            raise RemoteProtocolError("only the run's referee asks for task states")
+        provider = self._provider(query.task_id)
+        if provider is None:
+            raise RemoteProtocolError("unknown task")
+        try:
+            return await trio.to_thread.run_sync(answer_state, provider, query)
+        except ValueError as exc:
+            raise RemoteProtocolError(str(exc)) from None
 
     def _keep(self, round_number: int, provider: Provider) -> None:
         with self._lock:
@@ -241,7 +263,12 @@ class Verification:
         we dispute. Raises diloco's ``AveragingFailed`` when the referee found a part's sum wrong
         (every member waits for the drawn parts, so all of them skip the round)."""
         r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify.rate
-        record = swarm.AuditRecord(r, gid, result.reducers, result.audits)
+        owed = {owner: v for (k, owner), v in self._expected.items() if k == r}
+        misbound = {(d.part, d.peer): d for d in result.refused if d.peer in owed}
+        record = swarm.AuditRecord(
+            r, gid, result.reducers, result.audits, slice_disputes=_first(misbound)
+        )
+        self._report_misbound(r, misbound.values())
         self._publish_audits(record)
         run = self.config.run.id
         n = len(result.parts)
@@ -250,15 +277,31 @@ class Verification:
         deadline = time.monotonic() + self.config.verify.timeout_s
 
         def look() -> tuple[dict[int, AuditResult], set[int]]:
+            nonlocal record
             for other in self._read_group_records(r, gid):
                 new = set(swarm.contested(other, self.me, result.slice_hashes)) - disputed
+                found = {
+                    (d.part, d.peer): d
+                    for owner, vector in owed.items()
+                    for d in swarm.misbound(other, owner, vector)
+                    if (d.part, d.peer) not in misbound
+                }
                 if new:
                     disputed.update(new)
                     self.emit(
                         f"round {r}: disputing part(s) {sorted(new)}: their reducer claims an "
                         "input from us that we did not send"
                     )
-                    self._publish_audits(replace(record, disputed=tuple(sorted(disputed))))
+                if found:
+                    misbound.update(found)
+                    self._report_misbound(r, found.values())
+                if new or found:
+                    record = replace(
+                        record,
+                        disputed=tuple(sorted(disputed)),
+                        slice_disputes=_first(misbound),
+                    )
+                    self._publish_audits(record)
             awaited = drawn | disputed
             ruled = {
                 a.part: a
@@ -286,6 +329,13 @@ class Verification:
         if awaited:
             checked = sum(1 for a in ruled.values() if a.ok)
             self._notes[r] = self._notes.get(r, "") + f" audited {checked}/{len(awaited)}"
+
+    def _report_misbound(self, r: int, disputes: Iterable[swarm.SliceDispute]) -> None:
+        for d in disputes:
+            self.emit(
+                f"round {r}: {str(PeerID(d.peer))[-8:]} signed a slice of part {d.part} that is "
+                "not the pseudo-gradient of the task it committed; asking the referee"
+            )
 
     def _publish_audits(self, record: swarm.AuditRecord) -> None:
         key = aggregate_key(self.config.run.id, record.round)
@@ -366,6 +416,13 @@ class Verification:
             if claims is not None:
                 out[peer_bytes(peer)] = claims
         return out
+
+
+def _first(
+    disputes: Mapping[tuple[int, bytes], swarm.SliceDispute],
+) -> tuple[swarm.SliceDispute, ...]:
+    """The disputes one audit record carries, in (part, peer) order."""
+    return tuple(disputes[k] for k in sorted(disputes))[: swarm.MAX_SLICE_DISPUTES]
 
 
 def _pseudo_gradient(start: dict[str, np.ndarray], final: Mapping[str, np.ndarray]) -> np.ndarray:
