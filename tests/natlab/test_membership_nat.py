@@ -63,8 +63,8 @@ class Lines:
                 self.seen.append(self.proc.read_line(deadline - time.monotonic()))
         except AssertionError as exc:  # exited: what we want; a deadline: the caller's wait says
             if "exited" not in str(exc):
-                stdout = "\n".join(self.seen[-15:])
-                raise AssertionError(f"{exc}\n--- its stdout (last 15 lines) ---\n{stdout}") from None
+                seen = "\n".join(self.seen[-15:])
+                raise AssertionError(f"{exc}\n--- its stdout (last 15 lines) ---\n{seen}") from None
 
     def rounds(self) -> dict[int, str]:
         return {int(m.group(1)): s for s in self.seen if (m := ROUND.match(s))}
