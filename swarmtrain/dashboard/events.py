@@ -76,7 +76,9 @@ class RunChanges:
 def sse_event(document: dict[str, Any]) -> bytes:
     """One ``message`` event whose data is ``document`` as compact JSON (no NaN: the page's
     ``JSON.parse`` refuses it)."""
-    return b"data: " + json.dumps(document, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
+    return (
+        b"data: " + json.dumps(document, allow_nan=False, separators=(",", ":")).encode() + b"\n\n"
+    )
 
 
 class EventStreams:
@@ -86,11 +88,11 @@ class EventStreams:
         self,
         snapshot: Callable[[], dict[str, Any]],
         changes: RunChanges,
-        limits: StreamLimits = StreamLimits(),
+        limits: StreamLimits | None = None,
     ) -> None:
         self.snapshot = snapshot
         self.changes = changes
-        self.limits = limits
+        self.limits = limits or StreamLimits()
         self.open = 0  # streams being served now
         self.refused = 0  # requests answered 503 because ``max_streams`` were open
 
@@ -124,6 +126,12 @@ class EventStreams:
                 await self._send_events(send)
         finally:
             self.open -= 1
+            # End the body properly (the last chunk), so a client sees the stream end rather
+            # than a cut connection: shielded, as the server's stop is a cancellation, and short.
+            # To a client already gone hypercorn sends nothing.
+            with trio.move_on_after(1.0) as cleanup:
+                cleanup.shield = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _watch_disconnect(self, receive: Receive, scope: trio.CancelScope) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -135,7 +143,11 @@ class EventStreams:
         while True:
             changed = self.changes.current()  # taken before the snapshot: no change is missed
             await send(
-                {"type": "http.response.body", "body": sse_event(self.snapshot()), "more_body": True}
+                {
+                    "type": "http.response.body",
+                    "body": sse_event(self.snapshot()),
+                    "more_body": True,
+                }
             )
             next_event_at = trio.current_time() + limits.every_s
             while not changed.is_set():

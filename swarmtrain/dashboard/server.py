@@ -32,6 +32,7 @@ HYPERCORN_LOG.setLevel(logging.WARNING)
 
 READ_INTERVAL_S = 1.0
 READ_TIMEOUT_S = 10.0
+STREAM_LIMITS = StreamLimits()
 
 
 class Dashboard:
@@ -45,7 +46,7 @@ class Dashboard:
         *,
         interval_s: float = READ_INTERVAL_S,
         read_timeout_s: float = READ_TIMEOUT_S,
-        stream_limits: StreamLimits = StreamLimits(),
+        stream_limits: StreamLimits = STREAM_LIMITS,
     ) -> None:
         self.history = history
         self.read = read
