@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import TracebackType
 from typing import TextIO
 
@@ -109,6 +111,26 @@ class BenchProgress:
             step = done - self._done[name]
         if step > 0:
             self.advance(name, step)
+
+    @contextmanager
+    def ticking(self, name: str, total_s: float) -> Iterator[None]:
+        """A task of ``total_s`` seconds advanced by the clock while the block runs: for work
+        that reports only at its end (workers given a wall-clock budget)."""
+        self.add(name, round(total_s), unit="s")
+        started = time.monotonic()
+        stop = threading.Event()
+
+        def tick() -> None:
+            while not stop.wait(1.0):
+                self.reach(name, int(time.monotonic() - started))
+
+        ticker = threading.Thread(target=tick, name=f"progress {name}", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ticker.join()
 
     def phase(self, text: str) -> None:
         """One line saying what the bench does now."""
