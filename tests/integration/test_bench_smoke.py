@@ -76,6 +76,6 @@ def test_the_byzantine_bench_runs_every_rule_against_an_attacker_at_a_tiny_size(
     # Ten times the opposite of a pseudo-gradient hurts the mean even after two rounds.
     assert summary["mean_attacked_loss"] > summary["honest_loss"], summary
     assert "held-out loss" in done.stdout
-    # Every run's rounds in one task: a line per tenth of them (4 runs x 2 rounds here).
+    # Every run's rounds in one task: a line per tenth of them, the last one at all of them.
     tenths = [line.split()[1] for line in done.stdout.splitlines() if "byzantine:" in line]
-    assert tenths and tenths[-1] == "8/8", done.stdout
+    assert tenths and len(set(tenths[-1].split("/"))) == 1, done.stdout
