@@ -48,6 +48,7 @@ import numpy as np
 
 from bench.allreduce_worker import make_vector, sample_indices
 from bench.common import git_sha
+from bench.progress import BenchProgress
 
 REPO = Path(__file__).resolve().parents[1]
 # The anchor scripts live in ../shared beside the checkout (as CI and the brief lay it out).
@@ -278,9 +279,10 @@ def float64_mean(ranks: list[int], numel: int) -> np.ndarray:
 # ---------------------------------------------------------------------------- the bench
 
 
-def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> dict[str, Any]:
     extra = ["--compression", args.compression, "--matchmaking-timeout", str(args.match_timeout)]
     extra += ["--peer-timeout", str(args.peer_timeout)] if args.peer_timeout else []
+    progress.phase(f"starting a relay and {args.peers} workers")
     relay, join = start_relay(tmp)
     workers: list[Worker] = []
     rounds: list[dict[int, dict[str, Any]]] = []
@@ -288,10 +290,11 @@ def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     try:
         t0 = time.monotonic()
         workers = start_workers(args.peers, join, args.numel, extra)
-        print(f"relay + {args.peers} workers ready after {time.monotonic() - t0:.1f} s")
-        print(f"averager config: {workers[0].config}")
+        progress.line(f"relay + {args.peers} workers ready after {time.monotonic() - t0:.1f} s")
+        progress.line(f"averager config: {workers[0].config}")
         expected = [w.peer_hex for w in workers]
         total = args.warmup + args.rounds
+        progress.add("allreduce", total, plain_lines=False)  # a line per round already
         for r in range(total):
             for worker in workers:
                 worker.send(
@@ -305,7 +308,8 @@ def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 )
             results = collect_results(workers, r, args.round_timeout)
             rounds.append(results)
-            _print_round(r, r < args.warmup, results, args)
+            progress.line(_round_line(r, r < args.warmup, results, args))
+            progress.advance("allreduce")
     except BaseException:
         report_failure([relay, *workers])
         raise
@@ -315,6 +319,7 @@ def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     report_failure([w for w in workers if w.rank in failed_ranks])
 
     # Checks after every worker is gone, so they do not compete for the cores.
+    progress.phase("checking the results against the float64 mean")
     measured = rounds[args.warmup :]
     failed = [(r, rank) for r, res in enumerate(rounds) for rank, m in res.items() if not m["ok"]]
     phases = [_phase(res) for res in measured if all(m["ok"] for m in res.values())]
@@ -414,26 +419,24 @@ def _match(results: dict[int, dict[str, Any]]) -> float:
     return max(m["t_matched"] - m["t_call"] for m in results.values())
 
 
-def _print_round(
+def _round_line(
     r: int, warmup: bool, results: dict[int, dict[str, Any]], args: argparse.Namespace
-) -> None:
+) -> str:
     tag = "warmup" if warmup else "measured"
     bad = {rank: m["error"] for rank, m in sorted(results.items()) if not m["ok"]}
     if bad:
-        print(f"round {r} ({tag}): FAILED on {len(bad)} peers: {bad}", flush=True)
-        return
+        return f"round {r} ({tag}): FAILED on {len(bad)} peers: {bad}"
     phase = _phase(results)
     groups = {len(m["contributors"]) for m in results.values()}
     sent = [m["bytes_sent"] for m in results.values()]
-    print(
+    return (
         f"round {r} ({tag}): match {_match(results):6.3f} s  allreduce {phase:7.3f} s  "
         f"algbw {args.numel * 4 / phase / 1e6:8.1f} MB/s  session "
         f"{max(m['allreduce_s'] for m in results.values()):.3f} s  group sizes {groups}  "
         f"distinct results {len({m['digest'] for m in results.values()})}  sent/peer "
         f"{min(sent)}..{max(sent)} B  cpu (all peers) "
         f"{sum(m['cpu_s'] for m in results.values()):.2f} s  uploads (Mbit/s) "
-        f"{[round((m.get('upload_bps') or 0) / 1e6) for m in results.values()]}",
-        flush=True,
+        f"{[round((m.get('upload_bps') or 0) / 1e6) for m in results.values()]}"
     )
 
 
@@ -503,8 +506,10 @@ def main() -> None:
         },
         "git_sha": git_sha(),
     }
-    with tempfile.TemporaryDirectory(prefix="bench-allreduce-") as tmp:
-        result.update(_run_ours(args, Path(tmp)))
+    with BenchProgress() as progress, tempfile.TemporaryDirectory(prefix="bench-allreduce-") as tmp:
+        result.update(_run_ours(args, Path(tmp), progress))
+        if args.vs_hivemind:
+            progress.phase("hivemind's all-reduce on the same vectors")
     if args.vs_hivemind:
         result.update(_run_hivemind(args.vs_hivemind, args))
         ours, theirs = result["algbw_MBps"], result["hivemind_algbw_MBps"]

@@ -44,6 +44,7 @@ from bench.allreduce import (
     stop_all,
 )
 from bench.allreduce_worker import make_vector
+from bench.progress import BenchProgress
 
 
 def _expected_digest(contributors: dict[str, float], ranks: dict[str, int], numel: int) -> str:
@@ -58,8 +59,9 @@ def _expected_digest(contributors: dict[str, float], ranks: dict[str, int], nume
     return hashlib.sha256(memoryview(np.ascontiguousarray(out)).cast("B")).hexdigest()
 
 
-def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> dict[str, Any]:
     sig = signal.SIGKILL if args.signal == "KILL" else signal.SIGSTOP
+    progress.phase(f"starting a relay and {args.peers} workers")
     relay, join = start_relay(tmp)
     workers: list[Worker] = []
     rounds: dict[int, dict[int, dict[str, Any]]] = {}
@@ -93,6 +95,7 @@ def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                 timer = threading.Timer(max(0.0, record["t"] + args.kill_after - time.time()), fire)
                 timer.start()
 
+        progress.add("allreduce", args.rounds, plain_lines=False)  # a line per rank and round
         for r in range(args.rounds):
             group = workers if r <= 1 else survivors
             expected = [w.peer_hex for w in group]
@@ -102,6 +105,7 @@ def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             t_sent = time.time()
             rounds[r] = collect_results(waited, r, round_bound + 60.0, on_event)
             _print_round(r, rounds[r], fault if r == 1 else {}, t_sent)
+            progress.advance("allreduce")
             if r == 1:
                 if timer is not None:
                     timer.join(timeout=args.kill_after + 5)
@@ -119,6 +123,7 @@ def _run_ours(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         stop_all([*workers, relay])
 
     # Checks after every process is gone, so they do not compete for the cores.
+    progress.phase("checking each result against the mean of its contributors")
     fault_round = rounds[1]
     ok = [m for m in fault_round.values() if m["ok"]]
     survivors_agree = len(ok) == len(fault_round) and len({m["digest"] for m in ok}) == 1
@@ -259,8 +264,11 @@ def main() -> None:
         },
         "git_sha": git_sha(),
     }
-    with tempfile.TemporaryDirectory(prefix="bench-allreduce-fault-") as tmp:
-        result.update(_run_ours(args, Path(tmp)))
+    with (
+        BenchProgress() as progress,
+        tempfile.TemporaryDirectory(prefix="bench-allreduce-fault-") as tmp,
+    ):
+        result.update(_run_ours(args, Path(tmp), progress))
     if args.vs_hivemind:
         result.update(_run_hivemind(args.vs_hivemind, args))
     print(json.dumps(result))

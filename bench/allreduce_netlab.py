@@ -56,6 +56,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.progress import BenchProgress
+
 REPO = Path(__file__).resolve().parents[1]
 NET = "198.18"  # RFC 2544 benchmarking range
 BOOT = 250  # the bootstrap's subnet index
@@ -313,7 +315,7 @@ def tcp_baseline(lab: Lab, log_dir: Path, per_target: int, chunk: int) -> float:
     return max(t["t_received"] for t in times) - min(t["t_start"] for t in times)
 
 
-def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dict[str, Any]:
     rate_bps = args.rate
     rtt_s = 2 * args.delay / 1000
     queue_bytes = (
@@ -329,6 +331,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     baseline: dict[str, float] = {}
     py = sys.executable
     try:
+        progress.phase(f"building the lab: {n} peers' namespaces and a delay line")
         lab.up()
         delay = Proc("delayline", lab.inet,
                      [py, "-m", "bench.netlab_worker", "delay", "--dev", "dly",
@@ -338,6 +341,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             raise RuntimeError(f"delay line did not start\n{delay.tail()}")
         lab.route_through_delay("dly")
 
+        progress.phase(f"starting a relay and {n} peers")
         identity = log_dir / "boot.key"
         relay = Proc("boot", lab.boot,
                      [py, "-m", "swarmtrain.cli", "relay", "--identity", str(identity),
@@ -389,6 +393,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         all_identical = True
         wire: list[int] = []
         last: list[dict[str, Any]] = []
+        progress.add("allreduce", args.rounds + 1, plain_lines=False)  # a line per round below
         for r in range(args.rounds + 1):
             for worker in workers:
                 worker.send({"cmd": "average", "round": r, "expected": ids})
@@ -411,6 +416,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
                 f"sent by return {sum(x['bytes_sent'] for x in replies) / 1e6:.1f} MB; "
                 f"bit-identical {identical}; all {n} contributed {full}"
             )
+            progress.advance("allreduce")
             if r == 0:
                 continue
             times.append(seconds)
@@ -423,6 +429,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
             from swarm.averaging.session_wire import chunks_for
 
             chunk = tensor_bytes // n // chunks_for(args.numel, n, args.rate)
+            progress.phase("plain TCP all-to-all baselines")
             for label, size in (
                 ("one connection per pair", 0),
                 (f"a connection per {chunk / 1e6:.2f} MB chunk", chunk),
@@ -543,7 +550,8 @@ def main() -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="allreduce_netlab-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = run(args, log_dir)
+        with BenchProgress() as progress:
+            result = run(args, log_dir, progress)
     except KeyboardInterrupt:
         print(f"allreduce_netlab: interrupted; lab torn down; logs in {log_dir}", file=sys.stderr)
         return 130

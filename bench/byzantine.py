@@ -43,6 +43,7 @@ import torch
 
 from bench.common import git_sha
 from bench.diloco import add_training_options, parse_schedule, run_diloco
+from bench.progress import BenchProgress
 from diloco import Average, AverageOutcome, ByteTransformer, eval_batches, load_stdlib_corpus
 from swarm.averaging.aggregation import AGGREGATIONS
 
@@ -154,18 +155,22 @@ def main() -> None:
     runs = [(rule, attack) for rule in rules for attack in [None, *attacks]]
     start = time.perf_counter()
 
+    # Every run's rounds in one task (a bar, or a line per tenth of them all); a line per run.
+    progress = BenchProgress()
+    progress.add("byzantine", len(runs) * len(args.schedule_h))
+
     def one(rule: str, attack: str | None) -> float:
         loss = run_diloco(
-            corpus, args, heldout, aggregation=rule, wrap=attacker(args.workers, attack)
-        )
-        print(
+            corpus, args, heldout, aggregation=rule, wrap=attacker(args.workers, attack),
+            on_round=lambda: progress.advance("byzantine"),
+        )  # fmt: skip
+        progress.line(
             f"{rule:>14} {attack or 'no attacker':>12}: held-out {loss:.4f} "
-            f"({time.perf_counter() - start:.0f} s)",
-            flush=True,
+            f"({time.perf_counter() - start:.0f} s)"
         )
         return loss
 
-    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+    with progress, ThreadPoolExecutor(max(1, args.parallel)) as pool:
         futures = {run: pool.submit(one, *run) for run in runs}
         losses = {
             rule: {(a or "none"): futures[(rule, a)].result() for a in [None, *attacks]}

@@ -37,6 +37,7 @@ from typing import IO
 
 from bench.churn_tally import Event, Figures, Kind, RoundRow, figures, parse_line, round_rows
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from swarmtrain.commands.local import (
     Child,
     LocalOptions,
@@ -130,7 +131,7 @@ def _row_line(row: RoundRow) -> str:
     )
 
 
-def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+def run(args: argparse.Namespace, workdir: Path, progress: BenchProgress) -> dict[str, object]:
     rng = random.Random(args.seed)
     run_id = f"churn-{args.seed}-{os.urandom(3).hex()}"
     options = LocalOptions(peers=args.initial, rounds=SCHEDULE_ROUNDS, inner_steps=args.inner_steps)
@@ -143,6 +144,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     printed = -1  # rows up to this round were printed
     with ExitStack() as stack:
         stack.callback(lambda: [c.stop() for c in coordinator])
+        progress.phase(f"starting a coordinator and {args.initial} nodes")
         join = start_coordinator(workdir, config, coordinator, lambda line: print(line, flush=True))
         soak = Soak(workdir, join, started, args.verbose)
         stack.callback(soak.close)  # before the coordinator's stop (LIFO)
@@ -151,8 +153,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
         print(f"{soak.now():7.1f} s  started {args.initial} nodes; churn starts after round 0",
               flush=True)  # fmt: skip
         next_step: float | None = None
+        # Seconds of the soak; the lines below (joins, kills, rounds) are its plain progress.
+        progress.add("churn", round(args.minutes * 60), unit="s", plain_lines=False)
         while time.monotonic() < end:
             time.sleep(POLL_S)
+            progress.reach("churn", int(time.monotonic() - started))
             for index, status in soak.reap():
                 print(f"{soak.now():7.1f} s  node {index} exited with status {status} "
                       f"(live {len(soak.live)})", flush=True)  # fmt: skip
@@ -184,6 +189,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
                 print(f"{soak.now():7.1f} s  kill: node {index} SIGKILLed "
                       f"(live {len(soak.live)})", flush=True)  # fmt: skip
         end_t = soak.now()
+        progress.phase("stopping the nodes and tallying the rounds")
         soak.reap()
         live_at_end = len(soak.live)
     events = [e for e in soak.snapshot() if e.t <= end_t]
@@ -299,7 +305,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     with ExitStack() as stack:
         workdir = work_directory(stack, args.workdir, "churn-")
-        result = run(args, workdir)
+        progress = stack.enter_context(BenchProgress())  # closed first: before the summary
+        result = run(args, workdir, progress)
     print(_summary(result), flush=True)
     print(json.dumps(result), flush=True)
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.common import git_sha
+from bench.progress import BenchProgress
 
 REPO = Path(__file__).resolve().parents[1]
 # The anchor script lives in ../shared beside the checkout (as CI and the brief lay it out).
@@ -205,23 +206,42 @@ class _Peer:
             self.proc.wait(timeout=10)
 
 
-def _run_ours(args: argparse.Namespace) -> dict:
+def _run_ours(args: argparse.Namespace, progress: BenchProgress) -> dict:
     peers: list[_Peer] = []
     try:
+        progress.phase(f"starting {args.peers} peers and joining them")
         peers.extend(_Peer() for _ in range(args.peers))
         for peer in peers:
             peer.wait_ready()
         for peer in peers[1:]:
             peer.ask("join", peers[0].addr)
+        progress.phase("one more peer joins (join_s)")
         extra = _Peer(join=peers[0].addr)
         peers.append(extra)
         extra.wait_ready()
         writer, reader, reader2 = peers[1], peers[-2], peers[-3]
-        store = writer.ask("store_seq", "seq", args.keys, args.seed)
-        get = reader.ask("get_seq", "seq", args.keys, args.seed)
-        get_latest = reader2.ask("get_latest_seq", "seq", args.keys, args.seed)
-        store_w = writer.ask("store_window", "win", args.keys, args.seed, args.window)
-        get_w = reader2.ask("get_window", "win", args.keys, args.seed, args.window)
+        # Each measurement is one command to a peer process: a phase line each, a bar of five.
+        progress.add("dht", 5, unit="measurements", plain_lines=False)
+
+        def measure(peer: _Peer, what: str, *command: object) -> dict:
+            progress.phase(f"{what}: {args.keys} keys")
+            reply = peer.ask(*command)
+            progress.advance("dht")
+            return reply
+
+        store = measure(writer, "store one by one", "store_seq", "seq", args.keys, args.seed)
+        get = measure(reader, "get one by one", "get_seq", "seq", args.keys, args.seed)
+        get_latest = measure(
+            reader2, "get the latest", "get_latest_seq", "seq", args.keys, args.seed
+        )
+        store_w = measure(
+            writer, f"store {args.window} at a time", "store_window", "win", args.keys,
+            args.seed, args.window,
+        )  # fmt: skip
+        get_w = measure(
+            reader2, f"get {args.window} at a time", "get_window", "win", args.keys, args.seed,
+            args.window,
+        )  # fmt: skip
     finally:
         for peer in peers:
             peer.stop()
@@ -306,7 +326,10 @@ def main() -> None:
         },
         "git_sha": git_sha(),
     }
-    result.update(_run_ours(args))
+    with BenchProgress() as progress:
+        result.update(_run_ours(args, progress))
+        if args.vs_hivemind:
+            progress.phase("hivemind's bench_dht.py")
     if args.vs_hivemind:
         result.update(_run_hivemind(args.vs_hivemind, args))
         # Ratios above 1 mean we are faster than the anchor.

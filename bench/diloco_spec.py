@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.progress import BenchProgress
 from diloco import LocalAverage, eval_batches, evaluate
 from p2p import PeerID
 from swarmtrain.config import ConfigError, RunConfig, load_config, run_seed_of
@@ -44,8 +45,13 @@ def _peer_bytes(name: str) -> bytes:
         return name.encode()
 
 
-def run_spec(config: RunConfig, peers: list[str]) -> dict[str, object]:
-    """Train ``config``'s rounds with one thread per peer; the JSON result (module docstring)."""
+def run_spec(
+    config: RunConfig, peers: list[str], progress: BenchProgress | None = None
+) -> dict[str, object]:
+    """Train ``config``'s rounds with one thread per peer; the JSON result (module docstring).
+    ``progress``: a bar of the workers' rounds on a terminal (their round lines otherwise)."""
+    progress = progress or BenchProgress(io.StringIO())
+    progress.add("diloco", config.run.rounds * len(peers), "worker rounds", plain_lines=False)
     corpus = load_data(config)
     models = [build_model(config, corpus.vocab_size) for _ in peers]
     averaging = LocalAverage(len(peers), timeout_s=3600)
@@ -64,7 +70,8 @@ def run_spec(config: RunConfig, peers: list[str]) -> dict[str, object]:
                         config, diloco, corpus, _peer_bytes(peer), quiet
                     )[0]
                     losses[peer].append(sum(step_losses) / len(step_losses))
-                    print(f"round {r} worker {k} loss {losses[peer][-1]:.4f}", flush=True)
+                    progress.line(f"round {r} worker {k} loss {losses[peer][-1]:.4f}")
+                    progress.advance("diloco")
                 hashes[peer] = diloco.state_hash()
         except BaseException as exc:
             errors.append(exc)
@@ -108,4 +115,6 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         f"{args.threads} torch thread(s) ===",
         flush=True,
     )
-    print(json.dumps(run_spec(config, peers)), flush=True)
+    with BenchProgress() as progress:
+        result = run_spec(config, peers, progress)
+    print(json.dumps(result), flush=True)

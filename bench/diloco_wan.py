@@ -75,6 +75,7 @@ from bench.allreduce_netlab import (
     stop_on_signals,
 )
 from bench.common import git_sha
+from bench.progress import BenchProgress
 
 MATCHMAKING_TIMEOUT_S = 30.0
 ALLREDUCE_TIMEOUT_S = 60.0
@@ -90,6 +91,7 @@ def run_method(
     log_dir: Path,
     lab_info: dict[str, Any],
     budget_s: float,
+    progress: BenchProgress,
 ) -> dict[str, Any]:
     """Fresh workers of ``method`` in the peers' namespaces, one common start, their results.
     They stop at the first step or round boundary at or past ``budget_s``; the parameters
@@ -141,7 +143,9 @@ def run_method(
         # One round past the budget, plus a failed round's timeouts, plus the evaluation.
         slack = 2 * (MATCHMAKING_TIMEOUT_S + ALLREDUCE_TIMEOUT_S) + max(120.0, budget_s)
         deadline = time.monotonic() + START_DELAY_S + budget_s + slack
-        replies = [w.json(deadline - time.monotonic()) for w in workers]
+        progress.phase(f"{method}: {args.peers} workers train for {budget_s:.0f} s")
+        with progress.ticking(method, START_DELAY_S + budget_s):
+            replies = [w.json(deadline - time.monotonic()) for w in workers]
         after = lab.tbf_stats()
     finally:
         for worker in workers:
@@ -199,7 +203,7 @@ def describe(method: str, s: dict[str, Any], budget_s: float) -> str:
     )
 
 
-def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dict[str, Any]:
     rtt_s = 2 * args.delay / 1000
     queue_bytes = max(150_000, int(args.rate / 8 * rtt_s))
     lab = Lab(f"sdw{os.getpid()}-", args.peers, args.rate, queue_bytes)
@@ -208,6 +212,7 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     lab_info: dict[str, Any] = {}
     results: dict[str, dict[str, Any]] = {}
     try:
+        progress.phase(f"building the lab: {args.peers} peers' namespaces and a delay line")
         lab.up()
         delay = Proc("delayline", lab.inet,
                      [py, "-m", "bench.netlab_worker", "delay", "--dev", "dly",
@@ -227,7 +232,9 @@ def run(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
         # round later; data parallel then gets exactly the wall clock DiLoCo took.
         budget_s = args.budget_s
         for method in ("diloco", "dp"):
-            results[method] = run_method(method, args, lab, join, log_dir, lab_info, budget_s)
+            results[method] = run_method(
+                method, args, lab, join, log_dir, lab_info, budget_s, progress
+            )
             print(describe(method, results[method], args.budget_s), flush=True)
             for error in results[method]["errors"]:
                 print(f"  {method} worker error: {error}")
@@ -325,7 +332,8 @@ def main() -> int:
         flush=True,
     )
     try:
-        result = run(args, log_dir)
+        with BenchProgress() as progress:
+            result = run(args, log_dir, progress)
     except KeyboardInterrupt:
         print(f"diloco_wan: interrupted; lab torn down; logs in {log_dir}", file=sys.stderr)
         return 130

@@ -51,6 +51,7 @@ import swarm  # noqa: F401  (registers the wire messages of every layer)
 import swarmtrain.cli  # noqa: F401
 import verify  # noqa: F401
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from bench.targets import Target, start, stop, write_run_config
 from p2p import Host, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
@@ -340,16 +341,24 @@ def main() -> None:
     categories = tuple(c for c in args.only.split(",") if c)
     names = tuple(n for n in args.targets.split(",") if n)
     result = {"bench": "fuzz", "config": vars(args), "git_sha": git_sha()}
-    result.update(run(names, args.inputs, categories, args.check_every, args.seed))
+    with BenchProgress() as progress:
+        result.update(run(names, args.inputs, categories, args.check_every, args.seed, progress))
     print(json.dumps(result))
 
 
 def run(
-    names: tuple[str, ...], inputs: int, categories: tuple[str, ...], check_every: int, seed: int
+    names: tuple[str, ...],
+    inputs: int,
+    categories: tuple[str, ...],
+    check_every: int,
+    seed: int,
+    progress: BenchProgress | None = None,
 ) -> dict[str, object]:
     """Fuzz the ``names`` targets with ``inputs`` inputs in all, shared evenly, one target after
-    the other; the summary's figures."""
+    the other; the summary's figures. ``progress``: where its lines go (stdout by default)."""
+    progress = progress or BenchProgress()
     with tempfile.TemporaryDirectory(prefix="fuzz-") as tmp:
+        progress.phase(f"starting the targets: {', '.join(names)}")
         targets = start_targets(Path(tmp), names)
         fuzzed = fuzzed_targets(targets, names)
         try:
@@ -360,10 +369,19 @@ def run(
                 for index, target in enumerate(fuzzed):
                     rng = random.Random(seed * 1000 + index)
                     share = inputs // len(fuzzed) + (index < inputs % len(fuzzed))
+                    # Its lines (one per check) are the plain form; a terminal also gets a bar.
+                    progress.add(target.name, share, unit="inputs", plain_lines=False)
+                    before = counts.inputs
+
+                    def on_progress(
+                        line: str, name: str = target.name, before: int = before
+                    ) -> None:
+                        progress.line(line)
+                        progress.reach(name, counts.inputs - before)
+
                     rss, fds = await fuzz_target(
-                        target, share, categories, rng, counts, check_every,
-                        lambda line: print(line, flush=True),
-                    )  # fmt: skip
+                        target, share, categories, rng, counts, check_every, on_progress
+                    )
                     if target.proc.poll() is None:
                         growth[target.name] = (target.rss_mib() - rss, target.fds() - fds)
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from swarmtrain.commands.local import (
     Child,
     LocalFailed,
@@ -43,6 +44,7 @@ from swarmtrain.commands.local import (
     start_coordinator,
     work_directory,
 )
+from swarmtrain.commands.local_progress import read_round_line
 from swarmtrain.config import config_from_mapping
 
 VOCAB = 256  # the default stdlib data is bytes
@@ -123,7 +125,7 @@ def baseline_rss() -> int:
     return usage.ru_maxrss * 1024
 
 
-def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def run(args: argparse.Namespace, workdir: Path, progress: BenchProgress) -> dict[str, Any]:
     model_config = llama_config(args.params, args.sequence)
     hidden, layers = model_config["hidden_size"], model_config["num_hidden_layers"]
     params = llama_params(hidden, layers, model_config["intermediate_size"])
@@ -152,12 +154,18 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     peaks: list[int] = []
     children: list[Child] = []
 
+    # Every node's rounds, read from its round lines (shown with --verbose).
+    progress.add("rounds", args.peers * args.rounds, unit="node rounds")
+
     def show(line: str) -> None:
         if args.verbose:
-            print(line, flush=True)
+            progress.line(line)
+        if read_round_line(line) is not None:
+            progress.advance("rounds")
 
     with ExitStack() as stack:
         stack.callback(lambda: [child.stop() for child in reversed(children)])
+        progress.phase(f"starting a coordinator and {args.peers} nodes")
         join = start_coordinator(workdir, run_config, children, show)
         nodes = []
         for index in range(args.peers):
@@ -170,6 +178,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             )
             children.append(child)
             nodes.append(child)
+        progress.phase("the nodes train; their peak RSS is read when each exits")
         for child in nodes:
             peaks.append(wait_rusage(child, args.timeout_s - (time.monotonic() - started)))
         summaries = [read_summary(workdir / f"node{i}" / "summary.json") for i in range(args.peers)]
@@ -249,7 +258,8 @@ def main() -> None:
     with ExitStack() as stack:
         workdir = work_directory(stack, args.workdir, "memory-")
         try:
-            result = run(args, workdir)
+            with BenchProgress() as progress:
+                result = run(args, workdir, progress)
         except (RuntimeError, LocalFailed) as exc:
             print(f"bench.memory: {exc}", file=sys.stderr)
             raise SystemExit(1) from None

@@ -31,6 +31,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from bench.progress import BenchProgress
 from p2p import BULK_PROTOCOL, BulkConfig, BulkListener, DataMode, receive_bulk, send_bulk
 from p2p.host import HostConfig, open_host
 
@@ -132,7 +133,12 @@ async def send_all(sock: Any, data: memoryview) -> None:
 
 
 async def sender_main(
-    ready: dict[str, Any], size: int, repeats: int, seed: int, config: BulkConfig
+    ready: dict[str, Any],
+    size: int,
+    repeats: int,
+    seed: int,
+    config: BulkConfig,
+    progress: BenchProgress,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     payload = memoryview(_payload(size, seed))
     addr = multiaddr.Multiaddr(ready["addr"])
@@ -140,6 +146,8 @@ async def sender_main(
     runs: list[dict[str, Any]] = []
     async with open_host(HostConfig(create_new_key_pair())) as host:
         await host.connect(peer_id, [addr])
+        # A line per transfer below is the plain form; a terminal also gets a bar.
+        progress.add("transfers", repeats * len(PATHS), unit="transfers", plain_lines=False)
         for _ in range(repeats):
             for path in PATHS:
                 c0, t0 = cpu_s(), time.perf_counter()
@@ -163,7 +171,8 @@ async def sender_main(
                         await stream.close()
                 wall = time.perf_counter() - t0
                 runs.append({"path": path, "wall_s": wall, "cpu_s": cpu_s() - c0})
-                print(f"{path:7s} {size / wall / 2**20:8.0f} MiB/s", flush=True)
+                progress.line(f"{path:7s} {size / wall / 2**20:8.0f} MiB/s")
+                progress.advance("transfers")
         stream = await host.open_stream(peer_id, STATS_PROTOCOL)
         stats = b""
         with trio.fail_after(10):
@@ -255,7 +264,11 @@ def main() -> None:
             raise SystemExit("receiver process died before it was ready")
         ready = json.loads(line)
         config = BulkConfig(frame_bytes=args.frame_kib << 10, stripes=args.stripes)
-        runs, remote = trio.run(sender_main, ready, size, args.repeats, args.seed, config)
+        with BenchProgress() as progress:
+            progress.phase(f"{args.repeats} x {args.size_mib} MiB over {', '.join(PATHS)}")
+            runs, remote = trio.run(
+                sender_main, ready, size, args.repeats, args.seed, config, progress
+            )
     finally:
         child.terminate()
         child.wait(timeout=10)

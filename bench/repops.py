@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from diloco.data import load_stdlib_corpus
 from diloco.model import ByteTransformer
 from verify.dispatch import RepOpsMode
@@ -141,6 +142,8 @@ def main() -> None:
 
     times: dict[str, list[list[float]]] = {"native": [], "repops": [], "traced": []}
     losses: list[tuple[float, float]] = []
+    progress = BenchProgress(unit="steps")
+    progress.add("repops", args.warmup + args.steps)
     for step in range(args.warmup + args.steps):
         inputs, targets = (torch.from_numpy(a) for a in stepper.batch(step))
         native_loss, *native = _timed(partial(native_step, inputs, targets))
@@ -151,6 +154,8 @@ def main() -> None:
             times["repops"].append(repops)
             times["traced"].append(traced)
         losses.append((native_loss, loss.item()))
+        progress.advance("repops")
+    progress.close()
 
     def median(name: str, which: int) -> float:
         return statistics.median(t[which] for t in times[name])
@@ -204,6 +209,8 @@ def dispatch_bench(args: argparse.Namespace) -> None:
 
     times: dict[str, list[tuple[float, float]]] = {"native": [], "repops": []}
     losses: list[tuple[float, float]] = []
+    progress = BenchProgress(unit="steps")
+    progress.add(args.model, args.warmup + args.steps)
     for i in range(args.warmup + args.steps):
         inputs, targets = (
             torch.from_numpy(a) for a in batch_for(corpus, 0, i, args.batch, CONTEXT)
@@ -214,6 +221,8 @@ def dispatch_bench(args: argparse.Namespace) -> None:
             times["native"].append((native[0], native[1]))
             times["repops"].append((repops[0], repops[1]))
         losses.append((native_loss, repops_loss))
+        progress.advance(args.model)
+    progress.close()
 
     result = {
         "bench": "repops",

@@ -38,6 +38,7 @@ import sys
 import time
 
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from swarm.sim import (
     ButterflyConfig,
     ButterflyRounds,
@@ -109,7 +110,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
         flush=True,
     )
     started, cpu = time.perf_counter(), time.process_time()
-    figures = sim.run()
+    # The newest round any peer began, out of R: a bar on a terminal, a line per tenth otherwise.
+    with BenchProgress() as progress:
+        progress.add("sim", args.rounds)
+        figures = sim.run(on_round=lambda r: progress.reach("sim", r))
+        progress.reach("sim", args.rounds)
     print(
         f"{'round':>5} {'peers':>5} {'left':>4} {'groups':>6} {'done':>5} {'states':>6} "
         f"{'contrib':>7} {'round_s':>8} {'match_s':>7} {'ar_s':>7} {'limit_s':>7} "

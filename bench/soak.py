@@ -29,6 +29,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from bench.targets import Target, start, stop
 from p2p import Dht, HostConfig, call_unary, open_host
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
@@ -92,7 +93,9 @@ async def client(targets: list[Target], tally: Tally, stop: trio.Event, index: i
             await one_connection(host, dht, targets[turn % len(targets)], tally, 10.0)
 
 
-async def soak(args: argparse.Namespace, targets: list[Target]) -> dict[str, object]:
+async def soak(
+    args: argparse.Namespace, targets: list[Target], progress: BenchProgress
+) -> dict[str, object]:
     tally = Tally()
     stop = trio.Event()
     started = time.monotonic()
@@ -117,20 +120,23 @@ async def soak(args: argparse.Namespace, targets: list[Target]) -> dict[str, obj
         for index in range(args.clients):
             nursery.start_soon(client, targets, tally, stop, index)
         next_report = time.monotonic() + args.report_s
+        # Its report lines are the plain form; a terminal also gets a bar of connections.
+        progress.add("soak", args.connections, unit="connections", plain_lines=False)
         while tally.connections + tally.failed < args.connections and time.monotonic() < end:
             await trio.sleep(0.2)
+            progress.reach("soak", tally.connections + tally.failed)
             if not warm and tally.connections + tally.failed >= warm_at:
                 warm = {t.name: (t.rss_mib(), t.fds()) for t in targets}
             if time.monotonic() >= next_report:
                 next_report += args.report_s
                 row = sample()
                 samples.append(row)
-                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                progress.line(" ".join(f"{k}={v}" for k, v in row.items()))
             if any(t.proc.poll() is not None for t in targets):
                 break
         stop.set()
     final = sample()
-    print(" ".join(f"{k}={v}" for k, v in final.items()), flush=True)
+    progress.line(" ".join(f"{k}={v}" for k, v in final.items()))
     if not warm:
         warm = {t.name: (t.rss_mib(), t.fds()) for t in targets}
     return {
@@ -159,7 +165,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="unused: the load is not random")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("BENCH_LOG_LEVEL", "CRITICAL"))
-    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+    with BenchProgress() as progress, tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        progress.phase("starting a relay and a coordinator")
         workdir = Path(tmp)
         listen = ["--listen", "/ip4/127.0.0.1/tcp/0"]
         targets = [
@@ -180,7 +187,7 @@ def main() -> None:
                 },
                 "git_sha": git_sha(),
             }
-            result.update(trio.run(soak, args, targets))
+            result.update(trio.run(soak, args, targets, progress))
         finally:
             stop(targets)
     print(json.dumps(result))

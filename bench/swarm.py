@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import git_sha
+from bench.progress import BenchProgress
 from swarmtrain.commands import local
 from swarmtrain.pipeline.local import Child, pipeline_config, start_node, stop_all
 from swarmtrain.pipeline.node import PipelineHooks
@@ -165,17 +166,21 @@ def main(argv: list[str] | None = None) -> int:
         "fixed": dict(servers_n=args.stages, rebalance=False, churn=True, fixed=True),
     }
     results = {}
+    progress = BenchProgress()
     for name, spec in scenarios.items():
         started = time.monotonic()
-        results[name] = run_scenario(name, args, seed=args.seed, **spec)  # type: ignore[arg-type]
+        progress.phase(f"scenario {name}: starting its servers and trainers")
+        # The training window on a bar (a line per tenth of it off a terminal).
+        with progress.ticking(name, args.seconds):
+            results[name] = run_scenario(name, args, seed=args.seed, **spec)  # type: ignore[arg-type]
         r = results[name]
-        print(
+        progress.line(
             f"{name:12s} {r['sps']:7.1f} samples/s  ({r['samples']} samples, {r['kills']} kills, "
             f"{r['moves']} moves, {r['failovers']} failovers"
             f"{', stopped at its first failure' if r['stopped'] else ''}; "
-            f"{time.monotonic() - started:.0f} s)",
-            flush=True,
+            f"{time.monotonic() - started:.0f} s)"
         )
+    progress.close()
     line = {
         "bench": "swarm",
         "config": {k: v for k, v in vars(args).items()},

@@ -63,6 +63,7 @@ from swarmtrain.cli_help import describe
 from swarmtrain.commands import verify as verify_cmd
 from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_report, run_doctor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
+from swarmtrain.commands.local_progress import LocalProgress
 from swarmtrain.commands.relay import RelayOptions, run_relay
 from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config, plain_os_error
 from swarmtrain.dashboard.options import add_dashboard_arguments
@@ -673,7 +674,9 @@ def _main_local(args: argparse.Namespace) -> int:
             nproc_per_node=args.nproc_per_node,
             dashboard_port=args.dashboard_port,
         )
-        summary = run_local(options, lambda line: print(line, flush=True))
+        # A bar per node on a terminal above the lines; the lines alone through a pipe.
+        with LocalProgress(options.peers, options.rounds) as progress:
+            summary = run_local(options, progress.emit)
     except KeyboardInterrupt:
         log.info("stopped")
         return 130

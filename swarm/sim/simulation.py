@@ -24,6 +24,7 @@ a set where order could matter (bytes hash differently in every process).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +86,7 @@ class Simulation:
         self.protocol = protocol
         self.directory = Directory(answers=self.present, declaration=self._declaration)
         self.records: dict[tuple[bytes, int], PeerRound] = {}
+        self._newest_round = -1  # the highest round any peer recorded (run's on_round)
         self.index: dict[bytes, int] = {}
         self.speed: dict[bytes, float] = {}
         self.present_peers: dict[bytes, None] = {}  # ordered: sets of bytes iterate randomly
@@ -124,12 +126,25 @@ class Simulation:
 
     # -- running -----------------------------------------------------------------------------
 
-    def run(self) -> list[RoundFigures]:
-        """Run every round to its end; the figures of each."""
+    def run(self, on_round: Callable[[int], None] | None = None) -> list[RoundFigures]:
+        """Run every round to its end; the figures of each. ``on_round(r)`` is told each time
+        a peer first records round ``r`` (a long simulation's progress; it changes nothing)."""
         for peer in self.peers:
             skew = self._timing_rng.uniform(0.0, self.config.start_skew_s)
             self.clock.at(skew, self._start_round, peer, 0)
-        self.clock.run()
+        if on_round is None:
+            self.clock.run()
+            return self.figures()
+        seen = [-1]
+
+        def tell() -> bool:
+            # Records only grow, and a peer records round r + 1 after r: the newest is enough.
+            if self._newest_round > seen[0]:
+                seen[0] = self._newest_round
+                on_round(seen[0])
+            return False
+
+        self.clock.run(stop=tell)
         return self.figures()
 
     def leave_at(self, peer: bytes, t: float, *, froze: bool = False) -> None:
@@ -162,6 +177,7 @@ class Simulation:
             self._open(round_number)
         self.current[peer] = round_number
         self.records[(peer, round_number)] = PeerRound(peer, round_number, self.clock.now)
+        self._newest_round = max(self._newest_round, round_number)
         self.protocol.start(peer, round_number)
 
     def _open(self, round_number: int) -> None:

@@ -2,7 +2,9 @@
 
 ``GET /`` is the page (``page.html``: inline script and SVG, nothing fetched from elsewhere; its
 Content-Security-Policy tells the browser so); ``GET /api/run.json`` is
-``RunHistory.to_json`` of the moment; anything else is 404, a method other than GET or HEAD 405.
+``RunHistory.to_json`` of the moment; ``GET /api/events`` streams the same document as
+server-sent events when the app is given an ``EventStreams`` (``events``); anything else is 404,
+a method other than GET or HEAD 405.
 A handler that raises answers 500 with a one-line reason and is logged: a broken page must never
 reach the coordinator it runs in. The lifespan protocol is answered so hypercorn starts cleanly.
 """
@@ -13,7 +15,10 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from swarmtrain.dashboard.events import EventStreams
 
 log = logging.getLogger(__name__)
 
@@ -22,6 +27,7 @@ Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
+EVENTS_PATH = "/api/events"
 PAGE = resources.files(__package__).joinpath("page.html").read_bytes()
 # The page loads nothing but itself and its own JSON; a browser enforces that.
 SECURITY_HEADERS = [
@@ -35,9 +41,11 @@ SECURITY_HEADERS = [
 ]
 
 
-def dashboard_app(snapshot: Callable[[], dict[str, Any]]) -> App:
+def dashboard_app(
+    snapshot: Callable[[], dict[str, Any]], events: EventStreams | None = None
+) -> App:
     """The ASGI app; ``snapshot()`` returns the JSON document (called per request, in the
-    server's loop)."""
+    server's loop); ``events`` serves ``/api/events`` (without it that path is 404)."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -45,6 +53,9 @@ def dashboard_app(snapshot: Callable[[], dict[str, Any]]) -> App:
             return
         if scope["type"] != "http":
             return  # a websocket: not served; hypercorn closes it
+        if events is not None and scope["method"] == "GET" and scope["path"] == EVENTS_PATH:
+            await events.serve(receive, send)
+            return
         try:
             status, content_type, body = _route(scope["method"], scope["path"], snapshot)
         except Exception as exc:
@@ -76,7 +87,7 @@ def _route(
     if path == "/api/run.json":
         document = json.dumps(snapshot(), allow_nan=False, separators=(",", ":"))
         return 200, b"application/json", document.encode()
-    return 404, text, b"not found: the dashboard serves / and /api/run.json"
+    return 404, text, b"not found: the dashboard serves /, /api/run.json and /api/events"
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

@@ -7,7 +7,8 @@ own deadline, and hands the result to ``RunHistory.observe``; ``_serve`` runs
 ``hypercorn.trio.serve`` on the already bound socket (``fd://``, hypercorn's own way to take a
 listening socket). Neither may take the coordinator down: a read that fails or times out is
 recorded for the page to show, and a server that dies after it started is logged. Cancellation
-(Ctrl+C, SIGTERM) stops both.
+(Ctrl+C, SIGTERM) stops both, and with them every ``/api/events`` stream (``events``): each read,
+good or failed, wakes those streams through ``RunChanges``.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import trio
 
 from swarmtrain.dashboard.app import dashboard_app
+from swarmtrain.dashboard.events import EventStreams, RunChanges, StreamLimits
 from swarmtrain.dashboard.history import Reading, RunHistory
 from swarmtrain.dashboard.options import DashboardListener
 
@@ -29,6 +32,7 @@ HYPERCORN_LOG.setLevel(logging.WARNING)
 
 READ_INTERVAL_S = 1.0
 READ_TIMEOUT_S = 10.0
+STREAM_LIMITS = StreamLimits()
 
 
 class Dashboard:
@@ -42,6 +46,7 @@ class Dashboard:
         *,
         interval_s: float = READ_INTERVAL_S,
         read_timeout_s: float = READ_TIMEOUT_S,
+        stream_limits: StreamLimits = STREAM_LIMITS,
     ) -> None:
         self.history = history
         self.read = read
@@ -49,7 +54,13 @@ class Dashboard:
         self.interval_s = interval_s
         self.read_timeout_s = read_timeout_s
         self.reads = 0  # reads that succeeded
-        self.app = dashboard_app(lambda: history.to_json(time.time()))
+        self.changes = RunChanges()  # told after every read; wakes the /api/events streams
+
+        def snapshot() -> dict[str, Any]:
+            return history.to_json(time.time())
+
+        self.streams = EventStreams(snapshot, self.changes, stream_limits)
+        self.app = dashboard_app(snapshot, self.streams)
 
     @property
     def url(self) -> str:
@@ -64,7 +75,14 @@ class Dashboard:
             task_status.started(self.url)
 
     async def refresh_once(self) -> None:
-        """One bounded read into the history; a failure is recorded there, never raised."""
+        """One bounded read into the history; a failure is recorded there, never raised. The
+        event streams are told either way (the page shows a failed read too)."""
+        try:
+            await self._read_once()
+        finally:
+            self.changes.notify()
+
+    async def _read_once(self) -> None:
         with trio.move_on_after(self.read_timeout_s) as scope:
             try:
                 reading = await self.read()

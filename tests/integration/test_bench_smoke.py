@@ -20,6 +20,11 @@ def test_the_allreduce_bench_runs_and_reports_bit_identical_results() -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["bit_identical"] is True and summary["wire_bytes"] > 0, summary
+    # Through a pipe, progress is plain lines (bench/progress.py), all before the JSON line.
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("phase: starting a relay and 2 workers ("), lines[:3]
+    assert any(line.startswith("phase: checking the results") for line in lines), lines
+    assert not any("\x1b[" in line for line in lines), lines
 
 
 def test_the_soak_bench_runs_a_relay_and_a_coordinator_through_connections() -> None:
@@ -71,3 +76,6 @@ def test_the_byzantine_bench_runs_every_rule_against_an_attacker_at_a_tiny_size(
     # Ten times the opposite of a pseudo-gradient hurts the mean even after two rounds.
     assert summary["mean_attacked_loss"] > summary["honest_loss"], summary
     assert "held-out loss" in done.stdout
+    # Every run's rounds in one task: a line per tenth of them, the last one at all of them.
+    tenths = [line.split()[1] for line in done.stdout.splitlines() if "byzantine:" in line]
+    assert tenths and len(set(tenths[-1].split("/"))) == 1, done.stdout

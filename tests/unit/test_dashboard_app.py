@@ -36,6 +36,7 @@ async def test_the_app_serves_the_page_the_json_and_refuses_the_rest() -> None:
     assert b"default-src 'none'" in headers[b"content-security-policy"]
     assert b"connect-src 'self'" in headers[b"content-security-policy"]
     assert b'id="loss-curve"' in body and b"/api/run.json" in body
+    assert b'new EventSource("/api/events")' in body  # live, with polling as the fallback
     assert b"http://" not in body.replace(b"http://www.w3.org/2000/svg", b"")
     status, headers, body = await _call(app, "GET", "/api/run.json")
     assert status == 200 and headers[b"content-type"] == b"application/json"
@@ -44,6 +45,7 @@ async def test_the_app_serves_the_page_the_json_and_refuses_the_rest() -> None:
     status, _, body = await _call(app, "HEAD", "/api/run.json")
     assert (status, body) == (200, b"")
     assert (await _call(app, "GET", "/etc/passwd"))[0] == 404
+    assert (await _call(app, "GET", "/api/events"))[0] == 404  # an app given no EventStreams
     assert (await _call(app, "POST", "/api/run.json"))[0] == 405
 
 
