@@ -56,8 +56,9 @@ class Faults:
             raise ValueError(f"slow start must be 0-600 s, got {self.slow_start_s}")
 
     def tamper_task(self, round_number: int) -> tuple[int, int] | None:
-        """(step, op) to tamper with in our task of ``round_number``, or None (honest)."""
-        if self.task is None or self.task[0] != round_number:
+        """(step, op) to tamper with in our task of ``round_number``, or None (honest): a
+        cheater keeps cheating from its round on (a joiner's first round may come later)."""
+        if self.task is None or round_number < self.task[0]:
             return None
         return self.task[1], self.task[2]
 

@@ -308,6 +308,7 @@ class Averager:
         round_number: int | None = None,
         expected_peers: Iterable[bytes] | None = None,
         exclude: Iterable[bytes] = (),
+        admit: Callable[[bytes], bool] | None = None,
     ) -> AveragingResult:
         """Average ``tensors`` (torch tensors or numpy arrays) weighted by ``weight``: the list
         face of ``average_vector``, which flattens them in a worker thread (each tensor one
@@ -315,6 +316,8 @@ class Averager:
 
         ``exclude``: peers whose declarations this round ignores (the run banned them, or their
         contribution failed verification); they are neither waited for nor grouped with us.
+        ``admit``: when given, only peers it admits are (this round's rule, beside the
+        config's): a verified run's members and the newcomers whose first task was verified.
 
         Raises ``AveragingFailed`` (matchmaking or the all-reduce failed: the message says
         why) and ``ValueError`` for bad local input (NaN/inf, non-positive weight).
@@ -322,7 +325,7 @@ class Averager:
         r = self._begin(weight, round_number)
         vector, specs = await trio.to_thread.run_sync(_flatten, tensors, self._buffers.take)
         sizes = [int(np.prod(shape, dtype=np.int64)) for shape, _ in specs]
-        result = await self._average(r, vector, sizes, weight, expected_peers, exclude)
+        result = await self._average(r, vector, sizes, weight, expected_peers, exclude, admit)
         averaged = await trio.to_thread.run_sync(_unflatten, result.vector, specs)
         return dataclasses.replace(result, tensors=averaged)
 
@@ -335,6 +338,7 @@ class Averager:
         round_number: int | None = None,
         expected_peers: Iterable[bytes] | None = None,
         exclude: Iterable[bytes] = (),
+        admit: Callable[[bytes], bool] | None = None,
     ) -> AveragingResult:
         """Average one flat vector (a 1-D torch tensor or numpy array, taken as float32): the
         round's own form, so nothing is split or concatenated. ``sizes``: the segments (e.g.
@@ -350,7 +354,7 @@ class Averager:
         # One copy into a pooled buffer: the round may still serve it after we return, when the
         # caller may already have changed its own vector.
         owned, _ = await trio.to_thread.run_sync(_flatten, [vector], self._buffers.take)
-        return await self._average(r, owned, sizes, weight, expected_peers, exclude)
+        return await self._average(r, owned, sizes, weight, expected_peers, exclude, admit)
 
     def _begin(self, weight: float, round_number: int | None) -> int:
         """Check that we serve and ``weight`` is good; the round this call averages."""
@@ -373,12 +377,13 @@ class Averager:
         weight: float,
         expected_peers: Iterable[bytes] | None,
         exclude: Iterable[bytes],
+        admit: Callable[[bytes], bool] | None = None,
     ) -> AveragingResult:
         """Round ``r`` for ``vector`` (ours: a pooled buffer nobody else writes)."""
         assert self._nursery is not None
         layout = Layout.for_sizes(sizes, self.config.compression)
         started = time.perf_counter()
-        group = await self._form_group(r, weight, expected_peers, frozenset(exclude))
+        group = await self._form_group(r, weight, expected_peers, frozenset(exclude), admit)
         matched = time.perf_counter()
         log.info("round %d: group of %d formed in %.2f s", r, len(group.members), matched - started)
         if len(group.members) < 2:
@@ -533,6 +538,7 @@ class Averager:
         weight: float,
         expected_peers: Iterable[bytes] | None,
         exclude: frozenset[bytes],
+        admit_round: Callable[[bytes], bool] | None = None,
     ) -> Group:
         if expected_peers is not None:
             expected = frozenset(expected_peers) | {self.me}
@@ -541,7 +547,9 @@ class Averager:
             expected = self._survivors | {d.peer_id for d in opened}
         else:
             expected = frozenset()  # no history: decide at the deadline
-        expected -= exclude
+        expected = frozenset(
+            p for p in expected - exclude if admit_round is None or p == self.me or admit_round(p)
+        )
         declaration = Declaration(
             self.me, r, float(weight), self.bandwidth_bps, time.time(), len(expected)
         )
@@ -555,7 +563,7 @@ class Averager:
                 config=self._matchmaking,
                 reach=self._reach,
                 exclude=exclude,
-                admit=self.config.admit,
+                admit=_both(self.config.admit, admit_round),
             )
         except MatchmakingFailed as exc:
             self._survivors = None
@@ -657,3 +665,12 @@ class BlockingAverager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _both(
+    first: Callable[[bytes], bool] | None, second: Callable[[bytes], bool] | None
+) -> Callable[[bytes], bool] | None:
+    """A peer admitted by both rules (a rule that is None admits everyone)."""
+    if first is None or second is None:
+        return first or second
+    return lambda peer: first(peer) and second(peer)

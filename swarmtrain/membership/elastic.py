@@ -242,16 +242,24 @@ class Elastic:
 
     # -- matchmaking ---------------------------------------------------------------------------
 
-    def expected_peers(self, round_number: int) -> set[bytes] | None:
-        """The expected set for ``round_number``'s matchmaking, or None for the averager's own
-        rule (no joiner announced and we did not just join)."""
+    def _announced(self, round_number: int) -> set[str]:
         try:
-            joiners = announced_joiners(
+            return announced_joiners(
                 self.runtime.read(join_key(self.run_id, round_number)), round_number
             )
         except Exception as exc:
             log.warning("round %d: could not read announced joiners: %s", round_number, exc)
-            joiners = set()
+            return set()
+
+    def joiners(self, round_number: int) -> frozenset[bytes]:
+        """The peers that announced they join at ``round_number`` (a verified run waits for
+        their first task's claims)."""
+        return frozenset(PeerID.from_base58(p).to_bytes() for p in self._announced(round_number))
+
+    def expected_peers(self, round_number: int) -> set[bytes] | None:
+        """The expected set for ``round_number``'s matchmaking, or None for the averager's own
+        rule (no joiner announced and we did not just join)."""
+        joiners = self._announced(round_number)
         if not joiners and not self.fresh:
             return None
         agreed = agreed_state(self.records(), round_number - 1)

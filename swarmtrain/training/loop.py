@@ -265,12 +265,15 @@ def train(
         # DiLoCo's vector is its trainable parameters (of the round's fragment) in model order;
         # each is one segment, so the averager picks codecs per parameter.
         sizes=round_sizes(config, model),
+        only=verification.allowed if verification is not None else None,
     )
     diloco = build_diloco(config, model, average, state_dir, inner)
     elastic = Elastic(
         runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds,
         min_holders=config.swarm.state_quorum,
     )  # fmt: skip
+    if verification is not None:
+        verification.joiners = elastic.joiners
     # The membership needs DiLoCo, which needs the averaging: its rules come last.
     average.set_rules(
         expected=elastic.expected_peers,

@@ -74,12 +74,14 @@ class SwarmAverage:
         behind: Callable[[int], str | None] | None = None,
         *,
         sizes: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
+        only: Callable[[int], frozenset[bytes] | None] | None = None,
     ) -> None:
         self._runtime = runtime
         self._averager = averager
         self._max_weight = averager.config.weight_bounds[1]
         self._check = check
         self._sizes = sizes if sizes is None or callable(sizes) else tuple(sizes)
+        self._only = only
         self.set_rules(expected=expected, exclude=exclude, behind=behind)
 
     def set_rules(
@@ -89,7 +91,9 @@ class SwarmAverage:
         exclude: Callable[[int], Iterable[bytes]] | None = None,
         behind: Callable[[int], str | None] | None = None,
     ) -> None:
-        """The membership's answers for each round (see the module docstring); None: no rule."""
+        """The membership's answers for each round (see the module docstring); None: no rule.
+        (``only``, given at construction: the peers a round may group with at all, None for
+        anyone: a verified run's members and its verified newcomers.)"""
         self._expected = expected
         self._exclude = exclude
         self._behind = behind
@@ -103,6 +107,7 @@ class SwarmAverage:
             raise AveragingFailed(why)
         expected = self._expected(round) if self._expected is not None else None
         exclude = frozenset(self._exclude(round)) if self._exclude is not None else frozenset()
+        only = self._only(round) if self._only is not None else None
         averager = self._averager
         sizes = self._sizes(round) if callable(self._sizes) else self._sizes
         # Rounds of carried work past the run's bound: counted at the bound, not dropped by
@@ -117,6 +122,7 @@ class SwarmAverage:
                 round_number=round,
                 expected_peers=expected,
                 exclude=exclude,
+                admit=None if only is None else only.__contains__,
             )
 
         result = self._runtime.call(average)  # AveragingFailed passes through

@@ -114,6 +114,24 @@ def assignments(
     return out
 
 
+MAX_NEWCOMERS = 8  # newcomers whose first task a round verifies (each costs a verifier a task)
+
+
+def newcomers(
+    run_id: str,
+    round_number: int,
+    members: frozenset[bytes],
+    records: Mapping[bytes, RoundClaims],
+) -> list[bytes]:
+    """Peers that are not among the round's members and claim their own task, sorted: at most
+    ``MAX_NEWCOMERS``, the first by a per-round hash (no peer picks its place; the others are
+    left out this round and verified in a later one)."""
+    base = _round_bytes(run_id, round_number)
+    found = [p for p, rec in records.items() if p not in members and p in rec.claims]
+    found.sort(key=lambda p: _digest(b"swarmtrain/verify/newcomer", *base, p))
+    return sorted(found[:MAX_NEWCOMERS])
+
+
 # -- what peers publish ---------------------------------------------------------------------------
 
 
@@ -300,6 +318,7 @@ def decide(
     round_number: int,
     *,
     timed_out: bool,
+    newcomer: bool = False,
 ) -> tuple[Decision, str]:
     """What to do with the owner's contribution in this round, and why.
 
@@ -308,11 +327,12 @@ def decide(
     Otherwise the owner's and the verifier's claims must both be visible and equal; a difference
     waits for the verdict. At ``timed_out``: a missing or disputed owner is left out (its
     contribution is unverified), a missing verifier lets the owner in (the owner cannot be
-    blamed for it).
+    blamed for it) unless the owner is a ``newcomer``: its first contribution counts only
+    verified.
     """
     owner, verifier = assignment.owner, assignment.verifier
     for v in verdicts:
-        if v.round == round_number and v.owner == owner and v.op_name != AGGREGATION:
+        if v.round == round_number and v.owner == owner and v.op_name not in (AGGREGATION, SLICE):
             if v.cheater is not None and v.cheater == verifier:
                 return Decision.ACCEPT, "the verifier was found cheating"
             return Decision.EXCLUDE, f"referee: {v.reason}"
@@ -330,6 +350,8 @@ def decide(
         return Decision.WAIT, "waiting for both commitments"
     if mine is None:
         return Decision.EXCLUDE, "the owner published no commitment in time"
+    if newcomer:
+        return Decision.EXCLUDE, "a newcomer's first task, and its verifier published nothing"
     return Decision.ACCEPT, "the verifier published no commitment in time (unverified)"
 
 

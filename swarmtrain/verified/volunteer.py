@@ -57,7 +57,9 @@ from swarmtrain.verified.plan import (
     decide,
     decode_audit_results,
     decode_verdicts,
+    newcomers,
     selected,
+    verifier_of,
 )
 from swarmtrain.verified.task import Task, make_task, run_fast, run_traced
 from verify import Commitment
@@ -116,6 +118,11 @@ class Verification:
         self._excluded: dict[int, frozenset[bytes]] = {}
         self._members: dict[int, frozenset[bytes]] = {}
         self._notes: dict[int, str] = {}
+        self._allowed: dict[int, frozenset[bytes]] = {}
+        self._round: _OwnClaims | None = None
+        # The joiners announced for a round (``Elastic.joiners``; set once the membership
+        # exists): their first tasks' claims are waited for.
+        self.joiners: Callable[[int], Iterable[bytes]] = lambda r: ()
         # (round, owner) -> what the owner of a task we re-executed must send: the round's
         # global parameters minus the task's final ones, flat float32 (``check_slice``).
         self._expected: dict[tuple[int, bytes], np.ndarray] = {}
@@ -165,23 +172,38 @@ class Verification:
             del self._members[old]
         for old in [r for r in self._excluded if r <= round_number]:
             del self._excluded[old]
+        for old in [r for r in self._allowed if r <= round_number]:
+            del self._allowed[old]
 
-    def _plan(self, round_number: int) -> list[Assignment]:
+    def _plan(
+        self, round_number: int, records: Mapping[bytes, RoundClaims] | None = None
+    ) -> list[Assignment]:
         """The round's assignments; none when we do not know its members (the first round, or
-        the first after we failed a round or adopted a state): then we verify nobody."""
+        the first after we failed a round or adopted a state): then we verify nobody. With the
+        round's ``records``, each newcomer that claims its own task (``_newcomers``) is
+        assigned a verifier among the members too, selected or not."""
         members = self._members.get(round_number)
         if not members:
             return []
-        return assignments(self.config.run.id, round_number, members, self.config.verify.rate)
+        run = self.config.run.id
+        plan = assignments(run, round_number, members, self.config.verify.rate)
+        for owner in newcomers(run, round_number, members, records or {}):
+            verifier = verifier_of(run, round_number, owner, members)
+            if verifier is not None:
+                plan.append(Assignment(owner, verifier))
+        return plan
 
     def run_tasks(self, round_number: int, params: dict[str, np.ndarray]) -> RoundWork:
         """Run our task and those we verify, publish our claims. ``params`` are the round's
-        global parameters by name."""
+        global parameters by name. A peer that does not know the round's members (it joined,
+        or failed the last round) traces its task whether selected or not: the members take a
+        newcomer's contribution only once a verifier's commitment agrees with its own."""
         r, rate = round_number, self.config.verify.rate
         own = self._task(r, self.me, params)
         claims: dict[bytes, Commitment] = {}
         tamper = self.faults.tamper_task(r)
-        if selected(self.config.run.id, r, self.me, rate):
+        new_here = r > 0 and not self._members.get(r)
+        if new_here or selected(self.config.run.id, r, self.me, rate):
             provider = run_traced(own, tamper)
             self._keep(r, provider)
             claims[self.me] = provider.commitment
@@ -189,18 +211,31 @@ class Verification:
         else:
             final = run_fast(own)
         self._expected = {k: v for k, v in self._expected.items() if k[0] >= r}
+        self._round = _OwnClaims(r, params, own.spec.start_state_hash, claims)
         for a in self._plan(r):
             if a.verifier == self.me:
-                provider = run_traced(self._task(r, a.owner, params))
-                self._keep(r, provider)
-                claims[a.owner] = provider.commitment
-                self._expected[(r, a.owner)] = _pseudo_gradient(params, provider.final_state)
-        record = RoundClaims(own.spec.start_state_hash, claims)
-        try:
-            self.runtime.store(verify_key(self.config.run.id, r), record.to_bytes(), CLAIMS_TTL_S)
-        except Exception as exc:  # the gate then leaves our task out: logged, not fatal
-            log.warning("round %d: could not publish our commitments: %s", r, exc)
+                self._verify(a.owner)
+        self._publish_claims()
         return RoundWork({n: final[n] for n in params}, own.losses)
+
+    def _verify(self, owner: bytes) -> None:
+        """Re-execute ``owner``'s task of the current round, traced; keep what it owes."""
+        mine = self._round
+        assert mine is not None
+        provider = run_traced(self._task(mine.round, owner, mine.params))
+        self._keep(mine.round, provider)
+        mine.claims[owner] = provider.commitment
+        self._expected[(mine.round, owner)] = _pseudo_gradient(mine.params, provider.final_state)
+
+    def _publish_claims(self) -> None:
+        mine = self._round
+        assert mine is not None
+        record = RoundClaims(mine.start_state_hash, dict(mine.claims))
+        key = verify_key(self.config.run.id, mine.round)
+        try:
+            self.runtime.store(key, record.to_bytes(), CLAIMS_TTL_S)
+        except Exception as exc:  # the gate then leaves our task out: logged, not fatal
+            log.warning("round %d: could not publish our commitments: %s", mine.round, exc)
 
     def check_slice(
         self, round_number: int, sender: bytes, start: int, values: np.ndarray
@@ -224,22 +259,49 @@ class Verification:
         """The peers round ``round_number`` leaves out, once every assignment is decided or the
         verify timeout passed. Raises ``Banned`` when a verdict names us."""
         r = round_number
-        plan = self._plan(r)
+        members = self._members.get(r) or frozenset()
+        # Joiners that announced this round: waited for, so a newcomer's first task (traced,
+        # slower than the members' untraced ones) is verified rather than left out.
+        awaited = set(self.joiners(r)) - members - {self.me} if members else set()
         deadline = time.monotonic() + self.config.verify.timeout_s
 
-        def look() -> list[tuple[Assignment, Decision, str]]:
+        def look() -> tuple[list[tuple[Assignment, Decision, str]], set[bytes]]:
             self._read_verdicts()
             mine = banned(self.verdicts).get(self.me)
             if mine is not None:
                 raise Banned(mine)
-            records = self._read_claims(r) if plan else {}
+            records = self._read_claims(r) if members else {}
+            plan = self._plan(r, records)
+            own = self._round
+            if own is not None and own.round == r:  # newcomers assigned to us since run_tasks
+                todo = [
+                    a.owner for a in plan if a.verifier == self.me and a.owner not in own.claims
+                ]
+                for owner in todo:
+                    self._verify(owner)
+                if todo:
+                    self._publish_claims()
             timed_out = time.monotonic() >= deadline
-            return [(a, *decide(a, records, self.verdicts, r, timed_out=timed_out)) for a in plan]
+            decided = [
+                (a, *decide(a, records, self.verdicts, r, timed_out=timed_out,
+                            newcomer=a.owner not in members))
+                for a in plan
+            ]  # fmt: skip
+            silent = set()
+            if not timed_out:
+                silent = awaited - {a.owner for a in plan} - set(banned(self.verdicts))
+            return decided, silent
 
-        decisions = self._poll(
-            look, lambda ds: all(d is not Decision.WAIT for _, d, _ in ds), deadline
+        decisions, _ = self._poll(
+            look,
+            lambda got: not got[1] and all(d is not Decision.WAIT for _, d, _ in got[0]),
+            deadline,
         )
+        plan = [a for a, _, _ in decisions]
         left_out = {a.owner for a, d, _ in decisions if d is Decision.EXCLUDE}
+        joined = {a.owner for a in plan if a.owner not in members}
+        if members:
+            self._allowed[r] = frozenset(members | (joined - left_out) | {self.me})
         for a, d, why in decisions:
             if why != AGREE:
                 self.emit(
@@ -389,6 +451,11 @@ class Verification:
         agreed, of those assigned) and how many owners were left out; empty when none."""
         return self._notes.pop(round_number, "")
 
+    def allowed(self, round_number: int) -> frozenset[bytes] | None:
+        """The only peers round ``round_number`` may group with (its members and the newcomers
+        whose first task was verified), or None when we do not know its members."""
+        return self._allowed.get(round_number)
+
     def excluded(self, round_number: int) -> frozenset[bytes]:
         """What ``settle`` decided for the round (banned peers when it did not run)."""
         found = self._excluded.get(round_number)
@@ -416,6 +483,16 @@ class Verification:
             if claims is not None:
                 out[peer_bytes(peer)] = claims
         return out
+
+
+@dataclass
+class _OwnClaims:
+    """This round's published claims and what more tasks need: its global parameters."""
+
+    round: int
+    params: dict[str, np.ndarray]
+    start_state_hash: bytes
+    claims: dict[bytes, Commitment]
 
 
 def _first(

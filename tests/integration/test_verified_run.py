@@ -185,3 +185,44 @@ def test_a_peer_that_sends_other_values_than_its_committed_task_is_dropped_and_b
         for peer in peers:
             peer.stop()
         coordinator.stop()
+
+
+JOIN_ROUNDS = 8
+
+
+def test_a_joiners_first_task_is_verified_before_it_counts(tmp_path: Path) -> None:
+    """Issue 19 point 3: a peer joining a verified run mid-way is no member of its first
+    round, so no assignment covered its task: its first contribution went in unverified. Now it
+    traces that task, a member verifies it, and it counts only verified. This joiner cheats in
+    every task: it never contributes, and it is banned at its first round."""
+    coordinator, join = start_coordinator(
+        tmp_path,
+        rounds=JOIN_ROUNDS,
+        inner_steps=8,
+        matchmaking_timeout_s=6.0,
+        settings=SMALL_VERIFIED,
+    )
+    honest = [node(join, tmp_path / f"n{i}") for i in range(2)]
+    peers = list(honest)
+    try:
+        honest[0].wait_line(lambda line: line.startswith("round 0 "), timeout_s=60)
+        joiner = node(join, tmp_path / "joiner", "--cheat", f"0:{CHEAT_STEP}:{CHEAT_OP}")
+        peers.append(joiner)
+        assert wait_exit(joiner, 100) == 3, (joiner.lines, joiner.stderr[-3000:])
+        for peer in honest:
+            assert wait_exit(peer, 60) == 0, peer.stderr[-3000:]
+        banned = next(line for line in joiner.lines if line.startswith("this peer was banned"))
+        assert f"step {CHEAT_STEP}, operator {CHEAT_OP}" in banned, banned
+        # Left out of every round it tried (the members did not group with it).
+        assert all("FAILED" in line for line in round_lines(joiner).values()), joiner.lines
+        for peer in honest:
+            lines = round_lines(peer)
+            assert sorted(lines) == list(range(JOIN_ROUNDS)), peer.lines
+            for r in range(JOIN_ROUNDS):
+                assert "peers 2" in lines[r] and "agree yes (2/2)" in lines[r], lines[r]
+        summaries = [_summary(tmp_path / f"n{i}") for i in (0, 1)]
+        assert summaries[0]["state_hash"] == summaries[1]["state_hash"]
+    finally:
+        for peer in peers:
+            peer.stop()
+        coordinator.stop()

@@ -13,9 +13,10 @@ def test_no_faults_is_honest_in_every_round() -> None:
     assert all(NO_FAULTS.tamper_reduced(r) is None for r in range(5))
 
 
-def test_task_fault_only_in_its_round() -> None:
+def test_task_fault_from_its_round_on() -> None:
     faults = Faults(task=parse_task_fault("1:2:30"))
     assert faults.tamper_task(0) is None and faults.tamper_task(1) == (2, 30)
+    assert faults.tamper_task(4) == (2, 30)  # a cheater keeps cheating
 
 
 def test_reduce_fault_shifts_the_first_value_of_a_copy() -> None:

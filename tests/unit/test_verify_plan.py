@@ -14,7 +14,9 @@ from swarmtrain.verified.plan import (
     AGGREGATION,
     MAX_AUDIT_RESULTS,
     MAX_CLAIMS,
+    MAX_NEWCOMERS,
     MAX_VERDICTS_BYTES,
+    SLICE,
     Assignment,
     AuditResult,
     AuditResultList,
@@ -32,6 +34,7 @@ from swarmtrain.verified.plan import (
     encode_audit_results,
     encode_verdicts,
     majority_start,
+    newcomers,
     selected,
     task_seed,
     verifier_of,
@@ -190,6 +193,34 @@ def test_a_verdict_settles_the_task_whatever_the_claims_say() -> None:
     assert decide(a, records, ruling(None), 3, timed_out=False)[0] is Decision.EXCLUDE
     # A verdict about another round does not decide this one.
     assert decide(a, records, ruling(a.owner, 2), 3, timed_out=False)[0] is Decision.WAIT
+
+
+def test_a_newcomers_first_task_counts_only_verified() -> None:
+    """Issue 19 point 3: a peer that was no member of the round gets no benefit of the doubt
+    when its verifier stays silent; a member still does (it cannot be blamed for it)."""
+    a = Assignment(PEERS[0], PEERS[1])
+    alone = _records(_claim(1), None)
+    member = decide(a, alone, [], 3, timed_out=True)
+    newcomer = decide(a, alone, [], 3, timed_out=True, newcomer=True)
+    assert member[0] is Decision.ACCEPT and newcomer[0] is Decision.EXCLUDE, newcomer
+    agreed = _records(_claim(1), _claim(1))
+    assert decide(a, agreed, [], 3, timed_out=False, newcomer=True)[0] is Decision.ACCEPT
+    # A slice verdict is about the all-reduce, after the round's tasks were settled.
+    slice_verdict = [Verdict(3, a.owner, a.verifier, a.owner, None, 0, SLICE, "slice")]
+    assert decide(a, agreed, slice_verdict, 3, timed_out=False)[0] is Decision.ACCEPT
+
+
+def test_newcomers_are_claimers_of_their_own_task_outside_the_members_bounded() -> None:
+    members = frozenset(PEERS[:2])
+    records = {p: RoundClaims(H[0], {p: _claim(1)}) for p in PEERS}
+    # A record that claims only others' tasks is no newcomer's (it is a verifier's, or junk).
+    records[PEERS[7]] = RoundClaims(H[0], {PEERS[0]: _claim(1)})
+    found = newcomers("run", 3, members, records)
+    assert found == sorted(PEERS[2:7]) and found == newcomers("run", 3, members, dict(records))
+    many = {bytes([i]) * 20: RoundClaims(H[0], {bytes([i]) * 20: _claim(1)}) for i in range(40)}
+    picked = [newcomers("run", r, members, many) for r in range(3)]
+    assert all(len(p) == MAX_NEWCOMERS for p in picked)
+    assert len({tuple(p) for p in picked}) > 1  # a per-round draw, not always the same eight
 
 
 def test_audit_results_round_trip_and_a_malformed_list_is_refused() -> None:
