@@ -14,6 +14,7 @@ from verify.commit import (
     StepLeaf,
     StepTrace,
     TaskSpec,
+    tensor_from_canonical,
     verify_append,
     verify_consistency,
     verify_proof,
@@ -29,6 +30,7 @@ from verify.dispute.game import (
     Verdict,
 )
 from verify.dispute.provider import Provider
+from verify.repops.graph import param_shapes
 from verify.repops.step import (
     DEFAULT_SHAPE,
     AdamWConfig,
@@ -48,7 +50,9 @@ from verify.trace import (
     OpRecord,
     StepResult,
     TracedStep,
+    canonical_bytes,
     state_hash,
+    state_hash_of,
     tensor_hash,
 )
 
@@ -76,13 +80,17 @@ __all__ = [
     "TracedStep",
     "Verdict",
     "batch_for",
+    "canonical_bytes",
     "gradients",
     "init_params",
     "initial_state",
     "nesterov_step",
+    "param_shapes",
     "run_op",
     "state_hash",
+    "state_hash_of",
     "step_loss",
+    "tensor_from_canonical",
     "tensor_hash",
     "train_step",
     "verify_append",

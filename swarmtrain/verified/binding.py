@@ -28,11 +28,15 @@ import numpy as np
 
 import swarm
 from p2p import Message, message
-from verify.commit import tensor_from_canonical
-from verify.dispute import Provider
-from verify.repops import ModelShape
-from verify.repops.graph import param_shapes
-from verify.trace import canonical_bytes, state_hash_of, tensor_hash
+from verify import (
+    ModelShape,
+    Provider,
+    canonical_bytes,
+    param_shapes,
+    state_hash_of,
+    tensor_from_canonical,
+    tensor_hash,
+)
 
 STATE_PROTOCOL = "/swarmtrain/verify/task-state/1"
 MAX_NAMES = 1024

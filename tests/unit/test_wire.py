@@ -220,6 +220,11 @@ def _dht_values() -> dict[type, Any]:
     part_audits = st.builds(
         part_audit, count, count, count, st.lists(inputs, min_size=1, max_size=3), digest
     )
+
+    def slice_dispute(part: int, start: int, length: int, item: tuple[Any, ...]) -> Message:
+        return audit.SliceDispute(part, start, start + length, *item)
+
+    slice_disputes = st.builds(slice_dispute, count, count, count, inputs)
     claim = st.tuples(peer, st.integers(1, 2**40), digest, digest)
     p = verified_plan
     verdicts = st.builds(
@@ -231,6 +236,7 @@ def _dht_values() -> dict[type, Any]:
             matchmaking.Declaration, peer, count, positive, positive, finite, count
         ),
         audit.PartAudit: lambda: part_audits,
+        audit.SliceDispute: lambda: slice_disputes,
         audit.AuditRecord: lambda: st.builds(
             audit.AuditRecord,
             count,
@@ -238,6 +244,7 @@ def _dht_values() -> dict[type, Any]:
             st.lists(peer, max_size=4).map(tuple),
             st.lists(part_audits, max_size=2).map(tuple),
             st.lists(count, max_size=4).map(tuple),
+            st.lists(slice_disputes, max_size=2).map(tuple),
         ),
         p.ClaimsRecord: lambda: st.builds(
             p.ClaimsRecord, digest, st.lists(claim, max_size=p.MAX_CLAIMS).map(tuple)
