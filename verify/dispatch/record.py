@@ -18,8 +18,10 @@ made outside the step that is larger than ``MAX_CONST_ELEMENTS``. A small one (a
 made a tensor, a ``torch.tensor`` literal) becomes a ``dispatch:const`` record whose attrs are
 its canonical bytes.
 
-What a record costs: the output copied once to a contiguous array (``outputs``, what the
-provider opens) and hashed. ``empty`` and its relatives are zero-filled when recording, so that
+What a record costs: its output hashed. ``outputs`` (what a provider opens) are numpy views of
+the tensors themselves, copied only before an operator writes to their memory (and, by
+``release``, memory that outlives the step, such as the parameters): a step's trace holds about
+what autograd held, not a copy of every operator's output. ``empty`` and its relatives are zero-filled when recording, so that
 their outputs (never read by a correct program before written) hash the same everywhere.
 """
 
@@ -69,11 +71,26 @@ def run_call(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
     return out
 
 
-def snapshot(tensor: torch.Tensor) -> np.ndarray:
-    """A C-contiguous numpy copy of ``tensor``'s values (what a record's output is)."""
+def _values(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s values as numpy: its own memory on the CPU, a copy from another device."""
     if tensor.dtype not in _NUMPY:
         raise TraceError(f"a {tensor.dtype} tensor cannot be traced (RepOps maps float32)")
-    return np.array(tensor.detach().cpu().numpy(), order="C")
+    return tensor.detach().cpu().numpy()
+
+
+def snapshot(tensor: torch.Tensor) -> np.ndarray:
+    """A C-contiguous numpy copy of ``tensor``'s values."""
+    return np.array(_values(tensor), order="C")
+
+
+@functools.cache
+def _written(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument ``func`` writes to (in place or ``out=``)."""
+    return tuple(
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    )
 
 
 _NUMPY = frozenset(
@@ -149,6 +166,7 @@ class Recorder:
         self._watch: list[torch.Tensor] = []
         self._versions: list[int] = []
         self._unsettled: list[int] = []
+        self._shared: dict[int, list[int]] = {}  # storage address -> records whose outputs view it
 
     def leaf(self, label: str, tensor: torch.Tensor) -> int:
         """Record one of the step's inputs (a state tensor or the batch)."""
@@ -162,7 +180,7 @@ class Recorder:
         tensor: torch.Tensor,
         watch: torch.Tensor | None = None,
     ) -> int:
-        value = snapshot(tensor)
+        value = _values(tensor)
         self.records.append(OpRecord(name, inputs, attrs, tensor_hash(value)))
         self.outputs.append(value)
         self._watch.append(tensor if watch is None else watch)  # also keeps memory alive
@@ -170,7 +188,14 @@ class Recorder:
         index = len(self.records) - 1
         self._unsettled.append(index)
         self._places[_key(tensor)] = index
+        if tensor.device.type == "cpu":
+            self._shared.setdefault(tensor.untyped_storage().data_ptr(), []).append(index)
         return index
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Copy the outputs that view ``tensor``'s memory: it is about to be written."""
+        for index in self._shared.pop(tensor.untyped_storage().data_ptr(), ()):
+            self.outputs[index] = np.array(self.outputs[index], order="C")
 
     def _settle(self) -> None:
         for index in self._unsettled:
@@ -212,6 +237,10 @@ class Recorder:
                 and base.untyped_storage().nbytes() == base.numel() * base.element_size()
             ):
                 raise TraceError(f"{name} reads memory beyond its input's values")
+        for position, key in _written(func):
+            target = args[position] if position < len(args) else kwargs.get(key)
+            for tensor in tensor_outputs(target):
+                self.release(tensor)
         out = run_call(func, args, kwargs)
         views = _views(func)
         for position, tensor in enumerate(tensor_outputs(out)):

@@ -135,6 +135,8 @@ class DispatchStep:
             optimizer.step()
         recorder.check_tampered()
         after = {name: snapshot(t) for name, t in self._tensors().items()}
+        for tensor in self._tensors().values():
+            recorder.release(tensor)  # the next call loads the next state into them
         for name, p in self.params.items():
             for moment in ("exp_avg", "exp_avg_sq"):
                 after[f"adamw.{moment}.{name}"] = snapshot(optimizer.state[p][moment])
