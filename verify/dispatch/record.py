@@ -21,8 +21,9 @@ its canonical bytes.
 What a record costs: its output hashed. ``outputs`` (what a provider opens) are numpy views of
 the tensors themselves, copied only before an operator writes to their memory (and, by
 ``release``, memory that outlives the step, such as the parameters): a step's trace holds about
-what autograd held, not a copy of every operator's output. ``empty`` and its relatives are zero-filled when recording, so that
-their outputs (never read by a correct program before written) hash the same everywhere.
+what autograd held, not a copy of every operator's output. ``empty`` and its relatives are
+zero-filled when recording, so that their outputs (never read by a correct program before
+written) hash the same everywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verify.commit import tensor_from_canonical
 from verify.dispatch.calls import (
     CallError,
     decode_call,
@@ -41,7 +43,6 @@ from verify.dispatch.calls import (
     overload_named,
     tensor_outputs,
 )
-from verify.commit import tensor_from_canonical
 from verify.dispatch.mode import PASSIVE_NAMESPACES, route
 from verify.trace import LEAF_PREFIX, OpRecord, canonical_bytes, tensor_hash
 

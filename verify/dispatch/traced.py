@@ -38,9 +38,9 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 @dataclass(frozen=True, slots=True)
 class AdamWSettings:
     """``torch.optim.AdamW``'s arguments for a traced step (single-tensor kernels always: the
-    trace is the same on a CPU and a GPU)."""
+    trace is the same on a CPU and a GPU); the defaults are ``verify.repops.AdamWConfig``'s."""
 
-    lr: float = 1e-3
+    lr: float = 2e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
@@ -74,14 +74,20 @@ class DispatchStep:
         self.buffers = dict(model.named_buffers())
         if not self.params:
             raise ValueError("the model has no parameters to train")
-        self._shapes = {name: (tuple(t.shape), t.dtype) for name, t in self._tensors().items()}
+        self._kinds = {
+            name: (tuple(t.shape), torch.empty(0, dtype=t.dtype).numpy().dtype)
+            for name, t in self._tensors().items()
+        }
+        for name, p in self.params.items():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                self._kinds[f"adamw.{moment}.{name}"] = (tuple(p.shape), np.dtype(np.float32))
+        self._kinds[STEP_KEY] = ((), np.dtype(np.float32))
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {**self.params, **self.buffers}
 
     def state_names(self) -> list[str]:
-        moments = [f"adamw.{m}.{name}" for name in self.params for m in ("exp_avg", "exp_avg_sq")]
-        return sorted([*self._tensors(), *moments, STEP_KEY])
+        return sorted(self._kinds)
 
     def initial_state(self) -> dict[str, np.ndarray]:
         """The model's current parameters and buffers, zero moments, step count 0."""
@@ -93,12 +99,15 @@ class DispatchStep:
         return state
 
     def _check(self, state: Mapping[str, np.ndarray]) -> None:
-        if set(state) != set(self.state_names()):
-            odd = sorted(set(state) ^ set(self.state_names()))
+        """ValueError naming the first state entry that is missing, extra or of another
+        shape or dtype than the model's."""
+        if set(state) != set(self._kinds):
+            odd = sorted(set(state) ^ set(self._kinds))
             raise ValueError(f"state keys do not match the model: {odd[:4]}")
-        for name, (shape, _) in self._shapes.items():
-            if np.shape(state[name]) != shape:
-                raise ValueError(f"state {name} has shape {np.shape(state[name])}, not {shape}")
+        for name, (shape, dtype) in self._kinds.items():
+            value = np.asarray(state[name])
+            if value.shape != shape or value.dtype != dtype:
+                raise ValueError(f"state {name} must be {dtype} {shape}")
 
     def __call__(
         self, state: Mapping[str, np.ndarray], step: int, tamper_op: int | None = None
