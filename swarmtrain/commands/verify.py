@@ -145,25 +145,25 @@ def _first_step(args: argparse.Namespace, step: Any) -> list[Any]:
         raise _Refused(f"--model-config {args.model_config}: {exc}") from None
 
 
-def _preflight(args: argparse.Namespace) -> None:
+def _preflight(args: argparse.Namespace) -> Any:
     """Refuse (``_Refused``) what would fail only once the providers run: a model the dispatch
     trace cannot run, a ``--cheat-step``/``--cheat-op`` that tampers with nothing. One traced
-    step here lists the records; for the default model only when there is a cheat to check."""
+    step here lists the records; for the default model only when there is a cheat to check.
+    Returns the traced step it built (the referee's), or None."""
     if args.cheat_step is not None and not 0 <= args.cheat_step < args.steps:
         last = args.steps - 1
         raise _Refused(f"--cheat-step {args.cheat_step}: the task's steps are 0 to {last}")
     if args.cheat_step is None and not args.model_config:
-        return
+        return None
     from verify import LEAF_PREFIX
     from verify.dispatch import CONST_OP, tamperable
 
-    records = _first_step(args, _traced_step(args))
-    if args.cheat_step is None:
-        return
+    step = _traced_step(args)
+    records = _first_step(args, step)
     operator = tamperable if args.model_config else (lambda r: not r.is_leaf)
     ops = [i for i, record in enumerate(records) if operator(record)]
-    if args.cheat_op in ops:
-        return
+    if args.cheat_step is None or args.cheat_op in ops:
+        return step
     spans: list[list[int]] = []
     for i in ops:
         if spans and spans[-1][1] == i - 1:
@@ -171,7 +171,9 @@ def _preflight(args: argparse.Namespace) -> None:
         else:
             spans.append([i, i])
     shown = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
-    listed = ", ".join(shown[:24]) + (f", ... ({len(ops)} of {len(records)})" if shown[24:] else "")
+    if len(shown) > 24:  # the first and the last ones: where a step's operators begin and end
+        shown = [*shown[:20], "...", *shown[-4:]]
+    listed = f"{', '.join(shown)} ({len(ops)} of {len(records)} records)"
     if not 0 <= args.cheat_op < len(records):
         what = f"a step has {len(records)} records"
     elif records[args.cheat_op].is_leaf:
@@ -292,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     try:
-        _preflight(args)
+        step = _preflight(args)
     except _Refused as exc:
         print(f"swarmtrain verify: {exc}", file=sys.stderr)
         return 2
@@ -324,13 +326,13 @@ def run(args: argparse.Namespace) -> int:
             why = tail[-1] if tail else f"no READY line within {READY_TIMEOUT_S:.0f} s"
             print(f"swarmtrain verify: provider {failed.name} failed: {why}", file=sys.stderr)
             return 2
-        return _referee(args, children)
+        return _referee(args, children, step)
     finally:
         for child in children:
             _stop(child)
 
 
-def _referee(args: argparse.Namespace, children: list[_Child]) -> int:
+def _referee(args: argparse.Namespace, children: list[_Child], step: Any = None) -> int:
     import multiaddr
     import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
@@ -341,7 +343,7 @@ def _referee(args: argparse.Namespace, children: list[_Child]) -> int:
     from verify.dispute import DisputeOutcome, Referee, RefereeConfig, run_referee
     from verify.repops import run_op
 
-    step = _traced_step(args)
+    step = step or _traced_step(args)
     _, task = _task(step, args.steps, args.seed)
     labels = {"inputs": 0, "targets": 1}
 

@@ -55,7 +55,8 @@ class DispatchStep:
 
     ``batch(step)`` gives that step's ``(inputs, targets)`` (what the referee's data oracle
     checks ``leaf:inputs``/``leaf:targets`` against); ``loss(model, inputs, targets)`` defaults
-    to ``model.loss(inputs, targets)``. The model is reused: every call loads the state into it.
+    to ``model.loss(inputs, targets)``. The model is reused: every call loads the state into it
+    and leaves the state after the step there.
     """
 
     def __init__(
@@ -74,6 +75,7 @@ class DispatchStep:
         self.buffers = dict(model.named_buffers())
         if not self.params:
             raise ValueError("the model has no parameters to train")
+        self._initial = {name: snapshot(t) for name, t in self._tensors().items()}
         self._kinds = {
             name: (tuple(t.shape), torch.empty(0, dtype=t.dtype).numpy().dtype)
             for name, t in self._tensors().items()
@@ -90,8 +92,9 @@ class DispatchStep:
         return sorted(self._kinds)
 
     def initial_state(self) -> dict[str, np.ndarray]:
-        """The model's current parameters and buffers, zero moments, step count 0."""
-        state = {name: snapshot(t) for name, t in self._tensors().items()}
+        """The parameters and buffers the model had when this step was made (calls load other
+        states into it), zero moments, step count 0."""
+        state = {name: value.copy() for name, value in self._initial.items()}
         for name, p in self.params.items():
             state[f"adamw.exp_avg.{name}"] = np.zeros(tuple(p.shape), np.float32)
             state[f"adamw.exp_avg_sq.{name}"] = np.zeros(tuple(p.shape), np.float32)
