@@ -214,8 +214,8 @@ class Recorder:
             )
         if tensor.numel() > MAX_CONST_ELEMENTS:
             raise TraceError(
-                f"{name}: tensor argument {position} ({tuple(tensor.shape)}) was made outside "
-                "the step and is no parameter, buffer or batch: the trace cannot check it"
+                f"{name}: tensor argument {position}, of shape {tuple(tensor.shape)}, was made "
+                "outside the step and is no parameter, buffer or batch: the trace cannot check it"
             )
         return self._add(CONST_OP, (), canonical_bytes(snapshot(tensor)), tensor)
 
