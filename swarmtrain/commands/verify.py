@@ -12,7 +12,8 @@ process is the referee: it asks both for their commitments and, if they differ, 
 over libp2p streams and prints the verdict (who, which step, which operator), the rounds, the
 bytes exchanged and the referee's compute time against the time one provider took to run the
 task. ``--json`` prints one object instead: ``cheater`` (the peer id, null when nobody is named),
-``step``, ``op``, ``op_name``, ``rounds``, ``bytes``, ``referee_seconds``, ``task_seconds``,
+``step``, ``op``, ``op_name``, ``rounds``, ``bytes``, ``referee_seconds``, ``dispute_seconds``
+(the game's wall time, queries included), ``task_seconds``,
 ``honest_final_hash`` (hex; independent of ``--threads``), ``reason``, ``ops_per_step`` (the
 records of one step's trace, what ``--cheat-op`` indexes and the operator bisection covers).
 
@@ -381,6 +382,7 @@ def _referee(args: argparse.Namespace, children: list[_Child], step: Any = None)
         "rounds": v.rounds,
         "bytes": outcome.bytes_exchanged,
         "referee_seconds": round(outcome.referee_compute_s, 6),
+        "dispute_seconds": round(outcome.seconds, 3),
         "task_seconds": round(children[0].ready["task_seconds"], 3),  # type: ignore[index]
         "honest_final_hash": honest_hash,
         "reason": v.reason,
@@ -408,8 +410,8 @@ def _print_human(result: dict, children: list[_Child], peers: list, agreed: bool
         print(f"verdict: undecided: {result['reason']}")
     ratio = result["referee_seconds"] / max(result["task_seconds"], 1e-9)
     print(
-        f"rounds: {result['rounds']}, bytes exchanged: {result['bytes']}, "
-        f"records a step: {result['ops_per_step']}"
+        f"rounds: {result['rounds']} in {result['dispute_seconds']:.2f} s, bytes exchanged: "
+        f"{result['bytes']}, records a step: {result['ops_per_step']}"
     )
     print(
         f"referee compute: {result['referee_seconds']:.3f} s vs {result['task_seconds']:.1f} s "
