@@ -26,6 +26,9 @@ names an aten operator of that list, and the referee recomputes the disputed one
 step uses an operator RepOps cannot run is refused, with the operator's name, before anything
 starts.
 
+About 430 lines, over the usual 400: the provider process, the refusals made before anything
+starts and the referee read the same arguments and build the same step, so they stay together.
+
 The lead wires it into ``swarmtrain.cli`` with ``add_parser(subparsers)`` and ``run(args)``.
 Exit status: 0 when the game ended with a verdict (a cheater named, or no dispute), 1 when it was
 undecided, 2 when a provider process failed to start.

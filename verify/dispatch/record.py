@@ -57,6 +57,11 @@ UNINITIALISED = frozenset(
 # values only when that input is exactly its whole storage, contiguous from offset 0.
 BY_ADDRESS = frozenset({aten.as_strided, aten._reshape_alias})
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16}
+_NUMPY = frozenset(
+    {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
+     torch.int8, torch.uint8, torch.bool}
+)  # fmt: skip
+_PLACEHOLDER = torch.empty(0)  # stands for a record's inputs when only its attrs are read
 
 
 class TraceError(RuntimeError):
@@ -94,12 +99,6 @@ def _written(func: torch._ops.OpOverload) -> tuple[tuple[int, str], ...]:
     )
 
 
-_NUMPY = frozenset(
-    {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16,
-     torch.int8, torch.uint8, torch.bool}
-)  # fmt: skip
-
-
 def is_view(name: str, output: int) -> bool:
     """Whether output ``output`` of operator ``name`` is a view of an input (not written):
     it computes nothing, and changing its bits would change its base's."""
@@ -123,9 +122,6 @@ def tamperable(record: OpRecord) -> bool:
     except CallError:
         return False
     return not is_view(record.name, output)
-
-
-_PLACEHOLDER = torch.empty(0)
 
 
 def flip_low_bit(tensor: torch.Tensor) -> None:
