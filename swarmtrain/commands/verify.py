@@ -31,7 +31,7 @@ starts and the referee read the same arguments and build the same step, so they 
 
 The lead wires it into ``swarmtrain.cli`` with ``add_parser(subparsers)`` and ``run(args)``.
 Exit status: 0 when the game ended with a verdict (a cheater named, or no dispute), 1 when it was
-undecided, 2 when a provider process failed to start.
+undecided, 2 when the arguments are refused or a provider process failed to start.
 """
 
 from __future__ import annotations
