@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,15 +47,12 @@ from verify.repops.step import RepOpsStep, batch_for, train_step
 T = TypeVar("T")
 CONTEXT = 128
 # The transformers models of --model: byte tokens (the vocabulary covers 0-255 and more, as a
-# tokenizer's would), context 128, no dropout (a verified step has no RNG).
+# tokenizer's would), context 128, no dropout (a verified step has no RNG). Their config.json
+# files, which `swarmtrain verify --model-config` takes too, are examples/configs/NAME.json.
+CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 DISPATCH_MODELS: dict[str, dict[str, object]] = {
-    "llama-tiny": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256,
-                   "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 8,
-                   "num_key_value_heads": 4, "max_position_embeddings": CONTEXT},
-    "gpt2-tiny": {"model_type": "gpt2", "vocab_size": 4096, "n_embd": 256, "n_layer": 5,
-                  "n_head": 8, "n_positions": CONTEXT, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
-                  "attn_pdrop": 0.0, "bos_token_id": 0, "eos_token_id": 0},
-}  # fmt: skip
+    name: json.loads((CONFIGS / f"{name}.json").read_text()) for name in ("llama-tiny", "gpt2-tiny")
+}
 
 
 def _timed(fn: Callable[[], T]) -> tuple[T, float, float]:

@@ -15,7 +15,8 @@
                         [--workdir DIR] [--json PATH] [--nproc-per-node K] [--dashboard-port PORT]
                         [--pipeline-stages S [--pipeline-slow-stage K]
                          [--model-factory MODULE:FUNCTION] ...]
-    swarmtrain verify   [--steps S] [--cheat-step K --cheat-op J] [--threads T] [--json]
+    swarmtrain verify   [--steps S] [--model-config PATH] [--cheat-step K --cheat-op J]
+                        [--threads T] [--json]
     swarmtrain export   --state-dir DIR --out DIR [--json PATH]
 
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly

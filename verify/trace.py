@@ -24,19 +24,29 @@ _STATE_TAG = b"swarmtrain/state/v1\0"
 LEAF_PREFIX = "leaf:"
 
 
-def canonical_bytes(array: np.ndarray) -> bytes:
-    """dtype string, rank, dims, then the elements little-endian in C order."""
+def _little(array: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """``array`` C-contiguous and little-endian (copied only when it is not), and its header."""
     contiguous = np.ascontiguousarray(array)
     little = contiguous.astype(contiguous.dtype.newbyteorder("<"), copy=False)
     dtype = little.dtype.str.encode()
     header = struct.pack("<B", len(dtype)) + dtype + struct.pack("<I", little.ndim)
     header += struct.pack(f"<{little.ndim}Q", *little.shape)
-    return _TENSOR_TAG + header + little.tobytes()
+    return little, _TENSOR_TAG + header
+
+
+def canonical_bytes(array: np.ndarray) -> bytes:
+    """dtype string, rank, dims, then the elements little-endian in C order."""
+    little, header = _little(array)
+    return header + little.tobytes()
 
 
 def tensor_hash(array: np.ndarray) -> bytes:
-    """32-byte SHA-256 of ``canonical_bytes``."""
-    return hashlib.sha256(canonical_bytes(array)).digest()
+    """32-byte SHA-256 of ``canonical_bytes``, hashed from the array's memory (no copy of a
+    C-contiguous little-endian array: the dispatch trace hashes every operator's output)."""
+    little, header = _little(array)
+    digest = hashlib.sha256(header)
+    digest.update(little.reshape(-1).view(np.uint8))
+    return digest.digest()
 
 
 def state_hash(state: Mapping[str, np.ndarray]) -> bytes:

@@ -1,21 +1,37 @@
-"""``swarmtrain verify``: the Verde dispute game on the default model, on loopback.
+"""``swarmtrain verify``: the Verde dispute game on the default model or any ``transformers``
+model, on loopback.
 
-    swarmtrain verify --steps S [--cheat-step K --cheat-op J] [--threads T] [--json]
+    swarmtrain verify --steps S [--model-config PATH] [--cheat-step K --cheat-op J]
+                      [--threads T] [--json]
 
 Starts two provider processes (this module run as ``python -m swarmtrain.commands.verify
-provider``), each running the same task (S RepOps training steps of the default model from its
-seed-0 initialisation, data windows of the stdlib corpus chosen by ``--seed``) and committing to it;
+provider``), each running the same task (S RepOps training steps from the model's seed-0
+initialisation, data windows of the stdlib corpus chosen by ``--seed``) and committing to it;
 provider B flips one bit of operator J's output at step K (both 0-based) when asked to. This
 process is the referee: it asks both for their commitments and, if they differ, plays the game
 over libp2p streams and prints the verdict (who, which step, which operator), the rounds, the
 bytes exchanged and the referee's compute time against the time one provider took to run the
 task. ``--json`` prints one object instead: ``cheater`` (the peer id, null when nobody is named),
-``step``, ``op``, ``op_name``, ``rounds``, ``bytes``, ``referee_seconds``, ``task_seconds``,
-``honest_final_hash`` (hex; independent of ``--threads``), ``reason``.
+``step``, ``op``, ``op_name``, ``rounds``, ``bytes``, ``referee_seconds``, ``dispute_seconds``
+(the game's wall time, queries included), ``task_seconds``,
+``honest_final_hash`` (hex; independent of ``--threads``), ``reason``, ``ops_per_step`` (the
+records of one step's trace, what ``--cheat-op`` indexes and the operator bisection covers).
+
+Without ``--model-config`` the model is the default ``ByteTransformer`` and its trace the
+hand-written graph (``verify.repops``). With it, the model is the ``transformers`` causal LM the
+config.json describes (built as a run spec's ``[model] kind = "transformers"`` is, seed 0, batch
+8 of min(context, 128) bytes, so its vocabulary must hold the 256 byte values), and the trace is
+the dispatch log of its step under ``RepOpsMode`` (``verify.dispatch``): ``--cheat-op`` then
+names an aten operator of that list, and the referee recomputes the disputed one. A config whose
+step uses an operator RepOps cannot run is refused, with the operator's name, before anything
+starts.
+
+About 430 lines, over the usual 400: the provider process, the refusals made before anything
+starts and the referee read the same arguments and build the same step, so they stay together.
 
 The lead wires it into ``swarmtrain.cli`` with ``add_parser(subparsers)`` and ``run(args)``.
 Exit status: 0 when the game ended with a verdict (a cheater named, or no dispute), 1 when it was
-undecided, 2 when a provider process failed to start.
+undecided, 2 when the arguments are refused or a provider process failed to start.
 """
 
 from __future__ import annotations
@@ -32,11 +48,18 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 900.0
 CORPUS_BYTES = 1 << 20
+BATCH = 8  # a task's batch, either model
+CONTEXT = 128  # --model-config's sequence length, or the model's context if shorter
+
+
+class _Refused(Exception):
+    """The command's arguments cannot make a task; the message is the one line to print."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -59,6 +82,11 @@ def _task_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps in the task [4]")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per provider [1]")
     parser.add_argument("--seed", type=int, default=0, help="data seed of the task [0]")
+    parser.add_argument(
+        "--model-config",
+        metavar="PATH",
+        help="a transformers config.json: verify that model's step (default: the default model)",
+    )
     # A smaller model of the same architecture, for tests (not the default model).
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 
@@ -69,23 +97,77 @@ def _repops(args: argparse.Namespace) -> Any:
 
     shape = ModelShape(d_model=32, n_layers=1, n_heads=2, context=32) if args.tiny else ModelShape()
     corpus = load_stdlib_corpus(max_bytes=CORPUS_BYTES).train
-    return RepOpsStep(corpus, args.seed, shape=shape)
+    return RepOpsStep(corpus, args.seed, shape=shape, batch_size=BATCH)
 
 
-def _cheat_problem(args: argparse.Namespace) -> str | None:
-    """Why ``--cheat-step``/``--cheat-op`` cannot tamper with anything, before any provider
-    starts (one traced step here lists the records); None when they can (or are not given)."""
-    if args.cheat_step is None:
+def _model_config(path: str) -> dict[str, Any]:
+    """A config.json's object without its nulls (transformers' default for those keys)."""
+    try:
+        table = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise _Refused(f"--model-config: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise _Refused(f"--model-config: {path} is not JSON: {exc}") from None
+    if not isinstance(table, dict):
+        raise _Refused(f"--model-config: {path} does not hold a JSON object")
+    return {k: v for k, v in table.items() if v is not None}
+
+
+def _dispatch(args: argparse.Namespace) -> Any:
+    """The ``DispatchStep`` of ``--model-config``'s model; ``_Refused`` for a config that
+    builds no causal LM, or one whose vocabulary cannot hold bytes."""
+    from diloco import ModelError, build_causal_lm, load_stdlib_corpus
+    from verify import batch_for
+    from verify.dispatch import DispatchStep
+
+    try:
+        model = build_causal_lm(_model_config(args.model_config), seed=0)
+    except ModelError as exc:
+        raise _Refused(f"--model-config {args.model_config}: {exc}") from None
+    if model.vocab_size < 256:
+        raise _Refused(
+            f"--model-config {args.model_config}: vocab_size {model.vocab_size} is below 256, "
+            "and the task trains on bytes"
+        )
+    corpus = load_stdlib_corpus(max_bytes=CORPUS_BYTES).train
+    context, seed = min(model.context, CONTEXT), args.seed
+    return DispatchStep(model, lambda step: batch_for(corpus, seed, step, BATCH, context))
+
+
+def _traced_step(args: argparse.Namespace) -> Any:
+    return _dispatch(args) if args.model_config else _repops(args)
+
+
+def _first_step(args: argparse.Namespace, step: Any) -> list[Any]:
+    """The records of one traced step, run here; ``_Refused`` naming the operator a model's
+    step cannot run under RepOps or the trace cannot follow."""
+    from verify.dispatch import TraceError, UnmappedOperator
+
+    try:
+        return step(step.initial_state(), 0).records
+    except (UnmappedOperator, TraceError) as exc:
+        raise _Refused(f"--model-config {args.model_config}: {exc}") from None
+
+
+def _preflight(args: argparse.Namespace) -> Any:
+    """Refuse (``_Refused``) what would fail only once the providers run: a model the dispatch
+    trace cannot run, a ``--cheat-step``/``--cheat-op`` that tampers with nothing. One traced
+    step here lists the records; for the default model only when there is a cheat to check.
+    Returns the traced step it built (the referee's), or None."""
+    if args.cheat_step is not None and not 0 <= args.cheat_step < args.steps:
+        last = args.steps - 1
+        raise _Refused(f"--cheat-step {args.cheat_step}: the task's steps are 0 to {last}")
+    if args.cheat_step is None and not args.model_config:
         return None
-    if not 0 <= args.cheat_step < args.steps:
-        return f"--cheat-step {args.cheat_step}: the task's steps are 0 to {args.steps - 1}"
     from verify import LEAF_PREFIX
+    from verify.dispatch import CONST_OP, tamperable
 
-    step = _repops(args)
-    names = [r.name for r in step(step.initial_state(), 0).records]
-    ops = [i for i, name in enumerate(names) if not name.startswith(LEAF_PREFIX)]
-    if args.cheat_op in ops:
-        return None
+    step = _traced_step(args)
+    records = _first_step(args, step)
+    operator = tamperable if args.model_config else (lambda r: not r.is_leaf)
+    ops = [i for i, record in enumerate(records) if operator(record)]
+    if args.cheat_step is None or args.cheat_op in ops:
+        return step
     spans: list[list[int]] = []
     for i in ops:
         if spans and spans[-1][1] == i - 1:
@@ -93,21 +175,27 @@ def _cheat_problem(args: argparse.Namespace) -> str | None:
         else:
             spans.append([i, i])
     shown = [f"{a}" if a == b else f"{a}-{b}" for a, b in spans]
-    listed = ", ".join(shown[:24]) + (f", ... ({len(ops)} of {len(names)})" if shown[24:] else "")
-    what = (
-        f"record {args.cheat_op} loads {names[args.cheat_op].removeprefix(LEAF_PREFIX)} (a "
-        "parameter, state or data leaf)"
-        if 0 <= args.cheat_op < len(names)
-        else f"a step has {len(names)} records"
-    )
-    return f"--cheat-op {args.cheat_op} names no operator: {what}; operators are {listed}"
+    if len(shown) > 24:  # the first and the last ones: where a step's operators begin and end
+        shown = [*shown[:20], "...", *shown[-4:]]
+    listed = f"{', '.join(shown)} ({len(ops)} of {len(records)} records)"
+    if not 0 <= args.cheat_op < len(records):
+        what = f"a step has {len(records)} records"
+    elif records[args.cheat_op].is_leaf:
+        label = records[args.cheat_op].name.removeprefix(LEAF_PREFIX)
+        what = f"record {args.cheat_op} loads {label} (a parameter, state or data leaf)"
+    elif records[args.cheat_op].name == CONST_OP:
+        what = f"record {args.cheat_op} is a constant made outside the step"
+    else:
+        name = records[args.cheat_op].name
+        what = f"record {args.cheat_op} is {name}, a view of its input (it computes nothing)"
+    raise _Refused(f"--cheat-op {args.cheat_op} names no operator: {what}; operators are {listed}")
 
 
-def _task(step: Any, steps: int) -> tuple[dict, Any]:
+def _task(step: Any, steps: int, seed: int | None = None) -> tuple[dict, Any]:
     from verify import TaskSpec, state_hash
 
     start = step.initial_state()
-    return start, TaskSpec(state_hash(start), step.seed, steps)
+    return start, TaskSpec(state_hash(start), step.seed if seed is None else seed, steps)
 
 
 # Provider process ------------------------------------------------------------------------------
@@ -128,8 +216,8 @@ def _provider_main(argv: Sequence[str]) -> int:
     from verify.dispute import Provider, serve_provider
 
     torch.set_num_threads(args.threads)
-    step = _repops(args)
-    start, task = _task(step, args.steps)
+    step = _traced_step(args)
+    start, task = _task(step, args.steps, args.seed)
     tamper = None if args.cheat_step is None else (args.cheat_step, args.cheat_op or 0)
     provider = Provider(step, start, task, tamper=tamper)
     began = time.perf_counter()
@@ -140,7 +228,8 @@ def _provider_main(argv: Sequence[str]) -> int:
         async with open_host(HostConfig(create_new_key_pair())) as host:
             serve_provider(host, provider)
             ready = {"addr": str(host.addrs()[0]), "task_seconds": task_s,
-                     "final_hash": commitment.final_state_hash.hex()}  # fmt: skip
+                     "final_hash": commitment.final_state_hash.hex(),
+                     "ops_per_step": provider.leaves[0].n_ops}  # fmt: skip
             print("READY " + json.dumps(ready), flush=True)
             await trio.sleep_forever()
 
@@ -164,6 +253,7 @@ def _spawn(name: str, args: argparse.Namespace, cheat: bool) -> _Child:
     argv = [sys.executable, "-m", "swarmtrain.commands.verify", "provider"]
     argv += ["--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]
     argv += ["--tiny"] if args.tiny else []
+    argv += ["--model-config", args.model_config] if args.model_config else []
     if cheat:
         argv += ["--cheat-step", str(args.cheat_step), "--cheat-op", str(args.cheat_op or 0)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -203,9 +293,14 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.threads < 1:
         print("swarmtrain verify: --steps and --threads must be at least 1", file=sys.stderr)
         return 2
-    problem = _cheat_problem(args)
-    if problem is not None:
-        print(f"swarmtrain verify: {problem}", file=sys.stderr)
+    if args.model_config and args.tiny:
+        print("swarmtrain verify: --tiny is the default model's; not with --model-config",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        step = _preflight(args)
+    except _Refused as exc:
+        print(f"swarmtrain verify: {exc}", file=sys.stderr)
         return 2
     children = [
         _spawn("A", args, cheat=False),
@@ -235,32 +330,36 @@ def run(args: argparse.Namespace) -> int:
             why = tail[-1] if tail else f"no READY line within {READY_TIMEOUT_S:.0f} s"
             print(f"swarmtrain verify: provider {failed.name} failed: {why}", file=sys.stderr)
             return 2
-        return _referee(args, children)
+        return _referee(args, children, step)
     finally:
         for child in children:
             _stop(child)
 
 
-def _referee(args: argparse.Namespace, children: list[_Child]) -> int:
+def _referee(args: argparse.Namespace, children: list[_Child], step: Any = None) -> int:
     import multiaddr
     import trio
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from p2p import HostConfig, PeerID, open_host
     from verify import tensor_hash
+    from verify.dispatch import recompute
     from verify.dispute import DisputeOutcome, Referee, RefereeConfig, run_referee
     from verify.repops import run_op
 
-    step = _repops(args)
-    _, task = _task(step, args.steps)
+    step = step or _traced_step(args)
+    _, task = _task(step, args.steps, args.seed)
     labels = {"inputs": 0, "targets": 1}
 
     def data_leaf(index: int, label: str, attrs: bytes) -> bytes | None:
         return tensor_hash(step.batch(index)[labels[label]]) if label in labels else None
 
-    # RepOpsStep's graph is the same every step (the step counter is a state tensor).
-    config = RefereeConfig(args.timeout, same_program_every_step=True)
-    referee = Referee(task, run_op, leaf_oracle=data_leaf, config=config)
+    # RepOpsStep's graph is the same every step (the step counter is a state tensor); a
+    # dispatch trace's AdamW records carry the step's bias corrections (verify.dispatch.traced).
+    config = RefereeConfig(args.timeout, same_program_every_step=not args.model_config)
+    referee = Referee(
+        task, recompute if args.model_config else run_op, leaf_oracle=data_leaf, config=config
+    )
     addrs = [multiaddr.Multiaddr(c.ready["addr"]) for c in children]  # type: ignore[index]
     peers = [PeerID.from_base58(a.value_for_protocol("p2p")) for a in addrs]
 
@@ -286,9 +385,11 @@ def _referee(args: argparse.Namespace, children: list[_Child]) -> int:
         "rounds": v.rounds,
         "bytes": outcome.bytes_exchanged,
         "referee_seconds": round(outcome.referee_compute_s, 6),
+        "dispute_seconds": round(outcome.seconds, 3),
         "task_seconds": round(children[0].ready["task_seconds"], 3),  # type: ignore[index]
         "honest_final_hash": honest_hash,
         "reason": v.reason,
+        "ops_per_step": children[0].ready["ops_per_step"],  # type: ignore[index]
     }
     if args.json:
         print(json.dumps(result))
@@ -311,7 +412,10 @@ def _print_human(result: dict, children: list[_Child], peers: list, agreed: bool
     else:
         print(f"verdict: undecided: {result['reason']}")
     ratio = result["referee_seconds"] / max(result["task_seconds"], 1e-9)
-    print(f"rounds: {result['rounds']}, bytes exchanged: {result['bytes']}")
+    print(
+        f"rounds: {result['rounds']} in {result['dispute_seconds']:.2f} s, bytes exchanged: "
+        f"{result['bytes']}, records a step: {result['ops_per_step']}"
+    )
     print(
         f"referee compute: {result['referee_seconds']:.3f} s vs {result['task_seconds']:.1f} s "
         f"to run the task ({ratio:.2%})"

@@ -7,11 +7,13 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 from peerproc import ROOT
 
-from swarmtrain.commands.verify import _repops, _task
+from swarmtrain.commands.verify import _repops, _task, run
 from verify.dispute.provider import Provider
 
 
@@ -65,3 +67,32 @@ def test_a_cheat_op_that_names_no_operator_is_refused_before_anything_starts() -
     )  # fmt: skip
     assert late.returncode == 2
     assert late.stderr.strip() == "swarmtrain verify: --cheat-step 3: the task's steps are 0 to 2"
+
+
+def test_a_transformers_model_config_is_verified_through_its_dispatch_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23 point 4: ``--model-config`` runs the task on a tiny Llama; ``--cheat-op`` indexes
+    its aten operator list (here the last one, the last parameter's AdamW update). The command
+    runs in this process (``run``, as the CLI calls it: transformers is imported once less),
+    its two providers as processes."""
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 16,
+              "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "max_position_embeddings": 16}  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    args = argparse.Namespace(
+        model_config=str(path), steps=2, threads=1, seed=0, tiny=False, cheat_step=1,
+        cheat_op=0, json=True, timeout=60.0,
+    )  # fmt: skip
+    assert run(args) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    prefix = "swarmtrain verify: --cheat-op 0 names no operator: record 0 loads lm.model.embed"
+    assert line.startswith(prefix) and "operators are " in line
+    last = int(line.rsplit("-", 1)[1].split()[0])  # "..., 123-456 (N of M records)"
+    args.cheat_op = last
+    assert run(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (result["step"], result["op"], result["op_name"]) == (1, last, "aten.addcdiv_.default")
+    assert result["cheater"] and result["reason"] == "output differs from the referee's"
+    assert result["ops_per_step"] == last + 2  # the records, then the step's state record

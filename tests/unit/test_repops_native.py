@@ -123,6 +123,15 @@ def _activations(rng: np.random.Generator, n: int) -> torch.Tensor:
 
 
 @FAST
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1), spread=st.sampled_from([1, 60]))
+def test_exp_kernel_equals_eager(n: int, seed: int, spread: int) -> None:
+    x = _activations(np.random.default_rng(seed), n) * spread
+    x[-1] = [float("inf"), -float("inf"), -104.0, 88.8, -87.5][seed % 5]
+    fused, eager = _both(lambda: ops.exp(x))
+    assert _bits(fused) == _bits(eager)
+
+
+@FAST
 @given(n=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1))
 def test_gelu_kernels_equal_eager(n: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -175,6 +184,8 @@ def test_a_nan_input_takes_the_eager_path_and_gives_its_bits() -> None:
     ):
         fused, eager = _both(lambda name=name, inputs=inputs: ops.OPS[name](inputs, {}))
         assert _bits(fused) == _bits(eager), name
+    fused, eager = _both(lambda: ops.exp(x))
+    assert _bits(fused) == _bits(eager)
 
 
 def test_two_training_steps_give_the_same_records_with_and_without_the_kernels() -> None:

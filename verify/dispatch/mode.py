@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -25,6 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from verify.dispatch.aten import EXACT, HANDLERS, UnmappedOperator
+
+if TYPE_CHECKING:
+    from verify.dispatch.record import Recorder
 
 # Operators outside aten that carry no data (the profiler's record_function markers).
 PASSIVE_NAMESPACES = frozenset({"profiler"})
@@ -66,12 +69,15 @@ class RepOpsMode(TorchDispatchMode):
     """Run the block's torch operators reproducibly (see the module docstring).
 
     ``ops`` counts the aten operators the block used, by name (``aten.mm.default``): the listing
-    of a step. A model whose step raises ``UnmappedOperator`` cannot be verified.
+    of a step. A model whose step raises ``UnmappedOperator`` cannot be verified. With a
+    ``recorder`` (``verify.dispatch.record.Recorder``) every operator is also recorded: the
+    step's dispatch trace, which the dispute game bisects.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder | None = None) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.recorder = recorder
         self._attention: Any = None
 
     def __enter__(self) -> RepOpsMode:
@@ -101,6 +107,8 @@ class RepOpsMode(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self.ops[str(func)] += 1
+        if self.recorder is not None:
+            return self.recorder.call(func, args, kwargs or {})
         return route(func, args, kwargs or {})
 
 

@@ -209,6 +209,13 @@ static int any_nan(const float *x, int64_t n) {
     return bad;
 }
 
+/* out = repops_ops.exp(x), elementwise (SiLU, log-softmax and their backward call it). */
+int exp_vec(const float *x, float *out, int64_t n, const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) out[i] = exp_r(x[i], k);
+    return 0;
+}
+
 /* out = erf(x * INV_SQRT2) * 0.5 + 0.5 (repops_ops._gelu_cdf). */
 int gelu_cdf(const float *x, float *out, int64_t n, const float *k) {
     if (any_nan(x, n)) return 1;

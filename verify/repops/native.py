@@ -106,6 +106,7 @@ def _build() -> ctypes.CDLL | None:
     signatures = {
         "grid_rows": [ptr, i64p, ptr, i64p, i64, i64, i64, i64, int_, ptr, ptr],
         "to_f32": [ptr, ptr, i64, i64, ptr],
+        "exp_vec": [ptr, ptr, i64, ptr],
         "gelu_cdf": [ptr, ptr, i64, ptr],
         "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
         "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
@@ -208,6 +209,17 @@ def _plain(*tensors: torch.Tensor) -> bool:
         t.device.type == "cpu" and t.dtype == F32 and t.is_contiguous() and t.shape == first.shape
         for t in tensors
     )
+
+
+def exp(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
+    """``repops_ops.exp`` in one pass, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x):
+        return None
+    out = torch.empty_like(x)
+    if lib.exp_vec(x.data_ptr(), out.data_ptr(), x.numel(), constants.data_ptr()):
+        return None
+    return out
 
 
 def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:

@@ -270,7 +270,11 @@ def exp(x: torch.Tensor) -> torch.Tensor:
     """float32 exp (Cephes expf scheme): exactly 0 below EXP_LO, inputs above EXP_HI clamped.
 
     2**k is applied by adding k to the exponent field: p is in [0.7, 1.42] and k in [-124, 127],
-    so the result stays a normal float32 and the addition is an exact multiply."""
+    so the result stays a normal float32 and the addition is an exact multiply. The compiled
+    kernel (``repops_native.exp``) computes the same operations in one pass."""
+    fused = repops_native.exp(x, NATIVE_CONSTANTS)
+    if fused is not None:
+        return fused
     xc = x.clamp(EXP_LO, EXP_HI)
     k = torch.mul(xc, LOG2E).round_()
     # k * C1 is exact, so subtracting it through alpha (perhaps one FMA) rounds only once too.

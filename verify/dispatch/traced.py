@@ -1,0 +1,156 @@
+"""``DispatchStep``: any model's traced training step, the provider backend of the dispute game
+for models without a hand-written graph.
+
+One step is the model's own ``loss(inputs, targets)``, ``backward()`` and ``torch.optim.AdamW``'s
+step, run under ``RepOpsMode`` with a ``Recorder``: its trace is the dispatch log
+(``verify.dispatch.record``) and the referee recomputes a disputed record with
+``verify.dispatch.record.recompute``. The state is plain numpy (``verify.trace``'s contract):
+every parameter and buffer by its ``named_parameters``/``named_buffers`` name, and AdamW's
+``adamw.exp_avg.<param>``, ``adamw.exp_avg_sq.<param>`` and ``adamw.step`` (a float32 count, as
+torch keeps it). Leaves come first, in a fixed order: parameters, buffers, then each parameter's
+step count and moments (one ``leaf:adamw.step`` per parameter: AdamW counts each one's steps
+apart), then ``leaf:inputs`` and ``leaf:targets``.
+
+The operator graph repeats every step except in the AdamW records' scalars (the bias
+corrections are Python floats of the step count), so a referee of a dispatch trace does not use
+``RefereeConfig.same_program_every_step``: a cheater who records another graph than the program
+leaves the dispute undecided (a commitment to the program would settle it; not taken yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from verify.dispatch.mode import RepOpsMode
+from verify.dispatch.record import Recorder, snapshot
+from verify.trace import StepResult
+
+STEP_KEY = "adamw.step"
+Batch = Callable[[int], tuple[np.ndarray, np.ndarray]]
+Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWSettings:
+    """``torch.optim.AdamW``'s arguments for a traced step (single-tensor kernels always: the
+    trace is the same on a CPU and a GPU); the defaults are ``verify.repops.AdamWConfig``'s."""
+
+    lr: float = 2e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+def _model_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return model.loss(inputs, targets)  # type: ignore[operator]
+
+
+class DispatchStep:
+    """The traced RepOps step of ``model`` (a ``verify.trace.TracedStep``).
+
+    ``batch(step)`` gives that step's ``(inputs, targets)`` (what the referee's data oracle
+    checks ``leaf:inputs``/``leaf:targets`` against); ``loss(model, inputs, targets)`` defaults
+    to ``model.loss(inputs, targets)``. The model is reused: every call loads the state into it
+    and leaves the state after the step there.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Batch,
+        *,
+        optimizer: AdamWSettings | None = None,
+        loss: Loss = _model_loss,
+    ) -> None:
+        self.model = model.train()
+        self.batch = batch
+        self.optimizer = optimizer or AdamWSettings()
+        self.loss = loss
+        self.params = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        if not self.params:
+            raise ValueError("the model has no parameters to train")
+        self._initial = {name: snapshot(t) for name, t in self._tensors().items()}
+        self._kinds = {
+            name: (tuple(t.shape), torch.empty(0, dtype=t.dtype).numpy().dtype)
+            for name, t in self._tensors().items()
+        }
+        for name, p in self.params.items():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                self._kinds[f"adamw.{moment}.{name}"] = (tuple(p.shape), np.dtype(np.float32))
+        self._kinds[STEP_KEY] = ((), np.dtype(np.float32))
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {**self.params, **self.buffers}
+
+    def state_names(self) -> list[str]:
+        return sorted(self._kinds)
+
+    def initial_state(self) -> dict[str, np.ndarray]:
+        """The parameters and buffers the model had when this step was made (calls load other
+        states into it), zero moments, step count 0."""
+        state = {name: value.copy() for name, value in self._initial.items()}
+        for name, p in self.params.items():
+            state[f"adamw.exp_avg.{name}"] = np.zeros(tuple(p.shape), np.float32)
+            state[f"adamw.exp_avg_sq.{name}"] = np.zeros(tuple(p.shape), np.float32)
+        state[STEP_KEY] = np.zeros((), np.float32)
+        return state
+
+    def _check(self, state: Mapping[str, np.ndarray]) -> None:
+        """ValueError naming the first state entry that is missing, extra or of another
+        shape or dtype than the model's."""
+        if set(state) != set(self._kinds):
+            odd = sorted(set(state) ^ set(self._kinds))
+            raise ValueError(f"state keys do not match the model: {odd[:4]}")
+        for name, (shape, dtype) in self._kinds.items():
+            value = np.asarray(state[name])
+            if value.shape != shape or value.dtype != dtype:
+                raise ValueError(f"state {name} must be {dtype} {shape}")
+
+    def __call__(
+        self, state: Mapping[str, np.ndarray], step: int, tamper_op: int | None = None
+    ) -> StepResult:
+        self._check(state)
+        recorder = Recorder(tamper_op)
+        settings = self.optimizer
+
+        def load(name: str) -> torch.Tensor:
+            return torch.from_numpy(np.array(state[name], order="C"))
+
+        with torch.no_grad():
+            for name, tensor in self._tensors().items():
+                tensor.copy_(load(name))
+                tensor.grad = None
+        optimizer = torch.optim.AdamW(
+            self.params.values(), lr=settings.lr, betas=settings.betas, eps=settings.eps,
+            weight_decay=settings.weight_decay, foreach=False, fused=False,
+        )  # fmt: skip
+        for name, tensor in self._tensors().items():
+            recorder.leaf(name, tensor)
+        for name, p in self.params.items():
+            slots = {"step": load(STEP_KEY)}
+            recorder.leaf(STEP_KEY, slots["step"])
+            for moment in ("exp_avg", "exp_avg_sq"):
+                slots[moment] = load(f"adamw.{moment}.{name}")
+                recorder.leaf(f"adamw.{moment}.{name}", slots[moment])
+            optimizer.state[p] = slots
+        inputs, targets = (torch.from_numpy(np.array(a, order="C")) for a in self.batch(step))
+        recorder.leaf("inputs", inputs)
+        recorder.leaf("targets", targets)
+        with RepOpsMode(recorder):
+            self.loss(self.model, inputs, targets).backward()
+            optimizer.step()
+        recorder.check_tampered()
+        after = {name: snapshot(t) for name, t in self._tensors().items()}
+        for tensor in self._tensors().values():
+            recorder.release(tensor)  # the next call loads the next state into them
+        for name, p in self.params.items():
+            for moment in ("exp_avg", "exp_avg_sq"):
+                after[f"adamw.{moment}.{name}"] = snapshot(optimizer.state[p][moment])
+        after[STEP_KEY] = snapshot(optimizer.state[next(iter(self.params.values()))]["step"])
+        return StepResult(after, recorder.records, recorder.outputs)
