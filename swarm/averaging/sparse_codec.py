@@ -48,8 +48,9 @@ Wire format (``numel`` is known to both sides from the round's plan), for ``m`` 
 - ``K`` codes ``c + L`` (0 .. 2L; ``2**bits - 1`` is never written), ``bits`` each, packed
   little-endian bit first, padded to a byte.
 
-A decoder refuses a bit vector without exactly ``k`` ones, and an index set that is not strictly
-ascending or has an index outside its chunk (both possible in a bit vector of the right weight).
+A decoder refuses a bit vector without exactly ``k`` ones, an index set that is not strictly
+ascending or has an index outside its chunk (both possible in a bit vector of the right weight),
+and padding bits that are not zero.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class SparseCodec:
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> np.ndarray:
         """``numel`` float32 values from a peer's bytes: a new writable array, zero where nothing
         was sent. Raises ``RemoteProtocolError`` for a wrong length, an exponent outside the
-        encoder's range, the unused code, or an index outside its chunk or not ascending."""
+        encoder's range, the unused code, padding bits that are not zero, a high-bit vector
+        without exactly k ones, or an index outside its chunk or not ascending."""
         expected = self.wire_bytes(numel)
         raw = memoryview(data).cast("B")
         if raw.nbytes != expected:
@@ -158,6 +160,9 @@ class SparseCodec:
         codes = _unpack(raw[offset:], total, self.bits).astype(np.int32) - self.limit
         if (codes > self.limit).any():
             raise RemoteProtocolError(f"{self.name} payload has a code no encoder writes")
+        # Zero padding: one payload per set of values, so a slice's hash names its bytes.
+        if _padding(raw[chunks:offset], index_bits) or _padding(raw[offset:], total * self.bits):
+            raise RemoteProtocolError(f"{self.name} payload has padding bits set")
         stream = np.unpackbits(
             np.frombuffer(raw[chunks:offset], dtype=np.uint8), count=index_bits, bitorder="little"
         )
@@ -280,6 +285,11 @@ def _elias_fano(indices: np.ndarray, n: int) -> np.ndarray:
     ones = k * low + (indices >> low) + np.arange(k, dtype=np.int64)
     bits[np.arange(count)[:, None], ones] = 1
     return bits.reshape(-1)
+
+
+def _padding(raw: memoryview, bits: int) -> int:
+    """The bits of ``raw``'s last byte past the first ``bits`` (what packing pads with zeros)."""
+    return raw[-1] >> (bits % 8) if bits % 8 else 0
 
 
 def _packed(count: int, width: int) -> int:

@@ -222,6 +222,19 @@ def test_decode_refuses_the_unused_code() -> None:
         codec.decode(data, numel)
 
 
+def test_decode_refuses_padding_bits_set() -> None:
+    codec = SparseCodec(chunk=16, keep=2, bits=2)
+    x = np.zeros(22, np.float32)
+    x[[3, 9, 17]] = [1.5, 2, 3]
+    good = codec.encode(x)
+    # 2 exponents, 13 index bits in 2 bytes, 3 codes (6 bits) in 1 byte.
+    for at, bit in ((3, 0x20), (4, 0x40)):
+        bad = bytearray(good)
+        bad[at] |= bit
+        with pytest.raises(RemoteProtocolError, match="padding"):
+            codec.decode(bad, 22)
+
+
 def _bits(values: list[int]) -> bytes:
     return sum(bit << n for n, bit in enumerate(values)).to_bytes(-(-len(values) // 8), "little")
 
