@@ -1,7 +1,8 @@
 """All-reduce benchmark: separate peer processes on loopback, measured as hivemind's bench is.
 
     python -m bench.allreduce --peers N --numel M --rounds R [--warmup 1]
-        [--compression none|fp16|bf16|int8|auto] [--vs-hivemind PYTHON]
+        [--compression none|fp16|bf16|int8|auto|sparse] [--vs-hivemind PYTHON]
+        [--sparse-density 0.02 --sparse-bits 2 --sparse-chunk 4096]
 
 Starts a ``swarmtrain relay`` (bootstrap and DHT) and N ``bench.allreduce_worker`` processes.
 Worker k averages ``np.random.default_rng(1000 + k).standard_normal(M, float32)`` (made before
@@ -23,6 +24,25 @@ element of rank 0's last result). ``--vs-hivemind PYTHON`` runs
 afterwards in the same sitting, with the same N, M and rounds. The last stdout line is one JSON
 object: median_s, algbw_MBps, wire_bytes, bit_identical (and hivemind_median_s, ratio = our
 bandwidth over hivemind's).
+
+``--compression sparse`` (issue 20; ``SparseCodec.from_density`` with the run spec's defaults)
+averages the peers' sparse vectors: each part's slice keeps its top entries per codec chunk, and
+a reduced part travels as its contributors' slices (``Layout.gathers``). The mean is then not the
+dense float64 mean but ``reduce_part`` over the decoded sparse slices, so the check recomputes
+exactly that from the round's parts (which each result reports) and wants it bit for bit
+(``sparse_mean_exact``, sampled elements every round, every element of rank 0's last result).
+The bytes, per peer per round, on the payloads the averager counts (``bytes_received``, the
+mean over peers; item headers and transport framing are not counted):
+
+    I        = one peer's sparse entries' information-theoretic size: over the round's parts,
+               per codec chunk of n elements keeping k, log2 C(n, k) bits (which k) + k * bits
+               (the codes at the codec's width) + 8 (the chunk's scale exponent)
+    minimum  = (N - 1) x I / 8 bytes: every peer must receive the other N - 1 peers' entries
+    sparse_info_fraction = minimum / measured           (issue 20's target: >= 0.8)
+    dense_f32_ratio      = 2(N-1)/N x 4 x numel / measured (dense float32, bandwidth-optimal)
+
+``wire_min_bytes`` is (N - 1) x the encoded sparse vector for sparse: an all-gather of the
+encoded vectors, the least any exchange of them receives per peer.
 """
 
 from __future__ import annotations
@@ -30,6 +50,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import queue
 import re
@@ -46,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.allreduce_worker import make_vector, sample_indices
+from bench.allreduce_worker import add_sparse_arguments, codec_of, make_vector, sample_indices
 from bench.common import git_sha
 from bench.progress import BenchProgress
 
@@ -259,14 +280,56 @@ def stop_all(procs: list[Any]) -> None:
         proc.stop()
 
 
-def wire_minimum(peers: int, numel: int, compression: str) -> int:
-    """2(N-1)/N x the encoded vector: what each peer must send in a bandwidth-optimal round."""
-    from swarm import Compression
+def wire_minimum(peers: int, numel: int, args: argparse.Namespace) -> int:
+    """2(N-1)/N x the encoded vector: what each peer must send in a bandwidth-optimal round; for
+    sparse, (N-1) x the encoded vector (an all-gather: sparse vectors do not add part-wise)."""
     from swarm.averaging.payload import Layout
 
-    codec = None if compression == "auto" else Compression[compression.upper()]
-    encoded = Layout.for_sizes([numel], codec).wire_bytes(0, numel)
+    encoded = Layout.for_sizes([numel], codec_of(args)).wire_bytes(0, numel)
+    if args.compression == "sparse":
+        return (peers - 1) * encoded
     return 2 * (peers - 1) * encoded // peers
+
+
+def sparse_information_bits(codec: Any, parts: list[list[int]]) -> float:
+    """I (the module docstring): one peer's sparse entries over the round's ``parts``, in bits."""
+
+    def chunk_bits(n: int) -> float:
+        k = codec.kept(n)
+        choose = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+        return choose / math.log(2) + k * codec.bits + 8
+
+    total = 0.0
+    for start, stop in parts:
+        full, rest = divmod(stop - start, codec.chunk)
+        total += full * chunk_bits(codec.chunk) + (chunk_bits(rest) if rest else 0.0)
+    return total
+
+
+def sparse_decoded(rank: int, numel: int, codec: Any, parts: list[list[int]]) -> np.ndarray:
+    """Worker ``rank``'s vector as its peers decode it in a round cut into ``parts``."""
+    from swarm.averaging.payload import Layout
+
+    bounds = [bound for part in parts for bound in part]
+    if not parts or bounds[0] != 0 or bounds[-1] != numel or bounds[1:-1:2] != bounds[2::2]:
+        raise RuntimeError(f"a result's parts do not tile the vector: {parts}")
+    layout = Layout.for_sizes([numel], codec)
+    vector = make_vector(rank, numel)
+    out = np.empty(numel, dtype=np.float32)
+    for start, stop in parts:
+        out[start:stop] = layout.round_trip(vector[start:stop], start)
+    return out
+
+
+def exact_sparse_mean(
+    decoded: dict[int, np.ndarray], contributors: dict[str, float], ranks: dict[str, int]
+) -> np.ndarray:
+    """``reduce_part`` over the contributors' decoded vectors: what every peer computes."""
+    from swarm import reduce_part
+
+    return reduce_part(
+        {bytes.fromhex(p): (decoded[ranks[p]], float(w)) for p, w in contributors.items()}
+    )
 
 
 def float64_mean(ranks: list[int], numel: int) -> np.ndarray:
@@ -281,6 +344,9 @@ def float64_mean(ranks: list[int], numel: int) -> np.ndarray:
 
 def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> dict[str, Any]:
     extra = ["--compression", args.compression, "--matchmaking-timeout", str(args.match_timeout)]
+    if args.compression == "sparse":
+        extra += ["--sparse-density", str(args.sparse_density), "--sparse-bits"]
+        extra += [str(args.sparse_bits), "--sparse-chunk", str(args.sparse_chunk)]
     extra += ["--peer-timeout", str(args.peer_timeout)] if args.peer_timeout else []
     progress.phase(f"starting a relay and {args.peers} workers")
     relay, join = start_relay(tmp)
@@ -319,7 +385,9 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
     report_failure([w for w in workers if w.rank in failed_ranks])
 
     # Checks after every worker is gone, so they do not compete for the cores.
-    progress.phase("checking the results against the float64 mean")
+    sparse = args.compression == "sparse"
+    reference = "the exact mean of the decoded sparse vectors" if sparse else "the float64 mean"
+    progress.phase(f"checking the results against {reference}")
     measured = rounds[args.warmup :]
     failed = [(r, rank) for r, res in enumerate(rounds) for rank, m in res.items() if not m["ok"]]
     phases = [_phase(res) for res in measured if all(m["ok"] for m in res.values())]
@@ -338,6 +406,24 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
         samples[rank] = make_vector(rank, args.numel)[idx]
     sample_err = 0.0
     partial = []
+    sparse_samples: dict[str, dict[int, np.ndarray]] = {}  # by the round's parts
+    last = rounds[-1].get(0) if rounds else None
+    full_err = None
+    if sparse and dump.exists() and last is not None and last["ok"]:
+        # Every peer's decoded vector of the last round, once: the sampled check reuses them.
+        decoded = {
+            ranks[p]: sparse_decoded(ranks[p], args.numel, codec_of(args), last["parts"])
+            for p in last["contributors"]
+        }
+        sparse_samples[json.dumps(last["parts"])] = {k: v[idx] for k, v in decoded.items()}
+        exact = exact_sparse_mean(decoded, last["contributors"], ranks)
+        full_err = float(np.abs(np.load(dump).astype(np.float64) - exact).max())
+        del decoded, exact
+    elif dump.exists() and last is not None and last["ok"]:
+        group = sorted(ranks[p] for p in last["contributors"])
+        full_err = float(
+            np.abs(np.load(dump).astype(np.float64) - float64_mean(group, args.numel)).max()
+        )
     for r, res in enumerate(rounds):
         for rank, m in res.items():
             if not m["ok"]:
@@ -345,16 +431,18 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
             group = sorted(ranks[p] for p in m["contributors"])
             if len(group) < args.peers:
                 partial.append((r, rank, len(group)))
-            ref = samples[group].mean(axis=0)
+            if sparse:
+                key = json.dumps(m["parts"])
+                if key not in sparse_samples:
+                    sparse_samples[key] = {
+                        k: sparse_decoded(k, args.numel, codec_of(args), m["parts"])[idx]
+                        for k in range(args.peers)
+                    }
+                ref = exact_sparse_mean(sparse_samples[key], m["contributors"], ranks)
+            else:
+                ref = samples[group].mean(axis=0)
             error = np.abs(np.asarray(m["sample"], dtype=np.float64) - ref).max()
             sample_err = max(sample_err, float(error))
-    full_err = None
-    last = rounds[-1].get(0) if rounds else None
-    if dump.exists() and last is not None and last["ok"]:
-        group = sorted(ranks[p] for p in last["contributors"])
-        full_err = float(
-            np.abs(np.load(dump).astype(np.float64) - float64_mean(group, args.numel)).max()
-        )
     bit_identical = all(
         all(m["ok"] for m in res.values()) and len({m["digest"] for m in res.values()}) == 1
         for res in rounds
@@ -362,8 +450,9 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
     agree_ok = all(len({m["digest"] for m in res.values() if m["ok"]}) <= 1 for res in rounds)
     wire = [m["bytes_sent"] for res in measured for m in res.values() if m["ok"]]
     nbytes = args.numel * 4
-    minimum = wire_minimum(args.peers, args.numel, args.compression)
+    minimum = wire_minimum(args.peers, args.numel, args)
     median = statistics.median(phases) if phases else float("nan")
+    optimal = "all-gather (N-1) x encoded" if sparse else "bandwidth-optimal 2(N-1)/N x encoded"
     wire_bytes = int(statistics.median(wire)) if wire else 0
     print()
     print(
@@ -386,12 +475,16 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
         )
     print(
         f"wire: {wire_bytes} bytes sent per peer per round (min {min(wire, default=0)}, "
-        f"max {max(wire, default=0)}); bandwidth-optimal 2(N-1)/N x encoded = {minimum} "
+        f"max {max(wire, default=0)}); {optimal} = {minimum} "
         f"-> {wire_bytes / minimum if minimum else float('nan'):.4f}x"
     )
+    figures: dict[str, Any] = {}
+    if sparse:
+        figures = _sparse_figures(args, measured, phases)
+        print(figures.pop("text"))
     print(
-        f"bit-identical on all peers in every round: {bit_identical}; max|err| vs the float64 "
-        f"mean over each result's contributors: "
+        f"bit-identical on all peers in every round: {bit_identical}; max|err| vs {reference} "
+        f"over each result's contributors: "
         f"{sample_err:.3g} at {len(idx)} sampled elements (all rounds, all peers), "
         f"{full_err if full_err is None else f'{full_err:.3g}'} over all elements "
         f"(rank 0, last round)"
@@ -406,6 +499,51 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
         "max_abs_err": full_err if full_err is not None else sample_err,
         "rounds_ok": len(phases),
         "phases_s": [round(p, 4) for p in phases],
+        **figures,
+    }
+
+
+def _sparse_figures(
+    args: argparse.Namespace, measured: list[dict[int, dict[str, Any]]], phases: list[float]
+) -> dict[str, Any]:
+    """The sparse exchange's bytes against its information-theoretic minimum (module docstring)
+    and against dense float32, over the measured rounds that every peer finished."""
+    codec = codec_of(args)
+    complete = [res for res in measured if all(m["ok"] for m in res.values())]
+    received = [m["bytes_received"] for res in complete for m in res.values()]
+    sent = [m["bytes_sent"] for res in complete for m in res.values()]
+    if not received:
+        return {"text": "sparse: no complete measured round", "sparse_info_fraction": None}
+    # Per round: (N - 1) x I over that round's parts and contributors, then the mean.
+    minima = []
+    for res in complete:
+        m = res[min(res)]
+        minima.append((len(m["contributors"]) - 1) * sparse_information_bits(codec, m["parts"]) / 8)
+    per_peer = statistics.fmean(received)
+    minimum = statistics.fmean(minima)
+    dense = 2 * (args.peers - 1) / args.peers * 4 * args.numel
+    information = sparse_information_bits(codec, [[0, args.numel]]) / 8
+    encoded = codec.wire_bytes(args.numel)
+    text = (
+        f"sparse {codec.name} (density {args.sparse_density}): one peer's vector encoded "
+        f"{encoded} bytes, its entries' information-theoretic size {information:.0f} bytes "
+        f"(per chunk log2 C(n, k) + k x {codec.bits} bits + 8; encoded/I = "
+        f"{encoded / information:.4f})\n"
+        f"sparse wire per peer per round: received {per_peer:.0f} bytes (mean; sent "
+        f"{statistics.fmean(sent):.0f}); minimum (N-1) x I over the round's parts = "
+        f"{minimum:.0f} -> sparse_info_fraction {minimum / per_peer:.4f} (target >= 0.8); "
+        f"dense float32 bandwidth-optimal 2(N-1)/N x 4 x numel = {dense:.0f} -> "
+        f"{dense / per_peer:.1f}x fewer bytes"
+    )
+    return {
+        "text": text,
+        "sparse_encoded_bytes": encoded,
+        "sparse_info_bytes": round(information),
+        "bytes_received": round(per_peer),
+        "sparse_info_min_bytes": round(minimum),
+        "sparse_info_fraction": minimum / per_peer,
+        "dense_f32_optimal_bytes": round(dense),
+        "dense_f32_ratio": dense / per_peer,
     }
 
 
@@ -482,8 +620,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds")
     parser.add_argument("--warmup", type=int, default=1, help="rounds before, not measured")
     parser.add_argument(
-        "--compression", choices=["none", "fp16", "bf16", "int8", "auto"], default="none"
+        "--compression", choices=["none", "fp16", "bf16", "int8", "auto", "sparse"], default="none"
     )
+    add_sparse_arguments(parser)
     parser.add_argument("--match-timeout", type=float, default=30.0, help="matchmaking_timeout_s")
     parser.add_argument(
         "--peer-timeout", type=float, default=None, help="peer_timeout_s [swarm's default]"
@@ -494,6 +633,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.peers < 2 or args.rounds < 1 or args.numel < 1:
         parser.error("need --peers >= 2, --rounds >= 1, --numel >= 1")
+    try:
+        codec_of(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     result: dict[str, Any] = {
         "bench": "allreduce",
         "config": {
@@ -503,6 +646,15 @@ def main() -> None:
             "warmup": args.warmup,
             "compression": args.compression,
             "peer_timeout_s": args.peer_timeout,
+            **(
+                {
+                    "sparse_density": args.sparse_density,
+                    "sparse_bits": args.sparse_bits,
+                    "sparse_chunk": args.sparse_chunk,
+                }
+                if args.compression == "sparse"
+                else {}
+            ),
         },
         "git_sha": git_sha(),
     }

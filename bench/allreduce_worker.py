@@ -1,6 +1,7 @@
 """One averaging peer for bench.allreduce and bench.allreduce_fault, driven by JSON lines on stdin.
 
     python -m bench.allreduce_worker --join ADDR --rank K --numel M [--compression none] [...]
+        [--sparse-density 0.02 --sparse-bits 2 --sparse-chunk 4096]   (with --compression sparse)
 
 Generates its vector ``np.random.default_rng(1000 + rank).standard_normal(M, float32)`` before it
 says ``READY <peer id hex>``, so no round pays for it. Each command line
@@ -12,7 +13,8 @@ is answered by event lines, each one JSON object:
     {"event": "result", "round": r, "ok": true, "t_call", "t_matched", "t_return",
      "cpu_s" (this process, call to return), "matchmaking_s", "allreduce_s", "bytes_sent",
      "bytes_received", "digest",
-     "contributors": {hex: weight}, "dropped": {hex: why}, "sample": [K values]}
+     "contributors": {hex: weight}, "dropped": {hex: why}, "parts": [[start, stop], ...],
+     "sample": [K values]}
     {"event": "result", "round": r, "ok": false, "error": "...", "t_call", "t_return"}
 
 Times are ``time.time()`` (all peers run on one machine, so they compare). ``sample`` holds the
@@ -44,6 +46,23 @@ def sample_indices(numel: int, count: int) -> np.ndarray:
     return np.unique(np.random.default_rng(7).integers(0, numel, size=count, dtype=np.int64))
 
 
+def codec_of(args: argparse.Namespace) -> Any:
+    """The averager's ``compression`` for ``--compression`` (None: chosen per tensor); sparse is
+    ``SparseCodec.from_density`` with the run spec's keys."""
+    from swarm import Compression, SparseCodec
+
+    if args.compression == "sparse":
+        return SparseCodec.from_density(args.sparse_density, args.sparse_bits, args.sparse_chunk)
+    return None if args.compression == "auto" else Compression[args.compression.upper()]
+
+
+def add_sparse_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--sparse-*``, the run spec's ``[swarm] sparse_*`` keys with their defaults."""
+    parser.add_argument("--sparse-density", type=float, default=0.02, help="[0.02]")
+    parser.add_argument("--sparse-bits", type=int, default=2, help="[2]")
+    parser.add_argument("--sparse-chunk", type=int, default=4096, help="[4096]")
+
+
 def _emit(record: dict[str, Any]) -> None:
     print(json.dumps(record), flush=True)
 
@@ -53,7 +72,7 @@ async def _main(args: argparse.Namespace) -> None:
     from libp2p.crypto.ed25519 import create_new_key_pair
 
     from p2p import HostConfig, NodeConfig, PeerID, open_node
-    from swarm import Averager, AveragerConfig, AveragingFailed, AveragingResult, Compression
+    from swarm import Averager, AveragerConfig, AveragingFailed, AveragingResult
 
     class TimedAverager(Averager):
         """Announces the moment the group forms (swarm has no hook for it; the bench needs it)."""
@@ -64,10 +83,9 @@ async def _main(args: argparse.Namespace) -> None:
             _emit({"event": "matched", "round": r, "t": self.matched_at})
             return group
 
-    compression = None if args.compression == "auto" else Compression[args.compression.upper()]
     config = AveragerConfig(
         run_id=args.run_id,
-        compression=compression,
+        compression=codec_of(args),
         matchmaking_timeout_s=args.matchmaking_timeout,
         **({"allreduce_timeout_s": args.allreduce_timeout} if args.allreduce_timeout else {}),
         **({"peer_timeout_s": args.peer_timeout} if args.peer_timeout else {}),
@@ -143,6 +161,7 @@ async def _main(args: argparse.Namespace) -> None:
                         for p, w in result.contributors.items()
                     },
                     "dropped": result.dropped,
+                    "parts": [list(part) for part in result.parts],
                     "sample": out[idx].astype(float).tolist(),
                 }
             )
@@ -156,6 +175,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, required=True)
     parser.add_argument("--run-id", default="bench")
     parser.add_argument("--compression", default="none")
+    add_sparse_arguments(parser)
     parser.add_argument("--matchmaking-timeout", type=float, default=30.0)
     parser.add_argument("--allreduce-timeout", type=float, default=None, help="default: swarm's")
     parser.add_argument("--peer-timeout", type=float, default=None, help="default: swarm's")

@@ -381,7 +381,7 @@ class SwarmSection(_Section):
     )  # fmt: skip
     sparse_chunk: int = _key(
         4096, lambda v: 2 <= v <= 65536, "an integer in [2, 65536]",
-        'compression = "sparse": entries per chunk (4096: 12-bit indices)',
+        'compression = "sparse": entries per chunk (the kept indices Elias-Fano coded)',
     )  # fmt: skip
     max_weight_rounds: int = _key(
         8, *_POSITIVE_INT,

@@ -36,10 +36,21 @@ Wire format (``numel`` is known to both sides from the round's plan), for ``m`` 
 ``K`` entries in all:
 
 - ``m`` int8 exponents ``e``, one per chunk;
-- ``K`` indices (within their chunk, ascending in each chunk), ``index_bits = bit_length(chunk -
-  1)`` bits each (12 for 4096), packed little-endian bit first, padded to a byte;
-- ``K`` codes ``c + L`` (0 .. 2L; ``2**bits - 1`` is never written), ``bits`` each, packed the
-  same way.
+- every chunk's index set, Elias-Fano coded, the chunks' sections one after another, bit-packed
+  little-endian bit first, padded to a byte at the end. A chunk of ``n`` elements keeping ``k``
+  ascending indices ``i_0 < ... < i_{k-1}`` with ``l = floor(log2(n / k))`` low bits sends ``k * l``
+  bits: the low ``l`` bits of each index in turn (low bit first), then a bit vector of
+  ``k + ((n - 1) >> l)`` bits with a one at ``(i_j >> l) + j`` for each ``j`` and zeros elsewhere
+  (the high parts in unary). A chunk keeping all its entries (``k == n``) sends nothing: its set
+  is known. So a section's size depends on ``(n, k)`` alone, every full chunk's is the same (619
+  bits for 4096 and 82, against 575.3 for ``log2 C(4096, 82)`` and 984 for 12-bit indices), and
+  both sides cut the stream without reading it;
+- ``K`` codes ``c + L`` (0 .. 2L; ``2**bits - 1`` is never written), ``bits`` each, packed
+  little-endian bit first, padded to a byte.
+
+A decoder refuses a bit vector without exactly ``k`` ones, an index set that is not strictly
+ascending or has an index outside its chunk (both possible in a bit vector of the right weight),
+and padding bits that are not zero.
 """
 
 from __future__ import annotations
@@ -82,11 +93,13 @@ class SparseCodec:
     @property
     def name(self) -> str:
         """What a layout's digest names it by: every parameter, so peers must agree on all."""
-        return f"SPARSE:{self.chunk}:{self.keep}:{self.bits}"
+        # EF: the Elias-Fano index format, so a peer of the older 12-bit format is refused by
+        # the layout digest instead of misreading the bytes.
+        return f"SPARSE-EF:{self.chunk}:{self.keep}:{self.bits}"
 
-    @property
-    def index_bits(self) -> int:
-        return max(1, (self.chunk - 1).bit_length())
+    def index_bits(self, n: int) -> int:
+        """Bits of the index section of a chunk of ``n`` elements (module docstring)."""
+        return _section(n, self.kept(n))[2]
 
     @property
     def limit(self) -> int:
@@ -102,7 +115,7 @@ class SparseCodec:
         if isinstance(numel, bool) or not isinstance(numel, int | np.integer) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         chunks, total = self._shape(int(numel))
-        return chunks + _packed(total, self.index_bits) + _packed(total, self.bits)
+        return chunks + -(-self._index_bits_total(int(numel)) // 8) + _packed(total, self.bits)
 
     def encode(self, array: np.ndarray) -> bytes:
         """The float32 ``array`` (flattened) as sparse bytes, the same on every machine. Raises
@@ -118,18 +131,19 @@ class SparseCodec:
         if full < flat.size:
             pieces.append(self._encode_rows(flat[full:].reshape(1, -1)))
         exponents = np.concatenate([p[0] for p in pieces]).astype(np.int8)
-        indices = np.concatenate([p[1] for p in pieces])
+        index_bits = np.concatenate([p[1] for p in pieces])
         codes = np.concatenate([p[2] for p in pieces])
         return (
             exponents.tobytes()
-            + _pack(indices, self.index_bits)
+            + np.packbits(index_bits, bitorder="little").tobytes()
             + _pack(codes + self.limit, self.bits)
         )
 
     def decode(self, data: bytes | bytearray | memoryview, numel: int) -> np.ndarray:
         """``numel`` float32 values from a peer's bytes: a new writable array, zero where nothing
         was sent. Raises ``RemoteProtocolError`` for a wrong length, an exponent outside the
-        encoder's range, the unused code, or an index outside its chunk or not ascending."""
+        encoder's range, the unused code, padding bits that are not zero, a high-bit vector
+        without exactly k ones, or an index outside its chunk or not ascending."""
         expected = self.wire_bytes(numel)
         raw = memoryview(data).cast("B")
         if raw.nbytes != expected:
@@ -141,29 +155,55 @@ class SparseCodec:
         exponents = np.frombuffer(raw, dtype=np.int8, count=chunks).astype(np.int32)
         if (exponents < _MIN_EXPONENT).any() or (exponents > 128 - self.bits).any():
             raise RemoteProtocolError(f"{self.name} payload has a scale out of range")
-        offset = chunks + _packed(total, self.index_bits)
-        indices = _unpack(raw[chunks:offset], total, self.index_bits)
+        index_bits = self._index_bits_total(numel)
+        offset = chunks + -(-index_bits // 8)
         codes = _unpack(raw[offset:], total, self.bits).astype(np.int32) - self.limit
         if (codes > self.limit).any():
-            raise RemoteProtocolError(f"{self.name} payload holds a code no encoder writes")
-        # Each entry's chunk, and where each chunk's entries start.
+            raise RemoteProtocolError(f"{self.name} payload has a code no encoder writes")
+        # Zero padding: one payload per set of values, so a slice's hash names its bytes.
+        if _padding(raw[chunks:offset], index_bits) or _padding(raw[offset:], total * self.bits):
+            raise RemoteProtocolError(f"{self.name} payload has padding bits set")
+        stream = np.unpackbits(
+            np.frombuffer(raw[chunks:offset], dtype=np.uint8), count=index_bits, bitorder="little"
+        )
+        full, rest = divmod(numel, self.chunk)
+        section = _section(self.chunk, self.keep)[2]
+        pieces = [self._decode_rows(stream[: full * section].reshape(full, section), self.chunk)]
+        if rest:
+            pieces.append(self._decode_rows(stream[full * section :].reshape(1, -1), rest))
+        # Each entry's position in the whole vector: its chunk's start plus its index.
+        positions = np.concatenate([p.reshape(-1) for p in pieces])
         per_chunk = np.full(chunks, self.keep, dtype=np.int64)
-        if chunks and numel % self.chunk:
-            per_chunk[-1] = self.kept(numel % self.chunk)
+        if rest:
+            per_chunk[-1] = self.kept(rest)
         chunk_of = np.repeat(np.arange(chunks, dtype=np.int64), per_chunk)
-        lengths = np.full(chunks, self.chunk, dtype=np.int64)
-        if chunks and numel % self.chunk:
-            lengths[-1] = numel % self.chunk
-        if (indices >= lengths[chunk_of]).any():
-            raise RemoteProtocolError(f"{self.name} payload has an index outside its chunk")
-        first = np.zeros(total, dtype=bool)
-        first[np.cumsum(per_chunk)[:-1]] = True
-        if total and ((np.diff(indices.astype(np.int64)) <= 0) & ~first[1:]).any():
-            raise RemoteProtocolError(f"{self.name} payload has indices not ascending in a chunk")
         out = np.zeros(numel, dtype=np.float32)
         values = np.ldexp(codes.astype(np.float32), exponents[chunk_of]).astype(np.float32)
-        out[chunk_of * self.chunk + indices] = values
+        out[chunk_of * self.chunk + positions] = values
         return out
+
+    def _decode_rows(self, rows: np.ndarray, n: int) -> np.ndarray:
+        """The (count, k) indices of ``count`` chunks of ``n`` elements from their index sections
+        (one row of bits each); ``RemoteProtocolError`` for a set no encoder writes."""
+        k = self.kept(n)
+        low, _, size = _section(n, k)
+        count = rows.shape[0]
+        if size == 0:  # the chunk keeps everything
+            return np.broadcast_to(np.arange(n, dtype=np.int64), (count, n))
+        high = rows[:, k * low :]
+        if (high.sum(axis=1, dtype=np.int64) != k).any():
+            raise RemoteProtocolError(f"{self.name} payload has an index set of the wrong size")
+        # The ones' positions, row by row (np.nonzero is row-major), less each one's rank.
+        ones = np.nonzero(high)[1].reshape(count, k)
+        indices = (ones - np.arange(k, dtype=np.int64)) << low
+        if low:
+            weights = np.left_shift(np.int64(1), np.arange(low, dtype=np.int64))
+            indices |= rows[:, : k * low].reshape(count, k, low).astype(np.int64) @ weights
+        if (indices[:, -1] >= n).any():
+            raise RemoteProtocolError(f"{self.name} payload has an index outside its chunk")
+        if k > 1 and (np.diff(indices, axis=1) <= 0).any():
+            raise RemoteProtocolError(f"{self.name} payload has indices not ascending in a chunk")
+        return indices
 
     # -- encoding --------------------------------------------------------------------------------
 
@@ -172,12 +212,17 @@ class SparseCodec:
         full, rest = divmod(numel, self.chunk)
         return full + (rest > 0), full * self.keep + (self.kept(rest) if rest else 0)
 
+    def _index_bits_total(self, numel: int) -> int:
+        full, rest = divmod(numel, self.chunk)
+        return full * self.index_bits(self.chunk) + (self.index_bits(rest) if rest else 0)
+
     def _encode_rows(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Exponents, indices and signed codes of each row (a chunk), rows in order."""
+        """Exponents, index sections (bits, rows in order) and signed codes of each row (a
+        chunk)."""
         count, n = rows.shape
         k = self.kept(n)
         if count == 0:
-            return np.empty(0, np.int32), np.empty(0, np.int64), np.empty(0, np.int64)
+            return np.empty(0, np.int32), np.empty(0, np.uint8), np.empty(0, np.int64)
         magnitude = np.abs(rows)
         # The k-th largest magnitude of each row: a value, unique whatever np.partition's
         # algorithm; entries above it are kept, and of the ties the lowest indices.
@@ -195,7 +240,7 @@ class SparseCodec:
         values = rows[row, index]
         scaled = np.ldexp(values, -exponent[row])  # exact: a power-of-two scaling, no underflow
         codes = np.clip(np.rint(scaled), -self.limit, self.limit).astype(np.int64)
-        return exponent, index.astype(np.int64), codes
+        return exponent, _elias_fano(index.reshape(count, k), n), codes
 
     def _exponents(self, threshold: np.ndarray, largest: np.ndarray) -> np.ndarray:
         """Each chunk's scale exponent e (h = 2**e) from its smallest and largest kept magnitude
@@ -213,6 +258,38 @@ class SparseCodec:
         exponent = np.maximum(np.minimum(nonzero_codes, no_clamping), at_largest - 22)
         exponent = np.where(largest > 0, exponent, _MIN_EXPONENT)
         return np.clip(exponent, _MIN_EXPONENT, 128 - self.bits).astype(np.int32)
+
+
+def _section(n: int, k: int) -> tuple[int, int, int]:
+    """(low bits per index, high bit vector's length, section bits) of a chunk of ``n`` elements
+    keeping ``k`` (1 <= k <= n): the module docstring's Elias-Fano section, empty for k == n."""
+    if k >= n:
+        return 0, 0, 0
+    low = (n // k).bit_length() - 1  # floor(log2(n / k)): floor(log2(x)) = floor(log2(floor(x)))
+    high = k + ((n - 1) >> low)
+    return low, high, k * low + high
+
+
+def _elias_fano(indices: np.ndarray, n: int) -> np.ndarray:
+    """The index sections of ``count`` chunks of ``n`` elements, each row of ``indices`` the k
+    ascending indices of one chunk, as one flat array of bits (uint8), chunk after chunk."""
+    count, k = indices.shape
+    low, _, size = _section(n, k)
+    if size == 0 or count == 0:
+        return np.empty(0, np.uint8)
+    bits = np.zeros((count, size), dtype=np.uint8)
+    if low:
+        shifts = np.arange(low, dtype=np.int64)
+        bits[:, : k * low] = ((indices[:, :, None] >> shifts) & 1).reshape(count, k * low)
+    # Index j's high part in unary: a one at (i_j >> low) + j, distinct and ascending in j.
+    ones = k * low + (indices >> low) + np.arange(k, dtype=np.int64)
+    bits[np.arange(count)[:, None], ones] = 1
+    return bits.reshape(-1)
+
+
+def _padding(raw: memoryview, bits: int) -> int:
+    """The bits of ``raw``'s last byte past the first ``bits`` (what packing pads with zeros)."""
+    return raw[-1] >> (bits % 8) if bits % 8 else 0
 
 
 def _packed(count: int, width: int) -> int:

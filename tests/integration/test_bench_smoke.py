@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from peerproc import ROOT
 
 
@@ -25,6 +26,30 @@ def test_the_allreduce_bench_runs_and_reports_bit_identical_results() -> None:
     assert lines[0].startswith("phase: starting a relay and 2 workers ("), lines[:3]
     assert any(line.startswith("phase: checking the results") for line in lines), lines
     assert not any("\x1b[" in line for line in lines), lines
+
+
+def test_the_sparse_allreduce_bench_checks_the_exact_mean_and_counts_the_information() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.allreduce", "--peers", "2", "--numel", "10000",
+         "--rounds", "1", "--compression", "sparse", "--sparse-chunk", "256",
+         "--sparse-density", "0.05"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    # The bench's own recomputation of the mean of the decoded sparse vectors, bit for bit.
+    assert summary["bit_identical"] is True and summary["max_abs_err"] == 0.0, summary
+    # 2 peers: each receives the other's entries (I) through the gathering exchange, which moves
+    # (N-1)/N x (1 + N) = 1.5 encoded vectors a peer; the encoding is within 10% of I.
+    encoded, information = summary["sparse_encoded_bytes"], summary["sparse_info_bytes"]
+    assert information < encoded < 1.1 * information, summary
+    # The minimum counts the round's parts, whose bounds cut a chunk short: close to I.
+    minimum = summary["sparse_info_min_bytes"]
+    assert minimum == pytest.approx(information, rel=0.05), summary
+    assert summary["bytes_received"] == pytest.approx(1.5 * encoded, rel=0.05), summary
+    fraction = summary["sparse_info_fraction"]
+    assert fraction == pytest.approx(minimum / summary["bytes_received"], rel=1e-3), summary
+    assert summary["dense_f32_ratio"] > 20, summary
 
 
 def test_the_soak_bench_runs_a_relay_and_a_coordinator_through_connections() -> None:
