@@ -22,7 +22,7 @@ Rules, those of ``swarm.averaging.codec``:
 Quantization. A chunk's scale is a power of two ``h = 2**e``; entry ``x`` is sent as
 ``c * h`` with the integer ``c = clip(rint(x / h), -L, L)``, ``L = 2**(bits - 1) - 1`` (2 bits:
 -1, 0, +1; 3 bits: -3..3; the last code, ``2**bits - 1``, is never written). ``h`` is the finer of
-the largest power of two at most twice the chunk's smallest kept magnitude (then every kept entry
+the largest power of two below twice the chunk's smallest kept magnitude (then every kept entry
 has a nonzero code) and the smallest one with ``L * h`` at least its largest (then none is
 clamped): 2 bits send sign times scale, 8 bits the largest within 1/254. Then ``h`` is raised to
 at least ``largest * 2**-22`` and kept in ``[2**-126, 2**(128 - bits)]`` (normal; ``L * h``
@@ -246,8 +246,11 @@ class SparseCodec:
         """Each chunk's scale exponent e (h = 2**e) from its smallest and largest kept magnitude
         (the module docstring's rule)."""
         # frexp(v) = (m, a) with v = m * 2**a, 0.5 <= m < 1: 2**(a - 1) <= v < 2**a.
-        _, at_threshold = np.frexp(threshold.astype(np.float64))
-        # Largest power of two <= 2 * threshold: every kept entry's code is then nonzero.
+        mantissa, at_threshold = np.frexp(threshold.astype(np.float64))
+        # Largest power of two below 2 * threshold: every kept entry's code is then nonzero (a
+        # threshold that is itself a power of two t gets scale t, not 2t, where t / 2t = 0.5
+        # would round to code 0).
+        at_threshold = at_threshold - (mantissa == 0.5)
         nonzero_codes = np.where(threshold > 0, at_threshold, _MIN_EXPONENT)
         # A power of two >= largest / L (the division's rounding cannot go past a power of
         # two): no kept entry is clamped.

@@ -88,6 +88,16 @@ def test_two_bits_send_sign_and_scale_and_the_residual_keeps_the_rest() -> None:
     assert (x - sent).tolist() == pytest.approx([0.1, -1, -1, 0, -1, -3, 0.2, 1])
 
 
+def test_a_kept_entry_that_is_a_power_of_two_is_sent_not_zeroed() -> None:
+    """The smallest kept magnitude 2.0 is a power of two: a scale of 2 x 2.0 would put it at
+    code rint(0.5) = 0 and send nothing for an entry the top-k kept; the scale is 2.0."""
+    codec = SparseCodec(chunk=8, keep=3, bits=2)
+    x = np.array([0.0, -5.0, 2.0, 0.0, 3.0, 0.0, 0.5, 1.0], np.float32)
+    sent = _round_trip(codec, x)
+    assert sent.tolist() == [0, -2, 2, 0, 2, 0, 0, 0]
+    assert np.count_nonzero(sent) == codec.keep
+
+
 def test_more_bits_carry_more_of_each_value() -> None:
     x = np.random.default_rng(3).standard_normal(50_000).astype(np.float32)
     errors = []
