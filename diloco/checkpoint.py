@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -54,6 +54,17 @@ _DTYPES = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _PACKER = msgpack.Packer()  # use_bin_type, as packb: the same bytes
+
+
+class EncodableState(Protocol):
+    """What a checkpoint writes: a ``GlobalState``, or the ``diloco.store.StateStore`` a
+    ``DiLoCo`` keeps it in (streamed from its files)."""
+
+    round: int
+
+    def encoded_size(self) -> int: ...
+
+    def write_to(self, write: Callable[[bytes], object]) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -148,14 +159,14 @@ def _payload_head(fingerprint: str, state_size: int) -> bytes:
     return head + _PACKER.pack("state") + _bin_header(state_size)
 
 
-def state_offset(fingerprint: str, state: GlobalState) -> int:
+def state_offset(fingerprint: str, state: EncodableState) -> int:
     """Where ``state``'s encoding (``GlobalState.to_bytes()``, ``encoded_size()`` bytes) starts
     in the checkpoint file ``save`` writes for it: the file can serve it to joiners as it is."""
     return len(MAGIC) + 32 + len(_payload_head(fingerprint, state.encoded_size()))
 
 
 def _write_payload(
-    state: GlobalState,
+    state: EncodableState,
     fingerprint: str,
     inner_state: dict[str, Any] | None,
     write: Callable[[bytes | memoryview], object],
@@ -210,7 +221,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def save(
     state_dir: str | os.PathLike[str],
-    state: GlobalState,
+    state: EncodableState,
     fingerprint: str,
     inner_state: dict[str, Any] | None = None,
 ) -> Path:
