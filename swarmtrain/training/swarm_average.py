@@ -117,6 +117,9 @@ class SwarmAverage:
                 round_number=round,
                 expected_peers=expected,
                 exclude=exclude,
+                # DiLoCo never writes a vector it handed to a round (``diloco.Average``): the
+                # round may use it as it is, without its own model-sized copy.
+                give=True,
             )
 
         result = self._runtime.call(average)  # AveragingFailed passes through
