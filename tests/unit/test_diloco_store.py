@@ -46,9 +46,10 @@ def _store(tmp_path: Path, state: GlobalState | None = None) -> StateStore:
 def test_slices_round_trip_and_the_encoding_is_the_in_memory_one(tmp_path: Path) -> None:
     state = _random_state()
     store = _store(tmp_path)
-    assert store.state_hash() == GlobalState(
-        0, torch.zeros(NUMEL), torch.zeros(NUMEL), LAYOUT
-    ).state_hash()  # a new store is zeros at round 0
+    assert (
+        store.state_hash()
+        == GlobalState(0, torch.zeros(NUMEL), torch.zeros(NUMEL), LAYOUT).state_hash()
+    )  # a new store is zeros at round 0
     for name in ("params", "momentum"):
         for a, b in store.ranges(0, NUMEL):
             store.write(name, a, getattr(state, name)[a:b])
