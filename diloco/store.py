@@ -32,6 +32,7 @@ import hashlib
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import IO
@@ -96,6 +97,10 @@ class StateStore:
         self._buffers = {name: torch.empty(min(numel, slice_elements)) for name in TENSOR_NAMES}
         self._hash: bytes | None = None  # the encoding's digest while no write changed it
         self._torn = False
+        # Whole-state readers (the hash, the encoding) may run in another thread than the round
+        # (overlap mode's averaging thread asks for the hash): they wait for an update to end
+        # and read through buffers of their own.
+        self._lock = threading.RLock()
 
     # -- slices --------------------------------------------------------------------------------
 
@@ -107,11 +112,13 @@ class StateStore:
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of vector ``name`` (at most ``slice_elements``), in the
-        store's buffer for that vector."""
+        store's buffer for that vector. For the thread that runs the rounds."""
+        self._check_slice(start, stop)
+        return self._pread(name, start, self._buffers[name][: stop - start])
+
+    def _pread(self, name: str, start: int, out: torch.Tensor) -> torch.Tensor:
         if self._torn:
             raise TornState("the global state was left half-written by a failed update")
-        self._check_slice(start, stop)
-        out = self._buffers[name][: stop - start]
         view = memoryview(out.numpy()).cast("B")
         fd, offset, done = self._files[name].fileno(), start * _FLOAT, 0
         while done < len(view):
@@ -139,14 +146,15 @@ class StateStore:
     @contextmanager
     def update(self) -> Iterator[None]:
         """Writes that make one new state: if the block raises, the store is torn for good."""
-        if self._torn:
-            raise TornState("the global state was left half-written by a failed update")
-        try:
-            yield
-        except BaseException:
-            self._torn = True
-            self._hash = None
-            raise
+        with self._lock:
+            if self._torn:
+                raise TornState("the global state was left half-written by a failed update")
+            try:
+                yield
+            except BaseException:
+                self._torn = True
+                self._hash = None
+                raise
 
     # -- whole-state operations ----------------------------------------------------------------
 
@@ -172,7 +180,7 @@ class StateStore:
                     # A little-endian host: the views are native float32 already (no copy).
                     self._pwrite(name, a, array[a:b])
             self.round = round_
-        self._hash = bytes(memoryview(data)[-_DIGEST_BYTES:])
+            self._hash = bytes(memoryview(data)[-_DIGEST_BYTES:])
 
     def outer_step(self, mean: torch.Tensor, config: OuterConfig, start: int = 0) -> None:
         """The outer Nesterov step of round ``self.round`` on elements ``[start, start +
@@ -190,20 +198,22 @@ class StateStore:
 
     def skip_round(self) -> None:
         """A failed round: the vectors stay, round + 1 (``diloco.outer.skipped_round``)."""
-        self.round += 1
-        self._hash = None
+        with self._lock:
+            self.round += 1
+            self._hash = None
 
     def vector(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """A copy of ``[start, stop)`` of vector ``name`` in memory (all of it by default)."""
         stop = self.numel if stop is None else stop
-        out = torch.empty(stop - start)
-        for a, b in self.ranges(start, stop):
-            out[a - start : b - start] = self.read(name, a, b)
-        return out
+        self._check_span(start, stop)
+        with self._lock:
+            return self._pread(name, start, torch.empty(stop - start))
 
     def to_state(self) -> GlobalState:
         """The state as an in-memory ``GlobalState`` (two full copies: for tests and tools)."""
-        return GlobalState(self.round, self.vector("params"), self.vector("momentum"), self.layout)
+        with self._lock:
+            params, momentum = self.vector("params"), self.vector("momentum")
+            return GlobalState(self.round, params, momentum, self.layout)
 
     # -- encoding (GlobalState's, streamed from the files) -------------------------------------
 
@@ -214,23 +224,25 @@ class StateStore:
         """Hand the encoding to ``write`` piece by piece (a slice at a time); returns its digest,
         the state hash, which is kept until the next change."""
         hasher = hashlib.sha256()
-        for piece in self._pieces():
-            hasher.update(piece)
-            write(piece)  # type: ignore[arg-type]  # an ndarray is bytes-like
-        digest = hasher.digest()
-        write(digest)
-        self._hash = digest
+        with self._lock:
+            for piece in self._pieces():
+                hasher.update(piece)
+                write(piece)  # type: ignore[arg-type]  # an ndarray is bytes-like
+            digest = hasher.digest()
+            write(digest)
+            self._hash = digest
         return digest
 
     def state_hash(self) -> str:
         """SHA-256 hex of the encoding (``GlobalState.state_hash``); read from the files once
         after each change."""
-        if self._hash is None:
-            hasher = hashlib.sha256()
-            for piece in self._pieces():
-                hasher.update(piece)
-            self._hash = hasher.digest()
-        return self._hash.hex()
+        with self._lock:
+            if self._hash is None:
+                hasher = hashlib.sha256()
+                for piece in self._pieces():
+                    hasher.update(piece)
+                self._hash = hasher.digest()
+            return self._hash.hex()
 
     def to_bytes(self) -> bytes:
         pieces: list[bytes] = []
@@ -242,11 +254,14 @@ class StateStore:
             file.close()
 
     def _pieces(self) -> Iterator[bytes | np.ndarray]:
+        """The encoding without its digest; the vectors a slice at a time through a buffer of
+        this call's own (the caller holds the lock)."""
+        buffer = torch.empty(min(self.numel, self.slice_elements))
         yield _HEADER.pack(MAGIC, VERSION, self.round, self.layout, len(TENSOR_NAMES))
         for name in TENSOR_NAMES:
             yield tensor_head(name, self.numel)
             for a, b in self.ranges(0, self.numel):
-                yield self.read(name, a, b).numpy()
+                yield self._pread(name, a, buffer[: b - a]).numpy()
 
     def _check_layout(self, layout: bytes, numel: int) -> None:
         if layout != self.layout or numel != self.numel:
