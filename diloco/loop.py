@@ -216,15 +216,14 @@ class DiLoCo:
         self._saved: StateFile | None = None  # where the current state's checkpoint holds it
 
         if state_dir is not None:
-            found = checkpoint.load_latest(state_dir, self.fingerprint)
+            # Straight from the file into the store: the state is never decoded into memory.
+            found = checkpoint.resume(state_dir, self.fingerprint, self._store)
             if found is not None:
-                self._restore(found.state)
-                offset = checkpoint.state_offset(self.fingerprint, found.state)
-                size = found.state.encoded_size()
-                self._saved = StateFile(found.path, offset, size, found.state.round)
+                self._reset_to_store()
+                self._saved = StateFile(found.path, found.offset, found.length, found.round)
                 if found.inner_state is not None:
                     inner_optimizer.load_state_dict(found.inner_state)
-                logger.info("resumed from %s at round %d", found.path, found.state.round)
+                logger.info("resumed from %s at round %d", found.path, found.round)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     # -- the user's loop ---------------------------------------------------------------------
@@ -548,10 +547,6 @@ class DiLoCo:
             path = checkpoint.save(self._state_dir, store, self.fingerprint, inner)
             offset = checkpoint.state_offset(self.fingerprint, store)
             self._saved = StateFile(path, offset, store.encoded_size(), store.round)
-
-    def _restore(self, state: GlobalState) -> None:
-        self._store.assign(state)  # ValueError for another layout, before anything changes
-        self._reset_to_store()
 
     def _reset_to_store(self) -> None:
         """The model set to the global parameters, a fresh inner phase."""

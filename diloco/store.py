@@ -182,6 +182,43 @@ class StateStore:
             self.round = round_
             self._hash = bytes(memoryview(data)[-_DIGEST_BYTES:])
 
+    def load_file(self, fd: int, offset: int) -> int:
+        """Take the encoded state at ``offset`` of the open file ``fd`` (a checkpoint, whose
+        checksums the caller verified), copied a slice at a time without decoding it into
+        memory. Returns its round. ValueError, before anything is written, when it is not an
+        encoding of a state of our layout."""
+        head = os.pread(fd, _HEADER.size, offset)
+        if len(head) != _HEADER.size:
+            raise ValueError("the state's encoding ends inside its header")
+        magic, version, round_, layout, count = _HEADER.unpack(head)
+        if magic != MAGIC or version != VERSION or count != len(TENSOR_NAMES):
+            raise ValueError("not a state encoding of this version")
+        self._check_layout(layout, self.numel)
+        starts, position = [], offset + _HEADER.size
+        for name in TENSOR_NAMES:
+            expected = tensor_head(name, self.numel)
+            if os.pread(fd, len(expected), position) != expected:
+                raise ValueError("the state is for another model (parameter layout differs)")
+            starts.append(position + len(expected))
+            position += len(expected) + _FLOAT * self.numel
+        digest = os.pread(fd, _DIGEST_BYTES, position)
+        if len(digest) != _DIGEST_BYTES:
+            raise ValueError("the state's encoding ends before its digest")
+        with self.update():
+            for name, start in zip(TENSOR_NAMES, starts, strict=True):
+                for a, b in self.ranges(0, self.numel):
+                    buffer = self._buffers[name][: b - a].numpy()
+                    view, done = memoryview(buffer).cast("B"), 0
+                    while done < len(view):
+                        got = os.preadv(fd, [view[done:]], start + _FLOAT * a + done)
+                        if got <= 0:
+                            raise ValueError("the state's encoding ends inside its data")
+                        done += got
+                    self._pwrite(name, a, buffer)
+            self.round = round_
+            self._hash = digest
+        return round_
+
     def outer_step(self, mean: torch.Tensor, config: OuterConfig, start: int = 0) -> None:
         """The outer Nesterov step of round ``self.round`` on elements ``[start, start +
         len(mean))`` (a fragment, or all of them), a slice at a time; round + 1. The same bits

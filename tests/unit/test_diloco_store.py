@@ -17,8 +17,10 @@ from diloco import (
     GlobalState,
     LocalAverage,
     OuterConfig,
+    checkpoint,
     layout_digest,
     outer_step,
+    save_checkpoint,
 )
 from diloco.store import StateStore, TornState
 from swarm.averaging.averager import _given
@@ -188,3 +190,55 @@ def test_a_given_vector_is_used_as_it_is_and_others_are_copied() -> None:
     assert _given(np.zeros(4, np.float32)) is not None
     with pytest.raises(ValueError, match="NaN"):
         _given(torch.tensor([1.0, float("nan")]))
+
+
+def _adamw_state() -> dict:
+    param = torch.nn.Parameter(torch.ones(3, 2))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    param.grad = torch.full((3, 2), 0.5)
+    optimizer.step()
+    return optimizer.state_dict()
+
+
+def test_a_checkpoint_resumes_into_the_store_without_decoding_its_state(tmp_path: Path) -> None:
+    older, newer = _random_state(2), _random_state(3)
+    save_checkpoint(tmp_path, older, "run-a", _adamw_state())
+    path = save_checkpoint(tmp_path, newer, "run-a", _adamw_state())
+    store = _store(tmp_path / "store")
+    # The in-place path (not the whole-file decode) reads it: checksums, then slices.
+    resumed = checkpoint._resume_in_place(path, "run-a", store, store.encoded_size())
+    assert resumed is not None and resumed.round == 3
+    assert store.state_hash() == newer.state_hash() and store.to_bytes() == newer.to_bytes()
+    assert resumed.offset == checkpoint.state_offset("run-a", newer)
+    with path.open("rb") as file:
+        file.seek(resumed.offset)
+        assert file.read(resumed.length) == newer.to_bytes()
+    assert resumed.inner_state is not None
+    assert torch.equal(resumed.inner_state["state"][0]["exp_avg"], torch.full((3, 2), 0.05))
+
+
+@pytest.mark.parametrize("damage", ["state", "inner", "truncate"])
+def test_a_damaged_newest_checkpoint_is_skipped_when_resuming_in_place(
+    tmp_path: Path, damage: str
+) -> None:
+    save_checkpoint(tmp_path, _random_state(2), "run-a", _adamw_state())
+    newest = save_checkpoint(tmp_path, _random_state(3), "run-a", _adamw_state())
+    data = bytearray(newest.read_bytes())
+    offset = checkpoint.state_offset("run-a", _random_state(3))
+    if damage == "state":
+        data[offset + 200] ^= 1
+    elif damage == "inner":
+        data[-5] ^= 1
+    else:
+        data = data[: offset + 100]
+    newest.write_bytes(bytes(data))
+    store = _store(tmp_path / "store")
+    resumed = checkpoint.resume(tmp_path, "run-a", store)
+    assert resumed is not None and resumed.round == 2
+    assert store.state_hash() == _random_state(2).state_hash()
+
+
+def test_resuming_a_checkpoint_of_another_config_is_refused(tmp_path: Path) -> None:
+    save_checkpoint(tmp_path, _random_state(2), "run-b", None)
+    with pytest.raises(ValueError, match="run config"):
+        checkpoint.resume(tmp_path, "run-a", _store(tmp_path / "store"))
