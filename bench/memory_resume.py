@@ -6,8 +6,8 @@ Builds ``bench.memory``'s Llama of about ``--params`` parameters, trains one rou
 with a ``LocalAverage`` of one, H = 1, AdamW) into a checkpoint, then, in a fresh process,
 builds the model and AdamW again (its moments allocated by one step, as a node's are when its
 checkpoint is loaded into them), and constructs ``DiLoCo`` on that state directory: the resume
-a restarted node makes. The resume's cost is the child's peak RSS (``ru_maxrss``) over its RSS
-just before it.
+a restarted node makes. The resume's cost is the child's peak RSS while it resumes (``VmHWM``,
+reset just before through ``/proc/self/clear_refs``) over its RSS just before it.
 
 Printed: one line of figures, then one JSON object as the last line: ``params``,
 ``param_bytes``, ``checkpoint_bytes``, ``rss_before_bytes``, ``peak_rss_bytes``,
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -47,9 +46,10 @@ def _one_step(model: Any, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the high-water mark) of this process, in bytes."""
     with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS"))
+        line = next(line for line in status if line.startswith(field + ":"))
     return int(line.split()[1]) * 1024
 
 
@@ -70,12 +70,16 @@ def resume(params: int, state_dir: Path) -> dict[str, Any]:
     """In this (fresh) process: the model and AdamW, then the resume, measured."""
     model, optimizer = _build(params)
     _one_step(model, optimizer)  # AdamW's moments exist, as in a node that trained
-    before = max(_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    before = _status_bytes("VmRSS")
+    # The high-water mark from here on: the resume's own peak. (Not ``ru_maxrss``: it keeps the
+    # build's peak, and across exec even the forking parent's size.)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
     started = time.perf_counter()
     diloco = DiLoCo(model, optimizer, LocalAverage(1).member("solo"), inner_steps=1,
                     state_dir=state_dir)  # fmt: skip
     seconds = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    peak = _status_bytes("VmHWM")
     return {
         "round": diloco.round,
         "state_hash": diloco.state_hash(),
