@@ -1,6 +1,7 @@
-"""How training proceeds: DiLoCo's inner/outer optimization, its shared state, checkpoints, the
-embedded default model and corpus, a ``transformers`` causal LM built from its config
-(``causal_lm``) and a user's local text or token files (``datasets``).
+"""How training proceeds: DiLoCo's inner/outer optimization, its shared state (on disk between
+rounds: ``StateStore``), checkpoints, the embedded default model and corpus, a ``transformers``
+causal LM built from its config (``causal_lm``) and a user's local text or token files
+(``datasets``).
 
 ``DiLoCo`` wraps a torch model and inner optimizer; averaging is injected as an ``Average``
 callable (the swarm all-reduce in a real run, ``LocalAverage`` in one process). Everything that
@@ -56,6 +57,7 @@ from diloco.model import VOCAB_SIZE, ByteTransformer, ByteTransformerConfig
 from diloco.outer import OuterConfig, nesterov_update, outer_step, skipped_round
 from diloco.schedule import SCHEDULES, lr_factor
 from diloco.state import GlobalState, layout_digest
+from diloco.store import StateStore, TornState
 
 __all__ = [
     "SCHEDULES",
@@ -77,6 +79,8 @@ __all__ = [
     "ModelError",
     "OuterConfig",
     "RoundOutcome",
+    "StateStore",
+    "TornState",
     "assignment_seed",
     "build_causal_lm",
     "check_fits",

@@ -46,7 +46,9 @@ class AverageOutcome:
 class Average(Protocol):
     """Average the flat float32 ``vector`` with the other peers of ``round``, weighted by
     ``weight`` (samples processed). Blocks until done; raises any Exception when the round fails
-    for this peer."""
+    for this peer. ``vector`` is given away: DiLoCo makes a fresh one each round and never
+    writes to it after the call (it may read it), so an implementation may keep using its
+    memory after returning (the swarm's round forwards slices of it) instead of copying it."""
 
     def __call__(self, round: int, vector: torch.Tensor, weight: float) -> AverageOutcome: ...
 

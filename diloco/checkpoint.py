@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
@@ -54,6 +54,17 @@ _DTYPES = {
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _PACKER = msgpack.Packer()  # use_bin_type, as packb: the same bytes
+
+
+class EncodableState(Protocol):
+    """What a checkpoint writes: a ``GlobalState``, or the ``diloco.store.StateStore`` a
+    ``DiLoCo`` keeps it in (streamed from its files)."""
+
+    round: int
+
+    def encoded_size(self) -> int: ...
+
+    def write_to(self, write: Callable[[bytes], object]) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -148,14 +159,14 @@ def _payload_head(fingerprint: str, state_size: int) -> bytes:
     return head + _PACKER.pack("state") + _bin_header(state_size)
 
 
-def state_offset(fingerprint: str, state: GlobalState) -> int:
+def state_offset(fingerprint: str, state: EncodableState) -> int:
     """Where ``state``'s encoding (``GlobalState.to_bytes()``, ``encoded_size()`` bytes) starts
     in the checkpoint file ``save`` writes for it: the file can serve it to joiners as it is."""
     return len(MAGIC) + 32 + len(_payload_head(fingerprint, state.encoded_size()))
 
 
 def _write_payload(
-    state: GlobalState,
+    state: EncodableState,
     fingerprint: str,
     inner_state: dict[str, Any] | None,
     write: Callable[[bytes | memoryview], object],
@@ -210,7 +221,7 @@ def _fsync_dir(directory: Path) -> None:
 
 def save(
     state_dir: str | os.PathLike[str],
-    state: GlobalState,
+    state: EncodableState,
     fingerprint: str,
     inner_state: dict[str, Any] | None = None,
 ) -> Path:
@@ -250,6 +261,104 @@ def _checkpoints(directory: Path) -> list[Path]:
     """Checkpoint files, newest round first."""
     found = [p for p in directory.iterdir() if _NAME.match(p.name)] if directory.is_dir() else []
     return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+class StateSink(EncodableState, Protocol):
+    """Where ``resume`` puts a checkpoint's state: a ``diloco.store.StateStore``."""
+
+    def load_file(self, fd: int, offset: int) -> int: ...
+
+    def assign(self, state: GlobalState) -> None: ...
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A checkpoint ``resume`` loaded: its state went into the sink; ``offset`` and ``length``
+    say where the state's encoding lies in ``path``."""
+
+    path: Path
+    round: int
+    inner_state: dict[str, Any] | None
+    offset: int
+    length: int
+
+
+_READ = 4 << 20  # bytes per read while verifying a checkpoint in place
+
+
+def resume(state_dir: str | os.PathLike[str], fingerprint: str, sink: StateSink) -> Resumed | None:
+    """``load_latest`` for a ``DiLoCo`` that keeps its state on disk: the newest checkpoint
+    that verifies goes into ``sink`` without its state ever being in memory (checksums over the
+    file in 4 MiB reads, then the state copied a slice at a time; only the inner optimizer's
+    state is decoded). A file whose head is not the one ``fingerprint`` and the sink's size
+    give (another run config or model) is decoded whole, as ``load_latest`` does, for the same
+    errors. Skips and raises as ``load_latest``; None when there is no checkpoint."""
+    size = sink.encoded_size()
+    for path in _checkpoints(Path(state_dir)):
+        try:
+            found = _resume_in_place(path, fingerprint, sink, size)
+            if found is None:
+                checkpoint = decode(path.read_bytes(), path)
+        except (OSError, ValueError) as error:
+            logger.warning("checkpoint %s is unusable, skipping it: %s", path, error)
+            continue
+        if found is not None:
+            return found
+        if checkpoint.fingerprint != fingerprint:
+            raise ValueError(
+                f"checkpoint {path} is of run config {checkpoint.fingerprint!r}, not "
+                f"{fingerprint!r}: use another state directory or the matching config"
+            )
+        sink.assign(checkpoint.state)  # ValueError: another layout
+        offset = state_offset(fingerprint, checkpoint.state)
+        return Resumed(path, checkpoint.state.round, checkpoint.inner_state, offset, size)
+    return None
+
+
+def _resume_in_place(path: Path, fingerprint: str, sink: StateSink, size: int) -> Resumed | None:
+    """Verify ``path`` and load it into ``sink`` reading it a piece at a time; None when its
+    head is not ours (``resume`` then decodes it whole). ValueError for a bad file."""
+    head = _payload_head(fingerprint, size)
+    offset = len(MAGIC) + 32 + len(head)
+    with path.open("rb") as file:
+        fd = file.fileno()
+        total = os.fstat(fd).st_size
+        prefix = os.pread(fd, offset, 0)
+        if len(prefix) < len(MAGIC) + 32 or prefix[: len(MAGIC)] != MAGIC:
+            raise ValueError("not a diloco checkpoint (bad magic or too short)")
+        if prefix[len(MAGIC) + 32 :] != head or total < offset + size:
+            return None
+        # One pass: the file's checksum (of its payload) and the state's own digest.
+        payload, state = hashlib.sha256(head), hashlib.sha256()
+        state_end = offset + size - 32
+        position = offset
+        while position < total:
+            chunk = os.pread(fd, min(_READ, total - position), position)
+            if not chunk:
+                raise ValueError("checksum mismatch (truncated or corrupted file)")
+            payload.update(chunk)
+            if position < state_end:
+                state.update(memoryview(chunk)[: state_end - position])
+            position += len(chunk)
+        if payload.digest() != prefix[len(MAGIC) : len(MAGIC) + 32]:
+            raise ValueError("checksum mismatch (truncated or corrupted file)")
+        if state.digest() != os.pread(fd, 32, state_end):
+            raise ValueError("state digest mismatch: the bytes are corrupt or tampered with")
+        key = _PACKER.pack("inner")
+        rest = os.pread(fd, total - offset - size, offset + size)
+        if rest[: len(key)] != key:
+            raise ValueError("checkpoint lacks its inner optimizer state")
+        try:
+            inner = msgpack.unpackb(
+                memoryview(rest)[len(key) :], ext_hook=_decode_tensor, strict_map_key=False
+            )
+        except (ValueError, TypeError, msgpack.UnpackException) as error:
+            raise ValueError(f"undecodable payload: {error}") from error
+        del rest
+        if inner is not None and not isinstance(inner, dict):
+            raise ValueError("checkpoint inner optimizer state is not a map")
+        round_ = sink.load_file(fd, offset)
+    return Resumed(path, round_, inner, offset, size)
 
 
 def load_latest(

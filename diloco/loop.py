@@ -49,14 +49,22 @@ dropped, committed only when the round is applied. What was dropped is known exa
 (``AverageOutcome.sent``: the swarm's int8 round trip, whose blocks follow the round's parts,
 known only once the round's group formed); a lossless averaging drops nothing.
 
+Where the global state lives (``diloco.store``): on disk, two anonymous files in ``state_dir``
+(else ``TMPDIR``), read and written a bounded slice at a time at the round (pseudo-gradient,
+outer step, the model reset to the new parameters, the checkpoint and the state hash), so the
+inner phase does not carry two model-sized vectors in memory. The bits are those of the
+in-memory state.
+
 Checkpoints (``state_dir``): after every round the global state and inner optimizer state are saved
-atomically; a new ``DiLoCo`` on the same directory resumes at that round boundary.
+atomically; a new ``DiLoCo`` on the same directory resumes at that round boundary. The store's
+files are a working copy: what survives a crash is the checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import os
 import struct
@@ -73,8 +81,9 @@ import torch
 from diloco import checkpoint
 from diloco.averaging import Average, AverageOutcome, AveragingFailed
 from diloco.fragments import Fragment, fragment_at, fragments_of
-from diloco.outer import OuterConfig, outer_step, skipped_round
+from diloco.outer import OuterConfig
 from diloco.state import GlobalState, layout_digest
+from diloco.store import StateStore
 
 logger = logging.getLogger(__name__)
 
@@ -189,10 +198,12 @@ class DiLoCo:
             layout, schedule, self.outer, overlap, run_id, len(self.fragments)
         )
 
-        flat = self._local_flat()
-        self._state = GlobalState(0, flat, torch.zeros_like(flat), layout)
+        self._offsets = [0, *itertools.accumulate(p.numel() for p in self._params)]
+        # The global params start as the model's, the momentum at zero.
+        self._store = StateStore(self._offsets[-1], layout, state_dir)
+        self._store_model()
         feedback = compress is not None or error_feedback
-        self._residual = torch.zeros_like(flat) if feedback else None
+        self._residual = torch.zeros(self._offsets[-1]) if feedback else None
         self._local_step = 0
         # By fragment: samples of local progress not yet in an applied round of that fragment.
         self._samples = [0.0] * len(self.fragments)
@@ -205,15 +216,14 @@ class DiLoCo:
         self._saved: StateFile | None = None  # where the current state's checkpoint holds it
 
         if state_dir is not None:
-            found = checkpoint.load_latest(state_dir, self.fingerprint)
+            # Straight from the file into the store: the state is never decoded into memory.
+            found = checkpoint.resume(state_dir, self.fingerprint, self._store)
             if found is not None:
-                self._restore(found.state)
-                offset = checkpoint.state_offset(self.fingerprint, found.state)
-                size = found.state.encoded_size()
-                self._saved = StateFile(found.path, offset, size, found.state.round)
+                self._reset_to_store()
+                self._saved = StateFile(found.path, found.offset, found.length, found.round)
                 if found.inner_state is not None:
                     inner_optimizer.load_state_dict(found.inner_state)
-                logger.info("resumed from %s at round %d", found.path, found.state.round)
+                logger.info("resumed from %s at round %d", found.path, found.round)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
     # -- the user's loop ---------------------------------------------------------------------
@@ -256,7 +266,7 @@ class DiLoCo:
             raise ValueError("finish_inner_phase needs synchronous rounds (overlap=False)")
         if len(self.fragments) > 1:
             raise ValueError("finish_inner_phase needs the whole model each round (fragments=1)")
-        if local.dtype != torch.float32 or local.shape != self._state.params.shape:
+        if local.dtype != torch.float32 or local.shape != (self._store.numel,):
             raise ValueError("local must be a flat float32 vector of the parameters' size")
         self._write_model(local)
         self._samples = [float(samples)]
@@ -307,35 +317,36 @@ class DiLoCo:
     @property
     def round(self) -> int:
         """The round the current inner phase contributes to (use it to pick that phase's data)."""
-        return self._state.round + (1 if self._pending is not None else 0)
+        return self._store.round + (1 if self._pending is not None else 0)
 
     @property
     def global_state(self) -> GlobalState:
-        """A copy of the global state (params, outer momentum, number of completed rounds)."""
-        return self._state.clone()
+        """A copy of the global state (params, outer momentum, number of completed rounds), read
+        from disk into memory: two model-sized vectors, for tests and tools."""
+        return self._store.to_state()
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global parameters by name (a copy, shaped like the model's): where a round's
         inner phase starts."""
-        flat = self._state.params.clone()
+        flat = self._store.vector("params")
         return dict(zip(self._names, self._split(flat), strict=True))
 
     def state_hash(self) -> str:
-        return self._state.state_hash()
+        return self._store.state_hash()
 
     def state_bytes(self) -> bytes:
-        return self._state.to_bytes()
+        return self._store.to_bytes()
 
     def state_size(self) -> int:
         """Length of ``state_bytes()``, without encoding."""
-        return self._state.encoded_size()
+        return self._store.encoded_size()
 
     def state_file(self) -> StateFile | None:
         """Where the current state's encoding lies on disk, byte for byte ``state_bytes()``:
         inside its checkpoint file (None without ``state_dir`` or before the first save), so it
         can be served from there instead of from a copy in memory."""
         saved = self._saved
-        return saved if saved is not None and saved.round == self._state.round else None
+        return saved if saved is not None and saved.round == self._store.round else None
 
     def load_state(self, data: bytes | bytearray | memoryview) -> None:
         """Adopt a global state downloaded from peers (a joiner, or a peer whose hash disagreed
@@ -344,11 +355,11 @@ class DiLoCo:
         (when ``state_dir`` is set), so a restart resumes from it rather than from the stale
         state it replaced. Raises ValueError on malformed bytes or a different parameter
         layout."""
-        state = GlobalState.from_bytes(data)
+        self._store.load_bytes(data)  # verified first: nothing changes on bad bytes
         if self._pending is not None:
             self._pending.future.cancel()
             self._pending = None
-        self._restore(state)
+        self._reset_to_store()
         self._save_checkpoint()
 
     def inner_steps_at(self, round: int) -> int:
@@ -383,40 +394,39 @@ class DiLoCo:
             self._save_checkpoint()
 
     def _synchronous_round(self) -> None:
-        fragment = fragment_at(self.fragments, self._state.round)
-        span = slice(fragment.start, fragment.stop)
+        fragment = fragment_at(self.fragments, self._store.round)
         local = self._local_flat(fragment)
-        delta = torch.sub(self._state.params[span], local, out=local)  # in place: one vector
+        delta = self._global_minus(local, fragment.start, out=local)  # in place: one vector
         sent, corrected = self._contribution(delta, fragment)
         weight = self._samples[fragment.index]
-        outcome = self._run_average(self._state.round, sent, fragment, weight)
+        outcome = self._run_average(self._store.round, sent, fragment, weight)
         if outcome is None:
-            self._state = skipped_round(self._state)
+            self._store.skip_round()
             return
-        self._state = outer_step(self._state, outcome.vector, self.outer, in_place=True, span=span)
+        self._store.outer_step(outcome.vector, self.outer, fragment.start)
         self._samples[fragment.index] = 0.0
         self._keep_dropped(corrected, sent, outcome, fragment)
         del outcome, delta, sent, corrected  # the mean goes back to the averager's pool
-        self._write_model(self._state.params[span], fragment)
+        self._model_from_store(fragment)
 
     def _overlapped_round(self) -> None:
         local = self._local_flat()
         rebased = self._finish_pending(local) if self._pending is not None else None
-        fragment = fragment_at(self.fragments, self._state.round)
+        fragment = fragment_at(self.fragments, self._store.round)
         span = slice(fragment.start, fragment.stop)
         if rebased is not None and rebased[0] == fragment:
             # One fragment (F = 1): the progress since the last send, exactly as measured.
             delta = rebased[1]
         else:
             # Everything this fragment trained since its last applied round.
-            delta = torch.sub(self._state.params[span], local[span])
+            delta = self._global_minus(local[span], fragment.start, torch.empty(fragment.numel))
         # The whole vector when F = 1 (no copy); a fragment's slice alone otherwise.
         anchor = local[span] if len(self.fragments) == 1 else local[span].clone()
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="diloco-average")
         weight, self._samples[fragment.index] = self._samples[fragment.index], 0.0
         sent, corrected = self._contribution(delta, fragment)
-        future = self._executor.submit(self._average, self._state.round, sent, weight)
+        future = self._executor.submit(self._average, self._store.round, sent, weight)
         self._pending = _Pending(future, fragment, anchor, delta, weight, sent, corrected)
 
     def _finish_pending(self, local: torch.Tensor) -> tuple[Fragment, torch.Tensor]:
@@ -429,17 +439,15 @@ class DiLoCo:
         fragment = pending.fragment
         span = slice(fragment.start, fragment.stop)
         progress = torch.sub(pending.anchor, local[span])
-        outcome = self._run_average(self._state.round, pending.sent, fragment, None, pending.future)
+        outcome = self._run_average(self._store.round, pending.sent, fragment, None, pending.future)
         if outcome is None:
-            self._state = skipped_round(self._state)
+            self._store.skip_round()
             progress = torch.add(pending.delta, progress)
             self._samples[fragment.index] += pending.weight
         else:
-            self._state = outer_step(
-                self._state, outcome.vector, self.outer, in_place=True, span=span
-            )
+            self._store.outer_step(outcome.vector, self.outer, fragment.start)
             self._keep_dropped(pending.corrected, pending.sent, outcome, fragment)
-        rebased = torch.sub(self._state.params[span], progress, out=local[span])
+        rebased = self._global_minus(progress, fragment.start, out=local[span])
         self._write_model(rebased, fragment)
         return fragment, progress
 
@@ -535,19 +543,53 @@ class DiLoCo:
     def _save_checkpoint(self) -> None:
         if self._state_dir is not None:
             inner = self.inner_optimizer.state_dict()
-            path = checkpoint.save(self._state_dir, self._state, self.fingerprint, inner)
-            offset = checkpoint.state_offset(self.fingerprint, self._state)
-            self._saved = StateFile(path, offset, self._state.encoded_size(), self._state.round)
+            store = self._store
+            path = checkpoint.save(self._state_dir, store, self.fingerprint, inner)
+            offset = checkpoint.state_offset(self.fingerprint, store)
+            self._saved = StateFile(path, offset, store.encoded_size(), store.round)
 
-    def _restore(self, state: GlobalState) -> None:
-        if state.layout != self._state.layout or state.params.shape != self._state.params.shape:
-            raise ValueError("the state is for another model (parameter layout differs)")
-        self._state = state
-        self._write_model(state.params)
+    def _reset_to_store(self) -> None:
+        """The model set to the global parameters, a fresh inner phase."""
+        self._model_from_store()
         self._local_step = 0
         self._samples = [0.0] * len(self.fragments)
         if self._residual is not None:
-            self._residual = torch.zeros_like(state.params)
+            self._residual.zero_()
+
+    def _store_model(self) -> None:
+        """The global parameters := the model's, a tensor slice at a time."""
+        store = self._store
+        with torch.no_grad(), store.update():
+            for param, offset in zip(self._params, self._offsets, strict=False):
+                flat = param.detach().reshape(-1)
+                for a, b in store.ranges(offset, offset + flat.numel()):
+                    store.write("params", a, flat[a - offset : b - offset].to("cpu", torch.float32))
+
+    def _model_from_store(self, fragment: Fragment | None = None) -> None:
+        """The model's parameters (of ``fragment``; all by default) := the global ones, read a
+        slice at a time."""
+        first = 0 if fragment is None else fragment.first
+        store = self._store
+        with torch.no_grad():
+            for index, param in enumerate(self._tensors(fragment), start=first):
+                offset = self._offsets[index]
+                flat = param.detach().view(-1) if param.is_contiguous() else None
+                if flat is None:  # a strided parameter: through one copy of itself
+                    param.copy_(
+                        store.vector("params", offset, offset + param.numel()).view_as(param)
+                    )
+                    continue
+                for a, b in store.ranges(offset, offset + flat.numel()):
+                    flat[a - offset : b - offset].copy_(store.read("params", a, b))
+
+    def _global_minus(self, local: torch.Tensor, start: int, out: torch.Tensor) -> torch.Tensor:
+        """``out`` := global params ``[start, start + len(local))`` - ``local``, a slice at a
+        time (``out`` may be ``local``: elementwise, in place)."""
+        store = self._store
+        for a, b in store.ranges(start, start + local.numel()):
+            torch.sub(store.read("params", a, b), local[a - start : b - start],
+                      out=out[a - start : b - start])  # fmt: skip
+        return out
 
     def _tensors(self, fragment: Fragment | None) -> list[torch.nn.Parameter]:
         return self._params if fragment is None else self._params[fragment.first : fragment.last]

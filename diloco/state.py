@@ -56,6 +56,22 @@ def _le_view(tensor: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(tensor.detach().cpu().numpy(), dtype="<f4")
 
 
+def tensor_head(name: str, numel: int) -> bytes:
+    """The bytes before a flat float32 tensor's data in the encoding."""
+    encoded = name.encode()
+    return (
+        struct.pack("<H", len(encoded))
+        + encoded
+        + struct.pack("<BBQQ", _DTYPE_FLOAT32, 1, numel, 4 * numel)
+    )
+
+
+def encoded_size(numel: int) -> int:
+    """Length of the encoding of a state of ``numel`` parameters."""
+    names = sum(2 + len(name.encode()) + 18 for name in TENSOR_NAMES)
+    return _HEADER.size + names + 8 * numel + _DIGEST_BYTES
+
+
 @dataclass
 class GlobalState:
     """Flat float32 global parameters and outer momentum (CPU, equal length) at ``round``."""
@@ -81,18 +97,12 @@ class GlobalState:
         yield _HEADER.pack(MAGIC, VERSION, self.round, self.layout, len(TENSOR_NAMES))
         for name in TENSOR_NAMES:
             tensor = getattr(self, name)
-            encoded = name.encode()
-            yield (
-                struct.pack("<H", len(encoded))
-                + encoded
-                + struct.pack("<BBQQ", _DTYPE_FLOAT32, 1, tensor.numel(), 4 * tensor.numel())
-            )
+            yield tensor_head(name, tensor.numel())
             yield _le_view(tensor)
 
     def encoded_size(self) -> int:
         """Length of ``to_bytes()``, without encoding."""
-        names = sum(2 + len(name.encode()) + 18 for name in TENSOR_NAMES)
-        return _HEADER.size + names + 8 * self.params.numel() + _DIGEST_BYTES
+        return encoded_size(self.params.numel())
 
     def write_to(self, write: Callable[[bytes], object]) -> bytes:
         """Hand ``to_bytes()`` to ``write`` piece by piece (the tensors as views of their
@@ -127,27 +137,38 @@ class GlobalState:
         """Decode and verify ``data``. Every length is checked against what remains before a
         tensor is built. Raises ValueError naming what is wrong: short input, bad magic or
         version, unexpected names, dtype or shape, trailing bytes, or a digest mismatch."""
-        view = memoryview(data).cast("B")
-        if len(view) < _HEADER.size + _DIGEST_BYTES:
-            raise ValueError(f"state bytes too short ({len(view)} bytes)")
-        body, digest = view[:-_DIGEST_BYTES], bytes(view[-_DIGEST_BYTES:])
-        magic, version, round_, layout, count = _HEADER.unpack_from(body, 0)
-        if magic != MAGIC:
-            raise ValueError("state bytes do not start with the DLCSTATE magic")
-        if version != VERSION:
-            raise ValueError(f"state encoding version {version} is not {VERSION}")
-        if count != len(TENSOR_NAMES):
-            raise ValueError(f"state holds {count} tensors, expected {len(TENSOR_NAMES)}")
-        position = _HEADER.size
-        tensors = []
-        for expected in TENSOR_NAMES:
-            position, tensor = _read_tensor(body, position, expected)
-            tensors.append(tensor)
-        if position != len(body):
-            raise ValueError(f"{len(body) - position} unexpected bytes after the tensors")
-        if hashlib.sha256(body).digest() != digest:
-            raise ValueError("state digest mismatch: the bytes are corrupt or tampered with")
-        return cls(round_, tensors[0], tensors[1], layout)
+        round_, layout, arrays = parse(data)
+        # astype copies into native order and owns the memory, so the tensor outlives ``data``.
+        params, momentum = (torch.from_numpy(a.astype(np.float32)) for a in arrays)
+        return cls(round_, params, momentum, layout)
+
+
+def parse(data: bytes | bytearray | memoryview) -> tuple[int, bytes, tuple[np.ndarray, ...]]:
+    """Verify an encoded state without copying it: (round, layout, (params, momentum)) with the
+    two vectors as little-endian float32 views of ``data``. ValueError as ``from_bytes``."""
+    view = memoryview(data).cast("B")
+    if len(view) < _HEADER.size + _DIGEST_BYTES:
+        raise ValueError(f"state bytes too short ({len(view)} bytes)")
+    body, digest = view[:-_DIGEST_BYTES], bytes(view[-_DIGEST_BYTES:])
+    magic, version, round_, layout, count = _HEADER.unpack_from(body, 0)
+    if magic != MAGIC:
+        raise ValueError("state bytes do not start with the DLCSTATE magic")
+    if version != VERSION:
+        raise ValueError(f"state encoding version {version} is not {VERSION}")
+    if count != len(TENSOR_NAMES):
+        raise ValueError(f"state holds {count} tensors, expected {len(TENSOR_NAMES)}")
+    position = _HEADER.size
+    arrays = []
+    for expected in TENSOR_NAMES:
+        position, array = _read_tensor(body, position, expected)
+        arrays.append(array)
+    if position != len(body):
+        raise ValueError(f"{len(body) - position} unexpected bytes after the tensors")
+    if arrays[0].shape != arrays[1].shape:
+        raise ValueError("GlobalState params and momentum differ in length")
+    if hashlib.sha256(body).digest() != digest:
+        raise ValueError("state digest mismatch: the bytes are corrupt or tampered with")
+    return round_, layout, tuple(arrays)
 
 
 def _need(body: memoryview, position: int, size: int, what: str) -> None:
@@ -155,7 +176,7 @@ def _need(body: memoryview, position: int, size: int, what: str) -> None:
         raise ValueError(f"state bytes end inside {what}")
 
 
-def _read_tensor(body: memoryview, position: int, expected: str) -> tuple[int, torch.Tensor]:
+def _read_tensor(body: memoryview, position: int, expected: str) -> tuple[int, np.ndarray]:
     _need(body, position, 2, "a tensor name length")
     (name_len,) = struct.unpack_from("<H", body, position)
     position += 2
@@ -175,6 +196,4 @@ def _read_tensor(body: memoryview, position: int, expected: str) -> tuple[int, t
     if numel > MAX_ELEMENTS or nbytes != 4 * numel:
         raise ValueError(f"{expected}: {numel} elements do not match {nbytes} bytes")
     _need(body, position, nbytes, f"{expected}'s data")
-    array = np.frombuffer(body, dtype="<f4", count=numel, offset=position)
-    # astype copies into native order and owns the memory, so the tensor outlives ``data``.
-    return position + nbytes, torch.from_numpy(array.astype(np.float32))
+    return position + nbytes, np.frombuffer(body, dtype="<f4", count=numel, offset=position)

@@ -242,6 +242,25 @@ def _flatten(
     return vector, specs
 
 
+def _given(vector: Any) -> np.ndarray | None:
+    """A vector handed over (``average_vector(give=True)``) as the round's float32 array, its
+    own memory; None when it is not a contiguous float32 CPU vector (then it is copied).
+    ValueError when it holds NaN or inf, or is too long."""
+    if hasattr(vector, "detach"):  # a torch tensor, without importing torch here
+        if vector.device.type != "cpu":
+            return None
+        vector = vector.detach().numpy()
+    if not isinstance(vector, np.ndarray) or vector.dtype != np.float32:
+        return None
+    if not vector.flags.c_contiguous:
+        return None
+    if len(vector) > MAX_NUMEL:
+        raise ValueError(f"{len(vector)} elements is over the {MAX_NUMEL} limit")
+    if not all_finite(vector):
+        raise ValueError("the tensors hold NaN or inf; refusing to send them")
+    return vector
+
+
 def _unflatten(vector: np.ndarray, specs: list[tuple[tuple[int, ...], Any]]) -> list[Any]:
     out, offset = [], 0
     for shape, dtype in specs:
@@ -339,21 +358,30 @@ class Averager:
         expected_peers: Iterable[bytes] | None = None,
         exclude: Iterable[bytes] = (),
         admit: Callable[[bytes], bool] | None = None,
+        give: bool = False,
     ) -> AveragingResult:
         """Average one flat vector (a 1-D torch tensor or numpy array, taken as float32): the
         round's own form, so nothing is split or concatenated. ``sizes``: the segments (e.g.
         parameters) the vector is made of, which pick each one's codec when
         ``config.compression`` is None; one segment when not given. The result's ``vector`` is
-        the mean (``tensors`` is empty). Arguments and errors otherwise as ``average``."""
+        the mean (``tensors`` is empty). Arguments and errors otherwise as ``average``.
+
+        Ownership. The round reads our contribution until its session closes, which may be
+        after this call returns (it forwards our slices to a reducer that replaces a lost one).
+        By default the vector is copied into a buffer of the round's own, so the caller may
+        change it at once. ``give=True``: the caller hands the vector over instead (used as it
+        is when it is a contiguous float32 CPU vector: a model-sized buffer less at the round)
+        and must never write to it again; reading it stays safe, and its memory is freed when the
+        caller and the round have both dropped it."""
         r = self._begin(weight, round_number)
         if getattr(vector, "ndim", None) != 1:
             raise ValueError("average_vector takes a 1-D vector")
         sizes = [len(vector)] if sizes is None else [int(n) for n in sizes]
         if sum(sizes) != len(vector) or any(n < 0 for n in sizes):
             raise ValueError(f"sizes add up to {sum(sizes)}, the vector holds {len(vector)}")
-        # One copy into a pooled buffer: the round may still serve it after we return, when the
-        # caller may already have changed its own vector.
-        owned, _ = await trio.to_thread.run_sync(_flatten, [vector], self._buffers.take)
+        owned = await trio.to_thread.run_sync(_given, vector) if give else None
+        if owned is None:
+            owned, _ = await trio.to_thread.run_sync(_flatten, [vector], self._buffers.take)
         return await self._average(r, owned, sizes, weight, expected_peers, exclude, admit)
 
     def _begin(self, weight: float, round_number: int | None) -> int:

@@ -123,6 +123,9 @@ class SwarmAverage:
                 expected_peers=expected,
                 exclude=exclude,
                 admit=None if only is None else only.__contains__,
+                # DiLoCo never writes a vector it handed to a round (``diloco.Average``): the
+                # round may use it as it is, without its own model-sized copy.
+                give=True,
             )
 
         result = self._runtime.call(average)  # AveragingFailed passes through

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -185,10 +186,16 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                     # Blocks the event loop: a stall (a long GC pause, a blocking call, no CPU)
                     # that the others must wait out, not read as a death.
                     _after_group_forms(averager, lambda: time.sleep(stall))
-                # "flat": the vector API (one segment), else the list API with one tensor
-                average = averager.average_vector if request.get("flat") else averager.average
+                # "flat": the vector API (one segment), given away as DiLoCo gives its own
+                # (``local`` is never written again here), else the list API with one tensor
+                flat = bool(request.get("flat"))
+                average = (
+                    functools.partial(averager.average_vector, give=True)
+                    if flat
+                    else averager.average
+                )
                 result = await average(
-                    local if request.get("flat") else [local],  # type: ignore[arg-type]
+                    local if flat else [local],  # type: ignore[arg-type]
                     INFLATED_WEIGHT or request.get("weight", 1.0),
                     round_number=request["round"],
                     expected_peers=None
