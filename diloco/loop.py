@@ -263,9 +263,9 @@ class DiLoCo:
         round carried is dropped with its weight: the task started from the global state, not
         from it. ``from_model``: the phase started from the model's parameters instead (a node's
         sharded ranks, ``--fsdp``), which after a failed round still hold that round's progress,
-        so its weight is kept as ``step`` keeps it. Blocks for the averaging and checkpoints, as the H-th ``step`` does. Raises
-        ValueError for a vector of the wrong shape, or in overlap mode (no such phase there).
-        Returns the round's outcome."""
+        so its weight is kept as ``step`` keeps it. Blocks for the averaging and checkpoints,
+        as the H-th ``step`` does. Raises ValueError for a vector of the wrong shape, or in
+        overlap mode (no such phase there). Returns the round's outcome."""
         if self.overlap:
             raise ValueError("finish_inner_phase needs synchronous rounds (overlap=False)")
         if len(self.fragments) > 1:
