@@ -22,6 +22,12 @@ Rank 0 then runs the round alone and contributes once, weighted by all ranks' to
 end it sends ``STOP``; on an error or Ctrl+C in the middle of a phase (when the others wait in
 a collective) it terminates them. A rank whose parent died leaves within a second; SIGINT is
 ignored by the ranks (a terminal's Ctrl+C reaches the whole process group: rank 0 decides).
+
+With ``--fsdp`` (``ShardedGroup``) the ranks shard a training copy of the model instead of each
+holding a DDP replica: step 2 scatters rank 0's parameters into the shards, the steps run on
+FSDP2 (gradients reduce-scattered), and step 4 gathers the full parameters, which rank 0 hands
+to DiLoCo's round (``training.loop._sharded_inner_phase``); the inner AdamW state stays with
+its shards (not resent, not checkpointed).
 """
 
 from __future__ import annotations
