@@ -33,6 +33,7 @@ its shards (not resent, not checkpointed).
 from __future__ import annotations
 
 import copy
+import ctypes
 import datetime
 import hashlib
 import logging
@@ -68,6 +69,13 @@ READY_TIMEOUT_S = 180.0  # a rank's start: import torch, load the data, build th
 COLLECTIVE_TIMEOUT_S = 300.0  # one collective of a phase (a step's gradients, a broadcast)
 STOP_GRACE_S = 10.0
 POLL_S = 0.05
+# ``--fsdp`` on the CPU: allocations from this size up get their own mmap, given back to the OS
+# when freed. glibc's default threshold rises to the largest chunk freed (up to 32 MiB), after
+# which FSDP's per-block gather buffers and the sync's per-tensor copies come from the heap,
+# which fragments and never shrinks: bench.ranks_memory measured a rank's peak above a DDP
+# replica's that way, and well under it with the threshold pinned.
+MMAP_THRESHOLD_BYTES = 128 << 10
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
 
 
 @dataclass(frozen=True)
@@ -289,6 +297,16 @@ class ShardedGroup:
         return [bytes(d.cpu().tolist()).hex() for d in every]
 
 
+def pin_mmap_threshold() -> bool:
+    """Pin this process's glibc mmap threshold (``MMAP_THRESHOLD_BYTES``); False where the C
+    library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def _backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
@@ -341,9 +359,17 @@ class LocalRanks:
             )
             for k in range(1, nproc)
         ]
-        with _sigint_ignored():  # inherited: Ctrl+C in a terminal is rank 0's to handle
-            for proc in self._procs:
-                proc.start()
+        pinned = fsdp and device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+        if pinned:
+            pin_mmap_threshold()
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)  # the ranks' too
+        try:
+            with _sigint_ignored():  # inherited: Ctrl+C in a terminal is rank 0's to handle
+                for proc in self._procs:
+                    proc.start()
+        finally:
+            if pinned:
+                del os.environ["MALLOC_MMAP_THRESHOLD_"]
 
     @property
     def shard(self) -> tuple[int, int]:
