@@ -74,7 +74,7 @@ def run_mode(args: argparse.Namespace, fsdp: bool) -> dict[str, Any]:
                 steps=steps, batch_size=args.batch, context=args.sequence, shard=ranks.shard,
             )  # fmt: skip
             if fsdp:
-                ranks.begin_sharded_phase(phase, steps, model)
+                ranks.begin_sharded_phase(phase, steps, model, optimizer)
             else:
                 ranks.begin_phase(phase, steps)
             for step in range(steps):
@@ -90,7 +90,8 @@ def run_mode(args: argparse.Namespace, fsdp: bool) -> dict[str, Any]:
                     optimizer.zero_grad(set_to_none=True)
             if fsdp:
                 local = torch.empty(params)  # DiLoCo's flat vector, written into the model
-                ranks.end_sharded_phase(local)
+                ranks.end_sharded_phase(local, model, optimizer)
+                optimizer.state.clear()  # as the node does after the checkpoint
                 torch.nn.utils.vector_to_parameters(local, model.parameters())
                 del local
         seconds = time.perf_counter() - started

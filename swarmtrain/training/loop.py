@@ -462,11 +462,12 @@ def _sharded_inner_phase(
     """``--fsdp``: the H steps on the ranks' sharded copy, from DiLoCo's model (scattered into
     the shards), on the node's batches as ``native_inner_phase`` shares them; then every rank
     gathers the full parameters, which DiLoCo's round takes as the phase's end
-    (``finish_inner_phase``; ``ranks_plan.check_fsdp`` refused overlap and fragments)."""
+    (``finish_inner_phase``; ``ranks_plan.check_fsdp`` refused overlap and fragments), and the
+    inner AdamW state, which its checkpoint carries (a resume scatters it back)."""
     training = config.training
     steps, micro = training.inner_steps, training.grad_accumulation
     sharded = ranks.sharded
-    ranks.begin_sharded_phase(diloco.round, steps, diloco.model)
+    ranks.begin_sharded_phase(diloco.round, steps, diloco.model, diloco.inner_optimizer)
     batches = inner_batches(
         corpus,
         run_seed=run_seed_of(config.run.id),
@@ -492,11 +493,13 @@ def _sharded_inner_phase(
             progress.step(loss, step_tokens)
         numel = sum(p.numel() for p in diloco.model.parameters() if p.requires_grad)
         local = torch.empty(numel, dtype=torch.float32)  # DiLoCo's flat vector
-        ranks.end_sharded_phase(local)
+        ranks.end_sharded_phase(local, diloco.model, diloco.inner_optimizer)
         inner_s = time.perf_counter() - started
     finally:
         progress.stop()
     outcome = diloco.finish_inner_phase(local, samples=tokens, from_model=True)
+    # Checkpointed with the round: the ranks keep their shards of it, rank 0 no whole copy.
+    diloco.inner_optimizer.state.clear()
     return losses, tokens, inner_s, outcome
 
 

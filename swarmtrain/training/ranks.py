@@ -26,8 +26,8 @@ ignored by the ranks (a terminal's Ctrl+C reaches the whole process group: rank 
 With ``--fsdp`` (``ShardedGroup``) the ranks shard a training copy of the model instead of each
 holding a DDP replica: step 2 scatters rank 0's parameters into the shards, the steps run on
 FSDP2 (gradients reduce-scattered), and step 4 gathers the full parameters, which rank 0 hands
-to DiLoCo's round (``training.loop._sharded_inner_phase``); the inner AdamW state stays with
-its shards (not resent, not checkpointed).
+to DiLoCo's round (``training.loop._sharded_inner_phase``), and the inner AdamW state, which
+the round's checkpoint carries whole (rank 0 lets it go after; a resume scatters it back).
 """
 
 from __future__ import annotations
@@ -253,6 +253,43 @@ class ShardedGroup:
                     buffer.copy_(buffers[name])
                 dist.broadcast(buffer, src=0)
 
+    def gather_optimizer(self, plain: nn.Module | None, into: torch.optim.Optimizer | None) -> None:
+        """Every rank gathers the inner AdamW state a tensor at a time; rank 0 puts it in
+        ``into`` (DiLoCo's optimizer over ``plain``), whose checkpoint then carries it."""
+        targets = dict(self._trainable(plain)) if plain is not None else {}
+        for name, param in self._trainable(self.model):
+            state = self.optimizer.state.get(param)
+            if not state:
+                continue  # every rank stepped the same: none has state for it either
+            full = {
+                key: value.full_tensor() if isinstance(value, DTensor) else value.clone()
+                for key, value in state.items()
+            }
+            if into is not None:
+                into.state[targets[name]] = full
+
+    def scatter_optimizer(
+        self, plain: nn.Module | None, source: torch.optim.Optimizer | None
+    ) -> None:
+        """Every rank's shard of rank 0's inner AdamW state (``source``, over ``plain``: a
+        resumed checkpoint's), a tensor at a time; a parameter without state gets none."""
+        sources = dict(self._trainable(plain)) if plain is not None else {}
+        self.optimizer.state.clear()
+        for name, param in self._trainable(self.model):
+            assert isinstance(param, DTensor)
+            state = source.state.get(sources[name], {}) if source is not None else {}
+            has = torch.tensor([1.0 if state else 0.0, float(state.get("step", 0))])
+            dist.broadcast(has, src=0)
+            if not has[0]:
+                continue
+            shard: dict[str, Any] = {"step": torch.tensor(float(has[1]))}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = state[key] if key in state else torch.empty(param.shape, dtype=param.dtype)
+                shard[key] = distribute_tensor(
+                    full.to(self.device), param.device_mesh, param.placements, src_data_rank=0
+                )
+            self.optimizer.state[param] = shard
+
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
         """One inner step on this rank's batches (FSDP reduce-scatters the gradients across
         ranks, the clip's norm is the whole model's). Returns (this rank's loss, tokens)."""
@@ -404,12 +441,6 @@ class LocalRanks:
             # A training copy to shard: DiLoCo keeps ``model`` whole (its rounds, checkpoints
             # and state sync see plain tensors); ``optimizer`` (DiLoCo's) never steps.
             self._sharded = ShardedGroup(copy.deepcopy(model), self._training, 0, self.nproc)
-            if optimizer.state:
-                log.warning(
-                    "--fsdp: the checkpoint's inner AdamW moments are not given to the sharded "
-                    "optimizer; they start from zero"
-                )
-                optimizer.state.clear()  # so the checkpoints no longer carry stale moments
             log.info("%d local ranks joined (%s), sharding the model (FSDP2)",
                      self.nproc, _backend(self.device.type))  # fmt: skip
             return
@@ -422,19 +453,33 @@ class LocalRanks:
         assert self._sharded is not None, "connect() a --fsdp node first"
         return self._sharded
 
-    def begin_sharded_phase(self, round: int, steps: int, plain: nn.Module) -> None:
+    def begin_sharded_phase(
+        self, round: int, steps: int, plain: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
         """``--fsdp``: start inner phase ``round`` on every rank from ``plain`` (DiLoCo's model:
-        its parameters scattered into the ranks' shards)."""
-        self._send(Control(Op.TRAIN, round, steps))
+        its parameters scattered into the ranks' shards) and, when ``optimizer`` (DiLoCo's)
+        holds state (a resumed checkpoint's), its AdamW moments, which it then lets go."""
+        state = bool(optimizer.state)
+        if state:
+            log.info("round %d: the ranks take our inner optimizer state, sharded", round)
+        self._send(Control(Op.TRAIN, round, steps, optimizer_state=state))
         self._phase, self._steps = (round, steps), 0
         self.sharded.sync(plain)
+        if state:
+            self.sharded.scatter_optimizer(plain, optimizer)
+            optimizer.state.clear()  # the shards hold it now; DiLoCo's copy is whole
 
-    def end_sharded_phase(self, out: torch.Tensor) -> None:
+    def end_sharded_phase(
+        self, out: torch.Tensor, plain: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
         """``--fsdp``: after the phase's last step, gather the full parameters into ``out``
-        (DiLoCo's flat float32 vector) and record the ranks' digests."""
+        (DiLoCo's flat float32 vector), record the ranks' digests, and gather the inner AdamW
+        state into ``optimizer`` (DiLoCo's, over ``plain``), whose next checkpoint carries it
+        (the caller clears it after)."""
         assert self._phase is not None, "begin_sharded_phase() first"
         round, _ = self._phase
         digests = self.sharded.end(out)
+        self.sharded.gather_optimizer(plain, optimizer)
         self._phase = None
         if not self.digests.record(round, digests):
             log.error("round %d: the node's ranks disagree after the gather: %s", round, digests)
@@ -563,6 +608,8 @@ def rank_main(job: RankJob) -> None:
             while (control := _next_control(store, sequence)).op is Op.TRAIN:
                 sequence += 1
                 sharded.sync(None)
+                if control.optimizer_state:
+                    sharded.scatter_optimizer(None, None)
                 _sharded_phase(sharded, corpus, job, control)
             dist.destroy_process_group()
             return
@@ -640,6 +687,7 @@ def _sharded_phase(group: ShardedGroup, corpus: Corpus, job: RankJob, control: C
         loss, _ = group.step(batches[step * micro : (step + 1) * micro])
         group.mean_loss(loss)
     group.end(None)
+    group.gather_optimizer(None, None)
 
 
 def _leave_with_parent(parent: int) -> None:

@@ -207,8 +207,9 @@ def test_two_sharded_ranks_step_as_one_process_with_their_joint_batch() -> None:
     """``--fsdp``'s ``ShardedGroup`` driven as the node's loop drives it, against one process
     on the node's whole draw: the blocks and root sharded across 2 ranks, gradients
     accumulated over 2 batches (unreduced until the last) then reduce-scattered and clipped by
-    the whole model's norm, AdamW over the shards; the gathered parameters follow the single
-    process's within float error, each phase starting from the plain model."""
+    the whole model's norm, AdamW over the shards, started from a resumed checkpoint's AdamW
+    state (scattered into the shards); the gathered parameters and AdamW state (what DiLoCo's
+    checkpoint carries) follow the single process's within float error."""
     config = with_data_fingerprint(
         RunConfig().replace(
             run={"id": "fsdp", "rounds": 2},
@@ -219,15 +220,25 @@ def test_two_sharded_ranks_step_as_one_process_with_their_joint_batch() -> None:
     )  # fmt: skip
     training, corpus = config.training, load_stdlib_corpus()
     draw = {"run_seed": run_seed_of("fsdp"), "peer_id": b"peer", "steps": 6, "context": 16}
-    alone, plain = build_model(config), build_model(config)
-    alone_optimizer = inner_optimizer(alone, training)
+
+    def resumed() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = build_model(config)
+        optimizer = inner_optimizer(model, training)
+        accumulate(model, [inner_batches(corpus, round=9, batch_size=4, **draw)[0]], training)
+        optimizer.step()  # the state a checkpoint would give back
+        optimizer.zero_grad()
+        return model, optimizer
+
+    alone, alone_optimizer = resumed()
+    plain, plain_optimizer = resumed()
     ranks = LocalRanks(config, b"peer", 2, torch.device("cpu"), threads=1, fsdp=True)
     try:
-        ranks.connect(plain, inner_optimizer(plain, training))
+        ranks.connect(plain, plain_optimizer)
         for round in range(2):
             whole = inner_batches(corpus, round=round, batch_size=4, **draw)
             mine = inner_batches(corpus, round=round, batch_size=2, shard=ranks.shard, **draw)
-            ranks.begin_sharded_phase(round, 3, plain)
+            ranks.begin_sharded_phase(round, 3, plain, plain_optimizer)
+            assert not plain_optimizer.state  # the shards hold it now
             for step in range(3):
                 set_lr(alone_optimizer, training, round * 3 + step, 6)
                 accumulate(alone, whole[2 * step : 2 * step + 2], training)
@@ -237,8 +248,15 @@ def test_two_sharded_ranks_step_as_one_process_with_their_joint_batch() -> None:
                 loss, _ = ranks.sharded.step(mine[2 * step : 2 * step + 2])
                 ranks.mean_loss(loss)
             local = torch.empty(sum(p.numel() for p in plain.parameters()))
-            ranks.end_sharded_phase(local)
+            ranks.end_sharded_phase(local, plain, plain_optimizer)
             torch.nn.utils.vector_to_parameters(local, plain.parameters())
+            for mine_p, theirs in zip(plain.parameters(), alone.parameters(), strict=True):
+                ours, its = plain_optimizer.state[mine_p], alone_optimizer.state[theirs]
+                assert float(ours["step"]) == float(its["step"]) == 4 + 3 * round
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.allclose(ours[key], its[key], atol=1e-6), key
+            if round == 0:
+                plain_optimizer.state.clear()  # the node's loop, after the round's checkpoint
         assert ranks.digests.agree is True and ranks.digests.phases == 2, ranks.digests
     finally:
         ranks.close()
