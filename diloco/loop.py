@@ -254,14 +254,18 @@ class DiLoCo:
         outcome, self._outcome = self._outcome, None
         return outcome
 
-    def finish_inner_phase(self, local: torch.Tensor, samples: float) -> RoundOutcome:
+    def finish_inner_phase(
+        self, local: torch.Tensor, samples: float, *, from_model: bool = False
+    ) -> RoundOutcome:
         """Run the round for an inner phase computed outside the inner optimizer, from the
         global parameters (a verified run's RepOps task): ``local`` is the flat float32 vector
         of parameters it ended at, ``samples`` what it processed. Progress an earlier failed
         round carried is dropped with its weight: the task started from the global state, not
-        from it. Blocks for the averaging and checkpoints, as the H-th ``step`` does. Raises
-        ValueError for a vector of the wrong shape, or in overlap mode (no such phase there).
-        Returns the round's outcome."""
+        from it. ``from_model``: the phase started from the model's parameters instead (a node's
+        sharded ranks, ``--fsdp``), which after a failed round still hold that round's progress,
+        so its weight is kept as ``step`` keeps it. Blocks for the averaging and checkpoints,
+        as the H-th ``step`` does. Raises ValueError for a vector of the wrong shape, or in
+        overlap mode (no such phase there). Returns the round's outcome."""
         if self.overlap:
             raise ValueError("finish_inner_phase needs synchronous rounds (overlap=False)")
         if len(self.fragments) > 1:
@@ -269,7 +273,7 @@ class DiLoCo:
         if local.dtype != torch.float32 or local.shape != (self._store.numel,):
             raise ValueError("local must be a flat float32 vector of the parameters' size")
         self._write_model(local)
-        self._samples = [float(samples)]
+        self._samples = [float(samples) + (self._samples[0] if from_model else 0.0)]
         self._local_step = 0
         self._synchronous_round()
         self._save_checkpoint()

@@ -9,7 +9,7 @@
                         [--announce MA ...] [--dashboard-port PORT [--dashboard-host HOST]]
     swarmtrain node     --join MULTIADDR [--role server|trainer] [--state-dir DIR]
                         [--device auto|cpu|cuda] [--json PATH] [--listen MULTIADDR ...]
-                        [--allow-model MODULE:FUNCTION ...] [--nproc-per-node K]
+                        [--allow-model MODULE:FUNCTION ...] [--nproc-per-node K [--fsdp]]
     swarmtrain status   --join MULTIADDR [--json] [--probe]
     swarmtrain local    [--config run.toml] [--peers N] [--rounds R] [--inner-steps H]
                         [--workdir DIR] [--json PATH] [--nproc-per-node K] [--dashboard-port PORT]
@@ -246,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
         "NCCL on CUDA, one device each); this one stays the swarm peer; --threads is shared "
         "among them; not for pipeline or verified runs [1]",
     )
+    p_node.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="with --nproc-per-node K >= 2: the K ranks shard the model, its gradients and the "
+        "inner AdamW state (FSDP2) instead of each holding all of them, for a model that does "
+        "not fit one device; not with training.overlap, fragments > 1 or fp16 [off]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     p_node.add_argument(
         "--token",
@@ -461,6 +468,7 @@ def _main_node(args: argparse.Namespace) -> int:
             role=args.role,
             allow_models=tuple(args.allow_model),
             nproc_per_node=args.nproc_per_node,
+            fsdp=args.fsdp,
             faults=Faults(
                 task=args.cheat,
                 reduce_round=args.cheat_reduce,

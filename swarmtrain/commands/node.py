@@ -56,7 +56,7 @@ from swarmtrain.runtime import PeerRuntime
 from swarmtrain.tracking import Tracker
 from swarmtrain.training.loop import NodeSummary, averager_config, train
 from swarmtrain.training.ranks import LocalRanks
-from swarmtrain.training.ranks_plan import check_nproc, check_run, threads_per_rank
+from swarmtrain.training.ranks_plan import check_fsdp, check_nproc, check_run, threads_per_rank
 from swarmtrain.training.workload import build_model, check_data, load_data
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ class NodeOptions:
     # Local data-parallel ranks of the inner phase (``--nproc-per-node``): this process is
     # rank 0, the swarm peer; it spawns the others (``swarmtrain.training.ranks``).
     nproc_per_node: int = 1
+    # ``--fsdp``: those ranks shard the model (FSDP2) instead of each holding a replica.
+    fsdp: bool = False
     # ``--metrics-port``: fed the node's rounds and sampled from its p2p node; None: off.
     metrics: Metrics | None = None
     # ``--log-to``: experiment trackers fed the same rounds (``swarmtrain.tracking``).
@@ -103,6 +105,11 @@ class NodeOptions:
                 raise ValueError(f"--allow-model {factory!r}: expected MODULE:FUNCTION")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.fsdp and self.nproc_per_node < 2:
+            raise ValueError(
+                "--fsdp shards the model across the node's local ranks: it needs "
+                f"--nproc-per-node 2 or more, got {self.nproc_per_node}"
+            )
 
 
 def _admit(
@@ -217,6 +224,8 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         local_data = corpus.result() if config.data.kind == "stdlib" else load_data(config)
         check_data(config, local_data)
         check_run(nproc, config)  # a pipeline or verified run refuses several local ranks
+        if options.fsdp:
+            check_fsdp(nproc, config)
         if config.is_pipeline:
             summary = _run_pipeline(options, config, runtime, coordinator, emit)
         else:
@@ -250,9 +259,14 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
             if nproc > 1:
                 # Spawned now, so they load the data and build the model while we join.
                 ranks = LocalRanks(
-                    config, runtime.peer_id.to_bytes(), nproc, device, torch.get_num_threads()
+                    config, runtime.peer_id.to_bytes(), nproc, device, torch.get_num_threads(),
+                    fsdp=options.fsdp,
+                )  # fmt: skip
+                sharding = ", sharding the model (FSDP2)" if options.fsdp else ""
+                emit(
+                    f"{nproc} local ranks ({device.type}){sharding}: this process is rank 0, "
+                    "the peer"
                 )
-                emit(f"{nproc} local ranks ({device.type}): this process is rank 0, the peer")
             averager = swarm.Averager(
                 node,
                 dataclasses.replace(averager_config(config, coordinator), admit=admit),

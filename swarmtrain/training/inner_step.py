@@ -6,21 +6,29 @@ narrow range underflows small gradients unless the loss is scaled up first), and
 clip. The optimizer step itself is DiLoCo's
 (``DiLoCo.step``), which runs the round on the H-th. On a node of several local ranks
 (``--nproc-per-node``) the batches go through the ranks' ``DistributedDataParallel`` wrapper,
-which averages the gradients across ranks in the last batch's backward, before the clip."""
+which averages the gradients across ranks in the last batch's backward, before the clip
+(with ``--fsdp``: the sharded root, which reduce-scatters them to their shards)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
-from typing import TYPE_CHECKING
+from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from torch.nn.parallel import DistributedDataParallel
-
 from diloco import lr_factor
 from swarmtrain.config import TrainingSection
+
+
+class RankForward(Protocol):
+    """The model's loss across a node's local ranks: ``DistributedDataParallel`` (its forward
+    is ``model.loss``) or a ``--fsdp`` node's sharded root; ``no_sync`` for the batches
+    before a step's last."""
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+    def no_sync(self) -> AbstractContextManager[object]: ...
 
 
 def inner_optimizer(model: torch.nn.Module, training: TrainingSection) -> torch.optim.Optimizer:
@@ -56,7 +64,7 @@ def accumulate(
     model: torch.nn.Module,
     micro: Sequence[tuple[torch.Tensor, torch.Tensor]],
     training: TrainingSection,
-    ddp: DistributedDataParallel | None = None,
+    ddp: RankForward | None = None,
     scaler: torch.amp.GradScaler | None = None,
     optimizer: torch.optim.Optimizer | None = None,
 ) -> tuple[float, int]:

@@ -403,6 +403,8 @@ def native_inner_phase(
     other ranks (``ranks.shard`` of the node's draw), its gradients averaged across them, its
     loss and tokens the node's.
     (losses, tokens, inner seconds, the outcome of the round the H-th step finished, if any)"""
+    if ranks is not None and ranks.fsdp:
+        return _sharded_inner_phase(config, diloco, corpus, peer_bytes, progress, ranks)
     training = config.training
     steps, micro = training.inner_steps, training.grad_accumulation
     if ranks is not None:
@@ -446,6 +448,58 @@ def native_inner_phase(
     finally:
         progress.stop()
     assert outcome is not None or diloco.overlap, "the inner phase ended without its round"
+    return losses, tokens, inner_s, outcome
+
+
+def _sharded_inner_phase(
+    config: RunConfig,
+    diloco: DiLoCo,
+    corpus: Corpus,
+    peer_bytes: bytes,
+    progress: InnerProgress,
+    ranks: LocalRanks,
+) -> tuple[list[float], int, float, RoundOutcome]:
+    """``--fsdp``: the H steps on the ranks' sharded copy, from DiLoCo's model (scattered into
+    the shards), on the node's batches as ``native_inner_phase`` shares them; then every rank
+    gathers the full parameters, which DiLoCo's round takes as the phase's end
+    (``finish_inner_phase``; ``ranks_plan.check_fsdp`` refused overlap and fragments), and the
+    inner AdamW state, which its checkpoint carries (a resume scatters it back)."""
+    training = config.training
+    steps, micro = training.inner_steps, training.grad_accumulation
+    sharded = ranks.sharded
+    ranks.begin_sharded_phase(diloco.round, steps, diloco.model, diloco.inner_optimizer)
+    batches = inner_batches(
+        corpus,
+        run_seed=run_seed_of(config.run.id),
+        round=diloco.round,
+        peer_id=peer_bytes,
+        steps=steps * micro,
+        batch_size=training.batch_size,
+        context=training.sequence_length,
+        shard=ranks.shard,
+    )
+    started = time.perf_counter()
+    losses: list[float] = []
+    tokens = 0
+    progress.start(diloco.round, steps)
+    try:
+        for step in range(steps):
+            set_lr(sharded.optimizer, training, diloco.round * steps + step,
+                   config.run.rounds * steps)  # fmt: skip
+            loss, step_tokens = sharded.step(batches[step * micro : (step + 1) * micro])
+            loss, step_tokens = ranks.mean_loss(loss), step_tokens * ranks.nproc
+            losses.append(loss)
+            tokens += step_tokens
+            progress.step(loss, step_tokens)
+        numel = sum(p.numel() for p in diloco.model.parameters() if p.requires_grad)
+        local = torch.empty(numel, dtype=torch.float32)  # DiLoCo's flat vector
+        ranks.end_sharded_phase(local, diloco.model, diloco.inner_optimizer)
+        inner_s = time.perf_counter() - started
+    finally:
+        progress.stop()
+    outcome = diloco.finish_inner_phase(local, samples=tokens, from_model=True)
+    # Checkpointed with the round: the ranks keep their shards of it, rank 0 no whole copy.
+    diloco.inner_optimizer.state.clear()
     return losses, tokens, inner_s, outcome
 
 

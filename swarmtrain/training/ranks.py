@@ -22,10 +22,18 @@ Rank 0 then runs the round alone and contributes once, weighted by all ranks' to
 end it sends ``STOP``; on an error or Ctrl+C in the middle of a phase (when the others wait in
 a collective) it terminates them. A rank whose parent died leaves within a second; SIGINT is
 ignored by the ranks (a terminal's Ctrl+C reaches the whole process group: rank 0 decides).
+
+With ``--fsdp`` (``ShardedGroup``) the ranks shard a training copy of the model instead of each
+holding a DDP replica: step 2 scatters rank 0's parameters into the shards, the steps run on
+FSDP2 (gradients reduce-scattered), and step 4 gathers the full parameters, which rank 0 hands
+to DiLoCo's round (``training.loop._sharded_inner_phase``), and the inner AdamW state, which
+the round's checkpoint carries whole (rank 0 lets it go after; a resume scatters it back).
 """
 
 from __future__ import annotations
 
+import copy
+import ctypes
 import datetime
 import hashlib
 import logging
@@ -43,10 +51,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco import Corpus, inner_batches
-from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.config import RunConfig, TrainingSection, run_seed_of
 from swarmtrain.training.inner_step import accumulate, grad_scaler, inner_optimizer, set_lr
 from swarmtrain.training.ranks_plan import FLAG, Control, Op, RankDigests, control_key
 from swarmtrain.training.workload import build_model, check_data, load_data
@@ -58,6 +69,13 @@ READY_TIMEOUT_S = 180.0  # a rank's start: import torch, load the data, build th
 COLLECTIVE_TIMEOUT_S = 300.0  # one collective of a phase (a step's gradients, a broadcast)
 STOP_GRACE_S = 10.0
 POLL_S = 0.05
+# ``--fsdp`` on the CPU: allocations from this size up get their own mmap, given back to the OS
+# when freed. glibc's default threshold rises to the largest chunk freed (up to 32 MiB), after
+# which FSDP's per-block gather buffers and the sync's per-tensor copies come from the heap,
+# which fragments and never shrinks: bench.ranks_memory measured a rank's peak above a DDP
+# replica's that way, and well under it with the threshold pinned.
+MMAP_THRESHOLD_BYTES = 128 << 10
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (glibc's malloc.h)
 
 
 @dataclass(frozen=True)
@@ -72,6 +90,7 @@ class RankJob:
     device: str  # "cpu" | "cuda"
     threads: int
     port: int
+    fsdp: bool = False  # ``--fsdp``: the ranks shard the model (``ShardedGroup``)
 
 
 class _Loss(nn.Module):
@@ -158,6 +177,173 @@ def _on_cpu(value: Any) -> Any:
     return value
 
 
+class _ShardedForward:
+    """The sharded root as ``accumulate`` drives a rank wrapper: called for the loss, and
+    ``no_sync`` for the batches before the last (FSDP2 keeps their gradients unreduced)."""
+
+    def __init__(self, root: FSDPModule) -> None:
+        self.root = root
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.root(inputs, targets)  # type: ignore[operator,no-any-return]
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.root.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.root.set_requires_gradient_sync(True)
+
+
+def shard(model: nn.Module, mesh: DeviceMesh) -> FSDPModule:
+    """FSDP2 over ``model`` in place: each block of its top-level ``nn.ModuleList``s (a
+    transformer's layers: one all-gather per block in the forward, freed after it) is a unit,
+    the rest (embeddings, head, norms) the root's, whose module is the loss wrapper (FSDP2
+    gathers a unit in its ``forward``; the model's ``loss`` is not one). Returns the root."""
+    done: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or any(name.startswith(d + ".") for d in done):
+            continue
+        for block in module:
+            fully_shard(block, mesh=mesh)
+        done.append(name)
+    root = fully_shard(_Loss(model), mesh=mesh)
+    assert isinstance(root, FSDPModule)
+    return root
+
+
+class ShardedGroup:
+    """One rank's side of a ``--fsdp`` node: its shard of a training copy of the model (FSDP2,
+    ``shard``) and an inner AdamW over the shards only (its moments sharded too: the memory
+    FSDP saves); the same collectives in the same order on every rank. Rank 0's plain model
+    (DiLoCo's) is where a phase starts and ends: ``sync`` scatters it into the shards, ``end``
+    gathers them back."""
+
+    def __init__(self, model: nn.Module, training: TrainingSection, rank: int, nproc: int):
+        self.rank, self.nproc, self.training = rank, nproc, training
+        self.device = next(model.parameters()).device
+        self.mesh = init_device_mesh(self.device.type, (nproc,))
+        self.root = shard(model, self.mesh)
+        self.model = model  # its parameters are now DTensors, each rank holding a shard
+        self.forward = _ShardedForward(self.root)
+        self.optimizer = inner_optimizer(model, training)
+
+    def _trainable(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def sync(self, plain: nn.Module | None) -> None:
+        """Every rank's shard of rank 0's ``plain`` parameters (None on the other ranks), a
+        tensor at a time (a scatter: no rank holds the whole model for this); buffers
+        broadcast."""
+        sources = dict(self._trainable(plain)) if plain is not None else {}
+        with torch.no_grad():
+            for name, param in self._trainable(self.model):
+                assert isinstance(param, DTensor)
+                full = sources[name].detach() if plain is not None else None
+                if full is None:
+                    full = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+                piece = distribute_tensor(
+                    full.to(self.device), param.device_mesh, param.placements, src_data_rank=0
+                )
+                param.to_local().copy_(piece.to_local())
+            buffers = dict(plain.named_buffers()) if plain is not None else {}
+            for name, buffer in self.model.named_buffers():
+                if plain is not None:
+                    buffer.copy_(buffers[name])
+                dist.broadcast(buffer, src=0)
+
+    def gather_optimizer(self, plain: nn.Module | None, into: torch.optim.Optimizer | None) -> None:
+        """Every rank gathers the inner AdamW state a tensor at a time; rank 0 puts it in
+        ``into`` (DiLoCo's optimizer over ``plain``), whose checkpoint then carries it."""
+        targets = dict(self._trainable(plain)) if plain is not None else {}
+        for name, param in self._trainable(self.model):
+            state = self.optimizer.state.get(param)
+            if not state:
+                continue  # every rank stepped the same: none has state for it either
+            full = {
+                key: value.full_tensor() if isinstance(value, DTensor) else value.clone()
+                for key, value in state.items()
+            }
+            if into is not None:
+                into.state[targets[name]] = full
+
+    def scatter_optimizer(
+        self, plain: nn.Module | None, source: torch.optim.Optimizer | None
+    ) -> None:
+        """Every rank's shard of rank 0's inner AdamW state (``source``, over ``plain``: a
+        resumed checkpoint's), a tensor at a time; a parameter without state gets none."""
+        sources = dict(self._trainable(plain)) if plain is not None else {}
+        self.optimizer.state.clear()
+        for name, param in self._trainable(self.model):
+            assert isinstance(param, DTensor)
+            state = source.state.get(sources[name], {}) if source is not None else {}
+            has = torch.tensor([1.0 if state else 0.0, float(state.get("step", 0))])
+            dist.broadcast(has, src=0)
+            if not has[0]:
+                continue
+            shard: dict[str, Any] = {"step": torch.tensor(float(has[1]))}
+            for key in ("exp_avg", "exp_avg_sq"):
+                full = state[key] if key in state else torch.empty(param.shape, dtype=param.dtype)
+                shard[key] = distribute_tensor(
+                    full.to(self.device), param.device_mesh, param.placements, src_data_rank=0
+                )
+            self.optimizer.state[param] = shard
+
+    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+        """One inner step on this rank's batches (FSDP reduce-scatters the gradients across
+        ranks, the clip's norm is the whole model's). Returns (this rank's loss, tokens)."""
+        loss, tokens = accumulate(self.model, micro, self.training, self.forward)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, tokens
+
+    def mean_loss(self, loss: float) -> float:
+        total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return float(total) / self.nproc
+
+    def end(self, out: torch.Tensor | None) -> list[str]:
+        """The phase's end: every rank gathers the full parameters a tensor at a time (rank 0
+        writes them into ``out``, DiLoCo's flat float32 vector) and hashes them with its
+        buffers and its optimizer's replicated state (step counts, settings); returns every
+        rank's digest, by rank. The shards themselves exist once each, so there is no second
+        copy to compare them with: equal digests say every rank took part in the gather and
+        holds the same replicated state."""
+        hasher = hashlib.sha256(b"swarmtrain/ranks/sharded-digest/1")
+        offset = 0
+        with torch.no_grad():
+            for _, param in self._trainable(self.model):
+                assert isinstance(param, DTensor)
+                full = param.full_tensor()
+                hasher.update(_raw(full))
+                if out is not None:
+                    out[offset : offset + full.numel()].copy_(full.reshape(-1))
+                offset += full.numel()
+                del full
+        for buffer in self.model.buffers():
+            hasher.update(_raw(buffer))
+        for param in self.optimizer.state:
+            step = self.optimizer.state[param].get("step")
+            hasher.update(repr(float(step) if torch.is_tensor(step) else step).encode())
+        for group in self.optimizer.param_groups:
+            hasher.update(repr({k: v for k, v in group.items() if k != "params"}).encode())
+        mine = torch.tensor(list(hasher.digest()), dtype=torch.uint8, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(self.nproc)]
+        dist.all_gather(every, mine)
+        return [bytes(d.cpu().tolist()).hex() for d in every]
+
+
+def pin_mmap_threshold() -> bool:
+    """Pin this process's glibc mmap threshold (``MMAP_THRESHOLD_BYTES``); False where the C
+    library is not glibc (nothing changed)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def _backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
@@ -172,10 +358,20 @@ class LocalRanks:
     ``mean_loss`` each step, ``close`` at the end. ``digests``: the ranks' agreement."""
 
     def __init__(
-        self, config: RunConfig, peer_id: bytes, nproc: int, device: torch.device, threads: int
+        self,
+        config: RunConfig,
+        peer_id: bytes,
+        nproc: int,
+        device: torch.device,
+        threads: int,
+        *,
+        fsdp: bool = False,
     ) -> None:
         self.nproc = nproc
         self.device = device
+        self.fsdp = fsdp
+        self._training = config.training
+        self._sharded: ShardedGroup | None = None
         self.digests = RankDigests()
         self._store = dist.TCPStore(
             HOST, 0, nproc, is_master=True, wait_for_workers=False,
@@ -190,15 +386,27 @@ class LocalRanks:
         self._procs = [
             context.Process(
                 target=rank_main,
-                args=(RankJob(config, peer_id, k, nproc, device.type, threads, self._store.port),),
+                args=(
+                    RankJob(
+                        config, peer_id, k, nproc, device.type, threads, self._store.port, fsdp
+                    ),
+                ),
                 name=f"swarmtrain-rank{k}",
                 daemon=True,  # multiprocessing ends them if this process exits without close()
             )
             for k in range(1, nproc)
         ]
-        with _sigint_ignored():  # inherited: Ctrl+C in a terminal is rank 0's to handle
-            for proc in self._procs:
-                proc.start()
+        pinned = fsdp and device.type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+        if pinned:
+            pin_mmap_threshold()
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)  # the ranks' too
+        try:
+            with _sigint_ignored():  # inherited: Ctrl+C in a terminal is rank 0's to handle
+                for proc in self._procs:
+                    proc.start()
+        finally:
+            if pinned:
+                del os.environ["MALLOC_MMAP_THRESHOLD_"]
 
     @property
     def shard(self) -> tuple[int, int]:
@@ -229,9 +437,52 @@ class LocalRanks:
             _backend(self.device.type), store=self._store, rank=0, world_size=self.nproc,
             timeout=_timeout(COLLECTIVE_TIMEOUT_S),
         )  # fmt: skip
+        if self.fsdp:
+            # A training copy to shard: DiLoCo keeps ``model`` whole (its rounds, checkpoints
+            # and state sync see plain tensors); ``optimizer`` (DiLoCo's) never steps.
+            self._sharded = ShardedGroup(copy.deepcopy(model), self._training, 0, self.nproc)
+            log.info("%d local ranks joined (%s), sharding the model (FSDP2)",
+                     self.nproc, _backend(self.device.type))  # fmt: skip
+            return
         self._group = RankGroup(model, optimizer, 0, self.nproc)
         optimizer.register_step_post_hook(self._after_step)
         log.info("%d local ranks joined (%s)", self.nproc, _backend(self.device.type))
+
+    @property
+    def sharded(self) -> ShardedGroup:
+        assert self._sharded is not None, "connect() a --fsdp node first"
+        return self._sharded
+
+    def begin_sharded_phase(
+        self, round: int, steps: int, plain: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """``--fsdp``: start inner phase ``round`` on every rank from ``plain`` (DiLoCo's model:
+        its parameters scattered into the ranks' shards) and, when ``optimizer`` (DiLoCo's)
+        holds state (a resumed checkpoint's), its AdamW moments, which it then lets go."""
+        state = bool(optimizer.state)
+        if state:
+            log.info("round %d: the ranks take our inner optimizer state, sharded", round)
+        self._send(Control(Op.TRAIN, round, steps, optimizer_state=state))
+        self._phase, self._steps = (round, steps), 0
+        self.sharded.sync(plain)
+        if state:
+            self.sharded.scatter_optimizer(plain, optimizer)
+            optimizer.state.clear()  # the shards hold it now; DiLoCo's copy is whole
+
+    def end_sharded_phase(
+        self, out: torch.Tensor, plain: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """``--fsdp``: after the phase's last step, gather the full parameters into ``out``
+        (DiLoCo's flat float32 vector), record the ranks' digests, and gather the inner AdamW
+        state into ``optimizer`` (DiLoCo's, over ``plain``), whose next checkpoint carries it
+        (the caller clears it after)."""
+        assert self._phase is not None, "begin_sharded_phase() first"
+        round, _ = self._phase
+        digests = self.sharded.end(out)
+        self.sharded.gather_optimizer(plain, optimizer)
+        self._phase = None
+        if not self.digests.record(round, digests):
+            log.error("round %d: the node's ranks disagree after the gather: %s", round, digests)
 
     def begin_phase(self, round: int, steps: int) -> None:
         """Start inner phase ``round`` of ``steps`` steps on every rank, from our parameters."""
@@ -246,6 +497,8 @@ class LocalRanks:
         self._resend_state = False
 
     def mean_loss(self, loss: float) -> float:
+        if self._sharded is not None:
+            return self._sharded.mean_loss(loss)
         assert self._group is not None
         return self._group.mean_loss(loss)
 
@@ -283,7 +536,7 @@ class LocalRanks:
     def close(self, error: str = "") -> None:
         """Stop the other ranks: ``STOP`` between phases, else (they wait in a collective of a
         phase we left) terminate them; bounded either way."""
-        mid_phase = self._phase is not None or self._group is None
+        mid_phase = self._phase is not None or (self._group is None and self._sharded is None)
         if not mid_phase:
             try:
                 self._send(Control(Op.STOP, error=error))
@@ -348,10 +601,21 @@ def rank_main(job: RankJob) -> None:
             _backend(job.device), store=store, rank=job.rank, world_size=job.nproc,
             timeout=_timeout(COLLECTIVE_TIMEOUT_S),
         )  # fmt: skip
+        sequence = 0
+        if job.fsdp:
+            del optimizer  # the sharded group's own is over the shards
+            sharded = ShardedGroup(model, job.config.training, job.rank, job.nproc)
+            while (control := _next_control(store, sequence)).op is Op.TRAIN:
+                sequence += 1
+                sharded.sync(None)
+                if control.optimizer_state:
+                    sharded.scatter_optimizer(None, None)
+                _sharded_phase(sharded, corpus, job, control)
+            dist.destroy_process_group()
+            return
         group = RankGroup(
             model, optimizer, job.rank, job.nproc, grad_scaler(model, job.config.training)
         )
-        sequence = 0
         while (control := _next_control(store, sequence)).op is Op.TRAIN:
             sequence += 1
             group.sync(control)
@@ -400,6 +664,30 @@ def _phase(group: RankGroup, corpus: Corpus, job: RankJob, control: Control) -> 
             group.scaler.update()
         group.optimizer.zero_grad(set_to_none=True)
     group.digests()
+
+
+def _sharded_phase(group: ShardedGroup, corpus: Corpus, job: RankJob, control: Control) -> None:
+    """A ``--fsdp`` rank's inner phase ``control.round``: what rank 0's
+    ``training.loop._sharded_inner_phase`` does, less DiLoCo's round."""
+    training = job.config.training
+    micro = training.grad_accumulation
+    batches = inner_batches(
+        corpus,
+        run_seed=run_seed_of(job.config.run.id),
+        round=control.round,
+        peer_id=job.peer_id,
+        steps=control.steps * micro,
+        batch_size=training.batch_size,
+        context=training.sequence_length,
+        shard=(job.rank, job.nproc),
+    )
+    total = job.config.run.rounds * control.steps
+    for step in range(control.steps):
+        set_lr(group.optimizer, training, control.round * control.steps + step, total)
+        loss, _ = group.step(batches[step * micro : (step + 1) * micro])
+        group.mean_loss(loss)
+    group.end(None)
+    group.gather_optimizer(None, None)
 
 
 def _leave_with_parent(parent: int) -> None:

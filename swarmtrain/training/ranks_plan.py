@@ -12,6 +12,7 @@ from enum import Enum
 from swarmtrain.config import RunConfig
 
 FLAG = "--nproc-per-node"
+FSDP_FLAG = "--fsdp"
 
 
 def check_nproc(nproc: int, device: str, *, cuda_devices: int, cpus: int) -> None:
@@ -44,6 +45,34 @@ def check_run(nproc: int, config: RunConfig) -> None:
             f"{FLAG} {nproc}: run {config.run.id} is a verified run (verify.rate = "
             f"{config.verify.rate}), whose inner phases are RepOps tasks of one process: run the "
             f"node without {FLAG}"
+        )
+
+
+def check_fsdp(nproc: int, config: RunConfig) -> None:
+    """Raise ValueError (one line naming ``--fsdp``) when the node's ranks cannot shard the
+    model: fewer than 2 ranks (nothing to shard across), a pipeline or verified run (as for
+    several ranks at all), or settings the sharded phase does not run: its round is
+    ``DiLoCo.finish_inner_phase`` on the gathered parameters, which needs synchronous rounds
+    of the whole model (no ``overlap``, ``fragments`` = 1), and fp16's gradient scaler is not
+    wired to the sharded optimizer (bf16 needs none)."""
+    if nproc < 2:
+        raise ValueError(
+            f"{FSDP_FLAG} shards the model across the node's local ranks: it needs {FLAG} 2 or "
+            f"more, got {nproc}"
+        )
+    check_run(nproc, config)
+    training, why = config.training, ""
+    if training.overlap:
+        why = "training.overlap = true (a sharded phase ends in its own round)"
+    elif training.fragments > 1:
+        why = (
+            f"training.fragments = {training.fragments} (a sharded phase averages the whole model)"
+        )
+    elif training.precision == "fp16":
+        why = 'training.precision = "fp16" (no gradient scaler for sharded gradients; use "bf16")'
+    if why:
+        raise ValueError(
+            f"{FSDP_FLAG}: run {config.run.id} has {why}: run the node without {FSDP_FLAG}"
         )
 
 

@@ -173,3 +173,93 @@ def test_two_ranks_step_as_one_process_with_their_joint_batch_and_take_a_resumed
     assert not any(proc.is_alive() for proc in ranks._procs)
     for mine, theirs in zip(model.parameters(), alone.parameters(), strict=True):
         assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
+
+
+def test_an_fsdp_node_and_a_plain_one_agree_every_round_and_learn(tmp_path: Path) -> None:
+    """``--fsdp``: the node's 2 ranks shard the model (FSDP2); each phase starts from the
+    node's DiLoCo model, ends in the gathered parameters, and the round's state is the same
+    bytes as the plain peer's; the ranks agree on the gathered parameters and the loss falls."""
+    coordinator, join = start_coordinator(tmp_path, rounds=3, inner_steps=4, settings=SETTINGS)
+    try:
+        sharded = node(join, tmp_path / "a", "--nproc-per-node", "2", "--fsdp")
+        plain = node(join, tmp_path / "b")
+        for peer in (sharded, plain):
+            assert wait_exit(peer, 120) == 0, peer.stderr[-3000:]
+    finally:
+        coordinator.stop()
+    two, one = [json.loads((tmp_path / n / "summary.json").read_text()) for n in "ab"]
+    assert two["nproc_per_node"] == 2 and two["ranks_agree"] is True, two
+    assert len(two["rank_digests"]) == 2 and len(set(two["rank_digests"])) == 1, two
+    assert two["state_hash"] == one["state_hash"], (two, one)
+    for peer, summary in ((sharded, two), (plain, one)):
+        assert summary["rounds_contributed"] == 3, (summary, peer.lines)
+        rounds = [s for s in peer.lines if ROUND_LINE.match(s)]
+        assert len(rounds) == 3 and all("peers 2" in s and "agree yes (2/2)" in s for s in rounds)
+        assert "Traceback" not in peer.stderr, peer.stderr[-3000:]
+        losses = summary["round_losses"]
+        assert losses["2"] < losses["0"] - 0.1, losses
+    assert "2 local ranks (cpu), sharding the model (FSDP2): this process is rank 0, the peer" in (
+        sharded.lines
+    )
+
+
+def test_two_sharded_ranks_step_as_one_process_with_their_joint_batch() -> None:
+    """``--fsdp``'s ``ShardedGroup`` driven as the node's loop drives it, against one process
+    on the node's whole draw: the blocks and root sharded across 2 ranks, gradients
+    accumulated over 2 batches (unreduced until the last) then reduce-scattered and clipped by
+    the whole model's norm, AdamW over the shards, started from a resumed checkpoint's AdamW
+    state (scattered into the shards); the gathered parameters and AdamW state (what DiLoCo's
+    checkpoint carries) follow the single process's within float error."""
+    config = with_data_fingerprint(
+        RunConfig().replace(
+            run={"id": "fsdp", "rounds": 2},
+            model={"d_model": 32, "n_layers": 2, "n_heads": 2, "context": 16},
+            training={"inner_steps": 3, "batch_size": 2, "sequence_length": 16,
+                      "grad_clip": 0.5, "grad_accumulation": 2},
+        )
+    )  # fmt: skip
+    training, corpus = config.training, load_stdlib_corpus()
+    draw = {"run_seed": run_seed_of("fsdp"), "peer_id": b"peer", "steps": 6, "context": 16}
+
+    def resumed() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = build_model(config)
+        optimizer = inner_optimizer(model, training)
+        accumulate(model, [inner_batches(corpus, round=9, batch_size=4, **draw)[0]], training)
+        optimizer.step()  # the state a checkpoint would give back
+        optimizer.zero_grad()
+        return model, optimizer
+
+    alone, alone_optimizer = resumed()
+    plain, plain_optimizer = resumed()
+    ranks = LocalRanks(config, b"peer", 2, torch.device("cpu"), threads=1, fsdp=True)
+    try:
+        ranks.connect(plain, plain_optimizer)
+        for round in range(2):
+            whole = inner_batches(corpus, round=round, batch_size=4, **draw)
+            mine = inner_batches(corpus, round=round, batch_size=2, shard=ranks.shard, **draw)
+            ranks.begin_sharded_phase(round, 3, plain, plain_optimizer)
+            assert not plain_optimizer.state  # the shards hold it now
+            for step in range(3):
+                set_lr(alone_optimizer, training, round * 3 + step, 6)
+                accumulate(alone, whole[2 * step : 2 * step + 2], training)
+                alone_optimizer.step()
+                alone_optimizer.zero_grad()
+                set_lr(ranks.sharded.optimizer, training, round * 3 + step, 6)
+                loss, _ = ranks.sharded.step(mine[2 * step : 2 * step + 2])
+                ranks.mean_loss(loss)
+            local = torch.empty(sum(p.numel() for p in plain.parameters()))
+            ranks.end_sharded_phase(local, plain, plain_optimizer)
+            torch.nn.utils.vector_to_parameters(local, plain.parameters())
+            for mine_p, theirs in zip(plain.parameters(), alone.parameters(), strict=True):
+                ours, its = plain_optimizer.state[mine_p], alone_optimizer.state[theirs]
+                assert float(ours["step"]) == float(its["step"]) == 4 + 3 * round
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.allclose(ours[key], its[key], atol=1e-6), key
+            if round == 0:
+                plain_optimizer.state.clear()  # the node's loop, after the round's checkpoint
+        assert ranks.digests.agree is True and ranks.digests.phases == 2, ranks.digests
+    finally:
+        ranks.close()
+    assert not any(proc.is_alive() for proc in ranks._procs)
+    for mine_p, theirs in zip(plain.parameters(), alone.parameters(), strict=True):
+        assert torch.allclose(mine_p, theirs, atol=1e-5), (mine_p - theirs).abs().max()

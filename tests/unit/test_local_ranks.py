@@ -20,6 +20,7 @@ from swarmtrain.training.ranks_plan import (
     Control,
     Op,
     RankDigests,
+    check_fsdp,
     check_nproc,
     check_run,
     control_key,
@@ -69,6 +70,37 @@ def test_pipeline_and_verified_runs_refuse_several_ranks() -> None:
         check_run(2, pipeline)
     with pytest.raises(ValueError, match=r"^--nproc-per-node 2: run v is a verified run"):
         check_run(2, verified)
+
+
+def test_fsdp_needs_two_ranks_and_a_run_whose_phase_ends_in_its_own_whole_round() -> None:
+    check_fsdp(2, RunConfig())
+    check_fsdp(4, RunConfig().replace(training={"precision": "bf16", "grad_accumulation": 2}))
+    with pytest.raises(ValueError, match=r"^--fsdp shards .* needs --nproc-per-node 2 or more"):
+        check_fsdp(1, RunConfig())
+    refused = {
+        "a pipeline run": {"pipeline": {"stages": 2}},
+        "a verified run": {"verify": {"rate": 0.5}},
+        "training.overlap = true": {"training": {"overlap": True}},
+        "training.fragments = 2": {"training": {"fragments": 2}},
+        'training.precision = "fp16"': {"training": {"precision": "fp16"}},
+    }
+    for why, keys in refused.items():
+        with pytest.raises(ValueError, match=why) as caught:
+            check_fsdp(2, RunConfig().replace(run={"id": "f"}, **keys))
+        assert "\n" not in str(caught.value), caught.value
+
+
+def test_node_refuses_fsdp_without_several_ranks_in_one_line_before_joining(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZiYVZb"
+    argv = ["node", "--join", nobody, "--state-dir", str(tmp_path / "n"), "--fsdp"]
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "swarmtrain node: --fsdp shards the model across the node's local ranks: it needs "
+        "--nproc-per-node 2 or more, got 1"
+    ]
+    assert not (tmp_path / "n").exists()
 
 
 def test_threads_are_shared_among_ranks_at_least_one_each() -> None:
