@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from diloco.causal_lm import build_causal_lm
@@ -194,6 +194,8 @@ VALUES = st.one_of(
         lambda c: msgpack.packb([c[0], {}, c[1]])
     ),
 ))  # fmt: skip
+# Found by hypothesis: two ints where add wants a tensor (the kernel read ``.device`` of an int).
+@example(attrs=b"\x93\x93\x00\x00\xd6\x01\x00\x00\x00\x00\x80\x00")
 def test_recompute_refuses_garbage_attrs_with_value_error(attrs: bytes) -> None:
     """What a lying provider can send the referee: garbage is a ValueError, never a crash."""
     with contextlib.suppress(ValueError):

@@ -284,5 +284,5 @@ def recompute(name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray:
         if not 0 <= output < len(outs):
             raise ValueError(f"{name} has no output {output}")
         return snapshot(outs[output])
-    except (RuntimeError, TypeError, IndexError, KeyError, ValueError, OverflowError) as error:
+    except Exception as error:  # a provider's bytes: whatever they make the kernel do, no crash
         raise ValueError(f"{name} cannot run on these inputs: {error}") from error
