@@ -85,17 +85,57 @@ from p2p import LocalProtocolError, Message, RemoteProtocolError, message
 
 MAX_PEER_ID_BYTES = 64
 MAX_DECLARATION_BYTES = 512
+# Records per sharded round key: well under p2p.dht's 1024-record and 512 KiB caps, and a
+# poll of one key (all replicas) stays under ~80 kB.
+RECORDS_PER_SHARD = 128
 _SEED_DOMAIN = b"swarmtrain/matchmaking/order/1\x00"
 _GROUP_DOMAIN = b"swarmtrain/matchmaking/group/1\x00"
+_SHARD_DOMAIN = b"swarmtrain/matchmaking/shard/1\x00"
 
 
-def round_key(run_id: str, round_number: int) -> bytes:
-    """The DHT key peers declare under for one round; each declaration is its owner's subkey."""
+def round_key(run_id: str, round_number: int, shard: int | None = None) -> bytes:
+    """The DHT key peers declare under for one round (``shard``: one of its sharded keys, see
+    ``round_keys``); each declaration is its owner's subkey."""
     if not run_id or "/" in run_id:
         raise ValueError(f"run id must be non-empty and contain no '/': {run_id!r}")
     if round_number < 0:
         raise ValueError(f"round must be >= 0, got {round_number}")
-    return f"run/{run_id}/round/{round_number}".encode()
+    if shard is None:
+        return f"run/{run_id}/round/{round_number}".encode()
+    if isinstance(shard, bool) or not isinstance(shard, int) or shard < 0:
+        raise ValueError(f"shard must be an int >= 0, got {shard!r}")
+    return f"run/{run_id}/round/{round_number}/{shard}".encode()
+
+
+def shard_count(expected_peers: int, per_shard: int = RECORDS_PER_SHARD) -> int:
+    """How many keys a round's declarations are spread over so that each holds about
+    ``per_shard`` of ``expected_peers`` (1: today's single key)."""
+    if expected_peers < 0 or per_shard < 1:
+        raise ValueError(f"need expected_peers >= 0 and per_shard >= 1, got {expected_peers}, {per_shard}")
+    return max(1, math.ceil(expected_peers / per_shard))
+
+
+def shard_of(peer_id: bytes, shards: int) -> int:
+    """The shard a peer declares under: a hash of its id, so no peer chooses its key."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    digest = hashlib.sha256(_SHARD_DOMAIN + peer_id).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def round_keys(run_id: str, round_number: int, shards: int) -> tuple[bytes, ...]:
+    """Every key of a round, by shard index: one shard is today's ``round_key(run, r)``."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if shards == 1:
+        return (round_key(run_id, round_number),)
+    return tuple(round_key(run_id, round_number, shard) for shard in range(shards))
+
+
+def clock_shard(round_number: int, shards: int) -> int:
+    """The shard whose declarations time a scheduled round (``RoundSchedule``); it moves each
+    round so that no key carries every peer's polls all the time."""
+    return round_number % shards
 
 
 def state_key(run_id: str, round_number: int) -> str:
@@ -214,6 +254,83 @@ def target_round(current_round: int, *, now: float, round_deadline: float, expec
     return current_round if expected and now < round_deadline else current_round + 1
 
 
+@dataclass(frozen=True, slots=True)
+class RoundSchedule:
+    """When a scheduled round's declaration window closes (``scheduled_close``).
+
+    ``quorum``: declarations in the round's clock shard that open the window (size it below the
+    clock shard's expected declarers: about half of ``expected peers / shards``); ``window_s``:
+    the least time the window stays open after the quorum's declaration; ``spread_factor``: the
+    window is at least this many times the quorum's own spread (its ``quorum``-th declaration
+    minus its ``ceil(quorum / 2)``-th), so a round whose peers finish far apart waits longer;
+    ``max_wait_s``: a peer gives the round up this long after its own declaration if the quorum
+    never came; ``grace_s``: how long after the close a DHT read returns every declaration stamped
+    before it (a store's propagation); ``poll_s``: how often a peer reads the clock shard while
+    it waits.
+    """
+
+    quorum: int
+    window_s: float = 5.0
+    spread_factor: float = 2.0
+    max_wait_s: float = 900.0
+    grace_s: float = 2.0
+    poll_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.quorum, bool) or not isinstance(self.quorum, int) or self.quorum < 1:
+            raise ValueError(f"schedule quorum must be an int >= 1, got {self.quorum!r}")
+        for name in ("window_s", "spread_factor", "max_wait_s", "grace_s"):
+            _finite(getattr(self, name), f"schedule {name}", minimum=0.0)
+        _finite(self.poll_s, "schedule poll_s", minimum=0.01)
+
+    @classmethod
+    def for_swarm(cls, expected_peers: int, shards: int, **settings: float) -> RoundSchedule:
+        """A quorum of half the clock shard's expected declarers (at least 1)."""
+        if expected_peers < 1 or shards < 1:
+            raise ValueError(f"need expected_peers and shards >= 1, got {expected_peers}, {shards}")
+        return cls(max(1, math.ceil(expected_peers / shards / 2)), **settings)  # type: ignore[arg-type]
+
+
+def scheduled_close(timestamps: Iterable[float], schedule: RoundSchedule) -> float:
+    """The instant a scheduled round's declaration window closes; ``inf`` before its quorum.
+
+    ``timestamps`` are the ``declared_at`` of the clock shard's declarers. With ``t(i)`` the i-th
+    earliest, ``k = quorum`` and ``j = ceil(k / 2)``, the window closes at
+    ``t(k) + max(window_s, spread_factor * (t(k) - t(j)))``. The close depends only on
+    declarations stamped no later than itself: any view that holds every declaration stamped up
+    to the close computes the same close, whatever later ones it also holds or lacks.
+    """
+    ordered = sorted(timestamps)
+    k = schedule.quorum
+    if len(ordered) < k:
+        return math.inf
+    quorum_at = ordered[k - 1]
+    spread = quorum_at - ordered[(k + 1) // 2 - 1]
+    return quorum_at + max(schedule.window_s, schedule.spread_factor * spread)
+
+
+def scheduled_members(
+    declarations: Iterable[Declaration], round_number: int, *, shards: int, schedule: RoundSchedule
+) -> tuple[float, list[Declaration]]:
+    """(the close, the round's members): every declarer of ``round_number`` in any shard whose
+    earliest declaration is stamped no later than the close. A pure function of the *set*: each
+    peer counts by its earliest declaration for the round, so a re-stamped copy changes nothing.
+    """
+    earliest: dict[bytes, Declaration] = {}
+    for declaration in declarations:
+        if declaration.round != round_number:
+            continue
+        known = earliest.get(declaration.peer_id)
+        if known is None or declaration._rank() < known._rank():
+            earliest[declaration.peer_id] = declaration
+    timer = clock_shard(round_number, shards)
+    close = scheduled_close(
+        (d.declared_at for d in earliest.values() if shard_of(d.peer_id, shards) == timer),
+        schedule,
+    )
+    return close, [d for d in earliest.values() if d.declared_at <= close]
+
+
 # -- events and actions ---------------------------------------------------------------------------
 
 
@@ -295,11 +412,20 @@ class MatchmakingConfig:
     confirm_timeout_s: float = 5.0
     # One group of every member however many (a hierarchical all-reduce lays them out itself).
     one_group: bool = False
+    # Keys a round's declarations are spread over (``shard_count``; 1: the single round key).
+    shards: int = 1
+    # Rounds decided at a close every peer derives from the declarations (module docstring,
+    # "Scheduled rounds"); None: the expected-peers rules 1 and 2.
+    schedule: RoundSchedule | None = None
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:
             raise ValueError("max_group_size must be >= 1")
         _finite(self.confirm_timeout_s, "confirm_timeout_s", minimum=0.0)
+        if isinstance(self.shards, bool) or not isinstance(self.shards, int) or self.shards < 1:
+            raise ValueError(f"shards must be an int >= 1, got {self.shards!r}")
+        if self.shards > 1 and self.schedule is None:
+            raise ValueError("sharded declarations need a schedule (rule 1 polls every key)")
 
 
 class Matchmaker:
@@ -334,6 +460,12 @@ class Matchmaker:
         self.wait_until = deadline  # until when a re-read waits for a live expected peer
         self.own: Declaration | None = None
         self.group: Group | None = None
+        self.schedule = config.schedule
+        self.close = math.inf  # a scheduled round's close as our view computes it
+        # Which shard we declare under, and which one times a scheduled round (the driver polls
+        # that one; its re-read reads them all).
+        self.own_shard = shard_of(peer_id, config.shards)
+        self.clock_shard = clock_shard(round_number, config.shards)
 
     def handle(self, event: Event, now: float) -> list[Action]:
         if self.state is MatchState.FAILED:
@@ -355,6 +487,11 @@ class Matchmaker:
             if own.peer_id != self.peer_id or own.round != self.round:
                 raise LocalProtocolError("declaration is for another peer or round")
             self.own = own
+            if self.schedule is not None:
+                self._learn((own,))
+                self._reschedule()
+                self.state = MatchState.WAITING
+                return [Publish(own)]
             window = max(0.0, self.deadline - own.declared_at)
             self.wait_until = self.deadline + min(window, self.config.confirm_timeout_s)
             self._learn((own,))
@@ -362,6 +499,10 @@ class Matchmaker:
             return [Publish(own), *self._try_early_finish()]
         if isinstance(event, DeclarationsSeen):
             self._learn(event.declarations)
+            if self.schedule is not None:
+                if state is MatchState.WAITING:
+                    self._reschedule()
+                return []
             return self._try_early_finish() if state is MatchState.WAITING else []
         if isinstance(event, DeclarationsReread):
             if state is not MatchState.CONFIRMING:
@@ -371,6 +512,8 @@ class Matchmaker:
             self._learn(event.declarations)
             self.unreachable |= event.unreachable & self.expected_peers
             self.reread = True
+            if self.schedule is not None:
+                return self._decide_scheduled(now)
             return self._decide_after_reread(now)
         if isinstance(event, DeadlineReached):
             if now < self.deadline:
@@ -381,19 +524,25 @@ class Matchmaker:
                 return self._fail("deadline passed before we declared")
             if state is MatchState.WAITING:
                 self.state = MatchState.CONFIRMING
-                self.deadline += self.config.confirm_timeout_s
+                self.deadline = now + self.config.confirm_timeout_s
+                self.reread = False
+                if self.schedule is not None:
+                    return [ReadDeclarations(self.round)]
                 return [ReadDeclarations(self.round, self._missing())]
-            if self.reread:
+            if self.reread and self.schedule is None:
                 return self._form(self._closed_set())
             return self._fail("the re-read of the round key did not come back")
         raise LocalProtocolError(f"unknown event {event!r}")
 
     def _learn(self, declarations: Iterable[Declaration]) -> None:
+        scheduled = self.schedule is not None
         for declaration in declarations:
             if declaration.round != self.round:
                 continue  # an old or a future round
-            if declaration.declared_at > self.cutoff and (
-                declaration.peer_id not in self.expected_peers
+            if (
+                not scheduled
+                and declaration.declared_at > self.cutoff
+                and declaration.peer_id not in self.expected_peers
             ):
                 continue  # too late and not waited for: that peer joins a later round
             if (
@@ -405,8 +554,48 @@ class Matchmaker:
                     "the DHT holds a declaration under our id we did not make"
                 )
             known = self.view.get(declaration.peer_id)
-            if known is None or declaration._rank() > known._rank():
-                self.view[declaration.peer_id] = declaration  # greatest wins: order-independent
+            if known is None or (
+                declaration._rank() < known._rank()
+                if scheduled  # a scheduled round counts each peer's earliest declaration
+                else declaration._rank() > known._rank()
+            ):
+                self.view[declaration.peer_id] = declaration  # order-independent either way
+
+    # -- scheduled rounds --------------------------------------------------------------------
+
+    def _reschedule(self) -> None:
+        """The deadline from our view: its close plus the grace, or our give-up time."""
+        assert self.schedule is not None and self.own is not None
+        self.close = scheduled_members(
+            self.view.values(), self.round, shards=self.config.shards, schedule=self.schedule
+        )[0]
+        give_up = self.own.declared_at + self.schedule.max_wait_s
+        self.deadline = min(self.close + self.schedule.grace_s, give_up)
+
+    def _decide_scheduled(self, now: float) -> list[Action]:
+        """After a re-read: decide if the close it shows is a grace past, else wait for it."""
+        assert self.schedule is not None and self.own is not None
+        close, members = scheduled_members(
+            self.view.values(), self.round, shards=self.config.shards, schedule=self.schedule
+        )
+        self.close = close
+        if now < close + self.schedule.grace_s:
+            if now >= self.own.declared_at + self.schedule.max_wait_s:
+                return self._fail(
+                    f"round {self.round}: its window had not closed {self.schedule.max_wait_s:g} s "
+                    "after our declaration"
+                )
+            # The quorum is not in yet, or our polls saw a close earlier than the whole set
+            # shows: wait for the close this read shows (a later one, or our give-up time).
+            self._reschedule()
+            self.state = MatchState.WAITING
+            return []
+        if self.own.declared_at > close:
+            return self._fail(
+                f"declared for round {self.round} after its window closed; join round "
+                f"{self.round + 1}"
+            )
+        return self._form(members)
 
     def _missing(self) -> frozenset[bytes]:
         return frozenset(self.expected_peers - self.view.keys())

@@ -24,6 +24,7 @@ from swarm.averaging.matchmaking import (
     Finish,
     Group,
     MatchmakingConfig,
+    RoundSchedule,
     round_key,
 )
 from swarm.sim.allreduce import GroupTimeouts, Outcome, SimGroup, VectorModel
@@ -42,6 +43,9 @@ class ButterflyConfig:
     peer_timeout_s: float = 10.0
     confirm_timeout_s: float = MatchmakingConfig(1, b"x").confirm_timeout_s
     vector: VectorModel = field(default_factory=VectorModel)
+    # Sharded declarations and scheduled rounds (``MatchmakingConfig.shards`` and ``.schedule``).
+    shards: int = 1
+    schedule: RoundSchedule | None = None
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:
@@ -57,7 +61,11 @@ class ButterflyRounds(RoundProtocol):
     def __init__(self, config: ButterflyConfig, run_seed: bytes = b"sim") -> None:
         self.config = config
         self.matchmaking = MatchmakingConfig(
-            config.max_group_size, run_seed, config.confirm_timeout_s
+            config.max_group_size,
+            run_seed,
+            config.confirm_timeout_s,
+            shards=config.shards,
+            schedule=config.schedule,
         )
         self.timeouts = GroupTimeouts(
             config.allreduce_timeout_s, config.matchmaking_timeout_s, config.peer_timeout_s
@@ -75,7 +83,9 @@ class ButterflyRounds(RoundProtocol):
     def start(self, peer: bytes, round_number: int) -> None:
         world = self.world
         survivors = self.survivors.get(peer)
-        if survivors is None:
+        if survivors is None or self.config.schedule is not None:
+            # A scheduled round expects no one: its members are whoever declared before the
+            # close, so there is no expected set to read when the round opens.
             self._declare(peer, round_number, frozenset())
             return
         key = round_key(world.run_id, round_number)

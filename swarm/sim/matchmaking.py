@@ -28,7 +28,7 @@ from swarm.averaging.matchmaking import (
     MatchmakingConfig,
     Publish,
     ReadDeclarations,
-    round_key,
+    round_keys,
 )
 from swarm.averaging.matchmaking_driver import POLL_FIRST_S, POLL_MAX_S, REPUBLISH_S
 from swarm.sim.clock import Clock
@@ -70,7 +70,6 @@ class SimMatchmaking:
         self.clock, self.network, self.dht, self.directory = clock, network, dht, directory
         self.me = declaration.peer_id
         self.declaration = declaration
-        self.key = round_key(run_id, declaration.round)
         self.machine = Matchmaker(
             self.me,
             declaration.round,
@@ -78,6 +77,11 @@ class SimMatchmaking:
             deadline=declaration.declared_at + timeout_s,
             config=config,
         )
+        self.keys = round_keys(run_id, declaration.round, config.shards)
+        self.key = self.keys[self.machine.own_shard]  # where we declare
+        # A scheduled round's polls read only the shard that times it.
+        self.poll_key = self.keys[self.machine.clock_shard]
+        self.schedule = config.schedule
         self._alive, self._done, self._asked = alive, done, asked
         self.queue: deque[object] = deque()
         self.poll = POLL_FIRST_S
@@ -102,7 +106,7 @@ class SimMatchmaking:
                 return
             if isinstance(action, ReadDeclarations):
                 delay = 0.0
-                if self.rereads:  # again: an expected peer answered but had not declared yet
+                if self.rereads and self.schedule is None:  # again: an expected peer answered but had not declared yet
                     delay = min(POLL_MAX_S, max(0.0, self.machine.deadline - self.clock.now))
                 self.rereads += 1
                 self.clock.after(delay, self._reread, action)
@@ -129,7 +133,7 @@ class SimMatchmaking:
 
     def _poll(self) -> None:
         if self._alive():
-            self.dht.read(self.me, self.key, self._seen)
+            self.dht.read(self.me, self.poll_key, self._seen)
 
     def _seen(self, declarations: tuple[Declaration, ...]) -> None:
         if not self._alive():
@@ -138,6 +142,9 @@ class SimMatchmaking:
         self.queue.extend(self.machine.handle(DeclarationsSeen(declarations), now))
         if self.queue:
             self._run_queue()
+            return
+        if self.schedule is not None:
+            self.clock.after(min(self.schedule.poll_s, max(0.0, self.machine.deadline - now)), self._step)
             return
         self.clock.after(min(self.poll, max(0.0, self.machine.deadline - now)), self._step)
         self.poll = min(POLL_MAX_S, self.poll * 1.5)
@@ -149,7 +156,7 @@ class SimMatchmaking:
             return
         self._reread_token += 1
         token = self._reread_token
-        pending = {"left": 1 + len(action.ask)}
+        pending = {"left": len(self.keys) + len(action.ask)}
         found: list[Declaration] = []
         unreachable: set[bytes] = set()
 
@@ -174,7 +181,8 @@ class SimMatchmaking:
 
         for peer in sorted(action.ask):
             self._ask(peer, action.round, ask_done)
-        self.dht.read(self.me, self.key, read_done)
+        for key in self.keys:
+            self.dht.read(self.me, key, read_done)
         self.clock.at(max(self.clock.now, self.machine.deadline), self._reread_expired, token)
 
     def _reread_expired(self, token: int) -> None:
