@@ -258,55 +258,80 @@ def target_round(current_round: int, *, now: float, round_deadline: float, expec
 class RoundSchedule:
     """When a scheduled round's declaration window closes (``scheduled_close``).
 
-    ``quorum``: declarations in the round's clock shard that open the window (size it below the
-    clock shard's expected declarers: about half of ``expected peers / shards``); ``window_s``:
-    the least time the window stays open after the quorum's declaration; ``spread_factor``: the
-    window is at least this many times the quorum's own spread (its ``quorum``-th declaration
-    minus its ``ceil(quorum / 2)``-th), so a round whose peers finish far apart waits longer;
-    ``max_wait_s``: a peer gives the round up this long after its own declaration if the quorum
-    never came; ``grace_s``: how long after the close a DHT read returns every declaration stamped
-    before it (a store's propagation); ``poll_s``: how often a peer reads the clock shard while
-    it waits.
+    ``expected``: how many declarers a peer with no previous round expects in the round's clock
+    shard (the hint it declares, and the rule's when the earliest declaration has none);
+    ``quorum_share``: the share of the expected declarers whose declarations the window waits
+    for; ``window_s`` and ``spread_factor``: the window then stays open for ``window_s``, or
+    ``spread_factor`` times the quorum's own spread if longer; ``long_window_s``: the window
+    closes at the latest this long after half the quorum declared (the rest may have left);
+    ``max_wait_s``: a peer gives the round up this long after its own declaration if the window
+    never closed; ``grace_s``: how long after the close a DHT read returns every declaration
+    stamped before it (a store's propagation); ``poll_s``: how often a peer reads the clock
+    shard while it waits.
     """
 
-    quorum: int
+    expected: int
+    quorum_share: float = 0.85
     window_s: float = 5.0
-    spread_factor: float = 2.0
+    spread_factor: float = 1.0
+    long_window_s: float = 300.0
     max_wait_s: float = 900.0
     grace_s: float = 2.0
     poll_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.quorum, bool) or not isinstance(self.quorum, int) or self.quorum < 1:
-            raise ValueError(f"schedule quorum must be an int >= 1, got {self.quorum!r}")
-        for name in ("window_s", "spread_factor", "max_wait_s", "grace_s"):
+        if isinstance(self.expected, bool) or not isinstance(self.expected, int):
+            raise ValueError(f"schedule expected must be an int >= 1, got {self.expected!r}")
+        if self.expected < 1:
+            raise ValueError(f"schedule expected must be an int >= 1, got {self.expected!r}")
+        if not 0.0 < self.quorum_share <= 1.0:
+            raise ValueError(f"schedule quorum_share must be in (0, 1], got {self.quorum_share!r}")
+        for name in ("window_s", "spread_factor", "long_window_s", "max_wait_s", "grace_s"):
             _finite(getattr(self, name), f"schedule {name}", minimum=0.0)
         _finite(self.poll_s, "schedule poll_s", minimum=0.01)
 
     @classmethod
     def for_swarm(cls, expected_peers: int, shards: int, **settings: float) -> RoundSchedule:
-        """A quorum of half the clock shard's expected declarers (at least 1)."""
+        """The schedule of a swarm of about ``expected_peers`` over ``shards`` keys."""
         if expected_peers < 1 or shards < 1:
             raise ValueError(f"need expected_peers and shards >= 1, got {expected_peers}, {shards}")
-        return cls(max(1, math.ceil(expected_peers / shards / 2)), **settings)  # type: ignore[arg-type]
+        return cls(max(1, round(expected_peers / shards)), **settings)  # type: ignore[arg-type]
+
+    def quorum(self, hint: int) -> int:
+        """Declarations the window waits for when ``hint`` declarers are expected (0: no idea)."""
+        return max(1, math.ceil(self.quorum_share * (hint or self.expected)))
 
 
-def scheduled_close(timestamps: Iterable[float], schedule: RoundSchedule) -> float:
-    """The instant a scheduled round's declaration window closes; ``inf`` before its quorum.
+def _schedule_order(declaration: Declaration) -> tuple[float, bytes]:
+    return declaration.declared_at, declaration.peer_id
 
-    ``timestamps`` are the ``declared_at`` of the clock shard's declarers. With ``t(i)`` the i-th
-    earliest, ``k = quorum`` and ``j = ceil(k / 2)``, the window closes at
-    ``t(k) + max(window_s, spread_factor * (t(k) - t(j)))``. The close depends only on
-    declarations stamped no later than itself: any view that holds every declaration stamped up
-    to the close computes the same close, whatever later ones it also holds or lacks.
+
+def scheduled_close(clock_declarations: Iterable[Declaration], schedule: RoundSchedule) -> float:
+    """The instant a scheduled round's declaration window closes; ``inf`` until it can.
+
+    ``clock_declarations``: one per peer, of the round's clock shard. With ``t(i)`` the i-th
+    earliest ``declared_at``, ``k = schedule.quorum(hint)`` (the hint the earliest declarer
+    declared: how many of its last round's survivors fall in this shard) and ``j = ceil(k / 2)``:
+    ``min(t(k) + max(window_s, spread_factor * (t(k) - t(j))), t(j) + long_window_s)``.
+
+    Every term rests on declarations stamped no later than itself, so any view that holds every
+    declaration stamped up to the close computes the same close, whatever later ones it also
+    holds or lacks; a view that lacks earlier ones may compute another (later, or earlier when
+    the spread it sees is narrower), which is why a decision re-reads after the close it expects.
     """
-    ordered = sorted(timestamps)
-    k = schedule.quorum
-    if len(ordered) < k:
+    ordered = sorted(clock_declarations, key=_schedule_order)
+    if not ordered:
         return math.inf
-    quorum_at = ordered[k - 1]
-    spread = quorum_at - ordered[(k + 1) // 2 - 1]
-    return quorum_at + max(schedule.window_s, schedule.spread_factor * spread)
+    k = schedule.quorum(ordered[0].expected_group_size)
+    j = (k + 1) // 2
+    if len(ordered) < j:
+        return math.inf
+    close = ordered[j - 1].declared_at + schedule.long_window_s
+    if len(ordered) >= k:
+        quorum_at = ordered[k - 1].declared_at
+        spread = quorum_at - ordered[j - 1].declared_at
+        close = min(close, quorum_at + max(schedule.window_s, schedule.spread_factor * spread))
+    return close
 
 
 def scheduled_members(
@@ -325,8 +350,7 @@ def scheduled_members(
             earliest[declaration.peer_id] = declaration
     timer = clock_shard(round_number, shards)
     close = scheduled_close(
-        (d.declared_at for d in earliest.values() if shard_of(d.peer_id, shards) == timer),
-        schedule,
+        (d for d in earliest.values() if shard_of(d.peer_id, shards) == timer), schedule
     )
     return close, [d for d in earliest.values() if d.declared_at <= close]
 

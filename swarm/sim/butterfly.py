@@ -25,7 +25,9 @@ from swarm.averaging.matchmaking import (
     Group,
     MatchmakingConfig,
     RoundSchedule,
+    clock_shard,
     round_key,
+    shard_of,
 )
 from swarm.sim.allreduce import GroupTimeouts, Outcome, SimGroup, VectorModel
 from swarm.sim.matchmaking import SimMatchmaking
@@ -83,9 +85,16 @@ class ButterflyRounds(RoundProtocol):
     def start(self, peer: bytes, round_number: int) -> None:
         world = self.world
         survivors = self.survivors.get(peer)
-        if survivors is None or self.config.schedule is not None:
+        if self.config.schedule is not None:
             # A scheduled round expects no one: its members are whoever declared before the
-            # close, so there is no expected set to read when the round opens.
+            # close, so there is no expected set to read when the round opens. Its hint: how
+            # many of our last round's survivors declare in this round's clock shard.
+            shards = self.config.shards
+            timer = clock_shard(round_number, shards)
+            hint = sum(shard_of(p, shards) == timer for p in survivors or ())
+            self._declare(peer, round_number, frozenset(), hint=hint)
+            return
+        if survivors is None:
             self._declare(peer, round_number, frozenset())
             return
         key = round_key(world.run_id, round_number)
@@ -97,12 +106,19 @@ class ButterflyRounds(RoundProtocol):
 
         world.dht.read(peer, key, opened)
 
-    def _declare(self, peer: bytes, round_number: int, expected: frozenset[bytes]) -> None:
+    def _declare(
+        self, peer: bytes, round_number: int, expected: frozenset[bytes], *, hint: int = -1
+    ) -> None:
         world = self.world
         estimate = self.estimates.setdefault(peer, BandwidthEstimate())
         weight = world.contribution(peer, round_number)[1]
         declaration = Declaration(
-            peer, round_number, weight, estimate.declared, world.clock.now, len(expected)
+            peer,
+            round_number,
+            weight,
+            estimate.declared,
+            world.clock.now,
+            len(expected) if hint < 0 else hint,
         )
         self.declarations[(peer, round_number)] = declaration
         record = world.record(peer, round_number)
