@@ -319,19 +319,26 @@ def scheduled_close(clock_declarations: Iterable[Declaration], schedule: RoundSc
     holds or lacks; a view that lacks earlier ones may compute another (later, or earlier when
     the spread it sees is narrower), which is why a decision re-reads after the close it expects.
     """
+    return _close_and_quorum(clock_declarations, schedule)[0]
+
+
+def _close_and_quorum(
+    clock_declarations: Iterable[Declaration], schedule: RoundSchedule
+) -> tuple[float, bool]:
+    """``scheduled_close``, and whether the quorum is in."""
     ordered = sorted(clock_declarations, key=_schedule_order)
     if not ordered:
-        return math.inf
+        return math.inf, False
     k = schedule.quorum(ordered[0].expected_group_size)
     j = (k + 1) // 2
     if len(ordered) < j:
-        return math.inf
+        return math.inf, False
     close = ordered[j - 1].declared_at + schedule.long_window_s
-    if len(ordered) >= k:
-        quorum_at = ordered[k - 1].declared_at
-        spread = quorum_at - ordered[j - 1].declared_at
-        close = min(close, quorum_at + max(schedule.window_s, schedule.spread_factor * spread))
-    return close
+    if len(ordered) < k:
+        return close, False
+    quorum_at = ordered[k - 1].declared_at
+    spread = quorum_at - ordered[j - 1].declared_at
+    return min(close, quorum_at + max(schedule.window_s, schedule.spread_factor * spread)), True
 
 
 def scheduled_members(
@@ -348,11 +355,17 @@ def scheduled_members(
         known = earliest.get(declaration.peer_id)
         if known is None or declaration._rank() < known._rank():
             earliest[declaration.peer_id] = declaration
-    timer = clock_shard(round_number, shards)
-    close = scheduled_close(
-        (d for d in earliest.values() if shard_of(d.peer_id, shards) == timer), schedule
-    )
+    close = _scheduled(earliest.values(), round_number, shards, schedule)[0]
     return close, [d for d in earliest.values() if d.declared_at <= close]
+
+
+def _scheduled(
+    earliest: Iterable[Declaration], round_number: int, shards: int, schedule: RoundSchedule
+) -> tuple[float, bool]:
+    timer = clock_shard(round_number, shards)
+    return _close_and_quorum(
+        (d for d in earliest if shard_of(d.peer_id, shards) == timer), schedule
+    )
 
 
 # -- events and actions ---------------------------------------------------------------------------
@@ -486,6 +499,10 @@ class Matchmaker:
         self.group: Group | None = None
         self.schedule = config.schedule
         self.close = math.inf  # a scheduled round's close as our view computes it
+        # Whether our view holds the quorum: until it does a scheduled round's driver polls
+        # the clock shard; after, the close can only move if a read missed a declaration, and
+        # the re-read after the close finds that out.
+        self.quorum_seen = False
         # Which shard we declare under, and which one times a scheduled round (the driver polls
         # that one; its re-read reads them all).
         self.own_shard = shard_of(peer_id, config.shards)
@@ -590,9 +607,9 @@ class Matchmaker:
     def _reschedule(self) -> None:
         """The deadline from our view: its close plus the grace, or our give-up time."""
         assert self.schedule is not None and self.own is not None
-        self.close = scheduled_members(
-            self.view.values(), self.round, shards=self.config.shards, schedule=self.schedule
-        )[0]
+        self.close, self.quorum_seen = _scheduled(
+            self.view.values(), self.round, self.config.shards, self.schedule
+        )
         give_up = self.own.declared_at + self.schedule.max_wait_s
         self.deadline = min(self.close + self.schedule.grace_s, give_up)
 

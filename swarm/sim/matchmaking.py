@@ -82,6 +82,8 @@ class SimMatchmaking:
         # A scheduled round's polls read only the shard that times it.
         self.poll_key = self.keys[self.machine.clock_shard]
         self.schedule = config.schedule
+        if self.schedule is not None:
+            self.poll = self.schedule.poll_s
         self._alive, self._done, self._asked = alive, done, asked
         self.queue: deque[object] = deque()
         self.poll = POLL_FIRST_S
@@ -125,6 +127,9 @@ class SimMatchmaking:
         if now >= self.machine.deadline:
             self.queue.extend(self.machine.handle(DeadlineReached(), now))
             self._run_queue()
+        elif self.schedule is not None and self.machine.quorum_seen:
+            # The close is known: nothing to read until the re-read after it.
+            self.clock.at(self.machine.deadline, self._step)
         elif now - self.published_at > REPUBLISH_S:
             self.published_at = now
             self.dht.write(self.me, self.key, self.declaration, self._poll)
@@ -133,7 +138,10 @@ class SimMatchmaking:
 
     def _poll(self) -> None:
         if self._alive():
-            self.dht.read(self.me, self.poll_key, self._seen)
+            # A scheduled round's polls only time it (the decision re-reads every replica of
+            # every shard): one replica is enough.
+            latest = self.schedule is None
+            self.dht.read(self.me, self.poll_key, self._seen, latest=latest)
 
     def _seen(self, declarations: tuple[Declaration, ...]) -> None:
         if not self._alive():
@@ -144,7 +152,11 @@ class SimMatchmaking:
             self._run_queue()
             return
         if self.schedule is not None:
-            self.clock.after(min(self.schedule.poll_s, max(0.0, self.machine.deadline - now)), self._step)
+            # Polls slow down to one a window while the quorum is not in: a peer then still
+            # sees the quorum's declaration before the window after it closes.
+            wait = min(self.poll, max(0.0, self.machine.deadline - now))
+            self.poll = min(max(self.schedule.poll_s, self.schedule.window_s), self.poll * 1.5)
+            self.clock.after(wait, self._step)
             return
         self.clock.after(min(self.poll, max(0.0, self.machine.deadline - now)), self._step)
         self.poll = min(POLL_MAX_S, self.poll * 1.5)
