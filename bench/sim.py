@@ -85,7 +85,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Simulation]:
         "--shards", type=int, help="round keys (default: shard_count(peers) when scheduled, else 1)"
     )
     parser.add_argument("--window", type=float, default=5.0, help="scheduled: least window, s")
-    parser.add_argument("--spread-factor", type=float, default=1.0, help="scheduled: window/spread")
+    parser.add_argument("--spread-factor", type=float, default=2.0, help="scheduled: window/spread")
     parser.add_argument("--quorum-share", type=float, default=0.85, help="scheduled: of the hint")
     parser.add_argument("--poll", type=float, default=2.0, help="scheduled: clock-shard poll, s")
     args = parser.parse_args(argv)

@@ -273,7 +273,7 @@ class RoundSchedule:
     expected: int
     quorum_share: float = 0.85
     window_s: float = 5.0
-    spread_factor: float = 1.0
+    spread_factor: float = 2.0
     long_window_s: float = 300.0
     max_wait_s: float = 900.0
     grace_s: float = 2.0
