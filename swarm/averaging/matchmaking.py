@@ -289,6 +289,8 @@ class RoundSchedule:
         for name in ("window_s", "spread_factor", "long_window_s", "max_wait_s", "grace_s"):
             _finite(getattr(self, name), f"schedule {name}", minimum=0.0)
         _finite(self.poll_s, "schedule poll_s", minimum=0.01)
+        if self.max_wait_s < self.long_window_s:
+            raise ValueError("schedule max_wait_s must be >= long_window_s")
 
     @classmethod
     def for_swarm(cls, expected_peers: int, shards: int, **settings: float) -> RoundSchedule:
@@ -309,15 +311,21 @@ def _schedule_order(declaration: Declaration) -> tuple[float, bytes]:
 def scheduled_close(clock_declarations: Iterable[Declaration], schedule: RoundSchedule) -> float:
     """The instant a scheduled round's declaration window closes; ``inf`` until it can.
 
-    ``clock_declarations``: one per peer, of the round's clock shard. With ``t(i)`` the i-th
-    earliest ``declared_at``, ``k = schedule.quorum(hint)`` (the hint the earliest declarer
-    declared: how many of its last round's survivors fall in this shard) and ``j = ceil(k / 2)``:
-    ``min(t(k) + max(window_s, spread_factor * (t(k) - t(j))), t(j) + long_window_s)``.
+    ``clock_declarations``: one per peer, of the round's clock shard, taken in time order. The
+    quorum is ``k = schedule.quorum(hint)``: ``hint`` is the first nonzero one declared (how
+    many of that peer's last round's survivors fall in this shard; newcomers declare 0, and
+    until a hint comes the schedule's ``expected`` stands in). Once a hint came, only hinted
+    declarations count (the round waits for last round's survivors, not for newcomers); before,
+    all do. With ``t(i)`` the i-th earliest counted ``declared_at`` and ``j = ceil(k / 2)``, the
+    window closes at
+    ``min(t(k) + max(window_s, spread_factor * (t(k) - t(j))), t(j) + long_window_s)``, computed
+    on the declarations taken so far, and never before the last one taken; the scan stops at
+    the first declaration stamped after that close.
 
-    Every term rests on declarations stamped no later than itself, so any view that holds every
-    declaration stamped up to the close computes the same close, whatever later ones it also
-    holds or lacks; a view that lacks earlier ones may compute another (later, or earlier when
-    the spread it sees is narrower), which is why a decision re-reads after the close it expects.
+    So the close rests only on declarations stamped no later than itself: any view holding every
+    one of those computes the same close, whatever later ones it also holds or lacks. A view
+    that lacks earlier ones may compute another (later, or earlier when the spread it sees is
+    narrower), which is why a decision re-reads after the close it expects.
     """
     return _close_and_quorum(clock_declarations, schedule)[0]
 
@@ -327,25 +335,37 @@ def _close_and_quorum(
 ) -> tuple[float, bool]:
     """``scheduled_close``, and whether the quorum is in."""
     ordered = sorted(clock_declarations, key=_schedule_order)
-    if not ordered:
-        return math.inf, False
-    k = schedule.quorum(ordered[0].expected_group_size)
-    j = (k + 1) // 2
-    if len(ordered) < j:
-        return math.inf, False
-    close = ordered[j - 1].declared_at + schedule.long_window_s
-    if len(ordered) < k:
-        return close, False
-    quorum_at = ordered[k - 1].declared_at
-    spread = quorum_at - ordered[j - 1].declared_at
-    return min(close, quorum_at + max(schedule.window_s, schedule.spread_factor * spread)), True
+    hint = 0
+    every: list[float] = []  # the declarations taken, in time order
+    hinted: list[float] = []  # those of them with a hint: the last round's survivors
+    close, quorum_in = math.inf, False
+    for declaration in ordered:
+        if every and declaration.declared_at > close:
+            break
+        every.append(declaration.declared_at)
+        if declaration.expected_group_size:
+            hint = hint or declaration.expected_group_size
+            hinted.append(declaration.declared_at)
+        # Once a survivor's hint came, the quorum counts survivors: newcomers join the round
+        # when they declared in time, but the round does not wait for them.
+        timers = hinted if hint else every
+        k = schedule.quorum(hint)
+        j = (k + 1) // 2
+        close, quorum_in = math.inf, len(timers) >= k
+        if len(timers) >= j:
+            close = timers[j - 1] + schedule.long_window_s
+            if quorum_in:
+                spread = schedule.spread_factor * (timers[k - 1] - timers[j - 1])
+                close = min(close, timers[k - 1] + max(schedule.window_s, spread))
+            close = max(close, declaration.declared_at)
+    return close, quorum_in
 
 
 def scheduled_members(
     declarations: Iterable[Declaration], round_number: int, *, shards: int, schedule: RoundSchedule
 ) -> tuple[float, list[Declaration]]:
     """(the close, the round's members): every declarer of ``round_number`` in any shard whose
-    earliest declaration is stamped no later than the close. A pure function of the *set*: each
+    earliest declaration is stamped no later than the close (none while it is ``inf``). A pure function of the *set*: each
     peer counts by its earliest declaration for the round, so a re-stamped copy changes nothing.
     """
     earliest: dict[bytes, Declaration] = {}
@@ -356,7 +376,7 @@ def scheduled_members(
         if known is None or declaration._rank() < known._rank():
             earliest[declaration.peer_id] = declaration
     close = _scheduled(earliest.values(), round_number, shards, schedule)[0]
-    return close, [d for d in earliest.values() if d.declared_at <= close]
+    return close, [d for d in earliest.values() if d.declared_at <= close < math.inf]
 
 
 def _scheduled(
