@@ -111,7 +111,9 @@ def shard_count(expected_peers: int, per_shard: int = RECORDS_PER_SHARD) -> int:
     """How many keys a round's declarations are spread over so that each holds about
     ``per_shard`` of ``expected_peers`` (1: today's single key)."""
     if expected_peers < 0 or per_shard < 1:
-        raise ValueError(f"need expected_peers >= 0 and per_shard >= 1, got {expected_peers}, {per_shard}")
+        raise ValueError(
+            f"need expected_peers >= 0 and per_shard >= 1, got {expected_peers}, {per_shard}"
+        )
     return max(1, math.ceil(expected_peers / per_shard))
 
 
@@ -365,8 +367,9 @@ def scheduled_members(
     declarations: Iterable[Declaration], round_number: int, *, shards: int, schedule: RoundSchedule
 ) -> tuple[float, list[Declaration]]:
     """(the close, the round's members): every declarer of ``round_number`` in any shard whose
-    earliest declaration is stamped no later than the close (none while it is ``inf``). A pure function of the *set*: each
-    peer counts by its earliest declaration for the round, so a re-stamped copy changes nothing.
+    earliest declaration is stamped no later than the close (none while it is ``inf``). A pure
+    function of the *set*: each peer counts by its earliest declaration for the round, so a
+    re-stamped copy changes nothing.
     """
     earliest: dict[bytes, Declaration] = {}
     for declaration in declarations:

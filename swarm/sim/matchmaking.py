@@ -108,7 +108,8 @@ class SimMatchmaking:
                 return
             if isinstance(action, ReadDeclarations):
                 delay = 0.0
-                if self.rereads and self.schedule is None:  # again: an expected peer answered but had not declared yet
+                # again: an expected peer answered but had not declared yet (rules 1-2 only)
+                if self.rereads and self.schedule is None:
                     delay = min(POLL_MAX_S, max(0.0, self.machine.deadline - self.clock.now))
                 self.rereads += 1
                 self.clock.after(delay, self._reread, action)

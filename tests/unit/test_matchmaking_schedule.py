@@ -73,7 +73,11 @@ def test_sharded_keys_spread_peers_by_a_hash_of_their_id() -> None:
 def test_bad_schedules_and_sharding_without_a_schedule_are_refused() -> None:
     with pytest.raises(ValueError, match="need a schedule"):
         MatchmakingConfig(64, SEED, shards=2)
-    for settings_ in ({"expected": 0}, {"expected": 5, "quorum_share": 0}, {"expected": 5, "poll_s": 0}):
+    for settings_ in (
+        {"expected": 0},
+        {"expected": 5, "quorum_share": 0},
+        {"expected": 5, "poll_s": 0},
+    ):
         with pytest.raises(ValueError, match="schedule"):
             RoundSchedule(**settings_)  # type: ignore[arg-type]
     assert RoundSchedule.for_swarm(1000, 8).expected == 125
@@ -81,7 +85,9 @@ def test_bad_schedules_and_sharding_without_a_schedule_are_refused() -> None:
 
 
 def test_the_window_waits_for_the_quorum_then_its_spread_or_closes_long_after_half() -> None:
-    schedule = RoundSchedule(10, quorum_share=1.0, window_s=5.0, spread_factor=2.0, long_window_s=300)
+    schedule = RoundSchedule(
+        10, quorum_share=1.0, window_s=5.0, spread_factor=2.0, long_window_s=300
+    )
     assert scheduled_close([], schedule) == math.inf
     decls = [declaration(i, 100.0 + i) for i in range(10)]  # t(5) = 104, t(10) = 109
     assert scheduled_close(decls, schedule) == 109 + 2 * 5
@@ -92,7 +98,7 @@ def test_the_window_waits_for_the_quorum_then_its_spread_or_closes_long_after_ha
     survivors = [declaration(i, 100.0 + i, hint=4) for i in range(1, 5)]  # t(2) = 102, t(4) = 104
     newcomers = [declaration(10, 50.0), declaration(11, 103.5)]
     assert scheduled_close(survivors + newcomers, schedule) == 104 + max(5, 2 * 2)
-    close, members = scheduled_members(survivors + newcomers, ROUND, shards=1, schedule=schedule)
+    _, members = scheduled_members(survivors + newcomers, ROUND, shards=1, schedule=schedule)
     assert {m.peer_id for m in members} == {peer(i) for i in (1, 2, 3, 4, 10, 11)}
 
 
@@ -134,7 +140,9 @@ def drive(
     """One peer's machine fed by polls of partial views at random moments (what was stored by
     then, any subset of it) and by re-reads that return all that was stored ``delay`` before."""
     own = decls[me]
-    machine = Matchmaker(peer(me), ROUND, expected_peers=(), deadline=own.declared_at, config=config)
+    machine = Matchmaker(
+        peer(me), ROUND, expected_peers=(), deadline=own.declared_at, config=config
+    )
     actions = machine.handle(LocalRequest(own), own.declared_at)
     assert actions == [Publish(own)] and machine.state is MatchState.WAITING
     now = own.declared_at
