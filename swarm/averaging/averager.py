@@ -65,7 +65,15 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
-from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig, state_key
+from swarm.averaging.matchmaking import (
+    Declaration,
+    Group,
+    MatchmakingConfig,
+    RoundSchedule,
+    clock_shard,
+    shard_of,
+    state_key,
+)
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import Session, SessionConfig
@@ -141,6 +149,10 @@ class AveragerConfig:
     # How each part's reducer combines the slices (``swarm.averaging.aggregation``): "mean", or
     # a Byzantine-robust "centered_clip" / "trimmed_mean". Every peer of a run must use one rule.
     aggregation: str = "mean"
+    # Scheduled rounds over sharded round keys (``MatchmakingConfig.schedule`` and ``.shards``,
+    # ``matchmaking.shard_count``): every peer of a run must use the same two.
+    schedule: RoundSchedule | None = None
+    matchmaking_shards: int = 1
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -152,6 +164,8 @@ class AveragerConfig:
             raise ValueError("audit needs compression=Compression.NONE (a lossless sum)")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
+        if self.matchmaking_shards > 1 and self.schedule is None:
+            raise ValueError("matchmaking_shards > 1 needs a schedule (RoundSchedule)")
         if self.audit and self.aggregation != "mean":
             raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
         if isinstance(self.compression, SparseCodec) and self.aggregation != "mean":
@@ -276,6 +290,8 @@ class Averager:
         self._matchmaking = MatchmakingConfig(
             max_group_size=config.max_group_size,
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
+            shards=config.matchmaking_shards,
+            schedule=config.schedule,
         )
         self._sessions: dict[bytes, Session] = {}
         # Each pair's data channel, kept between rounds (``swarm.averaging.channel_pool``).
@@ -540,7 +556,15 @@ class Averager:
         exclude: frozenset[bytes],
         admit_round: Callable[[bytes], bool] | None = None,
     ) -> Group:
-        if expected_peers is not None:
+        hint = -1
+        if self.config.schedule is not None:
+            # A scheduled round waits for no one by name: its close times it. Our hint: how
+            # many of our last round's survivors declare in this round's clock shard.
+            shards = self.config.matchmaking_shards
+            timer = clock_shard(r, shards)
+            hint = sum(shard_of(p, shards) == timer for p in self._survivors or ())
+            expected = frozenset()
+        elif expected_peers is not None:
             expected = frozenset(expected_peers) | {self.me}
         elif self._survivors is not None:
             opened = await read_declarations(self.node.dht, self.config.run_id, r)
@@ -551,7 +575,12 @@ class Averager:
             p for p in expected - exclude if admit_round is None or p == self.me or admit_round(p)
         )
         declaration = Declaration(
-            self.me, r, float(weight), self.bandwidth_bps, time.time(), len(expected)
+            self.me,
+            r,
+            float(weight),
+            self.bandwidth_bps,
+            time.time(),
+            len(expected) if hint < 0 else hint,
         )
         try:
             finish = await form_group(
