@@ -70,6 +70,37 @@ Newcomers enter through the expected set: a peer that is late for round ``r`` de
 ``r + 1`` (``target_round``), before ``r + 1`` opens; drivers build the expected set of a round as
 the previous round's surviving members plus the declarations already stored when the round opens.
 
+Scheduled rounds and sharded declarations (``MatchmakingConfig.schedule``, ``.shards``)
+------------------------------------------------------------------------------------------
+Rules 1-2 agree only among peers that saw the same set, and peers that finish round ``r`` tens of
+seconds apart (a 1,000-peer all-reduce does) close their windows of ``r + 1`` on different sets.
+A scheduled round has no expected set and no per-peer window: its declaration window closes at
+an instant every peer derives from the declarations themselves (``scheduled_close``), and its
+members are every declarer stamped no later than that close (``scheduled_members``).
+
+* Declarations are spread over ``shards`` keys, ``round_key(run, r, shard)`` with
+  ``shard_of(peer)`` a hash of the peer id (``shard_count``: about 128 records a key, far under
+  the DHT's 1,024), so no key grows with the swarm. One shard, ``clock_shard(r)`` (it moves each
+  round), times the round: a peer polls only that key, from one replica, until it sees the
+  quorum; its decision re-reads every replica of every shard, once.
+* The close: each peer declares a hint, how many of its last round's survivors fall in this
+  round's clock shard (a newcomer: 0). Taken in time order, the first hint sets the quorum
+  (``quorum_share`` of it; ``RoundSchedule.expected`` until a hint comes), and once a hint came
+  only hinted declarations count: the window waits for most of last round's survivors, then
+  stays open ``spread_factor`` times their own spread (at least ``window_s``): the stragglers
+  of a round finish about as far behind the quorum as the quorum's second half took. At the
+  latest it closes ``long_window_s`` after half the quorum (the rest may have left).
+* The close depends only on declarations stamped no later than itself, so every view holding
+  those computes the same close and the same members. A peer decides ``grace_s`` after the close
+  its view shows, on a re-read of every shard; if that read shows a later close (its polls
+  missed an early declaration and saw a narrower spread), it waits for that one and reads again.
+  A peer that declared after the close is not in the round: it fails it and declares for the
+  next (nobody forms a group of their own). One that sees no close ``max_wait_s`` after its
+  declaration gives the round up.
+
+The assumption is rule 2's: a read made ``grace_s`` after the close returns every declaration
+stamped before it (and clocks agree to well under the window).
+
 This module is sans-IO: it imports no trio, libp2p, socket, time or random; ``now`` is an argument.
 """
 

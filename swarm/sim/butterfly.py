@@ -9,6 +9,11 @@ weight and the bandwidth its ``BandwidthEstimate`` gives (the default 1 Gbit/s u
 measured a round, then its uplink, moved only when off by 2x). A group of fewer than two fails
 the round; otherwise the peer joins its group's all-reduce (``allreduce.SimGroup``, one per
 group id: peers that computed different groups meet no one from the other view).
+
+With ``ButterflyConfig.schedule`` (``bench.sim --matchmaking scheduled``, the default for the
+hierarchical protocol) a round has no expected set: each peer declares at once, with the hint of
+how many of its last round's survivors fall in the round's clock shard, over
+``ButterflyConfig.shards`` keys, and the real ``Matchmaker`` decides at the schedule's close.
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ named peer (a present peer answers after one round trip with its declaration for
 it made one; one that left or froze is unreachable after the DHT's request timeout), bounded by
 the machine's deadline; hand the machine ``DeadlineReached`` when the deadline passes. Continuation
 callbacks take the place of ``await``; a peer that leaves stops at its next step.
+
+A scheduled round (``MatchmakingConfig.schedule``) declares under its own shard's key, polls the
+round's clock shard from one replica every ``schedule.poll_s`` growing to ``schedule.window_s``,
+stops polling once the machine saw the quorum, and answers a re-read with every replica of
+every shard: as the real driver does.
 """
 
 from __future__ import annotations
