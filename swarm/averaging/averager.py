@@ -300,6 +300,10 @@ class Averager:
         self._ended: deque[bytes] = deque(maxlen=256)
         self._changed = trio.Event()
         self._survivors: frozenset[bytes] | None = None
+        # A scheduled round's hint source: the last round's survivors, or the members of the
+        # last group we formed when its all-reduce failed (most of them are still there, and
+        # a hint of 0 would leave the round's quorum to the schedule's fixed guess).
+        self._last_members: frozenset[bytes] = frozenset()
         self._nursery: trio.Nursery | None = None
         # (round, group id) -> the values we contributed (as the wire carried them), for audits
         self._contributed: dict[tuple[int, bytes], np.ndarray] = {}
@@ -400,6 +404,7 @@ class Averager:
         layout = Layout.for_sizes(sizes, self.config.compression)
         started = time.perf_counter()
         group = await self._form_group(r, weight, expected_peers, frozenset(exclude), admit)
+        self._last_members = frozenset(group.peer_ids)
         matched = time.perf_counter()
         log.info("round %d: group of %d formed in %.2f s", r, len(group.members), matched - started)
         if len(group.members) < 2:
@@ -448,6 +453,7 @@ class Averager:
         contributors = {peer for peer, _ in result.contributors}
         gone = set(result.dropped) | session.lost
         self._survivors = frozenset(contributors - gone) | {self.me}
+        self._last_members = self._survivors
         self._suspect(gone)
         if self.config.bandwidth_bps is None:
             self._bandwidth.observe(session.upload_bps)
@@ -559,10 +565,11 @@ class Averager:
         hint = -1
         if self.config.schedule is not None:
             # A scheduled round waits for no one by name: its close times it. Our hint: how
-            # many of our last round's survivors declare in this round's clock shard.
+            # many of our last round's survivors (or last group's members) declare in this
+            # round's clock shard.
             shards = self.config.matchmaking_shards
             timer = clock_shard(r, shards)
-            hint = sum(shard_of(p, shards) == timer for p in self._survivors or ())
+            hint = sum(shard_of(p, shards) == timer for p in self._last_members)
             expected = frozenset()
         elif expected_peers is not None:
             expected = frozenset(expected_peers) | {self.me}

@@ -83,8 +83,9 @@ members are every declarer stamped no later than that close (``scheduled_members
   the DHT's 1,024), so no key grows with the swarm. One shard, ``clock_shard(r)`` (it moves each
   round), times the round: a peer polls only that key, from one replica, until it sees the
   quorum; its decision re-reads every replica of every shard, once.
-* The close: each peer declares a hint, how many of its last round's survivors fall in this
-  round's clock shard (a newcomer: 0). Taken in time order, the first hint sets the quorum
+* The close: each peer declares a hint, how many of its last round's survivors (or of its last
+  group's members, when that group's all-reduce failed) fall in this round's clock shard (a
+  newcomer: 0). Taken in time order, the first hint sets the quorum
   (``quorum_share`` of it; ``RoundSchedule.expected`` until a hint comes), and once a hint came
   only hinted declarations count: the window waits for most of last round's survivors, then
   stays open ``spread_factor`` times their own spread (at least ``window_s``): the stragglers

@@ -83,6 +83,9 @@ class ButterflyRounds(RoundProtocol):
         self.sessions: dict[bytes, SimGroup] = {}
         self.by_round: dict[int, list[SimGroup]] = {}
         self.current: dict[bytes, list[SimGroup]] = {}  # peer -> sessions it joined
+        # A scheduled round's hint source, as the Averager keeps it: the last survivors, or the
+        # last group's members when its all-reduce failed.
+        self.last_members: dict[bytes, frozenset[bytes]] = {}
 
     def declaration(self, peer: bytes, round_number: int) -> Declaration | None:
         return self.declarations.get((peer, round_number))
@@ -96,7 +99,7 @@ class ButterflyRounds(RoundProtocol):
             # many of our last round's survivors declare in this round's clock shard.
             shards = self.config.shards
             timer = clock_shard(round_number, shards)
-            hint = sum(shard_of(p, shards) == timer for p in survivors or ())
+            hint = sum(shard_of(p, shards) == timer for p in self.last_members.get(peer, ()))
             self._declare(peer, round_number, frozenset(), hint=hint)
             return
         if survivors is None:
@@ -151,6 +154,7 @@ class ButterflyRounds(RoundProtocol):
             return
         group = action.group
         record.group_id = group.group_id
+        self.last_members[peer] = frozenset(group.peer_ids)
         if len(group.members) < 2:
             self._failed(peer, round_number, "no other peer declared in time")
             return
@@ -183,6 +187,7 @@ class ButterflyRounds(RoundProtocol):
         record.contributors = result.contributors
         alive = session.machines[peer].alive
         self.survivors[peer] = frozenset(p for p, _ in result.contributors if p in alive) | {peer}
+        self.last_members[peer] = self.survivors[peer]
         self.estimates[peer].observe(world.network.links[peer].up_bps)
         record.ended_at = world.clock.now
         world.end_round(peer, round_number)
