@@ -620,10 +620,12 @@ class Matchmaker:
                 return self._fail("deadline passed before we declared")
             if state is MatchState.WAITING:
                 self.state = MatchState.CONFIRMING
-                self.deadline = now + self.config.confirm_timeout_s
-                self.reread = False
                 if self.schedule is not None:
+                    # A scheduled round may come back here after a re-read: a fresh one.
+                    self.deadline = now + self.config.confirm_timeout_s
+                    self.reread = False
                     return [ReadDeclarations(self.round)]
+                self.deadline += self.config.confirm_timeout_s
                 return [ReadDeclarations(self.round, self._missing())]
             if self.reread and self.schedule is None:
                 return self._form(self._closed_set())
