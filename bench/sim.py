@@ -39,7 +39,7 @@ import time
 
 from bench.common import git_sha
 from bench.progress import BenchProgress
-from swarm.averaging.matchmaking import RoundSchedule, shard_count
+from swarm import RoundSchedule, shard_count
 from swarm.sim import (
     ButterflyConfig,
     ButterflyRounds,
