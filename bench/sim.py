@@ -39,6 +39,7 @@ import time
 
 from bench.common import git_sha
 from bench.progress import BenchProgress
+from swarm import RoundSchedule, shard_count
 from swarm.sim import (
     ButterflyConfig,
     ButterflyRounds,
@@ -75,15 +76,46 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Simulation]:
     )
     parser.add_argument("--numel", type=int, default=256, help="real values each peer averages")
     parser.add_argument("--protocol", default="butterfly", choices=("butterfly", "hierarchical"))
+    parser.add_argument(
+        "--matchmaking",
+        choices=("expected", "scheduled"),
+        help="expected: rules 1-2 (butterfly's default); scheduled: RoundSchedule (hierarchical's)",
+    )
+    parser.add_argument(
+        "--shards", type=int, help="round keys (default: shard_count(peers) when scheduled, else 1)"
+    )
+    parser.add_argument("--window", type=float, default=5.0, help="scheduled: least window, s")
+    parser.add_argument("--spread-factor", type=float, default=2.0, help="scheduled: window/spread")
+    parser.add_argument("--quorum-share", type=float, default=0.85, help="scheduled: of the hint")
+    parser.add_argument("--poll", type=float, default=2.0, help="scheduled: clock-shard poll, s")
     args = parser.parse_args(argv)
     kind = HierarchicalRounds if args.protocol == "hierarchical" else ButterflyRounds
+    if args.matchmaking is None:
+        args.matchmaking = "scheduled" if args.protocol == "hierarchical" else "expected"
+    scheduled = args.matchmaking == "scheduled"
     try:
+        if args.shards is None:
+            args.shards = shard_count(args.peers) if scheduled else 1
+        schedule = (
+            RoundSchedule.for_swarm(
+                args.peers,
+                args.shards,
+                window_s=args.window,
+                spread_factor=args.spread_factor,
+                quorum_share=args.quorum_share,
+                poll_s=args.poll,
+            )
+            if scheduled
+            else None
+        )
         protocol = kind(
             ButterflyConfig(
                 max_group_size=args.max_group_size,
                 matchmaking_timeout_s=args.matchmaking_timeout,
                 allreduce_timeout_s=args.allreduce_timeout,
                 vector=VectorModel(params=int(args.params), bytes_per_param=args.bytes_per_param),
+                shards=args.shards,
+                schedule=schedule,
             )
         )
         config = SimConfig(
@@ -106,7 +138,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
         f"=== bench.sim ({git_sha()}): {args.peers} peers, {args.rounds} rounds, churn "
         f"{args.churn}, {args.params:.3g} params x {args.bytes_per_param} B, seed {args.seed}, "
         f"uplink {args.uplink}, {args.protocol}, max group {args.max_group_size}, timeouts "
-        f"{args.matchmaking_timeout} / {args.allreduce_timeout} s ===",
+        f"{args.matchmaking_timeout} / {args.allreduce_timeout} s, {args.matchmaking} "
+        f"matchmaking over {args.shards} key(s) ===",
         flush=True,
     )
     started, cpu = time.perf_counter(), time.process_time()
@@ -134,6 +167,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
             max((s for s in sent if not math.isnan(s)), default=0), 3
         )
     result.update(
+        matchmaking=args.matchmaking,
+        shards=args.shards,
         seed=args.seed,
         churn=args.churn,
         joins=sim.joins,

@@ -9,6 +9,7 @@ re-exported here so that this module lists them all:
 key                                    value (one signed subkey per peer)  built by
 =====================================  ==================================  ====================
 ``run/<id>/round/<r>``                 matchmaking declaration             ``swarm.round_key``
+``run/<id>/round/<r>/<shard>``         the same, sharded (scheduled)       ``swarm.round_key``
 ``run/<id>/state/<r>``                 state hash after round r            ``swarm.state_key``
 ``run/<id>/progress``                  ``ProgressRecord``                  ``progress_key``
 ``run/<id>/join/<r>``                  join announcement                   ``join_key``

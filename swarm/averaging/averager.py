@@ -65,7 +65,15 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
-from swarm.averaging.matchmaking import Declaration, Group, MatchmakingConfig, state_key
+from swarm.averaging.matchmaking import (
+    Declaration,
+    Group,
+    MatchmakingConfig,
+    RoundSchedule,
+    clock_shard,
+    shard_of,
+    state_key,
+)
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import Session, SessionConfig
@@ -141,6 +149,10 @@ class AveragerConfig:
     # How each part's reducer combines the slices (``swarm.averaging.aggregation``): "mean", or
     # a Byzantine-robust "centered_clip" / "trimmed_mean". Every peer of a run must use one rule.
     aggregation: str = "mean"
+    # Scheduled rounds over sharded round keys (``MatchmakingConfig.schedule`` and ``.shards``,
+    # ``matchmaking.shard_count``): every peer of a run must use the same two.
+    schedule: RoundSchedule | None = None
+    matchmaking_shards: int = 1
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -152,6 +164,8 @@ class AveragerConfig:
             raise ValueError("audit needs compression=Compression.NONE (a lossless sum)")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
+        if self.matchmaking_shards > 1 and self.schedule is None:
+            raise ValueError("matchmaking_shards > 1 needs a schedule (RoundSchedule)")
         if self.audit and self.aggregation != "mean":
             raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
         if isinstance(self.compression, SparseCodec) and self.aggregation != "mean":
@@ -295,6 +309,8 @@ class Averager:
         self._matchmaking = MatchmakingConfig(
             max_group_size=config.max_group_size,
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
+            shards=config.matchmaking_shards,
+            schedule=config.schedule,
         )
         self._sessions: dict[bytes, Session] = {}
         # Each pair's data channel, kept between rounds (``swarm.averaging.channel_pool``).
@@ -303,6 +319,10 @@ class Averager:
         self._ended: deque[bytes] = deque(maxlen=256)
         self._changed = trio.Event()
         self._survivors: frozenset[bytes] | None = None
+        # A scheduled round's hint source: the last round's survivors, or the members of the
+        # last group we formed when its all-reduce failed (most of them are still there, and
+        # a hint of 0 would leave the round's quorum to the schedule's fixed guess).
+        self._last_members: frozenset[bytes] = frozenset()
         self._nursery: trio.Nursery | None = None
         # (round, group id) -> the values we contributed (as the wire carried them), for audits
         self._contributed: dict[tuple[int, bytes], np.ndarray] = {}
@@ -412,6 +432,7 @@ class Averager:
         layout = Layout.for_sizes(sizes, self.config.compression)
         started = time.perf_counter()
         group = await self._form_group(r, weight, expected_peers, frozenset(exclude), admit)
+        self._last_members = frozenset(group.peer_ids)
         matched = time.perf_counter()
         log.info("round %d: group of %d formed in %.2f s", r, len(group.members), matched - started)
         if len(group.members) < 2:
@@ -460,6 +481,7 @@ class Averager:
         contributors = {peer for peer, _ in result.contributors}
         gone = set(result.dropped) | session.lost
         self._survivors = frozenset(contributors - gone) | {self.me}
+        self._last_members = self._survivors
         self._suspect(gone)
         if self.config.bandwidth_bps is None:
             self._bandwidth.observe(session.upload_bps)
@@ -568,7 +590,16 @@ class Averager:
         exclude: frozenset[bytes],
         admit_round: Callable[[bytes], bool] | None = None,
     ) -> Group:
-        if expected_peers is not None:
+        hint = -1
+        if self.config.schedule is not None:
+            # A scheduled round waits for no one by name: its close times it. Our hint: how
+            # many of our last round's survivors (or last group's members) declare in this
+            # round's clock shard.
+            shards = self.config.matchmaking_shards
+            timer = clock_shard(r, shards)
+            hint = sum(shard_of(p, shards) == timer for p in self._last_members)
+            expected = frozenset()
+        elif expected_peers is not None:
             expected = frozenset(expected_peers) | {self.me}
         elif self._survivors is not None:
             opened = await read_declarations(self.node.dht, self.config.run_id, r)
@@ -579,7 +610,12 @@ class Averager:
             p for p in expected - exclude if admit_round is None or p == self.me or admit_round(p)
         )
         declaration = Declaration(
-            self.me, r, float(weight), self.bandwidth_bps, time.time(), len(expected)
+            self.me,
+            r,
+            float(weight),
+            self.bandwidth_bps,
+            time.time(),
+            len(expected) if hint < 0 else hint,
         )
         try:
             finish = await form_group(

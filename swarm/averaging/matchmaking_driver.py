@@ -7,6 +7,12 @@ answers the machine's re-reads, asking the expected peers it names directly too 
 keeps our own records, so a live declarer always answers with its declaration). Reads ask every
 replica (``latest=True``): a single replica may hold a partial set while a store is still
 spreading.
+
+A scheduled round (``MatchmakingConfig.schedule``, declarations sharded over
+``MatchmakingConfig.shards`` keys) declares under its own shard's key, polls only the round's
+clock shard, from one replica (the polls only time the round), every ``schedule.poll_s``
+slowing to one a ``schedule.window_s``, and not at all once the machine saw the quorum; its
+re-reads read every replica of every shard.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ from swarm.averaging.matchmaking import (
     MatchState,
     Publish,
     ReadDeclarations,
-    round_key,
+    round_keys,
+    shard_of,
 )
 
 log = logging.getLogger(__name__)
@@ -67,10 +74,24 @@ def decode_declarations(records: dict[bytes, SignedRecord]) -> tuple[Declaration
     return tuple(found)
 
 
-async def read_declarations(dht: Dht, run_id: str, round_number: int) -> tuple[Declaration, ...]:
-    key = round_key(run_id, round_number).decode()
+async def read_declarations(
+    dht: Dht, run_id: str, round_number: int, *, shards: int = 1
+) -> tuple[Declaration, ...]:
+    """Every declaration of a round, from every replica of each of its ``shards`` keys."""
+    found: list[Declaration] = []
+
+    async def read_one(key: str) -> None:
+        found.extend(await _read_key(dht, key, latest=True))
+
+    async with trio.open_nursery() as nursery:
+        for key in round_keys(run_id, round_number, shards):
+            nursery.start_soon(read_one, key.decode())
+    return tuple(found)
+
+
+async def _read_key(dht: Dht, key: str, *, latest: bool) -> tuple[Declaration, ...]:
     try:
-        return decode_declarations(await dht.get_records(key, latest=True))
+        return decode_declarations(await dht.get_records(key, latest=latest))
     except P2PError as exc:
         log.debug("reading %s failed: %s", key, exc)
         return ()
@@ -80,19 +101,26 @@ Reach = Callable[[bytes], Awaitable[None]]
 
 
 async def reread_declarations(
-    dht: Dht, run_id: str, round_number: int, ask: Iterable[bytes], reach: Reach | None = None
+    dht: Dht,
+    run_id: str,
+    round_number: int,
+    ask: Iterable[bytes],
+    reach: Reach | None = None,
+    *,
+    shards: int = 1,
 ) -> DeclarationsReread:
-    """A read of the round key merged with what each peer of ``ask`` holds there itself.
+    """A read of the round's keys merged with what each peer of ``ask`` holds under its own.
 
     ``reach(peer)`` connects to a peer first (``Node.reach``: its addresses from the DHT, relays,
     hole punching): a peer whose declaration our reads missed may be one we never talked to.
     """
-    key = round_key(run_id, round_number).decode()
+    keys = round_keys(run_id, round_number, shards)
     found: list[Declaration] = []
     unreachable: set[bytes] = set()
 
     async def ask_one(peer: bytes) -> None:
         records = None
+        key = keys[shard_of(peer, shards)].decode()
         # One request's time: a frozen peer must not hold back the key's read beside it.
         with trio.move_on_after(dht.config.request_timeout_s):
             try:
@@ -109,7 +137,7 @@ async def reread_declarations(
     async with trio.open_nursery() as nursery:
         for peer in ask:
             nursery.start_soon(ask_one, peer)
-        found.extend(await read_declarations(dht, run_id, round_number))
+        found.extend(await read_declarations(dht, run_id, round_number, shards=shards))
     return DeclarationsReread(tuple(found), frozenset(unreachable))
 
 
@@ -145,9 +173,12 @@ async def form_group(
         deadline=declaration.declared_at + timeout_s,
         config=config,
     )
-    key = round_key(run_id, declaration.round).decode()
+    keys = round_keys(run_id, declaration.round, config.shards)
+    key = keys[machine.own_shard].decode()  # where we declare
+    poll_key = keys[machine.clock_shard].decode()  # what we poll
+    schedule = config.schedule
     queue = deque(machine.handle(LocalRequest(declaration), time.time()))
-    poll = POLL_FIRST_S
+    poll = POLL_FIRST_S if schedule is None else schedule.poll_s
     published_at = -float("inf")
     rereads = 0
     while True:
@@ -163,12 +194,15 @@ async def form_group(
                     raise MatchmakingFailed("no DHT peer stored our declaration")
                 published_at = time.monotonic()
             elif isinstance(action, ReadDeclarations):
-                if rereads:  # again: an expected peer answered but had not declared yet
+                # again: an expected peer answered but had not declared yet (rules 1-2 only)
+                if rereads and schedule is None:
                     await trio.sleep(min(POLL_MAX_S, max(0.0, machine.deadline - time.time())))
                 rereads += 1
                 reread: DeclarationsReread | None = None
                 with trio.move_on_after(max(0.0, machine.deadline - time.time())):
-                    reread = await reread_declarations(dht, run_id, action.round, action.ask, reach)
+                    reread = await reread_declarations(
+                        dht, run_id, action.round, action.ask, reach, shards=config.shards
+                    )
                 if reread is not None:
                     reread = DeclarationsReread(admitted(reread.declarations), reread.unreachable)
                     queue.extend(machine.handle(reread, time.time()))
@@ -183,16 +217,22 @@ async def form_group(
                 )  # fmt: skip
             queue.extend(machine.handle(DeadlineReached(), now))
             continue
+        if schedule is not None and machine.quorum_seen:
+            # The close is known: nothing to read until the re-read after it.
+            await trio.sleep(max(0.0, machine.deadline - time.time()))
+            continue
         if time.monotonic() - published_at > REPUBLISH_S:
             # The replicas that took our first store may have died since (peers leave, and
             # routing tables keep dead ones a while): store again at the closest live ones.
             await _publish(dht, key, declaration)
             published_at = time.monotonic()
-        seen = admitted(await read_declarations(dht, run_id, declaration.round))
+        # A scheduled round's polls only time it: one replica of its clock shard will do.
+        seen = admitted(await _read_key(dht, poll_key, latest=schedule is None))
         queue.extend(machine.handle(DeclarationsSeen(seen), time.time()))
         if not queue:
             await trio.sleep(min(poll, max(0.0, machine.deadline - time.time())))
-            poll = min(POLL_MAX_S, poll * 1.5)
+            most = POLL_MAX_S if schedule is None else max(schedule.poll_s, schedule.window_s)
+            poll = min(most, poll * 1.5)
 
 
 def _log_left_out(machine: Matchmaker, finish: Finish) -> None:

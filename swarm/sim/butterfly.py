@@ -9,6 +9,11 @@ weight and the bandwidth its ``BandwidthEstimate`` gives (the default 1 Gbit/s u
 measured a round, then its uplink, moved only when off by 2x). A group of fewer than two fails
 the round; otherwise the peer joins its group's all-reduce (``allreduce.SimGroup``, one per
 group id: peers that computed different groups meet no one from the other view).
+
+With ``ButterflyConfig.schedule`` (``bench.sim --matchmaking scheduled``, the default for the
+hierarchical protocol) a round has no expected set: each peer declares at once, with the hint of
+how many of its last round's survivors fall in the round's clock shard, over
+``ButterflyConfig.shards`` keys, and the real ``Matchmaker`` decides at the schedule's close.
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ from swarm.averaging.matchmaking import (
     Finish,
     Group,
     MatchmakingConfig,
+    RoundSchedule,
+    clock_shard,
     round_key,
+    shard_of,
 )
 from swarm.sim.allreduce import GroupTimeouts, Outcome, SimGroup, VectorModel
 from swarm.sim.matchmaking import SimMatchmaking
@@ -42,6 +50,9 @@ class ButterflyConfig:
     peer_timeout_s: float = 10.0
     confirm_timeout_s: float = MatchmakingConfig(1, b"x").confirm_timeout_s
     vector: VectorModel = field(default_factory=VectorModel)
+    # Sharded declarations and scheduled rounds (``MatchmakingConfig.shards`` and ``.schedule``).
+    shards: int = 1
+    schedule: RoundSchedule | None = None
 
     def __post_init__(self) -> None:
         if self.max_group_size < 1:
@@ -57,7 +68,11 @@ class ButterflyRounds(RoundProtocol):
     def __init__(self, config: ButterflyConfig, run_seed: bytes = b"sim") -> None:
         self.config = config
         self.matchmaking = MatchmakingConfig(
-            config.max_group_size, run_seed, config.confirm_timeout_s
+            config.max_group_size,
+            run_seed,
+            config.confirm_timeout_s,
+            shards=config.shards,
+            schedule=config.schedule,
         )
         self.timeouts = GroupTimeouts(
             config.allreduce_timeout_s, config.matchmaking_timeout_s, config.peer_timeout_s
@@ -68,6 +83,9 @@ class ButterflyRounds(RoundProtocol):
         self.sessions: dict[bytes, SimGroup] = {}
         self.by_round: dict[int, list[SimGroup]] = {}
         self.current: dict[bytes, list[SimGroup]] = {}  # peer -> sessions it joined
+        # A scheduled round's hint source, as the Averager keeps it: the last survivors, or the
+        # last group's members when its all-reduce failed.
+        self.last_members: dict[bytes, frozenset[bytes]] = {}
 
     def declaration(self, peer: bytes, round_number: int) -> Declaration | None:
         return self.declarations.get((peer, round_number))
@@ -75,6 +93,15 @@ class ButterflyRounds(RoundProtocol):
     def start(self, peer: bytes, round_number: int) -> None:
         world = self.world
         survivors = self.survivors.get(peer)
+        if self.config.schedule is not None:
+            # A scheduled round expects no one: its members are whoever declared before the
+            # close, so there is no expected set to read when the round opens. Its hint: how
+            # many of our last round's survivors declare in this round's clock shard.
+            shards = self.config.shards
+            timer = clock_shard(round_number, shards)
+            hint = sum(shard_of(p, shards) == timer for p in self.last_members.get(peer, ()))
+            self._declare(peer, round_number, frozenset(), hint=hint)
+            return
         if survivors is None:
             self._declare(peer, round_number, frozenset())
             return
@@ -87,12 +114,19 @@ class ButterflyRounds(RoundProtocol):
 
         world.dht.read(peer, key, opened)
 
-    def _declare(self, peer: bytes, round_number: int, expected: frozenset[bytes]) -> None:
+    def _declare(
+        self, peer: bytes, round_number: int, expected: frozenset[bytes], *, hint: int = -1
+    ) -> None:
         world = self.world
         estimate = self.estimates.setdefault(peer, BandwidthEstimate())
         weight = world.contribution(peer, round_number)[1]
         declaration = Declaration(
-            peer, round_number, weight, estimate.declared, world.clock.now, len(expected)
+            peer,
+            round_number,
+            weight,
+            estimate.declared,
+            world.clock.now,
+            len(expected) if hint < 0 else hint,
         )
         self.declarations[(peer, round_number)] = declaration
         record = world.record(peer, round_number)
@@ -120,6 +154,7 @@ class ButterflyRounds(RoundProtocol):
             return
         group = action.group
         record.group_id = group.group_id
+        self.last_members[peer] = frozenset(group.peer_ids)
         if len(group.members) < 2:
             self._failed(peer, round_number, "no other peer declared in time")
             return
@@ -152,6 +187,7 @@ class ButterflyRounds(RoundProtocol):
         record.contributors = result.contributors
         alive = session.machines[peer].alive
         self.survivors[peer] = frozenset(p for p, _ in result.contributors if p in alive) | {peer}
+        self.last_members[peer] = self.survivors[peer]
         self.estimates[peer].observe(world.network.links[peer].up_bps)
         record.ended_at = world.clock.now
         world.end_round(peer, round_number)

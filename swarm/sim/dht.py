@@ -93,17 +93,29 @@ class SimDht:
         self.clock.after(total, done)
 
     def read(
-        self, peer: bytes, key: bytes, done: Callable[[tuple[Declaration, ...]], None]
+        self,
+        peer: bytes,
+        key: bytes,
+        done: Callable[[tuple[Declaration, ...]], None],
+        *,
+        latest: bool = True,
     ) -> None:
-        """Read ``key`` from every replica; ``done(declarations)`` when the bytes are in."""
+        """Read ``key`` from every replica (``latest=False``: from one, as ``Dht.get_records``
+        does); ``done(declarations)`` when the bytes are in."""
         leg, total = self._legs(peer)
-        self.clock.after(total - leg, self._snapshot, peer, key, leg, done)
+        replicas = self.model.replicas if latest else 1
+        self.clock.after(total - leg, self._snapshot, peer, key, leg, replicas, done)
 
     def _snapshot(
-        self, peer: bytes, key: bytes, leg: float, done: Callable[[tuple[Declaration, ...]], None]
+        self,
+        peer: bytes,
+        key: bytes,
+        leg: float,
+        replicas: int,
+        done: Callable[[tuple[Declaration, ...]], None],
     ) -> None:
         found = tuple(self.keys.get(key, {}).values())
-        size = self.model.replicas * self.sizes.get(key, _SET_FRAMING_BYTES)
+        size = replicas * self.sizes.get(key, _SET_FRAMING_BYTES)
         self.count_read(peer, key, size)
         transfer = 8.0 * size / self.network.links[peer].down_bps
         self.clock.after(leg + transfer, done, found)

@@ -219,7 +219,12 @@ class HierarchicalRounds(ButterflyRounds):
     def __init__(self, config: ButterflyConfig, run_seed: bytes = b"sim") -> None:
         super().__init__(config, run_seed)
         self.matchmaking = MatchmakingConfig(
-            config.max_group_size, run_seed, config.confirm_timeout_s, one_group=True
+            config.max_group_size,
+            run_seed,
+            config.confirm_timeout_s,
+            one_group=True,
+            shards=config.shards,
+            schedule=config.schedule,
         )
 
     def _session(self, group: Group, outcome: Outcome) -> SimGrid:  # type: ignore[override]

@@ -8,6 +8,11 @@ named peer (a present peer answers after one round trip with its declaration for
 it made one; one that left or froze is unreachable after the DHT's request timeout), bounded by
 the machine's deadline; hand the machine ``DeadlineReached`` when the deadline passes. Continuation
 callbacks take the place of ``await``; a peer that leaves stops at its next step.
+
+A scheduled round (``MatchmakingConfig.schedule``) declares under its own shard's key, polls the
+round's clock shard from one replica every ``schedule.poll_s`` growing to ``schedule.window_s``,
+stops polling once the machine saw the quorum, and answers a re-read with every replica of
+every shard: as the real driver does.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from swarm.averaging.matchmaking import (
     MatchmakingConfig,
     Publish,
     ReadDeclarations,
-    round_key,
+    round_keys,
 )
 from swarm.averaging.matchmaking_driver import POLL_FIRST_S, POLL_MAX_S, REPUBLISH_S
 from swarm.sim.clock import Clock
@@ -70,7 +75,6 @@ class SimMatchmaking:
         self.clock, self.network, self.dht, self.directory = clock, network, dht, directory
         self.me = declaration.peer_id
         self.declaration = declaration
-        self.key = round_key(run_id, declaration.round)
         self.machine = Matchmaker(
             self.me,
             declaration.round,
@@ -78,6 +82,13 @@ class SimMatchmaking:
             deadline=declaration.declared_at + timeout_s,
             config=config,
         )
+        self.keys = round_keys(run_id, declaration.round, config.shards)
+        self.key = self.keys[self.machine.own_shard]  # where we declare
+        # A scheduled round's polls read only the shard that times it.
+        self.poll_key = self.keys[self.machine.clock_shard]
+        self.schedule = config.schedule
+        if self.schedule is not None:
+            self.poll = self.schedule.poll_s
         self._alive, self._done, self._asked = alive, done, asked
         self.queue: deque[object] = deque()
         self.poll = POLL_FIRST_S
@@ -102,7 +113,8 @@ class SimMatchmaking:
                 return
             if isinstance(action, ReadDeclarations):
                 delay = 0.0
-                if self.rereads:  # again: an expected peer answered but had not declared yet
+                # again: an expected peer answered but had not declared yet (rules 1-2 only)
+                if self.rereads and self.schedule is None:
                     delay = min(POLL_MAX_S, max(0.0, self.machine.deadline - self.clock.now))
                 self.rereads += 1
                 self.clock.after(delay, self._reread, action)
@@ -121,6 +133,9 @@ class SimMatchmaking:
         if now >= self.machine.deadline:
             self.queue.extend(self.machine.handle(DeadlineReached(), now))
             self._run_queue()
+        elif self.schedule is not None and self.machine.quorum_seen:
+            # The close is known: nothing to read until the re-read after it.
+            self.clock.at(self.machine.deadline, self._step)
         elif now - self.published_at > REPUBLISH_S:
             self.published_at = now
             self.dht.write(self.me, self.key, self.declaration, self._poll)
@@ -129,7 +144,10 @@ class SimMatchmaking:
 
     def _poll(self) -> None:
         if self._alive():
-            self.dht.read(self.me, self.key, self._seen)
+            # A scheduled round's polls only time it (the decision re-reads every replica of
+            # every shard): one replica is enough.
+            latest = self.schedule is None
+            self.dht.read(self.me, self.poll_key, self._seen, latest=latest)
 
     def _seen(self, declarations: tuple[Declaration, ...]) -> None:
         if not self._alive():
@@ -138,6 +156,13 @@ class SimMatchmaking:
         self.queue.extend(self.machine.handle(DeclarationsSeen(declarations), now))
         if self.queue:
             self._run_queue()
+            return
+        if self.schedule is not None:
+            # Polls slow down to one a window while the quorum is not in: a peer then still
+            # sees the quorum's declaration before the window after it closes.
+            wait = min(self.poll, max(0.0, self.machine.deadline - now))
+            self.poll = min(max(self.schedule.poll_s, self.schedule.window_s), self.poll * 1.5)
+            self.clock.after(wait, self._step)
             return
         self.clock.after(min(self.poll, max(0.0, self.machine.deadline - now)), self._step)
         self.poll = min(POLL_MAX_S, self.poll * 1.5)
@@ -149,7 +174,7 @@ class SimMatchmaking:
             return
         self._reread_token += 1
         token = self._reread_token
-        pending = {"left": 1 + len(action.ask)}
+        pending = {"left": len(self.keys) + len(action.ask)}
         found: list[Declaration] = []
         unreachable: set[bytes] = set()
 
@@ -174,7 +199,8 @@ class SimMatchmaking:
 
         for peer in sorted(action.ask):
             self._ask(peer, action.round, ask_done)
-        self.dht.read(self.me, self.key, read_done)
+        for key in self.keys:
+            self.dht.read(self.me, key, read_done)
         self.clock.at(max(self.clock.now, self.machine.deadline), self._reread_expired, token)
 
     def _reread_expired(self, token: int) -> None:

@@ -153,9 +153,15 @@ class Simulation:
 
     def figures(self) -> list[RoundFigures]:
         rounds: dict[int, list[PeerRound]] = {}
+        # Bytes a peer read of a round's keys, every shard (``run/<id>/round/<r>[/<shard>]``).
+        prefix = round_key(self.run_id, 0)[: -len(b"0")]
+        read: dict[tuple[bytes, int], int] = {}
+        for (peer, key), size in self.dht.bytes_read.items():
+            if key.startswith(prefix):
+                r = int(key[len(prefix) :].split(b"/")[0])
+                read[(peer, r)] = read.get((peer, r), 0) + size
         for (peer, r), record in self.records.items():
-            key = round_key(self.run_id, r)
-            record.dht_read_bytes = self.dht.bytes_read.get((peer, key), 0)
+            record.dht_read_bytes = read.get((peer, r), 0)
             rounds.setdefault(r, []).append(record)
         return [
             round_figures(r, rounds.get(r, []), self.protocol.groups(r))

@@ -54,6 +54,7 @@ from swarm import Averager, AveragerConfig, AveragingFailed, Compression, Sparse
 from swarm.averaging import session as session_module
 from swarm.averaging import session_wire
 from swarm.averaging.allreduce import SendPart, SendReduced
+from swarm.averaging.matchmaking import RoundSchedule
 
 
 def vector(seed: int, numel: int) -> np.ndarray:
@@ -286,6 +287,21 @@ async def main(args: argparse.Namespace) -> None:
                 audit=args.audit,
                 weight_bounds=(0.0, math.inf if inflated else args.max_weight),
                 aggregation=args.aggregation,
+                # A scheduled round's windows, short for loopback (``RoundSchedule``), waiting
+                # for every survivor of the last round.
+                schedule=RoundSchedule(
+                    args.schedule,
+                    quorum_share=1.0,
+                    window_s=1.0,
+                    spread_factor=1.0,
+                    long_window_s=20.0,
+                    max_wait_s=30.0,
+                    grace_s=0.5,
+                    poll_s=0.2,
+                )
+                if args.schedule
+                else None,
+                matchmaking_shards=args.shards,
             ),
         )
         await nursery.start(averager.run)
@@ -310,6 +326,8 @@ if __name__ == "__main__":
     parser.add_argument("--max-weight", type=float, default=math.inf)
     parser.add_argument("--audit", action="store_true", help="sign slices, check their proofs")
     parser.add_argument("--aggregation", default="mean", help="AveragerConfig.aggregation")
+    parser.add_argument("--schedule", type=int, default=0, help="scheduled rounds: expected")
+    parser.add_argument("--shards", type=int, default=1, help="round keys (needs --schedule)")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()
     logging.basicConfig(

@@ -194,6 +194,24 @@ def test_rounds_are_bit_identical_exact_and_start_at_once(swarm: Swarm) -> None:
         assert all(r["sent_error"] is None for r in replies)  # lossless: nothing dropped
 
 
+def test_a_scheduled_round_waits_for_a_straggler_past_the_matchmaking_timeout(
+    swarm: Swarm,
+) -> None:
+    """Rounds closed by ``RoundSchedule`` (every survivor waited for, no expected peers named,
+    one key: with 4 peers a shard could be empty): a peer that starts round 1 later than the
+    3 s matchmaking timeout after the others, which rules 1-2 would leave out, is in it, and
+    every peer agrees on the exact mean over all four."""
+    peers = swarm.start(4, None, "--run-id", "sched", "--schedule", "4")
+    swarm.average(peers, 0, expected=[])
+    swarm.check([p.reply() for p in peers], peers)
+    swarm.average(peers[:3], 1, expected=[])
+    time.sleep(3.5)  # it finished its last round later than the others
+    swarm.average(peers[3:], 1, expected=[])
+    replies = [p.reply() for p in peers]
+    swarm.check(replies, peers)
+    assert min(r["matchmaking_s"] for r in replies[:3]) > 3.5, replies
+
+
 def channels(peer: Peer) -> dict:
     """The peer's data-channel counters (``Averager.channel_statistics``)."""
     peer.send(cmd="channels")
