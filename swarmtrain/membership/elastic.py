@@ -318,8 +318,7 @@ class Elastic:
             return None
         # Wait for a boundary only while the swarm makes progress: if the newest record is a
         # failed round past the agreed one, no new agreed round may ever come.
-        newest = max(records, key=lambda p: (p.round, p.ok))
-        progressing = newest.ok or newest.round <= agreed.round
+        progressing = _progressing(records, agreed)
         over = agreed.round + 1 >= rounds
         if over:
             progressing = False  # the run is over: take the final state, nothing to wait for
@@ -339,7 +338,12 @@ class Elastic:
 
         def boundary(records: list[Progress]) -> AgreedState | None:
             newer = agreed_state(records)
-            return newer if newer is not None and newer.round > previous.round else None
+            if newer is not None and newer.round > previous.round:
+                return newer
+            # The swarm stopped while we waited (a survivor alone failed the round past the
+            # agreed one, and waits for us, its announced joiner): no boundary will come, so
+            # take the agreed state now instead of waiting out ``wait_s`` (a deadlock until then).
+            return None if _progressing(records, previous) else previous
 
         newer = self._poll(boundary, wait_s if progressing else 0.0, wait_first=True)
         if newer is not None:
@@ -590,3 +594,12 @@ class Elastic:
             + ("(the majority's)" if agreed.published else "(a live member's)")
         )
         return report
+
+
+def _progressing(records: list[Progress], agreed: AgreedState) -> bool:
+    """Whether a new agreed round may still come after ``agreed``: the newest record (a
+    successful one first among a round's) is a success, or no newer than the agreed round."""
+    if not records:
+        return True  # a read that found nothing says nothing
+    newest = max(records, key=lambda p: (p.round, p.ok))
+    return newest.ok or newest.round <= agreed.round

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import torch
 
-from diloco import lr_factor
-from swarmtrain.config import TrainingSection
+from diloco import Corpus, inner_batches, lr_factor
+from swarmtrain.config import RunConfig, TrainingSection, run_seed_of
 
 
 class RankForward(Protocol):
@@ -100,3 +100,27 @@ def accumulate(
     if training.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), training.grad_clip)
     return total / len(micro), tokens
+
+
+def phase_batches(
+    config: RunConfig,
+    corpus: Corpus,
+    round: int,
+    peer_id: bytes,
+    steps: int,
+    shard: tuple[int, int] = (0, 1),
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The batches of a node's inner phase ``round`` of ``steps`` steps (``grad_accumulation``
+    each), this rank's ``shard`` of them: a pure function of the run's seed, the round and the
+    peer id, so every rank of a node, and a verifier, draws the same ones."""
+    training = config.training
+    return inner_batches(
+        corpus,
+        run_seed=run_seed_of(config.run.id),
+        round=round,
+        peer_id=peer_id,
+        steps=steps * training.grad_accumulation,
+        batch_size=training.batch_size,
+        context=training.sequence_length,
+        shard=shard,
+    )

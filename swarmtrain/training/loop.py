@@ -42,7 +42,6 @@ from diloco import (
     evaluate,
     fragment_at,
     fragments_of,
-    inner_batches,
 )
 from p2p import PeerID
 from swarmtrain.config import RunConfig, run_seed_of
@@ -52,7 +51,13 @@ from swarmtrain.membership.progress import Progress, member_list
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.metrics import RoundSample
 from swarmtrain.runtime import PeerRuntime
-from swarmtrain.training.inner_step import accumulate, grad_scaler, inner_optimizer, set_lr
+from swarmtrain.training.inner_step import (
+    accumulate,
+    grad_scaler,
+    inner_optimizer,
+    phase_batches,
+    set_lr,
+)
 from swarmtrain.training.progress_bar import InnerProgress
 from swarmtrain.training.ranks import LocalRanks
 from swarmtrain.training.swarm_average import RoundReport, SwarmAverage
@@ -409,16 +414,8 @@ def native_inner_phase(
     steps, micro = training.inner_steps, training.grad_accumulation
     if ranks is not None:
         ranks.begin_phase(diloco.round, steps)
-    batches = inner_batches(
-        corpus,
-        run_seed=run_seed_of(config.run.id),
-        round=diloco.round,
-        peer_id=peer_bytes,
-        steps=steps * micro,
-        batch_size=training.batch_size,
-        context=training.sequence_length,
-        shard=ranks.shard if ranks is not None else (0, 1),
-    )
+    shard = ranks.shard if ranks is not None else (0, 1)
+    batches = phase_batches(config, corpus, diloco.round, peer_bytes, steps, shard)
     started = time.perf_counter()
     losses: list[float] = []
     tokens = 0
@@ -468,16 +465,7 @@ def _sharded_inner_phase(
     steps, micro = training.inner_steps, training.grad_accumulation
     sharded = ranks.sharded
     ranks.begin_sharded_phase(diloco.round, steps, diloco.model, diloco.inner_optimizer)
-    batches = inner_batches(
-        corpus,
-        run_seed=run_seed_of(config.run.id),
-        round=diloco.round,
-        peer_id=peer_bytes,
-        steps=steps * micro,
-        batch_size=training.batch_size,
-        context=training.sequence_length,
-        shard=ranks.shard,
-    )
+    batches = phase_batches(config, corpus, diloco.round, peer_bytes, steps, ranks.shard)
     started = time.perf_counter()
     losses: list[float] = []
     tokens = 0

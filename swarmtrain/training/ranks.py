@@ -56,9 +56,15 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from diloco import Corpus, inner_batches
-from swarmtrain.config import RunConfig, TrainingSection, run_seed_of
-from swarmtrain.training.inner_step import accumulate, grad_scaler, inner_optimizer, set_lr
+from diloco import Corpus
+from swarmtrain.config import RunConfig, TrainingSection
+from swarmtrain.training.inner_step import (
+    accumulate,
+    grad_scaler,
+    inner_optimizer,
+    phase_batches,
+    set_lr,
+)
 from swarmtrain.training.ranks_plan import FLAG, Control, Op, RankDigests, control_key
 from swarmtrain.training.workload import build_model, check_data, load_data
 
@@ -639,15 +645,8 @@ def _phase(group: RankGroup, corpus: Corpus, job: RankJob, control: Control) -> 
     ``training.loop._native_inner_phase`` does, less DiLoCo's round."""
     training = job.config.training
     micro = training.grad_accumulation
-    batches = inner_batches(
-        corpus,
-        run_seed=run_seed_of(job.config.run.id),
-        round=control.round,
-        peer_id=job.peer_id,
-        steps=control.steps * micro,
-        batch_size=training.batch_size,
-        context=training.sequence_length,
-        shard=(job.rank, job.nproc),
+    batches = phase_batches(
+        job.config, corpus, control.round, job.peer_id, control.steps, (job.rank, job.nproc)
     )
     total = job.config.run.rounds * control.steps
     for step in range(control.steps):
@@ -671,15 +670,8 @@ def _sharded_phase(group: ShardedGroup, corpus: Corpus, job: RankJob, control: C
     ``training.loop._sharded_inner_phase`` does, less DiLoCo's round."""
     training = job.config.training
     micro = training.grad_accumulation
-    batches = inner_batches(
-        corpus,
-        run_seed=run_seed_of(job.config.run.id),
-        round=control.round,
-        peer_id=job.peer_id,
-        steps=control.steps * micro,
-        batch_size=training.batch_size,
-        context=training.sequence_length,
-        shard=(job.rank, job.nproc),
+    batches = phase_batches(
+        job.config, corpus, control.round, job.peer_id, control.steps, (job.rank, job.nproc)
     )
     total = job.config.run.rounds * control.steps
     for step in range(control.steps):
