@@ -121,8 +121,10 @@ class RankGroup:
         rank: int,
         nproc: int,
         scaler: torch.amp.GradScaler | None = None,
+        training: TrainingSection | None = None,  # a spawned rank's: it steps through ``step``
     ):
         self.model, self.optimizer, self.rank, self.nproc = model, optimizer, rank, nproc
+        self.training = training
         # fp16: rank 0's DiLoCo steps through its own scaler; every rank sees the same averaged
         # gradients, so the scalers skip the same steps and keep the same scale.
         self.scaler = scaler
@@ -142,6 +144,29 @@ class RankGroup:
             dist.broadcast_object_list(state, src=0)
             if self.rank != 0:
                 self.optimizer.load_state_dict(state[0])  # type: ignore[arg-type]
+
+    def start_phase(self, control: Control) -> None:
+        """A spawned rank's start of a phase (``_phase``): rank 0's bytes, as ``sync``."""
+        self.sync(control)
+
+    def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
+        """A spawned rank's inner step on its batches (DDP averages the gradients across
+        ranks), through the scaler in fp16. Returns (this rank's loss, tokens)."""
+        assert self.training is not None, "a spawned rank's group is built with its training"
+        loss, tokens = accumulate(
+            self.model, micro, self.training, self.ddp, self.scaler, self.optimizer
+        )
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, tokens
+
+    def finish_phase(self) -> None:
+        """A spawned rank's end of a phase: its part in rank 0's digest gather."""
+        self.digests()
 
     def mean_loss(self, loss: float) -> float:
         """The ranks' mean of this step's loss (the node's loss: its whole batch's)."""
@@ -295,6 +320,19 @@ class ShardedGroup:
                     full.to(self.device), param.device_mesh, param.placements, src_data_rank=0
                 )
             self.optimizer.state[param] = shard
+
+    def start_phase(self, control: Control) -> None:
+        """A spawned rank's start of a phase (``_phase``): its shards of rank 0's parameters,
+        and of its inner AdamW state when ``control`` says so."""
+        self.sync(None)
+        if control.optimizer_state:
+            self.scatter_optimizer(None, None)
+
+    def finish_phase(self) -> None:
+        """A spawned rank's end of a phase: its part in rank 0's gathers (parameters and
+        digests, then the inner AdamW state for the round's checkpoint)."""
+        self.end(None)
+        self.gather_optimizer(None, None)
 
     def step(self, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
         """One inner step on this rank's batches (FSDP reduce-scatters the gradients across
@@ -607,24 +645,19 @@ def rank_main(job: RankJob) -> None:
             _backend(job.device), store=store, rank=job.rank, world_size=job.nproc,
             timeout=_timeout(COLLECTIVE_TIMEOUT_S),
         )  # fmt: skip
-        sequence = 0
+        group: RankGroup | ShardedGroup
         if job.fsdp:
             del optimizer  # the sharded group's own is over the shards
-            sharded = ShardedGroup(model, job.config.training, job.rank, job.nproc)
-            while (control := _next_control(store, sequence)).op is Op.TRAIN:
-                sequence += 1
-                sharded.sync(None)
-                if control.optimizer_state:
-                    sharded.scatter_optimizer(None, None)
-                _sharded_phase(sharded, corpus, job, control)
-            dist.destroy_process_group()
-            return
-        group = RankGroup(
-            model, optimizer, job.rank, job.nproc, grad_scaler(model, job.config.training)
-        )
+            group = ShardedGroup(model, job.config.training, job.rank, job.nproc)
+        else:
+            scaler = grad_scaler(model, job.config.training)
+            group = RankGroup(
+                model, optimizer, job.rank, job.nproc, scaler, training=job.config.training
+            )
+        sequence = 0
         while (control := _next_control(store, sequence)).op is Op.TRAIN:
             sequence += 1
-            group.sync(control)
+            group.start_phase(control)
             _phase(group, corpus, job, control)
         dist.destroy_process_group()
     except Exception as exc:
@@ -640,34 +673,10 @@ def _next_control(store: dist.TCPStore, sequence: int) -> Control:
     return Control.from_bytes(store.get(key))
 
 
-def _phase(group: RankGroup, corpus: Corpus, job: RankJob, control: Control) -> None:
-    """Inner phase ``control.round`` on this rank's shard: what rank 0's
-    ``training.loop._native_inner_phase`` does, less DiLoCo's round."""
-    training = job.config.training
-    micro = training.grad_accumulation
-    batches = phase_batches(
-        job.config, corpus, control.round, job.peer_id, control.steps, (job.rank, job.nproc)
-    )
-    total = job.config.run.rounds * control.steps
-    for step in range(control.steps):
-        set_lr(group.optimizer, training, control.round * control.steps + step, total)
-        loss, _ = accumulate(
-            group.model, batches[step * micro : (step + 1) * micro], training, group.ddp,
-            group.scaler, group.optimizer,
-        )  # fmt: skip
-        group.mean_loss(loss)
-        if group.scaler is None:
-            group.optimizer.step()
-        else:
-            group.scaler.step(group.optimizer)
-            group.scaler.update()
-        group.optimizer.zero_grad(set_to_none=True)
-    group.digests()
-
-
-def _sharded_phase(group: ShardedGroup, corpus: Corpus, job: RankJob, control: Control) -> None:
-    """A ``--fsdp`` rank's inner phase ``control.round``: what rank 0's
-    ``training.loop._sharded_inner_phase`` does, less DiLoCo's round."""
+def _phase(group: RankGroup | ShardedGroup, corpus: Corpus, job: RankJob, control: Control) -> None:
+    """Inner phase ``control.round`` on this rank's shard of the node's batches: what rank 0's
+    ``training.loop._native_inner_phase`` (or, with ``--fsdp``, ``_sharded_inner_phase``)
+    does, less DiLoCo's round."""
     training = job.config.training
     micro = training.grad_accumulation
     batches = phase_batches(
@@ -678,8 +687,7 @@ def _sharded_phase(group: ShardedGroup, corpus: Corpus, job: RankJob, control: C
         set_lr(group.optimizer, training, control.round * control.steps + step, total)
         loss, _ = group.step(batches[step * micro : (step + 1) * micro])
         group.mean_loss(loss)
-    group.end(None)
-    group.gather_optimizer(None, None)
+    group.finish_phase()
 
 
 def _leave_with_parent(parent: int) -> None:
