@@ -27,6 +27,7 @@ from swarm.averaging.audit import (
     proof_message,
     recheck,
     records_by_group,
+    slice_disputes,
     slice_hash,
     split_record,
 )
@@ -122,6 +123,7 @@ __all__ = [
     "round_keys",
     "servers_key",
     "shard_count",
+    "slice_disputes",
     "slice_hash",
     "split_record",
     "stage_status",

@@ -293,15 +293,21 @@ def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:
         return None
     claims = {a.part: a for r in records for a in r.audits}
     disputed = sorted({p for r in records for p in r.disputed})
-    slices = {(d.part, d.peer): d for r in records for d in r.slice_disputes}
     return AuditRecord(
         first.round,
         first.group_id,
         first.reducers,
         tuple(claims.values()),
         tuple(disputed),
-        tuple(slices[k] for k in sorted(slices))[:MAX_SLICE_DISPUTES],
+        slice_disputes([d for r in records for d in r.slice_disputes]),
     )
+
+
+def slice_disputes(disputes: Iterable[SliceDispute]) -> tuple[SliceDispute, ...]:
+    """What one record carries of ``disputes``: one per (part, peer), in that order, at most
+    ``MAX_SLICE_DISPUTES``."""
+    by_key = {(d.part, d.peer): d for d in disputes}
+    return tuple(by_key[k] for k in sorted(by_key))[:MAX_SLICE_DISPUTES]
 
 
 K = TypeVar("K")

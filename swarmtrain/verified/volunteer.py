@@ -180,7 +180,7 @@ class Verification:
     ) -> list[Assignment]:
         """The round's assignments; none when we do not know its members (the first round, or
         the first after we failed a round or adopted a state): then we verify nobody. With the
-        round's ``records``, each newcomer that claims its own task (``_newcomers``) is
+        round's ``records``, each newcomer that claims its own task (``plan.newcomers``) is
         assigned a verifier among the members too, selected or not."""
         members = self._members.get(round_number)
         if not members:
@@ -328,7 +328,11 @@ class Verification:
         owed = {owner: v for (k, owner), v in self._expected.items() if k == r}
         misbound = {(d.part, d.peer): d for d in result.refused if d.peer in owed}
         record = swarm.AuditRecord(
-            r, gid, result.reducers, result.audits, slice_disputes=_first(misbound)
+            r,
+            gid,
+            result.reducers,
+            result.audits,
+            slice_disputes=swarm.slice_disputes(misbound.values()),
         )
         self._report_misbound(r, misbound.values())
         self._publish_audits(record)
@@ -361,7 +365,7 @@ class Verification:
                     record = replace(
                         record,
                         disputed=tuple(sorted(disputed)),
-                        slice_disputes=_first(misbound),
+                        slice_disputes=swarm.slice_disputes(misbound.values()),
                     )
                     self._publish_audits(record)
             awaited = drawn | disputed
@@ -493,13 +497,6 @@ class _OwnClaims:
     params: dict[str, np.ndarray]
     start_state_hash: bytes
     claims: dict[bytes, Commitment]
-
-
-def _first(
-    disputes: Mapping[tuple[int, bytes], swarm.SliceDispute],
-) -> tuple[swarm.SliceDispute, ...]:
-    """The disputes one audit record carries, in (part, peer) order."""
-    return tuple(disputes[k] for k in sorted(disputes))[: swarm.MAX_SLICE_DISPUTES]
 
 
 def _pseudo_gradient(start: dict[str, np.ndarray], final: Mapping[str, np.ndarray]) -> np.ndarray:
