@@ -2,10 +2,10 @@
 
 ``RelaySlots.reserve`` makes the first reservation on a relay (the caller awaits it); ``keep``
 runs in ``NatService``'s nursery for the node's life. Every ``watch_interval_s`` it looks whether
-our connection to each relay is still open, tells the keeper, and sends a RESERVE to the relays
-the keeper says are due: refreshes at 2/3 of the granted TTL, re-reservations after the
-connection closed (the relay restarted, or a NAT mapping timed out), retries with backoff. It
-makes no decision of its own.
+our connection to each relay is still open, tells the keeper, and sends a RESERVE (each in its
+own task, so watching goes on meanwhile) to the relays the keeper says are due: refreshes at 2/3
+of the granted TTL, re-reservations after the connection closed (the relay restarted, or a NAT
+mapping timed out), retries with backoff. It makes no decision of its own.
 
 A RESERVE is one stream and one round trip on the open connection to the relay, which extends
 a held reservation or makes a new one if the relay forgot us (0.8.1's hop answers OK either way).
@@ -78,12 +78,9 @@ class RelaySlots:
                     if self._keeper.statistics().losses > before:
                         log.warning("connection to relay %s closed; reserving again", relay_id)
                 for relay_id in self._keeper.due(now):
-                    try:
-                        await self._attempt(relay_id, nursery)
-                    except P2PError as exc:
-                        log.warning(
-                            "no relay slot on %s: %s (%s)", relay_id, exc, self._how(relay_id)
-                        )
+                    # Each attempt in its own task: the connections stay watched while one runs
+                    # (a relay that restarts during a refresh is a lost slot, not a refresh).
+                    nursery.start_soon(self._attempt_logged, relay_id, nursery)
                 next_due = self._keeper.next_due()
                 wait_s = self._watch_interval_s
                 if next_due is not None:
@@ -109,6 +106,12 @@ class RelaySlots:
     def _how(self, relay_id: ID) -> str:
         slot = self._keeper.slot(relay_id)
         return "unknown relay" if slot is None else f"{slot.failures} in a row, {slot.state.value}"
+
+    async def _attempt_logged(self, relay_id: ID, nursery: trio.Nursery) -> None:
+        try:
+            await self._attempt(relay_id, nursery)
+        except P2PError as exc:
+            log.warning("no relay slot on %s: %s (%s)", relay_id, exc, self._how(relay_id))
 
     async def _attempt(self, relay_id: ID, nursery: trio.Nursery) -> multiaddr.Multiaddr:
         """One bounded RESERVE on a relay the keeper handed out; reports the outcome to it."""

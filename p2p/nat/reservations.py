@@ -164,6 +164,11 @@ class ReservationKeeper(Generic[K]):
             return
         slot.connected = connected
         if slot.state is SlotState.RESERVING:
+            # A refresh in flight on a held slot: the slot is lost all the same, and the attempt
+            # (on a new connection, to a relay that may have forgotten us) makes it again.
+            if not connected and slot.expires_at is not None:
+                self._losses += 1
+                slot.expires_at = None
             return
         if not connected and slot.state is SlotState.HELD:
             self._losses += 1
