@@ -371,8 +371,8 @@ _msgpack_values = st.recursive(
     | st.integers(-(1 << 63), (1 << 64) - 1)
     | st.binary(max_size=40)
     | st.text(max_size=10),
-    lambda inner: st.lists(inner, max_size=20),
-    max_leaves=40,
+    lambda inner: st.lists(inner, max_size=6),
+    max_leaves=10,
 )
 
 
@@ -385,7 +385,7 @@ OFFER, ACCEPT, OUTCOME = Offer.TYPE_CODE, Accept.TYPE_CODE, Outcome.TYPE_CODE
     fields=st.lists(_msgpack_values, min_size=9, max_size=10),
     mutate=st.integers(0, 9),
 )
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 def test_control_well_framed_garbage_raises_remote_protocol_error(
     code: int, fields: list[object], mutate: int
 ) -> None:
