@@ -303,6 +303,14 @@ class AllReduce:
     ``aggregation``: the rule each part this peer reduces is computed with (one of
     ``swarm.averaging.aggregation.AGGREGATIONS``; every peer of the group must use the same).
 
+    ``own(part_index)``, if given, is our slice of that part as the other peers decode it (a
+    lossy codec's round trip of ``local``'s slice), asked for each time this peer reduces the
+    part; it must be a pure function of the index. Without it ``local``'s slice is used as it
+    is. Why: a round trip of the whole vector up front is a vector-sized copy held through the
+    round, where one part's worth exists only while that part is reduced; and a driver that
+    keeps our slices' wire bytes may then let the result land in ``local`` (``out``), which
+    the machine never reads values from.
+
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
     ``LocalProtocolError`` for an unknown event, a second ``start`` or any call after ``FAILED``.
@@ -324,6 +332,7 @@ class AllReduce:
         weight_bounds: tuple[float, float] = (0.0, math.inf),
         check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None,
         aggregation: str = "mean",
+        own: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
@@ -353,7 +362,8 @@ class AllReduce:
         self._skip = list(range(len(self.peers)))
         self.members: set[bytes] = set(self.peers)  # the contributor set we aim for; only shrinks
         self.weights: dict[bytes, float] = {me: self.weight}
-        # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced
+        # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced (ours is
+        # ``local``'s view, whose values count only without ``own``)
         self.raw: list[dict[bytes, np.ndarray]] = [{} for _ in self.parts]
         for index, (_, start, stop) in enumerate(self.parts):
             self.raw[index][me] = local[start:stop]
@@ -376,6 +386,7 @@ class AllReduce:
         # A lossy wire codec: the reducer must hold what everyone else decodes, not its own
         # float32 mean, or its result would differ from theirs in the dropped bits.
         self._finalize = finalize
+        self._own = own
         if out is not None and (
             not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != local.shape
         ):
@@ -568,6 +579,8 @@ class AllReduce:
                 if missing:
                     return actions + self._remove(dict.fromkeys(missing, "lost before sending"))
                 contributions = {q: (self.raw[p][q], self.weights[q]) for q in self.members}
+                if self._own is not None:
+                    contributions[self.me] = (self._own(p), self.weight)
                 _, start, stop = self.parts[p]
                 into = None if self._allocate is None else self._allocate(stop - start)
                 reduced = aggregate(self.aggregation, contributions, into)

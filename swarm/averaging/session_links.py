@@ -351,19 +351,8 @@ class PeerLinks:
         else:
             landing = False
             if _RAW_IS_NATIVE and self.layout.lossless_between(start, stop):
-                # Never once the round finished: the result handed out is ``_out`` itself, and a
-                # late copy (reduced before its sender learned of an exclusion) must not change it.
-                landing = (
-                    item.kind == KIND_REDUCED
-                    and item.part_index not in self._landed
-                    and not self._finished.is_set()
-                )
-                if landing:
-                    self._landed.add(item.part_index)
-                    self._landing.add(item.part_index)
-                    raw = self._out[start:stop]
-                else:
-                    raw = self._buffers.take(stop - start)
+                landing = item.kind == KIND_REDUCED and self._lands(item.part_index)
+                raw = self._out[start:stop] if landing else self._buffers.take(stop - start)
             data = bytearray(expected) if raw is None else memoryview(raw).cast("B")
             try:
                 with self._transfer(peer):
@@ -389,12 +378,23 @@ class PeerLinks:
         arguments: tuple[Any, ...] = (data, start, stop)
         if item.kind == KIND_REDUCED and self.layout.gathers:
             decode, arguments = self.layout.decode_reduced, (*arguments, contributors)
-        if raw is not None:
-            values = raw  # the machine checks every part it is handed for NaN and inf
-        elif self._big:
-            values = await trio.to_thread.run_sync(decode, *arguments)
-        else:
-            values = decode(*arguments)
+        landing = False
+        if raw is None and item.kind == KIND_REDUCED and not self.layout.gathers:
+            # An encoded reduced part (int8) is decoded into its place in the result, as a raw
+            # one is received there (same rules), so the result is not a second copy of it.
+            landing = self._lands(item.part_index)
+            if landing:
+                decode, arguments = self._decode_into, (*arguments, self._out[start:stop])
+        try:
+            if raw is not None:
+                values = raw  # the machine checks every part it is handed for NaN and inf
+            elif self._big:
+                values = await trio.to_thread.run_sync(decode, *arguments)
+            else:
+                values = decode(*arguments)
+        finally:
+            if landing:
+                self._landing.discard(item.part_index)
         if item.kind == KIND_SLICE:
             if self.config.sign is not None:
                 await self._values.check_proof(peer, item, values)
@@ -404,6 +404,25 @@ class PeerLinks:
         if not self.layout.lossless():
             self._values.remember(values, bytes(data))
         return ReducedPartReceived(peer, item.part_index, values, contributors)
+
+    def _lands(self, part: int) -> bool:
+        """Whether a reduced copy of ``part`` now being received goes into its place in the
+        result (then it is marked landing until written): the first copy of each part only,
+        and never once the round finished: the result handed out is ``_out`` itself, and a late
+        copy (reduced before its sender learned of an exclusion) must not change it."""
+        if part in self._landed or self._finished.is_set():
+            return False
+        self._landed.add(part)
+        self._landing.add(part)
+        return True
+
+    def _decode_into(
+        self, data: bytes | bytearray | memoryview, start: int, stop: int, place: np.ndarray
+    ) -> np.ndarray:
+        """``layout.decode`` of a reduced part, written into ``place`` (its place in the
+        result), which it returns: the decoded copy lives only for this call."""
+        place[:] = self.layout.decode(data, start, stop)
+        return place
 
     @contextmanager
     def _transfer(self, peer: bytes) -> Iterator[None]:
