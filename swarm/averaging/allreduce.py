@@ -70,6 +70,7 @@ __all__ = [
     "AllReduceState",
     "DeadlineReached",
     "DropPeer",
+    "Encoded",
     "Fail",
     "Finish",
     "PartReceived",
@@ -128,12 +129,24 @@ def partition(
 
 
 @dataclass(frozen=True, slots=True)
+class Encoded:
+    """A peer's slice kept as its wire bytes (a lossy codec's: int8 is a quarter of the float32
+    values) instead of its values, for a machine given ``decode``: it decodes them each time it
+    reduces the part. The driver made sure they decode (to finite float32 of the part's
+    length) before handing them in; the machine then trusts them as it trusts checked
+    values."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class PartReceived:
-    """``sender``'s raw slice of part ``part_index`` with its weight (reduce-scatter input)."""
+    """``sender``'s raw slice of part ``part_index`` with its weight (reduce-scatter input):
+    its values, or with a machine given ``decode`` its ``Encoded`` bytes."""
 
     sender: bytes
     part_index: int
-    data: np.ndarray
+    data: np.ndarray | Encoded
     weight: float
 
 
@@ -311,6 +324,10 @@ class AllReduce:
     keeps our slices' wire bytes may then let the result land in ``local`` (``out``), which
     the machine never reads values from.
 
+    ``decode(part_index, payload)``, if given, turns a slice handed in ``Encoded`` back into its
+    values (a pure function of its arguments), when this peer reduces the part: a received
+    slice then costs its wire bytes for the whole round and its values only while reduced.
+
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
     ``LocalProtocolError`` for an unknown event, a second ``start`` or any call after ``FAILED``.
@@ -333,6 +350,7 @@ class AllReduce:
         check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None,
         aggregation: str = "mean",
         own: Callable[[int], np.ndarray] | None = None,
+        decode: Callable[[int, bytes], np.ndarray] | None = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
@@ -363,8 +381,8 @@ class AllReduce:
         self.members: set[bytes] = set(self.peers)  # the contributor set we aim for; only shrinks
         self.weights: dict[bytes, float] = {me: self.weight}
         # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced (ours is
-        # ``local``'s view, whose values count only without ``own``)
-        self.raw: list[dict[bytes, np.ndarray]] = [{} for _ in self.parts]
+        # ``local``'s view, whose values count only without ``own``; others' may be ``Encoded``)
+        self.raw: list[dict[bytes, np.ndarray | Encoded]] = [{} for _ in self.parts]
         for index, (_, start, stop) in enumerate(self.parts):
             self.raw[index][me] = local[start:stop]
         self.held: list[tuple[np.ndarray, frozenset[bytes]] | None] = [None] * len(self.parts)
@@ -387,6 +405,7 @@ class AllReduce:
         # float32 mean, or its result would differ from theirs in the dropped bits.
         self._finalize = finalize
         self._own = own
+        self._decode = decode
         if out is not None and (
             not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != local.shape
         ):
@@ -490,9 +509,15 @@ class AllReduce:
             return f"weight {event.weight:g} outside the run's bounds [{low:g}, {high:g}]"
         if self.weights.get(event.sender, event.weight) != event.weight:
             return "weight changed within the round"
-        why = _finite_float32(event.data, stop - start)
+        data = event.data
+        if isinstance(data, Encoded) and self._decode is not None:
+            if self.check_slice is None:
+                return None  # the driver checked that it decodes
+            data = self._decode(event.part_index, data.payload)
+        why = _finite_float32(data, stop - start)
         if not why and self.check_slice is not None:
-            why = self.check_slice(event.sender, start, event.data)
+            assert isinstance(data, np.ndarray)
+            why = self.check_slice(event.sender, start, data)
             if why:
                 self.refused[event.sender] = (event.part_index, float(event.weight))
         return f"part {event.part_index}: {why}" if why else None
@@ -578,9 +603,7 @@ class AllReduce:
                 missing = self.members - self.raw[p].keys()  # lost before their slice came
                 if missing:
                     return actions + self._remove(dict.fromkeys(missing, "lost before sending"))
-                contributions = {q: (self.raw[p][q], self.weights[q]) for q in self.members}
-                if self._own is not None:
-                    contributions[self.me] = (self._own(p), self.weight)
+                contributions = {q: (self._values(p, q), self.weights[q]) for q in self.members}
                 _, start, stop = self.parts[p]
                 into = None if self._allocate is None else self._allocate(stop - start)
                 reduced = aggregate(self.aggregation, contributions, into)
@@ -607,6 +630,17 @@ class AllReduce:
         else:
             self.state = AllReduceState.SCATTERING
         return actions
+
+    def _values(self, p: int, peer: bytes) -> np.ndarray:
+        """``peer``'s slice of part ``p`` as values: ours through ``own`` when given, an
+        ``Encoded`` one decoded (for this reduction only)."""
+        if peer == self.me and self._own is not None:
+            return self._own(p)
+        data = self.raw[p][peer]
+        if isinstance(data, Encoded):
+            assert self._decode is not None  # ``_check_part`` refuses them otherwise
+            return self._decode(p, data.payload)
+        return data
 
     def _assemble(self) -> np.ndarray:
         """The result vector: ``out`` (else a new one) with every held part in its place. A

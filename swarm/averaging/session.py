@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -163,10 +164,14 @@ class Session(PeerLinks):
         # machine holds, and one arriving while we reduce the part ourselves must not race our
         # write), so the result is assembled without copying 2(N-1)/N of the vector again.
         in_local = result_in_local and self._values.keeps_own_payloads()
+        self._keeps_encoded = not layout.gathers and not layout.lossless() and config.sign is None
         self._out = local if in_local else self._buffers.take(len(local))
         self._landed: set[int] = set()
         self._landing: set[int] = set()
-        finalize = self._values.finalizer(config.tamper_reduced)
+        # Receivers (the event loop) and our own reductions (a worker thread) both claim
+        # parts' places in the result: one at a time.
+        self._landing_lock = threading.Lock()
+        finalize = self._values.finalizer(config.tamper_reduced, self._claim_place)
         # The round's clock starts here, on trio's clock: the machine's deadline, the reach
         # window and the streams' due time all count from it.
         self._t0 = trio.current_time()
@@ -186,6 +191,9 @@ class Session(PeerLinks):
             aggregation=config.aggregation,
             # Our values in a part we reduce, one part at a time (a lossy codec's round trip).
             own=None if self.layout.lossless() else self._values.own_values,
+            # Others' slices kept as their wire bytes while the round lasts (int8: a quarter
+            # of the values), decoded when reduced (``_receive_item`` checked that they do).
+            decode=self._decode_slice if self._keeps_encoded else None,
         )
         self.parts = self._values.parts = self.machine.parts
         if in_local:
@@ -231,6 +239,22 @@ class Session(PeerLinks):
         if self._upload.busy_s < 0.02 or self._upload.sent < (1 << 20):
             return None
         return 8 * self._upload.sent / self._upload.busy_s
+
+    def _decode_slice(self, part: int, payload: bytes) -> np.ndarray:
+        """The machine's ``decode``: a slice kept ``Encoded`` back to its values."""
+        _, start, stop = self.parts[part]
+        return self.layout.decode(payload, start, stop)
+
+    def _claim_place(self, part: int) -> np.ndarray | None:
+        """Where a part we reduced goes: its place in the result when no copy of it landed or
+        is landing there (it is then marked landed: later copies go elsewhere, and
+        ``settle_landings`` puts the held part back if the machine takes another), else None."""
+        with self._landing_lock:
+            if part in self._landed or self._finished.is_set():
+                return None
+            self._landed.add(part)
+        _, start, stop = self.parts[part]
+        return self._out[start:stop]
 
     def sent(self) -> np.ndarray | None:
         """Our contribution as every peer decodes it (a lossy codec's round trip, a new vector:

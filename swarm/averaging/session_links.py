@@ -18,6 +18,7 @@ back and forth.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from p2p import (
 )
 from swarm.averaging.allreduce import (
     AllReduce,
+    Encoded,
     PartReceived,
     PeerLost,
     ReducedPartReceived,
@@ -134,6 +136,8 @@ class PeerLinks:
     _out: np.ndarray
     _landed: set[int]
     _landing: set[int]
+    _landing_lock: threading.Lock
+    _keeps_encoded: bool  # others' lossy slices go to the machine ``Encoded``
     _item_limit: int
     _inbox_send: trio.MemorySendChannel[Any]
     _outboxes: dict[bytes, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
@@ -400,6 +404,10 @@ class PeerLinks:
                 await self._values.check_proof(peer, item, values)
             if self.layout.gathers:  # kept for the reduced part it goes into
                 self._values.remember_slice(item.part_index, peer, bytes(data))
+            if self._keeps_encoded and raw is None:
+                # Decoded above only to check it; the machine decodes it again when it reduces
+                # the part, and holds the wire bytes until then (``Encoded``).
+                return PartReceived(peer, item.part_index, Encoded(bytes(data)), item.weight)
             return PartReceived(peer, item.part_index, values, item.weight)
         if not self.layout.lossless():
             self._values.remember(values, bytes(data))
@@ -410,10 +418,11 @@ class PeerLinks:
         result (then it is marked landing until written): the first copy of each part only,
         and never once the round finished: the result handed out is ``_out`` itself, and a late
         copy (reduced before its sender learned of an exclusion) must not change it."""
-        if part in self._landed or self._finished.is_set():
-            return False
-        self._landed.add(part)
-        self._landing.add(part)
+        with self._landing_lock:  # our own reductions claim places from a worker thread
+            if part in self._landed or self._finished.is_set():
+                return False
+            self._landed.add(part)
+            self._landing.add(part)
         return True
 
     def _decode_into(

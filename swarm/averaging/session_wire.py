@@ -188,6 +188,7 @@ class RoundValues:
         # Our slices' payloads are all in ``slices`` (``keep_own_payloads``): ``local`` may hold
         # the round's result.
         self._own_kept = False
+        self._place: Callable[[int], np.ndarray | None] | None = None  # ``finalizer``'s
 
     def wire_values(
         self, peers: tuple[bytes, ...], bandwidths: list[int], chunks: int
@@ -235,10 +236,15 @@ class RoundValues:
         return self.layout.round_trip(self.local[start:stop], start)
 
     def finalizer(
-        self, tamper: Callable[[int, np.ndarray], np.ndarray] | None
+        self,
+        tamper: Callable[[int, np.ndarray], np.ndarray] | None,
+        place: Callable[[int], np.ndarray | None] | None = None,
     ) -> Callable[[int, np.ndarray], np.ndarray] | None:
         """The machine's ``finalize``: a lossy codec's round trip, after ``tamper`` (the
-        aggregation audit's tests: ``AveragingFaults``) when given."""
+        aggregation audit's tests: ``AveragingFaults``) when given. ``place(part)``: where the
+        decoded values go (the part's place in the round's result, so it is not assembled
+        from a copy), or None for an array of their own."""
+        self._place = place
         if self.layout.gathers:
             # Receivers recompute the mean from the slices: nothing to finalize, and a tampered
             # part could not travel as slices.
@@ -255,6 +261,10 @@ class RoundValues:
         start = self.parts[part_index][1]
         data = self.layout.encode(reduced, start)
         values = self.layout.decode(data, start, start + len(reduced))
+        target = None if self._place is None else self._place(part_index)
+        if target is not None:
+            target[:] = values
+            values = target
         self.encoded[id(values)] = (values, data)
         return values
 
