@@ -35,7 +35,9 @@ class PartsNetwork(FakeNetwork):
             for me, vector in zip(ids, originals, strict=True)
         }
         decoded = [self.wire[me].wire_values(ids, bandwidths, chunks) for me in ids]
-        super().__init__(decoded, [1.0 + i for i in range(len(ids))], bandwidths, rng, chunks=chunks)
+        super().__init__(
+            decoded, [1.0 + i for i in range(len(ids))], bandwidths, rng, chunks=chunks
+        )
         self.hooked = hooked
         for me in ids:
             values = self.wire[me]
@@ -111,4 +113,6 @@ def test_a_slice_kept_encoded_is_refused_by_a_machine_without_decode() -> None:
     machine = AllReduce(ids[0], ids, [1, 1], local, 1.0, 100.0)
     machine.start(0.0)
     actions = machine.handle(PartReceived(ids[1], 0, Encoded(b"\x00" * 8), 1.0), 1.0)
-    assert any(getattr(a, "reason", "").endswith("data is not a 1-D float32 array") for a in actions)
+    assert any(
+        getattr(a, "reason", "").endswith("data is not a 1-D float32 array") for a in actions
+    )
