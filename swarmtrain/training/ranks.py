@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco import Corpus
 from swarmtrain.config import RunConfig, TrainingSection
+from swarmtrain.host_memory import release_large_blocks
 from swarmtrain.training.inner_step import (
     accumulate,
     grad_scaler,
@@ -615,6 +616,7 @@ def rank_main(job: RankJob) -> None:
     """A spawned rank (1..K-1): build the run's data and model as rank 0 did, then run the
     phases rank 0 starts until it says ``STOP`` or goes away. Exits 1 on any failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    release_large_blocks()  # as the node's own process (``swarmtrain.host_memory``)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)-7s rank {job.rank} %(name)s: %(message)s",
