@@ -324,9 +324,10 @@ class AllReduce:
     keeps our slices' wire bytes may then let the result land in ``local`` (``out``), which
     the machine never reads values from.
 
-    ``decode(part_index, payload)``, if given, turns a slice handed in ``Encoded`` back into its
-    values (a pure function of its arguments), when this peer reduces the part: a received
-    slice then costs its wire bytes for the whole round and its values only while reduced.
+    ``decode(payload, start, stop)``, if given, turns a slice of ``[start, stop)`` handed in
+    ``Encoded`` back into its values (a pure function of its arguments, e.g. the round's
+    ``payload.Layout.decode``), when this peer reduces the part: a received slice then costs
+    its wire bytes for the whole round and its values only while reduced.
 
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
@@ -350,7 +351,7 @@ class AllReduce:
         check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None,
         aggregation: str = "mean",
         own: Callable[[int], np.ndarray] | None = None,
-        decode: Callable[[int, bytes], np.ndarray] | None = None,
+        decode: Callable[[bytes, int, int], np.ndarray] | None = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
@@ -513,7 +514,7 @@ class AllReduce:
         if isinstance(data, Encoded) and self._decode is not None:
             if self.check_slice is None:
                 return None  # the driver checked that it decodes
-            data = self._decode(event.part_index, data.payload)
+            data = self._decode(data.payload, start, stop)
         why = _finite_float32(data, stop - start)
         if not why and self.check_slice is not None:
             assert isinstance(data, np.ndarray)
@@ -639,7 +640,8 @@ class AllReduce:
         data = self.raw[p][peer]
         if isinstance(data, Encoded):
             assert self._decode is not None  # ``_check_part`` refuses them otherwise
-            return self._decode(p, data.payload)
+            _, start, stop = self.parts[p]
+            return self._decode(data.payload, start, stop)
         return data
 
     def _assemble(self) -> np.ndarray:

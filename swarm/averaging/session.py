@@ -171,7 +171,7 @@ class Session(PeerLinks):
         # Receivers (the event loop) and our own reductions (a worker thread) both claim
         # parts' places in the result: one at a time.
         self._landing_lock = threading.Lock()
-        finalize = self._values.finalizer(config.tamper_reduced, self._claim_place)
+        finalize = self._values.finalizer(config.tamper_reduced)
         # The round's clock starts here, on trio's clock: the machine's deadline, the reach
         # window and the streams' due time all count from it.
         self._t0 = trio.current_time()
@@ -193,7 +193,7 @@ class Session(PeerLinks):
             own=None if self.layout.lossless() else self._values.own_values,
             # Others' slices kept as their wire bytes while the round lasts (int8: a quarter
             # of the values), decoded when reduced (``_receive_item`` checked that they do).
-            decode=self._decode_slice if self._keeps_encoded else None,
+            decode=self.layout.decode if self._keeps_encoded else None,
         )
         self.parts = self._values.parts = self.machine.parts
         if in_local:
@@ -221,6 +221,9 @@ class Session(PeerLinks):
         self._receivers_changed = trio.Event()
         self._flushing = False
         self._finished = trio.Event()
+        self._values.place = _claimer(
+            self._out, self.parts, self._landed, self._landing_lock, self._finished
+        )
         self._result: RoundResult | None = None
         self._error: str | None = None
         self._closed = False
@@ -239,22 +242,6 @@ class Session(PeerLinks):
         if self._upload.busy_s < 0.02 or self._upload.sent < (1 << 20):
             return None
         return 8 * self._upload.sent / self._upload.busy_s
-
-    def _decode_slice(self, part: int, payload: bytes) -> np.ndarray:
-        """The machine's ``decode``: a slice kept ``Encoded`` back to its values."""
-        _, start, stop = self.parts[part]
-        return self.layout.decode(payload, start, stop)
-
-    def _claim_place(self, part: int) -> np.ndarray | None:
-        """Where a part we reduced goes: its place in the result when no copy of it landed or
-        is landing there (it is then marked landed: later copies go elsewhere, and
-        ``settle_landings`` puts the held part back if the machine takes another), else None."""
-        with self._landing_lock:
-            if part in self._landed or self._finished.is_set():
-                return None
-            self._landed.add(part)
-        _, start, stop = self.parts[part]
-        return self._out[start:stop]
 
     def sent(self) -> np.ndarray | None:
         """Our contribution as every peer decodes it (a lossy codec's round trip, a new vector:
@@ -452,3 +439,28 @@ class Session(PeerLinks):
         if self._pool is not None:
             for peer in self._live.lost | set(self.dropped):
                 self._pool.discard(peer)
+
+
+def _claimer(
+    out: np.ndarray,
+    parts: list[tuple[bytes, int, int]],
+    landed: set[int],
+    lock: threading.Lock,
+    finished: trio.Event,
+) -> Callable[[int], np.ndarray | None]:
+    """Where a part we reduced goes (``RoundValues.place``): its place in the result ``out``
+    when no copy of it landed or is landing there (it is then marked landed: later copies go
+    elsewhere, and ``settle_landings`` puts the held part back if the machine takes another),
+    else None. A closure over these objects, not a method of the session: the session's
+    values would refer back to it, and a cycle keeps a round's buffers until the next full
+    garbage collection instead of until its caller drops the result."""
+
+    def claim(part: int) -> np.ndarray | None:
+        with lock:  # receivers on the event loop claim places too
+            if part in landed or finished.is_set():
+                return None
+            landed.add(part)
+        _, start, stop = parts[part]
+        return out[start:stop]
+
+    return claim

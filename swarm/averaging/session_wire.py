@@ -188,7 +188,9 @@ class RoundValues:
         # Our slices' payloads are all in ``slices`` (``keep_own_payloads``): ``local`` may hold
         # the round's result.
         self._own_kept = False
-        self._place: Callable[[int], np.ndarray | None] | None = None  # ``finalizer``'s
+        # Where a part we reduce goes once decoded (``place(part)``: its place in the round's
+        # result, so it is not assembled from a copy), or None for an array of its own.
+        self.place: Callable[[int], np.ndarray | None] | None = None
 
     def wire_values(
         self, peers: tuple[bytes, ...], bandwidths: list[int], chunks: int
@@ -236,15 +238,11 @@ class RoundValues:
         return self.layout.round_trip(self.local[start:stop], start)
 
     def finalizer(
-        self,
-        tamper: Callable[[int, np.ndarray], np.ndarray] | None,
-        place: Callable[[int], np.ndarray | None] | None = None,
+        self, tamper: Callable[[int, np.ndarray], np.ndarray] | None
     ) -> Callable[[int, np.ndarray], np.ndarray] | None:
         """The machine's ``finalize``: a lossy codec's round trip, after ``tamper`` (the
-        aggregation audit's tests: ``AveragingFaults``) when given. ``place(part)``: where the
-        decoded values go (the part's place in the round's result, so it is not assembled
-        from a copy), or None for an array of their own."""
-        self._place = place
+        aggregation audit's tests: ``AveragingFaults``) when given; its values go where
+        ``place`` says."""
         if self.layout.gathers:
             # Receivers recompute the mean from the slices: nothing to finalize, and a tampered
             # part could not travel as slices.
@@ -261,7 +259,7 @@ class RoundValues:
         start = self.parts[part_index][1]
         data = self.layout.encode(reduced, start)
         values = self.layout.decode(data, start, start + len(reduced))
-        target = None if self._place is None else self._place(part_index)
+        target = None if self.place is None else self.place(part_index)
         if target is not None:
             target[:] = values
             values = target

@@ -53,9 +53,7 @@ class PartsNetwork(FakeNetwork):
                     values.finalizer(None),
                     chunks,
                     own=values.own_values,
-                    decode=lambda p, payload, v=values: self.layout.decode(
-                        payload, *v.parts[p][1:]
-                    ),
+                    decode=self.layout.decode,
                 )
             else:
                 self.machines[me].__init__(  # type: ignore[misc]
