@@ -3,7 +3,7 @@
 Why: glibc serves an allocation below its mmap threshold from its heaps, and by default that
 threshold grows (up to 32 MiB) each time a larger mmapped block is freed. After a node's first
 inner steps it sits at tens of MiB, so a round's transients (a part's decoded values, its wire
-bytes, a reduction's buffer: 1-34 MiB each at 100M parameters) come from the heaps, one per
+bytes, a reduction's buffer: 1-32 MiB each at 100M parameters) come from the heaps, one per
 worker thread that allocated them (the all-reduce reduces and decodes in worker threads), and
 memory freed there mostly stays in the process: each round's transients remain in its RSS
 and the next round's pile on top. A fixed threshold (setting it also turns the growth off)
