@@ -277,6 +277,8 @@ def train(
         error_feedback=error_feedback(config),
     )
     diloco = build_diloco(config, model, average, state_dir, inner)
+    if ranks is not None:
+        ranks.share_scaler(diloco.grad_scaler)  # a resumed scale reaches every rank
     elastic = Elastic(
         runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds,
         min_holders=config.swarm.state_quorum,
