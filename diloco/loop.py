@@ -87,6 +87,9 @@ from diloco.store import StateStore
 
 logger = logging.getLogger(__name__)
 
+# The key of the float16 gradient scaler's state in a checkpoint's inner optimizer state.
+GRAD_SCALER_KEY = "grad_scaler"
+
 
 @dataclass(frozen=True)
 class DiLoCoStatistics:
@@ -146,8 +149,10 @@ class DiLoCo:
     (``AverageOutcome.sent`` says what it carried) and DiLoCo keeps what it dropped. The residual
     lives in memory only: a restart or ``load_state`` zeroes it. ``grad_scaler``: an enabled
     ``torch.amp.GradScaler`` for float16 inner steps; ``step`` runs the optimizer through it, and
-    a step it skips for non-finite gradients still counts toward H. Its scale is not
-    checkpointed: a restart begins at the initial scale. ``fragments``: F > 1 averages one
+    a step it skips for non-finite gradients still counts toward H. Its state (scale, growth
+    tracker) goes into every checkpoint beside the inner optimizer's (``GRAD_SCALER_KEY``), so
+    a restart resumes at the scale it had reached (a checkpoint without it: the initial
+    scale). ``fragments``: F > 1 averages one
     fragment of the parameters per round (module docstring; ``self.fragments`` holds the cut).
 
     Raises ValueError on bad settings, on a model without trainable parameters, or when
@@ -214,6 +219,10 @@ class DiLoCo:
         self._last_contributors: dict[str, float] = {}
         self._outcome: RoundOutcome | None = None  # of the round the running ``step`` ended
         self._saved: StateFile | None = None  # where the current state's checkpoint holds it
+        # fp16: a round run inside ``scaler.step`` is checkpointed after ``scaler.update``, so
+        # the checkpoint holds the scale the next step uses.
+        self._defer_save = False
+        self._save_due = False
 
         if state_dir is not None:
             # Straight from the file into the store: the state is never decoded into memory.
@@ -222,7 +231,11 @@ class DiLoCo:
                 self._reset_to_store()
                 self._saved = StateFile(found.path, found.offset, found.length, found.round)
                 if found.inner_state is not None:
-                    inner_optimizer.load_state_dict(found.inner_state)
+                    inner = dict(found.inner_state)
+                    scaler_state = inner.pop(GRAD_SCALER_KEY, None)
+                    inner_optimizer.load_state_dict(inner)
+                    if scaler_state and grad_scaler is not None and grad_scaler.is_enabled():
+                        grad_scaler.load_state_dict(scaler_state)
                 logger.info("resumed from %s at round %d", found.path, found.round)
         self._hook = inner_optimizer.register_step_post_hook(self._after_inner_step)
 
@@ -242,14 +255,20 @@ class DiLoCo:
                 self.inner_optimizer.step()
             else:
                 scale = scaler.get_scale()
+                self._defer_save = True
                 scaler.step(self.inner_optimizer)
                 scaler.update()
                 if scaler.get_scale() < scale:
                     # The scaler skipped the step (non-finite gradients) and backed off. The step
                     # still counts toward H: every peer's rounds stay on the same schedule.
                     self._after_inner_step(self.inner_optimizer)
+                self._defer_save = False
+                if self._save_due:
+                    self._save_due = False
+                    self._save_checkpoint()
         finally:
             self._step_samples = None
+            self._defer_save = False
         # The hook ran the round inside ``inner_optimizer.step()``; it leaves the outcome here.
         outcome, self._outcome = self._outcome, None
         return outcome
@@ -395,7 +414,10 @@ class DiLoCo:
                 self._overlapped_round()
             else:
                 self._synchronous_round()
-            self._save_checkpoint()
+            if self._defer_save:
+                self._save_due = True  # ``step`` saves once the scaler updated
+            else:
+                self._save_checkpoint()
 
     def _synchronous_round(self) -> None:
         fragment = fragment_at(self.fragments, self._store.round)
@@ -547,6 +569,10 @@ class DiLoCo:
     def _save_checkpoint(self) -> None:
         if self._state_dir is not None:
             inner = self.inner_optimizer.state_dict()
+            scaler = self.grad_scaler
+            if scaler is not None and scaler.is_enabled():
+                # Beside the optimizer's own keys, which its ``load_state_dict`` reads alone.
+                inner = {**inner, GRAD_SCALER_KEY: scaler.state_dict()}
             store = self._store
             path = checkpoint.save(self._state_dir, store, self.fingerprint, inner)
             offset = checkpoint.state_offset(self.fingerprint, store)

@@ -70,6 +70,7 @@ from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config,
 from swarmtrain.dashboard.options import add_dashboard_arguments
 from swarmtrain.dashboard.options import options_from as dashboard_options_from
 from swarmtrain.faults import Faults, parse_task_fault
+from swarmtrain.host_memory import release_large_blocks
 from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
 from swarmtrain.pipeline import local as pipeline_local
 from swarmtrain.runspec import SpecRefused
@@ -444,6 +445,8 @@ def _cheat(text: str) -> tuple[int, int, int]:
 
 def _main_node(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
+    # Before torch and the model allocate: a round's freed transients leave the RSS.
+    release_large_blocks()
     log.info("starting: loading torch")  # seconds of silence otherwise
     try:
         # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.

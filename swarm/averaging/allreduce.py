@@ -70,6 +70,7 @@ __all__ = [
     "AllReduceState",
     "DeadlineReached",
     "DropPeer",
+    "Encoded",
     "Fail",
     "Finish",
     "PartReceived",
@@ -128,12 +129,24 @@ def partition(
 
 
 @dataclass(frozen=True, slots=True)
+class Encoded:
+    """A peer's slice kept as its wire bytes (a lossy codec's: int8 is a quarter of the float32
+    values) instead of its values, for a machine given ``decode``: it decodes them each time it
+    reduces the part. The driver made sure they decode (to finite float32 of the part's
+    length) before handing them in; the machine then trusts them as it trusts checked
+    values."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class PartReceived:
-    """``sender``'s raw slice of part ``part_index`` with its weight (reduce-scatter input)."""
+    """``sender``'s raw slice of part ``part_index`` with its weight (reduce-scatter input):
+    its values, or with a machine given ``decode`` its ``Encoded`` bytes."""
 
     sender: bytes
     part_index: int
-    data: np.ndarray
+    data: np.ndarray | Encoded
     weight: float
 
 
@@ -303,6 +316,19 @@ class AllReduce:
     ``aggregation``: the rule each part this peer reduces is computed with (one of
     ``swarm.averaging.aggregation.AGGREGATIONS``; every peer of the group must use the same).
 
+    ``own(part_index)``, if given, is our slice of that part as the other peers decode it (a
+    lossy codec's round trip of ``local``'s slice), asked for each time this peer reduces the
+    part; it must be a pure function of the index. Without it ``local``'s slice is used as it
+    is. Why: a round trip of the whole vector up front is a vector-sized copy held through the
+    round, where one part's worth exists only while that part is reduced; and a driver that
+    keeps our slices' wire bytes may then let the result land in ``local`` (``out``), which
+    the machine never reads values from.
+
+    ``decode(payload, start, stop)``, if given, turns a slice of ``[start, stop)`` handed in
+    ``Encoded`` back into its values (a pure function of its arguments, e.g. the round's
+    ``payload.Layout.decode``), when this peer reduces the part: a received slice then costs
+    its wire bytes for the whole round and its values only while reduced.
+
     ``start(now)`` then ``handle(event, now)``; both return a list of actions. They raise
     ``RemoteProtocolError`` for an event naming a non-member (nothing changes) and
     ``LocalProtocolError`` for an unknown event, a second ``start`` or any call after ``FAILED``.
@@ -324,6 +350,8 @@ class AllReduce:
         weight_bounds: tuple[float, float] = (0.0, math.inf),
         check_slice: Callable[[bytes, int, np.ndarray], str | None] | None = None,
         aggregation: str = "mean",
+        own: Callable[[int], np.ndarray] | None = None,
+        decode: Callable[[bytes, int, int], np.ndarray] | None = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
@@ -353,8 +381,9 @@ class AllReduce:
         self._skip = list(range(len(self.peers)))
         self.members: set[bytes] = set(self.peers)  # the contributor set we aim for; only shrinks
         self.weights: dict[bytes, float] = {me: self.weight}
-        # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced
-        self.raw: list[dict[bytes, np.ndarray]] = [{} for _ in self.parts]
+        # raw[p][peer]: peer's slice of part p; kept so that part p can be re-reduced (ours is
+        # ``local``'s view, whose values count only without ``own``; others' may be ``Encoded``)
+        self.raw: list[dict[bytes, np.ndarray | Encoded]] = [{} for _ in self.parts]
         for index, (_, start, stop) in enumerate(self.parts):
             self.raw[index][me] = local[start:stop]
         self.held: list[tuple[np.ndarray, frozenset[bytes]] | None] = [None] * len(self.parts)
@@ -376,6 +405,8 @@ class AllReduce:
         # A lossy wire codec: the reducer must hold what everyone else decodes, not its own
         # float32 mean, or its result would differ from theirs in the dropped bits.
         self._finalize = finalize
+        self._own = own
+        self._decode = decode
         if out is not None and (
             not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != local.shape
         ):
@@ -479,9 +510,15 @@ class AllReduce:
             return f"weight {event.weight:g} outside the run's bounds [{low:g}, {high:g}]"
         if self.weights.get(event.sender, event.weight) != event.weight:
             return "weight changed within the round"
-        why = _finite_float32(event.data, stop - start)
+        data = event.data
+        if isinstance(data, Encoded) and self._decode is not None:
+            if self.check_slice is None:
+                return None  # the driver checked that it decodes
+            data = self._decode(data.payload, start, stop)
+        why = _finite_float32(data, stop - start)
         if not why and self.check_slice is not None:
-            why = self.check_slice(event.sender, start, event.data)
+            assert isinstance(data, np.ndarray)
+            why = self.check_slice(event.sender, start, data)
             if why:
                 self.refused[event.sender] = (event.part_index, float(event.weight))
         return f"part {event.part_index}: {why}" if why else None
@@ -567,7 +604,7 @@ class AllReduce:
                 missing = self.members - self.raw[p].keys()  # lost before their slice came
                 if missing:
                     return actions + self._remove(dict.fromkeys(missing, "lost before sending"))
-                contributions = {q: (self.raw[p][q], self.weights[q]) for q in self.members}
+                contributions = {q: (self._values(p, q), self.weights[q]) for q in self.members}
                 _, start, stop = self.parts[p]
                 into = None if self._allocate is None else self._allocate(stop - start)
                 reduced = aggregate(self.aggregation, contributions, into)
@@ -594,6 +631,18 @@ class AllReduce:
         else:
             self.state = AllReduceState.SCATTERING
         return actions
+
+    def _values(self, p: int, peer: bytes) -> np.ndarray:
+        """``peer``'s slice of part ``p`` as values: ours through ``own`` when given, an
+        ``Encoded`` one decoded (for this reduction only)."""
+        if peer == self.me and self._own is not None:
+            return self._own(p)
+        data = self.raw[p][peer]
+        if isinstance(data, Encoded):
+            assert self._decode is not None  # ``_check_part`` refuses them otherwise
+            _, start, stop = self.parts[p]
+            return self._decode(data.payload, start, stop)
+        return data
 
     def _assemble(self) -> np.ndarray:
         """The result vector: ``out`` (else a new one) with every held part in its place. A

@@ -379,6 +379,8 @@ class Averager:
         exclude: Iterable[bytes] = (),
         admit: Callable[[bytes], bool] | None = None,
         give: bool = False,
+        overwrite: bool = False,
+        want_sent: bool = True,
     ) -> AveragingResult:
         """Average one flat vector (a 1-D torch tensor or numpy array, taken as float32): the
         round's own form, so nothing is split or concatenated. ``sizes``: the segments (e.g.
@@ -392,17 +394,27 @@ class Averager:
         change it at once. ``give=True``: the caller hands the vector over instead (used as it
         is when it is a contiguous float32 CPU vector: a model-sized buffer less at the round)
         and must never write to it again; reading it stays safe, and its memory is freed when the
-        caller and the round have both dropped it."""
+        caller and the round have both dropped it. ``overwrite=True`` (with ``give``): the round
+        may also write to it: the mean lands there (the result's ``vector`` is then the given
+        vector, or a copy of it when a late part was still being written), which with a lossy
+        codec saves a model-sized buffer (``Session``'s ``result_in_local``); the caller must
+        not read the vector after the call, not even when the round failed (it may hold parts
+        of the mean). ``want_sent=False``: no ``sent`` in the result (a lossy codec's round
+        trip of the whole vector, for error feedback only)."""
         r = self._begin(weight, round_number)
         if getattr(vector, "ndim", None) != 1:
             raise ValueError("average_vector takes a 1-D vector")
         sizes = [len(vector)] if sizes is None else [int(n) for n in sizes]
         if sum(sizes) != len(vector) or any(n < 0 for n in sizes):
             raise ValueError(f"sizes add up to {sum(sizes)}, the vector holds {len(vector)}")
+        if overwrite and not give:
+            raise ValueError("overwrite=True needs give=True")
         owned = await trio.to_thread.run_sync(_given, vector) if give else None
         if owned is None:
             owned, _ = await trio.to_thread.run_sync(_flatten, [vector], self._buffers.take)
-        return await self._average(r, owned, sizes, weight, expected_peers, exclude, admit)
+        return await self._average(
+            r, owned, sizes, weight, expected_peers, exclude, admit, overwrite, want_sent
+        )
 
     def _begin(self, weight: float, round_number: int | None) -> int:
         """Check that we serve and ``weight`` is good; the round this call averages."""
@@ -426,8 +438,11 @@ class Averager:
         expected_peers: Iterable[bytes] | None,
         exclude: Iterable[bytes],
         admit: Callable[[bytes], bool] | None = None,
+        overwrite: bool = False,
+        want_sent: bool = True,
     ) -> AveragingResult:
-        """Round ``r`` for ``vector`` (ours: a pooled buffer nobody else writes)."""
+        """Round ``r`` for ``vector`` (ours: a pooled buffer nobody else writes; ``overwrite``:
+        the result may land in it)."""
         assert self._nursery is not None
         layout = Layout.for_sizes(sizes, self.config.compression)
         started = time.perf_counter()
@@ -463,6 +478,7 @@ class Averager:
             ),
             channels=self._channels,
             buffers=self._buffers,
+            result_in_local=overwrite,
         )
         self._sessions[group.group_id] = session
         self._notify()
@@ -519,7 +535,7 @@ class Averager:
             reducers=tuple(session.machine.reducer_of),
             slice_hashes=tuple(mine),
             refused=tuple(refused),
-            sent=session.sent,
+            sent=await trio.to_thread.run_sync(session.sent) if want_sent else None,
         )
 
     async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -134,11 +135,16 @@ class Session(PeerLinks):
         *,
         channels: ChannelPool | None = None,
         buffers: BufferPool | None = None,
+        result_in_local: bool = False,
     ) -> None:
         """``channels``: where data channels kept from earlier rounds are borrowed and given
         back (the Averager's pool); None opens new ones and closes them at the end.
         ``buffers``: where the result vector, received slices and reduced parts are taken from
-        (the Averager's, so that rounds reuse memory the kernel has already zeroed)."""
+        (the Averager's, so that rounds reuse memory the kernel has already zeroed).
+        ``result_in_local``: ``local`` is the round's to overwrite: when the codec is lossy
+        enough that our slices' wire bytes cost at most half of their values
+        (``RoundValues.keeps_own_payloads``), they are encoded and kept now and the result is
+        assembled in ``local`` itself instead of a vector of its own."""
         self.node = node
         self._pool = channels
         self._buffers = buffers if buffers is not None else BufferPool(limit_bytes=0)
@@ -157,13 +163,14 @@ class Session(PeerLinks):
         # place in it (the first copy of each part only: a later one may replace a part the
         # machine holds, and one arriving while we reduce the part ourselves must not race our
         # write), so the result is assembled without copying 2(N-1)/N of the vector again.
-        self._out = self._buffers.take(len(local))
+        in_local = result_in_local and self._values.keeps_own_payloads()
+        self._keeps_encoded = not layout.gathers and not layout.lossless() and config.sign is None
+        self._out = local if in_local else self._buffers.take(len(local))
         self._landed: set[int] = set()
         self._landing: set[int] = set()
-        wire = self._values.wire_values(self.peers, bandwidths, self.chunks)
-        # Our contribution as every peer decodes it; None when the codec is lossless (it is
-        # ``local`` then). The caller's error feedback keeps what the codec dropped.
-        self.sent: np.ndarray | None = None if wire is local else wire
+        # Receivers (the event loop) and our own reductions (a worker thread) both claim
+        # parts' places in the result: one at a time.
+        self._landing_lock = threading.Lock()
         finalize = self._values.finalizer(config.tamper_reduced)
         # The round's clock starts here, on trio's clock: the machine's deadline, the reach
         # window and the streams' due time all count from it.
@@ -172,7 +179,7 @@ class Session(PeerLinks):
             self.me,
             self.peers,
             bandwidths,
-            wire,
+            local,
             weight,
             deadline=self._t0 + config.timeout_s,
             finalize=finalize,
@@ -182,8 +189,15 @@ class Session(PeerLinks):
             weight_bounds=config.weight_bounds,
             check_slice=config.check_slice,
             aggregation=config.aggregation,
+            # Our values in a part we reduce, one part at a time (a lossy codec's round trip).
+            own=None if self.layout.lossless() else self._values.own_values,
+            # Others' slices kept as their wire bytes while the round lasts (int8: a quarter
+            # of the values), decoded when reduced (``_receive_item`` checked that they do).
+            decode=self.layout.decode if self._keeps_encoded else None,
         )
         self.parts = self._values.parts = self.machine.parts
+        if in_local:
+            self._values.keep_own_payloads()  # before anything lands in ``local``
         self.alive: frozenset[bytes] = frozenset(self.peers)
         self.dropped: dict[bytes, str] = {}
         self.bytes_sent = 0
@@ -207,6 +221,9 @@ class Session(PeerLinks):
         self._receivers_changed = trio.Event()
         self._flushing = False
         self._finished = trio.Event()
+        self._values.place = _claimer(
+            self._out, self.parts, self._landed, self._landing_lock, self._finished
+        )
         self._result: RoundResult | None = None
         self._error: str | None = None
         self._closed = False
@@ -225,6 +242,15 @@ class Session(PeerLinks):
         if self._upload.busy_s < 0.02 or self._upload.sent < (1 << 20):
             return None
         return 8 * self._upload.sent / self._upload.busy_s
+
+    def sent(self) -> np.ndarray | None:
+        """Our contribution as every peer decodes it (a lossy codec's round trip, a new vector:
+        for a caller's error feedback, which keeps what the codec dropped); None when the
+        codec is lossless (it is ``local`` then)."""
+        if self.layout.lossless():
+            return None
+        bandwidths = share_weights([m.bandwidth_bps for m in self.group.members])
+        return self._values.wire_values(self.peers, bandwidths, self.chunks)
 
     @property
     def lost(self) -> frozenset[bytes]:
@@ -413,3 +439,28 @@ class Session(PeerLinks):
         if self._pool is not None:
             for peer in self._live.lost | set(self.dropped):
                 self._pool.discard(peer)
+
+
+def _claimer(
+    out: np.ndarray,
+    parts: list[tuple[bytes, int, int]],
+    landed: set[int],
+    lock: threading.Lock,
+    finished: trio.Event,
+) -> Callable[[int], np.ndarray | None]:
+    """Where a part we reduced goes (``RoundValues.place``): its place in the result ``out``
+    when no copy of it landed or is landing there (it is then marked landed: later copies go
+    elsewhere, and ``settle_landings`` puts the held part back if the machine takes another),
+    else None. A closure over these objects, not a method of the session: the session's
+    values would refer back to it, and a cycle keeps a round's buffers until the next full
+    garbage collection instead of until its caller drops the result."""
+
+    def claim(part: int) -> np.ndarray | None:
+        with lock:  # receivers on the event loop claim places too
+            if part in landed or finished.is_set():
+                return None
+            landed.add(part)
+        _, start, stop = parts[part]
+        return out[start:stop]
+
+    return claim

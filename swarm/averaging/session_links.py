@@ -18,6 +18,7 @@ back and forth.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +45,7 @@ from p2p import (
 )
 from swarm.averaging.allreduce import (
     AllReduce,
+    Encoded,
     PartReceived,
     PeerLost,
     ReducedPartReceived,
@@ -134,6 +136,8 @@ class PeerLinks:
     _out: np.ndarray
     _landed: set[int]
     _landing: set[int]
+    _landing_lock: threading.Lock
+    _keeps_encoded: bool  # others' lossy slices go to the machine ``Encoded``
     _item_limit: int
     _inbox_send: trio.MemorySendChannel[Any]
     _outboxes: dict[bytes, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
@@ -351,19 +355,8 @@ class PeerLinks:
         else:
             landing = False
             if _RAW_IS_NATIVE and self.layout.lossless_between(start, stop):
-                # Never once the round finished: the result handed out is ``_out`` itself, and a
-                # late copy (reduced before its sender learned of an exclusion) must not change it.
-                landing = (
-                    item.kind == KIND_REDUCED
-                    and item.part_index not in self._landed
-                    and not self._finished.is_set()
-                )
-                if landing:
-                    self._landed.add(item.part_index)
-                    self._landing.add(item.part_index)
-                    raw = self._out[start:stop]
-                else:
-                    raw = self._buffers.take(stop - start)
+                landing = item.kind == KIND_REDUCED and self._lands(item.part_index)
+                raw = self._out[start:stop] if landing else self._buffers.take(stop - start)
             data = bytearray(expected) if raw is None else memoryview(raw).cast("B")
             try:
                 with self._transfer(peer):
@@ -389,21 +382,56 @@ class PeerLinks:
         arguments: tuple[Any, ...] = (data, start, stop)
         if item.kind == KIND_REDUCED and self.layout.gathers:
             decode, arguments = self.layout.decode_reduced, (*arguments, contributors)
-        if raw is not None:
-            values = raw  # the machine checks every part it is handed for NaN and inf
-        elif self._big:
-            values = await trio.to_thread.run_sync(decode, *arguments)
-        else:
-            values = decode(*arguments)
+        landing = False
+        if raw is None and item.kind == KIND_REDUCED and not self.layout.gathers:
+            # An encoded reduced part (int8) is decoded into its place in the result, as a raw
+            # one is received there (same rules), so the result is not a second copy of it.
+            landing = self._lands(item.part_index)
+            if landing:
+                decode, arguments = self._decode_into, (*arguments, self._out[start:stop])
+        try:
+            if raw is not None:
+                values = raw  # the machine checks every part it is handed for NaN and inf
+            elif self._big:
+                values = await trio.to_thread.run_sync(decode, *arguments)
+            else:
+                values = decode(*arguments)
+        finally:
+            if landing:
+                self._landing.discard(item.part_index)
         if item.kind == KIND_SLICE:
             if self.config.sign is not None:
                 await self._values.check_proof(peer, item, values)
             if self.layout.gathers:  # kept for the reduced part it goes into
                 self._values.remember_slice(item.part_index, peer, bytes(data))
+            if self._keeps_encoded and raw is None:
+                # Decoded above only to check it; the machine decodes it again when it reduces
+                # the part, and holds the wire bytes until then (``Encoded``).
+                return PartReceived(peer, item.part_index, Encoded(bytes(data)), item.weight)
             return PartReceived(peer, item.part_index, values, item.weight)
         if not self.layout.lossless():
             self._values.remember(values, bytes(data))
         return ReducedPartReceived(peer, item.part_index, values, contributors)
+
+    def _lands(self, part: int) -> bool:
+        """Whether a reduced copy of ``part`` now being received goes into its place in the
+        result (then it is marked landing until written): the first copy of each part only,
+        and never once the round finished: the result handed out is ``_out`` itself, and a late
+        copy (reduced before its sender learned of an exclusion) must not change it."""
+        with self._landing_lock:  # our own reductions claim places from a worker thread
+            if part in self._landed or self._finished.is_set():
+                return False
+            self._landed.add(part)
+            self._landing.add(part)
+        return True
+
+    def _decode_into(
+        self, data: bytes | bytearray | memoryview, start: int, stop: int, place: np.ndarray
+    ) -> np.ndarray:
+        """``layout.decode`` of a reduced part, written into ``place`` (its place in the
+        result), which it returns: the decoded copy lives only for this call."""
+        place[:] = self.layout.decode(data, start, stop)
+        return place
 
     @contextmanager
     def _transfer(self, peer: bytes) -> Iterator[None]:

@@ -185,24 +185,64 @@ class RoundValues:
         # for our slices as we send them, checked for the others' as they arrive.
         self.proofs: dict[tuple[int, bytes], bytes] = {}
         self.digests: dict[tuple[int, bytes], bytes] = {}
+        # Our slices' payloads are all in ``slices`` (``keep_own_payloads``): ``local`` may hold
+        # the round's result.
+        self._own_kept = False
+        # Where a part we reduce goes once decoded (``place(part)``: its place in the round's
+        # result, so it is not assembled from a copy), or None for an array of its own.
+        self.place: Callable[[int], np.ndarray | None] | None = None
 
     def wire_values(
         self, peers: tuple[bytes, ...], bandwidths: list[int], chunks: int
     ) -> np.ndarray:
-        """Our vector as peers will decode it: every slice we send goes through the codec, and
-        the reducer of a part must use the same values for its own slice as everyone else."""
+        """Our whole vector as peers will decode it: every slice we send goes through the
+        codec. A full copy: a round makes it only when its caller asks for it (error feedback:
+        ``AveragingResult.sent``); the reducer of a part takes its own slice's values from
+        ``own_values``, one part at a time."""
         if self.layout.lossless():
             return self.local
         out = np.empty_like(self.local)
+        if self._own_kept:  # ``local`` may hold the result now: from the kept payloads
+            for part, (_, start, stop) in enumerate(self.parts):
+                out[start:stop] = self.own_values(part)
+            return out
         for _, start, stop in partition(len(self.local), peers, bandwidths, chunks):
             out[start:stop] = self.layout.round_trip(self.local[start:stop], start)
         return out
+
+    def keeps_own_payloads(self) -> bool:
+        """Whether our slices' wire bytes cost at most half of their float32 values: then a
+        round may keep them (``keep_own_payloads``) and let the mean land in ``local``."""
+        numel = len(self.local)
+        return (
+            not self.layout.gathers
+            and self.sign is None
+            and 2 * self.layout.wire_bytes(0, numel) <= 4 * numel
+        )
+
+    def keep_own_payloads(self) -> None:
+        """Encode our slice of every part now and keep the bytes: from here on nothing of ours
+        is read from ``local`` (a forward of our slice, our values in a part we reduce, the
+        round trip ``wire_values``), so the round may write its result there. Call once the
+        machine's ``parts`` are set, before anything lands in ``local``."""
+        for part, (_, start, stop) in enumerate(self.parts):
+            self.slices[(part, self.me)] = bytes(self.layout.encode(self.local[start:stop], start))
+        self._own_kept = True
+
+    def own_values(self, part: int) -> np.ndarray:
+        """Our slice of ``part`` as every peer decodes it: the machine's ``own``, made when this
+        peer reduces the part (a part's worth of memory for a moment, not a vector's)."""
+        _, start, stop = self.parts[part]
+        if self._own_kept:
+            return self.layout.decode(self.slices[(part, self.me)], start, stop)
+        return self.layout.round_trip(self.local[start:stop], start)
 
     def finalizer(
         self, tamper: Callable[[int, np.ndarray], np.ndarray] | None
     ) -> Callable[[int, np.ndarray], np.ndarray] | None:
         """The machine's ``finalize``: a lossy codec's round trip, after ``tamper`` (the
-        aggregation audit's tests: ``AveragingFaults``) when given."""
+        aggregation audit's tests: ``AveragingFaults``) when given; its values go where
+        ``place`` says."""
         if self.layout.gathers:
             # Receivers recompute the mean from the slices: nothing to finalize, and a tampered
             # part could not travel as slices.
@@ -219,6 +259,10 @@ class RoundValues:
         start = self.parts[part_index][1]
         data = self.layout.encode(reduced, start)
         values = self.layout.decode(data, start, start + len(reduced))
+        target = None if self.place is None else self.place(part_index)
+        if target is not None:
+            target[:] = values
+            values = target
         self.encoded[id(values)] = (values, data)
         return values
 

@@ -271,8 +271,14 @@ def train(
         # each is one segment, so the averager picks codecs per parameter.
         sizes=round_sizes(config, model),
         only=verification.allowed if verification is not None else None,
+        # DiLoCo reads its handed-over vector after a round only for error feedback and in
+        # overlap mode: otherwise the mean lands in it (a model-sized buffer less).
+        overwrite=not (error_feedback(config) or config.training.overlap),
+        error_feedback=error_feedback(config),
     )
     diloco = build_diloco(config, model, average, state_dir, inner)
+    if ranks is not None:
+        ranks.share_scaler(diloco.grad_scaler)  # a resumed scale reaches every rank
     elastic = Elastic(
         runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds,
         min_holders=config.swarm.state_quorum,
@@ -367,12 +373,17 @@ def build_diloco(
         outer_momentum_warmup=training.outer_momentum_warmup,
         state_dir=state_dir,
         run_id=config.run.id,
-        # Sparse rounds drop most of each pseudo-gradient: without its residual it is lost.
-        error_feedback=training.error_feedback or config.swarm.compression == "sparse",
+        error_feedback=error_feedback(config),
         overlap=training.overlap,
         grad_scaler=grad_scaler(model, training),
         fragments=training.fragments,
     )
+
+
+def error_feedback(config: RunConfig) -> bool:
+    """Whether DiLoCo keeps what the codec dropped: when the spec says so, and always for
+    sparse rounds, which drop most of each pseudo-gradient (without its residual it is lost)."""
+    return config.training.error_feedback or config.swarm.compression == "sparse"
 
 
 def _excluded(round_number: int, elastic: Elastic, verification: Verification | None) -> set[bytes]:

@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco import Corpus
 from swarmtrain.config import RunConfig, TrainingSection
+from swarmtrain.host_memory import release_large_blocks
 from swarmtrain.training.inner_step import (
     accumulate,
     grad_scaler,
@@ -140,10 +141,17 @@ class RankGroup:
             for tensor in [*self.model.parameters(), *self.model.buffers()]:
                 dist.broadcast(tensor.detach(), src=0)
         if control.optimizer_state:
-            state = [_on_cpu(self.optimizer.state_dict()) if self.rank == 0 else None]
+            # With the fp16 scaler's state (a resumed checkpoint's scale): every rank scales
+            # its loss by the same factor before DDP averages the gradients.
+            scaler = self.scaler if self.scaler is not None and self.scaler.is_enabled() else None
+            mine = (_on_cpu(self.optimizer.state_dict()), scaler and scaler.state_dict())
+            state = [mine if self.rank == 0 else None]
             dist.broadcast_object_list(state, src=0)
             if self.rank != 0:
-                self.optimizer.load_state_dict(state[0])  # type: ignore[arg-type]
+                optimizer_state, scaler_state = state[0]  # type: ignore[misc]
+                self.optimizer.load_state_dict(optimizer_state)
+                if scaler is not None and scaler_state:
+                    scaler.load_state_dict(scaler_state)
 
     def start_phase(self, control: Control) -> None:
         """A spawned rank's start of a phase (``_phase``): rank 0's bytes, as ``sync``."""
@@ -528,6 +536,12 @@ class LocalRanks:
         if not self.digests.record(round, digests):
             log.error("round %d: the node's ranks disagree after the gather: %s", round, digests)
 
+    def share_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        """DiLoCo's fp16 scaler (rank 0 steps through it): its state goes to the ranks with the
+        inner optimizer's after a resume (``RankGroup.sync``)."""
+        if self._group is not None:
+            self._group.scaler = scaler
+
     def begin_phase(self, round: int, steps: int) -> None:
         """Start inner phase ``round`` of ``steps`` steps on every rank, from our parameters."""
         assert self._group is not None, "connect() first"
@@ -615,6 +629,7 @@ def rank_main(job: RankJob) -> None:
     """A spawned rank (1..K-1): build the run's data and model as rank 0 did, then run the
     phases rank 0 starts until it says ``STOP`` or goes away. Exits 1 on any failure."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    release_large_blocks()  # as the node's own process (``swarmtrain.host_memory``)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)-7s rank {job.rank} %(name)s: %(message)s",

@@ -62,7 +62,14 @@ class SwarmAverage:
 
     ``sizes``: the segments of DiLoCo's vector (its trainable parameters' sizes, in order), or
     a function of the round giving them (streaming fragments: the vector is one fragment's,
-    another each round); one segment when not given."""
+    another each round); one segment when not given.
+
+    ``overwrite``: DiLoCo never reads the vector it handed to a round after the call (no error
+    feedback, whose residual is computed from it, and no overlap, which carries a failed
+    round's vector into the next), so the mean may land in it (``Averager.average_vector``'s
+    ``overwrite``): a model-sized buffer less at the round. ``error_feedback``: DiLoCo keeps
+    what the codec dropped, so the outcome carries ``sent``, the codec's round trip of the
+    vector (without it that vector-sized copy is never made)."""
 
     def __init__(
         self,
@@ -75,7 +82,13 @@ class SwarmAverage:
         *,
         sizes: Sequence[int] | Callable[[int], Sequence[int]] | None = None,
         only: Callable[[int], frozenset[bytes] | None] | None = None,
+        overwrite: bool = False,
+        error_feedback: bool = True,
     ) -> None:
+        if overwrite and error_feedback:
+            raise ValueError("error feedback reads the vector after the round: no overwrite")
+        self._overwrite = overwrite
+        self._error_feedback = error_feedback
         self._runtime = runtime
         self._averager = averager
         self._max_weight = averager.config.weight_bounds[1]
@@ -126,6 +139,8 @@ class SwarmAverage:
                 # DiLoCo never writes a vector it handed to a round (``diloco.Average``): the
                 # round may use it as it is, without its own model-sized copy.
                 give=True,
+                overwrite=self._overwrite,
+                want_sent=self._error_feedback,
             )
 
         result = self._runtime.call(average)  # AveragingFailed passes through

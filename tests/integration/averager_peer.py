@@ -188,15 +188,20 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                     # that the others must wait out, not read as a death.
                     _after_group_forms(averager, lambda: time.sleep(stall))
                 # "flat": the vector API (one segment), given away as DiLoCo gives its own
-                # (``local`` is never written again here), else the list API with one tensor
-                flat = bool(request.get("flat"))
+                # (``local`` is never written again here), else the list API with one tensor;
+                # "overwrite": given with leave to write the mean into it (DiLoCo's rounds
+                # without error feedback or overlap), compared below with a copy kept here
+                overwrite = bool(request.get("overwrite"))
+                flat = bool(request.get("flat")) or overwrite
+                given = local
+                local = local.copy() if overwrite else local
                 average = (
-                    functools.partial(averager.average_vector, give=True)
+                    functools.partial(averager.average_vector, give=True, overwrite=overwrite)
                     if flat
                     else averager.average
                 )
                 result = await average(
-                    local if flat else [local],  # type: ignore[arg-type]
+                    given if flat else [given],  # type: ignore[arg-type]
                     INFLATED_WEIGHT or request.get("weight", 1.0),
                     round_number=request["round"],
                     expected_peers=None
@@ -227,6 +232,8 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                 for piece in np.array_split(result.vector, 12)
             ],
             "parts": [list(part) for part in result.parts],
+            # the mean is the given vector itself (``overwrite`` with a lossy codec)
+            "in_place": bool(np.shares_memory(result.vector, given)),
             "max_abs": float(np.max(np.abs(result.vector))),
         }
     if cmd == "disconnect":  # close every libp2p connection we have

@@ -557,3 +557,33 @@ def test_a_step_the_gradient_scaler_skips_still_counts_toward_the_round() -> Non
         scaler.unscale_(inner)
         assert diloco.step() is not None  # the second step is the H-th: the round ran
     assert rounds == [0] and diloco.round == 1
+
+
+def test_the_gradient_scalers_scale_resumes_from_the_checkpoint(tmp_path) -> None:
+    """fp16: a restart resumes at the scale the last round's step left (growth and backoff
+    included), not at the initial one."""
+
+    def average(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        return AverageOutcome(vector, {"solo": weight})
+
+    def fresh() -> tuple[ByteTransformer, torch.optim.AdamW, torch.amp.GradScaler]:
+        model = ByteTransformer(CONFIG, seed=1)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, inner, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+
+    model, inner, scaler = fresh()
+    with DiLoCo(model, inner, average, inner_steps=2, state_dir=tmp_path,
+                grad_scaler=scaler) as diloco:  # fmt: skip
+        for inputs, targets in _batches(0, 0, 4):
+            scaler.scale(model.loss(inputs, targets)).backward()
+            scaler.unscale_(inner)
+            diloco.step()
+            diloco.zero_grad()
+    # Every finite step doubles the scale (growth_interval=1): the checkpoint of round 1, made
+    # by the 4th step, holds what that step's update left.
+    assert scaler.get_scale() == 2.0**14 and diloco.round == 2
+    model, inner, resumed = fresh()
+    with DiLoCo(model, inner, average, inner_steps=2, state_dir=tmp_path, grad_scaler=resumed):
+        assert resumed.get_scale() == 2.0**14
+        assert resumed.state_dict() == scaler.state_dict()
+        assert inner.state_dict()["state"]  # the optimizer's own state still resumes
