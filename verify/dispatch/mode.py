@@ -25,12 +25,20 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from verify.dispatch.aten import EXACT, HANDLERS, UnmappedOperator
+from verify.dispatch.calls import tensor_outputs
 
 if TYPE_CHECKING:
     from verify.dispatch.record import Recorder
 
 # Operators outside aten that carry no data (the profiler's record_function markers).
 PASSIVE_NAMESPACES = frozenset({"profiler"})
+aten = torch.ops.aten
+# Outputs of these hold whatever memory held: ``route`` zero-fills them, so that a traced step
+# (whose records hash them) and an untraced one compute the same bits, and the hashes of
+# outputs a correct program never reads before writing are the same everywhere.
+UNINITIALISED = frozenset(
+    {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+)
 
 
 def _floating(values: Any) -> bool:
@@ -45,9 +53,14 @@ def _floating(values: Any) -> bool:
 
 
 def route(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
-    """Run one aten operator the RepOps way (see the module docstring); raise
-    ``UnmappedOperator`` for an operator with no mapping."""
+    """Run one aten operator the RepOps way (see the module docstring; uninitialised outputs
+    zero-filled); raise ``UnmappedOperator`` for an operator with no mapping."""
     name = str(func)
+    if func.overloadpacket in UNINITIALISED:
+        out = func(*args, **kwargs)
+        for tensor in tensor_outputs(out):
+            tensor.zero_()
+        return out
     if func.overloadpacket in EXACT or func.namespace in PASSIVE_NAMESPACES:
         return func(*args, **kwargs)
     handler = HANDLERS.get(func)
