@@ -7,6 +7,7 @@ step uses an operator RepOps cannot run is refused at spec time, by name, in one
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from verify.dispute import Provider, Referee, RefereeConfig
 # llama-tiny's architecture (examples/configs/llama-tiny.json), narrower: grouped KV heads,
 # RMS norm, rotary positions, SiLU MLP. Built from the config; nothing is downloaded.
 LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
          "max_position_embeddings": 16}  # fmt: skip
 STEPS, ROUND, RUN_SEED = 2, 1, 7
 OWNER = b"\x01" * 38
@@ -180,3 +181,33 @@ def test_the_coordinator_refuses_it_in_one_line_before_anything_starts(
         "aten.cumsum.default has no RepOps mapping: a verified run cannot use it"
     ], err
     assert not (tmp_path / "coordinator.key.runs.json").exists()  # no run was started
+
+
+def test_a_provider_answering_in_a_thread_while_a_task_runs_keeps_both_exact(
+    config: RunConfig, corpus: Corpus, model: torch.nn.Module, honest: tuple[Task, Provider]
+) -> None:
+    """A node recomputes a disputed step in a worker thread (the dispute driver) while its next
+    task runs: each task has its own model copy, dispatch modes are per thread, and the math
+    attention path (a process-global flag) stays on until the last mode exits."""
+    task, provider = honest
+    other = _task(config, corpus, model)
+    results: dict[str, str] = {}
+
+    def run(name: str, step: DispatchTaskStep) -> None:
+        for _ in range(3):
+            after = step(task.start, 0).state
+            hashes = {n: tensor_hash(v) for n, v in after.items()}
+            results.setdefault(name, repr(sorted(hashes.items())))
+            assert results[name] == repr(sorted(hashes.items()))
+
+    threads = [
+        threading.Thread(target=run, args=(name, step))
+        for name, step in (("task", task.step), ("other", other.step))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    expected = repr(sorted((n, tensor_hash(v)) for n, v in provider.states[1].items()))
+    assert results == {"task": expected, "other": expected}
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored once both modes left
