@@ -3,9 +3,11 @@
 It watches the claims peers publish under ``run/<id>/verify/<r>`` (``swarmtrain.verified.plan``).
 When another peer's claim about a task differs from the owner's, it plays the Verde dispute game
 between the two (``verify.dispute.game`` through ``verify.dispute.driver``): bisection over the
-task's steps, then over the divergent step's operators, then one operator recomputed with RepOps.
-The task is rebuilt from the spec: the start state hash most of the round's peers computed from, the
-owner's data shard of that round, H steps. The ruling goes into the coordinator's signed record
+task's steps, then over the divergent step's operators, then one operator recomputed with RepOps
+(a graph operator of the default model, or an aten operator of any other model's dispatch trace:
+``swarmtrain.verified.task.recompute_of``; either way from the inputs the providers send, so the
+referee builds no model). The task is rebuilt from the spec: the start state hash most of the
+round's peers computed from, the owner's data shard of that round, H steps. The ruling goes into the coordinator's signed record
 under ``run/<id>/verdicts``, which volunteers read before averaging: the loser's contribution is
 left out of the round and the loser is banned from the run.
 
