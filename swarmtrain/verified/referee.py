@@ -7,9 +7,10 @@ task's steps, then over the divergent step's operators, then one operator recomp
 (a graph operator of the default model, or an aten operator of any other model's dispatch trace:
 ``swarmtrain.verified.task.recompute_of``; either way from the inputs the providers send, so the
 referee builds no model). The task is rebuilt from the spec: the start state hash most of the
-round's peers computed from, the owner's data shard of that round, H steps. The ruling goes into the coordinator's signed record
-under ``run/<id>/verdicts``, which volunteers read before averaging: the loser's contribution is
-left out of the round and the loser is banned from the run.
+round's peers computed from, the owner's data shard of that round, H steps. The ruling goes into
+the coordinator's signed record under ``run/<id>/verdicts``, which volunteers read before
+averaging: the loser's contribution is left out of the round and the loser is banned from the
+run.
 
 It also audits aggregations (issue 5, point 9): after a verified round, every member publishes
 a ``swarm.AuditRecord`` under ``run/<id>/aggregate/<r>`` (each part's reducer; for the parts it

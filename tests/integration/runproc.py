@@ -61,7 +61,8 @@ def start_coordinator(
         ]
     )
     try:
-        line = coordinator.wait_line(lambda s: s.startswith(JOIN_COMMAND), timeout_s=30)
+        # 60 s: a verified transformers run traces one step of its model before it signs.
+        line = coordinator.wait_line(lambda s: s.startswith(JOIN_COMMAND), timeout_s=60)
     except BaseException:
         coordinator.stop()
         raise
