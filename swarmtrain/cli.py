@@ -590,6 +590,12 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
         # coordinator's copies unless run.toml sets them: nodes whose copies differ refuse
         # before training (training.workload).
         config = with_model_hash(with_data_fingerprint(config))
+        if config.verify.rate > 0:
+            # Spec time: a model whose step uses an operator RepOps cannot run is refused
+            # here, naming it, before any node trains (one traced step of the model).
+            from swarmtrain.verified.task import check_verifiable
+
+            check_verifiable(config)
         identity = args.identity or default_identity_path()
         config, warning = pick_run_id(
             config, args.config, identity.with_name(identity.name + ".runs.json")

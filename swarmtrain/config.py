@@ -543,11 +543,6 @@ class RunConfig:
                 f'swarm.aggregation = "{self.swarm.aggregation}": swarm.compression = "sparse" '
                 'needs "mean" (every peer recomputes a part\'s mean from the sparse slices)'
             )
-        if model.factory and self.verify.rate > 0:
-            raise ConfigError(
-                f"model.factory ({model.factory}) cannot be verified: verify.rate > 0 needs "
-                "the default model (its reproducible operators are written for it)"
-            )
         if self.verify.rate > 0 and self.is_pipeline:
             raise ConfigError(
                 f"verify.rate ({self.verify.rate}) needs a DiLoCo run (pipeline.stages = 0): "
@@ -611,10 +606,10 @@ def _check_model_kind(config: RunConfig) -> None:
         raise ConfigError(f"model.config holds a value JSON cannot: {exc}") from None
     if len(encoded) > MAX_MODEL_CONFIG_BYTES:
         raise ConfigError(f"model.config is over {MAX_MODEL_CONFIG_BYTES} bytes as JSON")
-    if model.factory or config.is_pipeline or config.verify.rate > 0:
+    if model.factory or config.is_pipeline:
         raise ConfigError(
-            'model.kind "transformers" trains in DiLoCo runs only: no model.factory, '
-            "pipeline.stages = 0 and verify.rate = 0"
+            'model.kind "transformers" trains in DiLoCo runs only: no model.factory and '
+            "pipeline.stages = 0"
         )
     for key in CONTEXT_KEYS:
         context = model.config.get(key)

@@ -52,3 +52,15 @@ def build_wrong_output() -> nn.Sequential:
 
 def build_not_layers() -> int:
     return 3
+
+
+class Cumulative(nn.Module):
+    """A running sum over the sequence: ``torch.cumsum`` on floats, which RepOps has no
+    reproducible mapping for (a verified run refuses it at spec time, naming it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(x, dim=1)
+
+
+def build_cumulative() -> nn.Sequential:
+    return nn.Sequential(nn.Embedding(256, WIDTH), Cumulative(), nn.Linear(WIDTH, 256))

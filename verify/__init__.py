@@ -48,6 +48,7 @@ from verify.repops.step import (
 from verify.trace import (
     LEAF_PREFIX,
     OpRecord,
+    Recompute,
     StepResult,
     TracedStep,
     canonical_bytes,
@@ -69,6 +70,7 @@ __all__ = [
     "OpRecord",
     "Provider",
     "Query",
+    "Recompute",
     "Referee",
     "RefereeConfig",
     "RepOpsStep",

@@ -43,7 +43,10 @@ from swarmtrain.config import (
 
 log = logging.getLogger(__name__)
 
-RELAY_START_TIMEOUT_S = 30.0
+# A verified run of a transformers or factory model runs one traced step of it before the
+# coordinator signs the spec (seconds, more on a loaded machine); a coordinator that exits is
+# seen at once, so this only bounds one that hangs.
+RELAY_START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 15.0
 SWARMTRAIN = (sys.executable, "-m", "swarmtrain.cli")
 JOIN_COMMAND = "swarmtrain node --join "

@@ -257,6 +257,7 @@ def train(
             coordinator,
             faults=faults,
             emit=emit,
+            model=model,
         )
         averager.check_slice = verification.check_slice
         emit(

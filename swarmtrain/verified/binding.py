@@ -29,10 +29,8 @@ import numpy as np
 import swarm
 from p2p import Message, message
 from verify import (
-    ModelShape,
     Provider,
     canonical_bytes,
-    param_shapes,
     state_hash_of,
     tensor_from_canonical,
     tensor_hash,
@@ -86,10 +84,11 @@ class ParamRange:
     shape: tuple[int, ...]
 
 
-def param_ranges(shape: ModelShape) -> list[ParamRange]:
-    """Each parameter's range in the flat vector a node averages (parameters in order)."""
+def param_ranges(shapes: Mapping[str, Sequence[int]]) -> list[ParamRange]:
+    """Each parameter's range in the flat vector a node averages, from the trainable parameters'
+    shapes in the model's order (``swarmtrain.verified.task.param_layout``)."""
     out, offset = [], 0
-    for name, dims in param_shapes(shape).items():
+    for name, dims in shapes.items():
         size = int(np.prod(dims, dtype=np.int64))
         out.append(ParamRange(name, offset, offset + size, tuple(dims)))
         offset += size

@@ -3,11 +3,14 @@
 It watches the claims peers publish under ``run/<id>/verify/<r>`` (``swarmtrain.verified.plan``).
 When another peer's claim about a task differs from the owner's, it plays the Verde dispute game
 between the two (``verify.dispute.game`` through ``verify.dispute.driver``): bisection over the
-task's steps, then over the divergent step's operators, then one operator recomputed with RepOps.
-The task is rebuilt from the spec: the start state hash most of the round's peers computed from, the
-owner's data shard of that round, H steps. The ruling goes into the coordinator's signed record
-under ``run/<id>/verdicts``, which volunteers read before averaging: the loser's contribution is
-left out of the round and the loser is banned from the run.
+task's steps, then over the divergent step's operators, then one operator recomputed with RepOps
+(a graph operator of the default model, or an aten operator of any other model's dispatch trace:
+``swarmtrain.verified.task.recompute_of``; either way from the inputs the providers send, so the
+referee builds no model). The task is rebuilt from the spec: the start state hash most of the
+round's peers computed from, the owner's data shard of that round, H steps. The ruling goes into
+the coordinator's signed record under ``run/<id>/verdicts``, which volunteers read before
+averaging: the loser's contribution is left out of the round and the loser is banned from the
+run.
 
 It also audits aggregations (issue 5, point 9): after a verified round, every member publishes
 a ``swarm.AuditRecord`` under ``run/<id>/aggregate/<r>`` (each part's reducer; for the parts it
@@ -51,6 +54,7 @@ from swarmtrain.config import RunConfig
 from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
 from swarmtrain.verified.binding import (
     STATE_PROTOCOL,
+    ParamRange,
     TaskStateAnswer,
     TaskStateQuery,
     covering,
@@ -69,10 +73,16 @@ from swarmtrain.verified.plan import (
     encode_verdicts,
     majority_start,
 )
-from swarmtrain.verified.task import DATA_LABELS, Task, make_task, model_shape
+from swarmtrain.verified.task import (
+    DATA_LABELS,
+    TaskData,
+    param_layout,
+    recompute_of,
+    same_program_every_step,
+    task_data,
+)
 from verify import TaskSpec, tensor_hash
 from verify.dispute import Referee, RefereeConfig, run_referee
-from verify.repops import init_params, run_op
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +108,7 @@ class RefereeService:
         self._refereed: set[tuple[int, bytes, bytes]] = set()
         self._slices_ruled: set[tuple[int, bytes, int, bytes]] = set()
         self._corpus: Corpus | None = None
+        self._ranges: list[ParamRange] | None = None
         self._oldest = 0
 
     async def run(self) -> None:
@@ -128,20 +139,22 @@ class RefereeService:
         ``other`` (party 1); publish and return the verdicts (one per cheater named)."""
         names = str(PeerID(owner))[-8:], str(PeerID(other))[-8:]
         self.emit(f"round {r}: task of {names[0]} disputed by {names[1]}; refereeing")
-        task = await trio.to_thread.run_sync(self._task, r, owner)
-        spec = TaskSpec(start, task.spec.data_seed, task.spec.steps)
+        data = await trio.to_thread.run_sync(self._task, r, owner)
+        spec = TaskSpec(start, data.seed, len(data.batches))
 
         def data_leaf(index: int, label: str, attrs: bytes) -> bytes | None:
-            if label not in DATA_LABELS:
+            if label not in DATA_LABELS or not 0 <= index < len(data.batches):
                 return None
-            return tensor_hash(task.step.batch(index)[DATA_LABELS[label]])
+            return tensor_hash(data.batches[index][DATA_LABELS[label]])
 
         answer_s = max(5.0, self.config.verify.timeout_s / 4)
         referee = Referee(
             spec,
-            run_op,
+            recompute_of(self.config),
             leaf_oracle=data_leaf,
-            config=RefereeConfig(answer_s, same_program_every_step=True),
+            config=RefereeConfig(
+                answer_s, same_program_every_step=same_program_every_step(self.config)
+            ),
         )
         peers = (PeerID(owner), PeerID(other))
         for peer in peers:
@@ -168,13 +181,19 @@ class RefereeService:
         await self._publish()
         return ruled
 
-    def _task(self, r: int, owner: bytes) -> Task:
+    def _task(self, r: int, owner: bytes) -> TaskData:
+        """The task's data: its parameters only matter to the providers (the referee checks the
+        start state by its hash, and recomputes one operator from the inputs they send)."""
         if self._corpus is None:
             self._corpus = load_stdlib_corpus()
-        # The task's data and shape; its parameters only matter to the providers (the referee
-        # checks the start state by its hash), so any of the right shape will do here.
-        params = init_params(model_shape(self.config))
-        return make_task(self.config, self._corpus, self.run_seed, r, owner, params)
+        return task_data(self.config, self._corpus, self.run_seed, r, owner)
+
+    def _param_ranges(self) -> list[ParamRange]:
+        """Where each parameter lies in the averaged vector (built once: a dispatched run's
+        model is made from the spec for it)."""
+        if self._ranges is None:
+            self._ranges = param_ranges(param_layout(self.config))
+        return self._ranges
 
     async def _audit_round(self, r: int) -> None:
         """Audit the drawn parts of every group of round ``r`` whose records are in."""
@@ -233,9 +252,9 @@ class RefereeService:
             log.info("round %d: slice dispute on %s without an agreed commitment", r, names[0])
             return
         self.emit(f"round {r}: {names[1]} disputes the slice of {names[0]} in part {dispute.part}")
-        task = await trio.to_thread.run_sync(self._task, r, owner)
-        spec = TaskSpec(own.start_state_hash, task.spec.data_seed, task.spec.steps)
-        ranges = param_ranges(model_shape(self.config))
+        data = await trio.to_thread.run_sync(self._task, r, owner)
+        spec = TaskSpec(own.start_state_hash, data.seed, len(data.batches))
+        ranges = await trio.to_thread.run_sync(self._param_ranges)
         asked = [p.name for p in covering(ranges, dispute.start, dispute.stop)]
         answers: list[TaskStateAnswer] = []
         with trio.move_on_after(SLICE_TIMEOUT_S):

@@ -21,6 +21,7 @@ training states per traced task.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from typing import TypeVar
 
 import numpy as np
 import trio
+from torch import nn
 
 import swarm
 from diloco import AveragingFailed, Corpus
@@ -61,7 +63,14 @@ from swarmtrain.verified.plan import (
     selected,
     verifier_of,
 )
-from swarmtrain.verified.task import Task, make_task, run_fast, run_traced
+from swarmtrain.verified.task import (
+    Task,
+    check_verifiable,
+    dispatched,
+    make_task,
+    run_fast,
+    run_traced,
+)
 from verify import Commitment
 from verify.dispute import Provider, serve_provider
 
@@ -103,6 +112,7 @@ class Verification:
         *,
         faults: Faults = NO_FAULTS,  # tests and demos only
         emit: Callable[[str], None] = lambda line: None,
+        model: nn.Module | None = None,
     ) -> None:
         self.runtime = runtime
         self.config = config
@@ -112,6 +122,15 @@ class Verification:
         self.faults = faults
         self.emit = emit
         self.me = runtime.peer_id.to_bytes()
+        # A dispatched run's tasks each train a CPU copy of the run's model (its frozen
+        # parameters and buffers as this node has them); checked at once, so a model with an
+        # operator RepOps cannot run stops the node before it trains (``NotVerifiable``).
+        self._model: nn.Module | None = None
+        if dispatched(config):
+            if model is None:
+                raise ValueError("a verified run of this model needs the model")
+            self._model = copy.deepcopy(model).cpu()
+            check_verifiable(config, self._model)
         self.verdicts: list[Verdict] = []
         self._providers: dict[int, dict[bytes, Provider]] = {}
         self._lock = threading.Lock()
@@ -253,7 +272,7 @@ class Verification:
         return None
 
     def _task(self, r: int, owner: bytes, params: dict[str, np.ndarray]) -> Task:
-        return make_task(self.config, self.corpus, self.run_seed, r, owner, params)
+        return make_task(self.config, self.corpus, self.run_seed, r, owner, params, self._model)
 
     def settle(self, round_number: int) -> frozenset[bytes]:
         """The peers round ``round_number`` leaves out, once every assignment is decided or the

@@ -20,10 +20,13 @@ def start_coordinator(
     matchmaking_timeout_s: float = 4.0,
     settings: dict[str, str] | None = None,
     extra: tuple[str, ...] = (),
+    edits: tuple[tuple[str, str], ...] = (),
 ) -> tuple[PeerProcess, str]:
     """``swarmtrain init`` + ``swarmtrain coordinator`` on loopback; returns it and its join
     address, taken from the exact command it prints. ``settings``: more run.toml keys (each key
-    name must occur once in the file) and their TOML values; ``extra``: more coordinator flags."""
+    name must occur once in the file) and their TOML values; ``edits``: (a line of the file,
+    exactly once there, its replacement), for a key several sections have; ``extra``: more
+    coordinator flags."""
     config = tmp_path / "run.toml"
     made = subprocess.run(
         [*SWARMTRAIN, "init", str(config)], capture_output=True, text=True, timeout=30, check=False
@@ -40,6 +43,9 @@ def start_coordinator(
     for key, value in (settings or {}).items():
         text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
         assert count == 1, key
+    for line, replacement in edits:
+        text, count = re.subn(rf"(?m)^{re.escape(line)}$", replacement, text)
+        assert count == 1, line
     config.write_text(text)
     coordinator = PeerProcess(
         [
@@ -55,7 +61,8 @@ def start_coordinator(
         ]
     )
     try:
-        line = coordinator.wait_line(lambda s: s.startswith(JOIN_COMMAND), timeout_s=30)
+        # 60 s: a verified transformers run traces one step of its model before it signs.
+        line = coordinator.wait_line(lambda s: s.startswith(JOIN_COMMAND), timeout_s=60)
     except BaseException:
         coordinator.stop()
         raise

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from peerproc import PeerProcess
 from runproc import node, round_lines, start_coordinator, status_json, wait_exit
 
@@ -32,16 +33,37 @@ SMALL_VERIFIED = {
     "timeout_s": "30.0",
 }
 CHEAT_ROUND, CHEAT_STEP, CHEAT_OP = 1, 2, 10  # record 10 of a step is a linear layer's output
+# A tiny Llama (``[model] kind = "transformers"``, built from this config on every peer): its
+# tasks are dispatch traces, disputed down to one aten operator (issue 23).
+LLAMA = {"model_type": "llama", "vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "max_position_embeddings": 32}  # fmt: skip
+LLAMA_TABLE = ", ".join(f"{key} = {json.dumps(value)}" for key, value in LLAMA.items())
+LLAMA_EDITS = (
+    ('kind = "default"', 'kind = "transformers"'),
+    ('config = ""', f"config = {{ {LLAMA_TABLE} }}"),
+)
 
+
+# Record 210 of the tiny Llama's step is a linear layer's output (its 10th ``aten.mm``, under
+# torch 2.13 and this transformers; a record that is no operator fails the cheater's task).
+LLAMA_CHEAT_OP = 210
 
 ROUNDS = 4
 
 
-def _run(tmp_path: Path, *cheat: str) -> tuple[PeerProcess, str, list[PeerProcess], PeerProcess]:
+def _run(
+    tmp_path: Path, *cheat: str, edits: tuple[tuple[str, str], ...] = ()
+) -> tuple[PeerProcess, str, list[PeerProcess], PeerProcess]:
     """Coordinator, two honest nodes and one started with ``cheat``; waits for every node's
     exit (the cheater's: status 3, banned)."""
     coordinator, join = start_coordinator(
-        tmp_path, rounds=ROUNDS, inner_steps=4, matchmaking_timeout_s=6.0, settings=SMALL_VERIFIED
+        tmp_path,
+        rounds=ROUNDS,
+        inner_steps=4,
+        matchmaking_timeout_s=6.0,
+        settings=SMALL_VERIFIED,
+        edits=edits,
     )
     honest = [node(join, tmp_path / f"n{i}") for i in range(2)]
     cheater = node(join, tmp_path / "cheater", *cheat)
@@ -60,12 +82,16 @@ def _summary(path: Path) -> dict:
     return json.loads((path / "summary.json").read_text())
 
 
+@pytest.mark.parametrize("model", ["default", "llama"])
 def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on(
-    tmp_path: Path,
+    tmp_path: Path, model: str
 ) -> None:
+    """The default model's hand-written graph, and a tiny Llama's dispatch trace."""
     rounds = ROUNDS
-    cheat = f"{CHEAT_ROUND}:{CHEAT_STEP}:{CHEAT_OP}"
-    coordinator, join, honest, cheater = _run(tmp_path, "--cheat", cheat)
+    op = CHEAT_OP if model == "default" else LLAMA_CHEAT_OP
+    edits = LLAMA_EDITS if model == "llama" else ()
+    cheat = f"{CHEAT_ROUND}:{CHEAT_STEP}:{op}"
+    coordinator, join, honest, cheater = _run(tmp_path, "--cheat", cheat, edits=edits)
     peers = [*honest, cheater]
     try:
         cheater_id = _summary(tmp_path / "cheater")["peer_id"]
@@ -73,7 +99,7 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
 
         # The cheater: named at the round and operator it tampered with, and stopped.
         banned = next(line for line in cheater.lines if line.startswith("this peer was banned"))
-        assert f"round {CHEAT_ROUND}, step {CHEAT_STEP}, operator {CHEAT_OP}" in banned, banned
+        assert f"round {CHEAT_ROUND}, step {CHEAT_STEP}, operator {op}" in banned, banned
         assert sorted(round_lines(cheater)) == [0], cheater.lines
 
         # The honest peers: round 0 with all three, from round 1 on the two of them, every round
@@ -105,7 +131,7 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
         assert report["banned"] == [cheater_id], report
         (verdict,) = report["verdicts"]
         assert verdict["cheater"] == cheater_id and verdict["round"] == CHEAT_ROUND
-        assert (verdict["step"], verdict["op"]) == (CHEAT_STEP, CHEAT_OP), verdict
+        assert (verdict["step"], verdict["op"]) == (CHEAT_STEP, op), verdict
     finally:
         for peer in peers:
             peer.stop()

@@ -35,3 +35,13 @@ def test_the_tiny_llama_example_writes_a_run_that_loads_and_builds(
                 sequence_length=config.training.sequence_length)  # fmt: skip
     model = build_model(config, corpus.vocab_size)
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_the_verified_llama_example_loads_and_its_step_maps() -> None:
+    """``examples/verified_llama/run.toml``: a verified transformers run the coordinator signs
+    (its spec check, one traced step of the model, passes)."""
+    from swarmtrain.verified.task import check_verifiable
+
+    config = load_config(ROOT / "examples" / "verified_llama" / "run.toml")
+    assert config.verify.rate > 0 and config.model.kind == "transformers"
+    assert check_verifiable(config) > 500  # the dispatch log of one step (890 records)

@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 
-from swarmtrain.config import ConfigError, RunConfig
+from swarmtrain.config import RunConfig
 from swarmtrain.pipeline.model import ModelContractError
 from swarmtrain.training.workload import FactoryLM, build_model
+from swarmtrain.verified.task import check_verifiable
 
 
 def factory_config(factory: str, **training: object) -> RunConfig:
@@ -74,6 +75,7 @@ def test_a_broken_factory_is_one_error_naming_it(factory: str, message: str) -> 
     assert f"pipeline_user_model:{factory}" in str(error.value)
 
 
-def test_a_verified_run_refuses_a_factory() -> None:
-    with pytest.raises(ConfigError, match=re.escape("cannot be verified: verify.rate > 0")):
-        RunConfig().replace(model={"factory": "m:f"}, verify={"rate": 0.5})
+def test_a_verified_run_takes_a_factory_whose_operators_all_map() -> None:
+    """Its tasks are dispatch traces (``swarmtrain.verified.task``); the spec check runs one."""
+    config = factory_config("build").replace(verify={"rate": 0.5})
+    assert check_verifiable(config) > 100  # the step's records: leaves, operators, state

@@ -85,10 +85,6 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
         ('[model]\nfactory = "a:b\\n"\n', "model.factory must be empty or"),
         ("[model]\nfactory = 3\n", "model.factory must be empty or"),
         (f'[model]\nfactory = "a:{"b" * 200}"\n', "at most 200 characters"),
-        (
-            '[model]\nfactory = "pkg.mod:build"\n[verify]\nrate = 0.5\n',
-            "model.factory (pkg.mod:build) cannot be verified",
-        ),
         ('[swarm]\naggregation = "median"\n', "swarm.aggregation must be one of mean, centered"),
         (
             '[swarm]\naggregation = "trimmed_mean"\n[verify]\nrate = 0.5\n',

@@ -33,7 +33,7 @@ from swarmtrain.verified.binding import (
     rule_slice,
 )
 from swarmtrain.verified.plan import SLICE, Verdict
-from swarmtrain.verified.task import make_task, model_shape, run_traced
+from swarmtrain.verified.task import make_task, model_shape, param_layout, run_traced
 from verify.repops import init_params
 
 RUN, ROUND, GROUP = "run-binding", 1, b"g" * 32
@@ -58,9 +58,10 @@ def task():  # type: ignore[no-untyped-def]
     params = init_params(model_shape(config), seed=3)
     made = make_task(config, corpus, 7, ROUND, OWNER.peer_id, params)
     provider = run_traced(made)
-    flat_start = np.concatenate([params[r.name].reshape(-1) for r in param_ranges(made.step.shape)])
+    ranges = param_ranges(param_layout(config))
+    flat_start = np.concatenate([params[r.name].reshape(-1) for r in ranges])
     final = provider.final_state
-    flat_final = np.concatenate([final[r.name].reshape(-1) for r in param_ranges(made.step.shape)])
+    flat_final = np.concatenate([final[r.name].reshape(-1) for r in ranges])
     owed = np.subtract(flat_start, flat_final, dtype=np.float32)
     return config, made, provider, owed
 
@@ -81,8 +82,8 @@ def _answers(provider, ranges, dispute):  # type: ignore[no-untyped-def]
 
 
 def _rule(task, dispute, start=None, final=None):  # type: ignore[no-untyped-def]
-    _, made, provider, _ = task
-    ranges = param_ranges(made.step.shape)
+    config, made, provider, _ = task
+    ranges = param_ranges(param_layout(config))
     served = _answers(provider, ranges, dispute)
     return rule_slice(
         dispute,
@@ -112,9 +113,9 @@ def test_an_accusation_of_the_exact_pseudo_gradient_turns_on_the_accuser(task) -
 
 
 def test_states_that_do_not_hash_to_the_commitment_rule_on_nobody(task) -> None:  # type: ignore[no-untyped-def]
-    _, made, provider, owed = task
+    config, _, provider, owed = task
     dispute = _dispute(owed, 10, 50, owed[10:50] + 1)
-    ranges = param_ranges(made.step.shape)
+    ranges = param_ranges(param_layout(config))
     start, final = _answers(provider, ranges, dispute)
     # A verifier serving the start state as the final one (or any other bytes) proves nothing.
     assert _rule(task, dispute, final=start).guilty is None

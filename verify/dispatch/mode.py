@@ -6,7 +6,8 @@ natively, and any other operator raises ``UnmappedOperator`` naming it: before i
 has floating-point inputs, and before its result is used when only its output is floating
 point. Attention goes through torch's math path (``sdpa_kernel(MATH)`` is entered with the mode),
 which decomposes ``scaled_dot_product_attention`` into matmuls and a softmax the mode maps; the
-fused CPU and CUDA attention kernels are not mapped.
+fused CPU and CUDA attention kernels are not mapped. Modes run per thread (a dispatch mode is
+thread-local), and the math path stays on while any thread is in one (its flags are global).
 
 ``survey(fn)`` lists the operators ``fn`` uses and the unmapped ones among them, running
 everything natively: what a run's spec check calls to refuse a model before training starts.
@@ -14,6 +15,7 @@ everything natively: what a run's spec check calls to refuse a model before trai
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,12 +27,20 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves
 
 from verify.dispatch.aten import EXACT, HANDLERS, UnmappedOperator
+from verify.dispatch.calls import tensor_outputs
 
 if TYPE_CHECKING:
     from verify.dispatch.record import Recorder
 
 # Operators outside aten that carry no data (the profiler's record_function markers).
 PASSIVE_NAMESPACES = frozenset({"profiler"})
+aten = torch.ops.aten
+# Outputs of these hold whatever memory held: ``route`` zero-fills them, so that a traced step
+# (whose records hash them) and an untraced one compute the same bits, and the hashes of
+# outputs a correct program never reads before writing are the same everywhere.
+UNINITIALISED = frozenset(
+    {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
+)
 
 
 def _floating(values: Any) -> bool:
@@ -45,9 +55,14 @@ def _floating(values: Any) -> bool:
 
 
 def route(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
-    """Run one aten operator the RepOps way (see the module docstring); raise
-    ``UnmappedOperator`` for an operator with no mapping."""
+    """Run one aten operator the RepOps way (see the module docstring; uninitialised outputs
+    zero-filled); raise ``UnmappedOperator`` for an operator with no mapping."""
     name = str(func)
+    if func.overloadpacket in UNINITIALISED:
+        out = func(*args, **kwargs)
+        for tensor in tensor_outputs(out):
+            tensor.zero_()
+        return out
     if func.overloadpacket in EXACT or func.namespace in PASSIVE_NAMESPACES:
         return func(*args, **kwargs)
     handler = HANDLERS.get(func)
@@ -65,6 +80,36 @@ def route(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
     return out
 
 
+class _MathAttention:
+    """``sdpa_kernel(MATH)`` shared by every thread in a RepOpsMode: torch's attention backend
+    flags are process-global while dispatch modes are per thread, so a mode leaving in one
+    thread (a provider answering a dispute) must not turn the fused kernels back on under a
+    mode still running in another (a node's next task): the last one out restores them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._context: Any = None
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                context = sdpa_kernel([SDPBackend.MATH])
+                context.__enter__()
+                self._context = context
+            self._users += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                context, self._context = self._context, None
+                context.__exit__(None, None, None)
+
+
+_MATH_ATTENTION = _MathAttention()
+
+
 class RepOpsMode(TorchDispatchMode):
     """Run the block's torch operators reproducibly (see the module docstring).
 
@@ -78,18 +123,16 @@ class RepOpsMode(TorchDispatchMode):
         super().__init__()
         self.ops: Counter[str] = Counter()
         self.recorder = recorder
-        self._attention: Any = None
 
     def __enter__(self) -> RepOpsMode:
         # A second RepOpsMode would see the first one's kernels as operators to route.
         if any(isinstance(m, RepOpsMode) for m in _get_current_dispatch_mode_stack()):
             raise RuntimeError("RepOpsMode is already active; enter it once")
-        self._attention = sdpa_kernel([SDPBackend.MATH])
-        self._attention.__enter__()
+        _MATH_ATTENTION.enter()
         try:
             super().__enter__()
         except BaseException:
-            self._attention.__exit__(None, None, None)
+            _MATH_ATTENTION.exit()
             raise
         return self
 
@@ -97,7 +140,7 @@ class RepOpsMode(TorchDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
-            self._attention.__exit__(*exc)
+            _MATH_ATTENTION.exit()
 
     def __torch_dispatch__(
         self,

@@ -23,7 +23,7 @@ the tensors themselves, copied only before an operator writes to their memory (a
 ``release``, memory that outlives the step, such as the parameters): a step's trace holds about
 what autograd held, not a copy of every operator's output. ``empty`` and its relatives are
 zero-filled when recording, so that their outputs (never read by a correct program before
-written) hash the same everywhere.
+written) hash the same everywhere; ``route`` does it, traced or not.
 """
 
 from __future__ import annotations
@@ -49,10 +49,6 @@ from verify.trace import LEAF_PREFIX, OpRecord, canonical_bytes, tensor_hash
 aten = torch.ops.aten
 CONST_OP = "dispatch:const"
 MAX_CONST_ELEMENTS = 4096
-# Outputs of these hold whatever memory held: zero-filled when recorded (see the docstring).
-UNINITIALISED = frozenset(
-    {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
-)
 # Operators that read memory by address rather than by value: recomputable from their input's
 # values only when that input is exactly its whole storage, contiguous from offset 0.
 BY_ADDRESS = frozenset({aten.as_strided, aten._reshape_alias})
@@ -69,12 +65,9 @@ class TraceError(RuntimeError):
 
 
 def run_call(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
-    """One operator the way the trace records it: ``route``, uninitialised outputs zeroed."""
-    out = route(func, args, kwargs)
-    if func.overloadpacket in UNINITIALISED:
-        for tensor in tensor_outputs(out):
-            tensor.zero_()
-    return out
+    """One operator the way the trace records it: ``route`` (uninitialised outputs zeroed, as
+    in an untraced step)."""
+    return route(func, args, kwargs)
 
 
 def _values(tensor: torch.Tensor) -> np.ndarray:

@@ -5,7 +5,8 @@ One step is the model's own ``loss(inputs, targets)``, ``backward()`` and ``torc
 step, run under ``RepOpsMode`` with a ``Recorder``: its trace is the dispatch log
 (``verify.dispatch.record``) and the referee recomputes a disputed record with
 ``verify.dispatch.record.recompute``. The state is plain numpy (``verify.trace``'s contract):
-every parameter and buffer by its ``named_parameters``/``named_buffers`` name, and AdamW's
+every parameter and buffer by its ``named_parameters``/``named_buffers`` name (a frozen
+parameter counts as a buffer: no moments), and AdamW's
 ``adamw.exp_avg.<param>``, ``adamw.exp_avg_sq.<param>`` and ``adamw.step`` (a float32 count, as
 torch keeps it). Leaves come first, in a fixed order: parameters, buffers, then each parameter's
 step count and moments (one ``leaf:adamw.step`` per parameter: AdamW counts each one's steps
@@ -56,7 +57,8 @@ class DispatchStep:
     ``batch(step)`` gives that step's ``(inputs, targets)`` (what the referee's data oracle
     checks ``leaf:inputs``/``leaf:targets`` against); ``loss(model, inputs, targets)`` defaults
     to ``model.loss(inputs, targets)``. The model is reused: every call loads the state into it
-    and leaves the state after the step there.
+    and leaves the state after the step there, so two threads must not run one ``DispatchStep``
+    at once (give each its own model). ``advance`` is the same step untraced.
     """
 
     def __init__(
@@ -71,8 +73,14 @@ class DispatchStep:
         self.batch = batch
         self.optimizer = optimizer or AdamWSettings()
         self.loss = loss
-        self.params = dict(model.named_parameters())
-        self.buffers = dict(model.named_buffers())
+        self.last_loss: float | None = None  # the loss of the last step run
+        # Frozen parameters (requires_grad False) are state AdamW never changes: buffers here.
+        named = list(model.named_parameters())
+        self.params = {name: p for name, p in named if p.requires_grad}
+        self.buffers = {
+            **{name: p for name, p in named if not p.requires_grad},
+            **dict(model.named_buffers()),
+        }
         if not self.params:
             raise ValueError("the model has no parameters to train")
         self._initial = {name: snapshot(t) for name, t in self._tensors().items()}
@@ -115,8 +123,22 @@ class DispatchStep:
     def __call__(
         self, state: Mapping[str, np.ndarray], step: int, tamper_op: int | None = None
     ) -> StepResult:
-        self._check(state)
         recorder = Recorder(tamper_op)
+        after = self._run(state, step, recorder)
+        recorder.check_tampered()
+        return StepResult(after, recorder.records, recorder.outputs)
+
+    def advance(self, state: Mapping[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
+        """The state after ``step``, untraced: the same bits as ``self(state, step).state``
+        (the same operators through the same ``route``) without hashing every output."""
+        return self._run(state, step, None)
+
+    def _run(
+        self, state: Mapping[str, np.ndarray], step: int, recorder: Recorder | None
+    ) -> dict[str, np.ndarray]:
+        """One step from ``state``, recorded when ``recorder`` is given; the state after it.
+        Sets ``last_loss``."""
+        self._check(state)
         settings = self.optimizer
 
         def load(name: str) -> torch.Tensor:
@@ -130,27 +152,30 @@ class DispatchStep:
             self.params.values(), lr=settings.lr, betas=settings.betas, eps=settings.eps,
             weight_decay=settings.weight_decay, foreach=False, fused=False,
         )  # fmt: skip
+        leaf = recorder.leaf if recorder is not None else lambda name, tensor: 0
         for name, tensor in self._tensors().items():
-            recorder.leaf(name, tensor)
+            leaf(name, tensor)
         for name, p in self.params.items():
             slots = {"step": load(STEP_KEY)}
-            recorder.leaf(STEP_KEY, slots["step"])
+            leaf(STEP_KEY, slots["step"])
             for moment in ("exp_avg", "exp_avg_sq"):
                 slots[moment] = load(f"adamw.{moment}.{name}")
-                recorder.leaf(f"adamw.{moment}.{name}", slots[moment])
+                leaf(f"adamw.{moment}.{name}", slots[moment])
             optimizer.state[p] = slots
         inputs, targets = (torch.from_numpy(np.array(a, order="C")) for a in self.batch(step))
-        recorder.leaf("inputs", inputs)
-        recorder.leaf("targets", targets)
+        leaf("inputs", inputs)
+        leaf("targets", targets)
         with RepOpsMode(recorder):
-            self.loss(self.model, inputs, targets).backward()
+            loss = self.loss(self.model, inputs, targets)
+            loss.backward()
             optimizer.step()
-        recorder.check_tampered()
+        self.last_loss = float(loss.detach())
         after = {name: snapshot(t) for name, t in self._tensors().items()}
-        for tensor in self._tensors().values():
-            recorder.release(tensor)  # the next call loads the next state into them
+        if recorder is not None:
+            for tensor in self._tensors().values():
+                recorder.release(tensor)  # the next call loads the next state into them
         for name, p in self.params.items():
             for moment in ("exp_avg", "exp_avg_sq"):
                 after[f"adamw.{moment}.{name}"] = snapshot(optimizer.state[p][moment])
         after[STEP_KEY] = snapshot(optimizer.state[next(iter(self.params.values()))]["step"])
-        return StepResult(after, recorder.records, recorder.outputs)
+        return after
