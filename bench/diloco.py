@@ -5,7 +5,7 @@
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
         [--compression int8|none|sparse] [--sparse-density 0.02] [--sparse-bits 2]
         [--sparse-chunk 4096] [--sparse-outer-momentum M] [--fragments F] [--eval-batches 8]
-        [--sequential]
+        [--split-seed 0] [--sequential]
         [--only diloco,...] [--wan [--wan-budget-s 150]]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
@@ -41,11 +41,16 @@ first round made DiLoCo worse than alone (1.943), model averaging (momentum 0) r
 momentum ramped over 4 rounds 1.798; at 2000 steps (16 rounds) a ramp over 4, 8 and 12 rounds
 recovered 0.34, 0.50 and 0.52 of the gap to data parallel.
 
+Held-out losses, two halves (``diloco.validation_split``: the held-out files dealt into a
+validation and a test half by a hash seeded with ``--split-seed``, disjoint): every setting is
+tuned on the validation half (printed, and under ``validation`` in the JSON), and the figures
+reported (``heldout`` and the ratios) are the test half's, which no setting was chosen on.
+
 Bytes each worker sends, bandwidth-optimal ring/butterfly all-reduce of N peers: data parallel
 2(N-1)/N x 4 x params per step (float32 gradients); DiLoCo 2(N-1)/N x the codec's bytes per round
-(per-tensor, per-part int8 blocks: a few more scales than one flat vector); sparse DiLoCo (N-1)/N
-x (the slices' bytes + the reduced parts' bytes, each N slices). Printed: held-out loss
-(nats/byte) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
+(per-tensor, per-part int8 blocks: a few more scales than one flat vector); sparse DiLoCo (N-1)/N x
+(the slices' bytes + the reduced parts' bytes, each N slices). Printed: held-out loss (nats/byte,
+test half) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
 parallel) and ``recovered_fraction`` = (alone - DiLoCo) / (alone - data parallel). The last line is
 one JSON object with those keys and ``wan_loss_ratio``: with ``--wan`` (root: the NAT lab), after
 the equal-tokens part, ``bench.diloco_wan`` runs the two methods on the swarm itself at equal
@@ -86,6 +91,7 @@ from diloco import (
     fragments_of,
     inner_batches,
     load_stdlib_corpus,
+    validation_split,
 )
 from diloco.schedule import lr_factor
 from swarm.averaging.allreduce import partition
@@ -94,6 +100,22 @@ from swarm.averaging.payload import Codec, Layout
 from swarm.averaging.sparse_codec import SparseCodec
 
 RUN_SEED = 0
+# Held-out batches by split: "validation" (tuned on) and "heldout" (the test half, reported).
+Evals = dict[str, list[Any]]
+
+
+def split_evals(corpus: Any, args: argparse.Namespace) -> Evals:
+    """The validation and test halves' evaluation batches (``--split-seed``, ``--eval-batches``
+    of each)."""
+    validation, test = validation_split(corpus, args.split_seed)
+    return {
+        name: eval_batches(corpus, batches=args.eval_batches, context=args.context, part=part)
+        for name, part in (("validation", validation), ("heldout", test))
+    }
+
+
+def _evaluate(model: torch.nn.Module, evals: Evals) -> dict[str, float]:
+    return {name: evaluate(model, batches) for name, batches in evals.items()}
 
 
 def _peer(k: int) -> bytes:
@@ -219,18 +241,18 @@ class _Wire:
 def run_diloco(
     corpus: Any,
     args: argparse.Namespace,
-    heldout: list[Any],
+    evals: Evals,
     *,
     aggregation: str = "mean",
     wrap: Callable[[int, Average], Average] | None = None,
     compression: Codec | None = None,
     outer_momentum: float | None = None,
     on_round: Callable[[], None] | None = None,
-) -> float:
-    """DiLoCo's held-out loss after the run. ``aggregation``: ``LocalAverage``'s rule; ``wrap``
-    (worker, its average) -> what that worker calls instead (``bench.byzantine``'s attacker);
-    ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run); ``on_round``:
-    told when worker 0 finishes a round (progress)."""
+) -> dict[str, float]:
+    """DiLoCo's loss on each of ``evals`` after the run. ``aggregation``: ``LocalAverage``'s
+    rule; ``wrap`` (worker, its average) -> what that worker calls instead (``bench.byzantine``'s
+    attacker); ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run);
+    ``on_round``: told when worker 0 finishes a round (progress)."""
     local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
     sizes = [p.numel() for p in models[0].parameters()]
@@ -276,16 +298,16 @@ def run_diloco(
     if errors:
         raise errors[0]
     # Every worker holds the same global parameters after the last round.
-    return evaluate(models[0], heldout)
+    return _evaluate(models[0], evals)
 
 
 def run_data_parallel(
     corpus: Any,
     args: argparse.Namespace,
-    heldout: list[Any],
+    evals: Evals,
     workers: list[int],
     on_round: Callable[[], None] | None = None,
-) -> float:
+) -> dict[str, float]:
     """Gradients averaged every step over ``workers``' windows: one model, one big batch.
 
     Each worker's gradient is computed in its own thread (as data-parallel workers would) and the
@@ -312,7 +334,7 @@ def run_data_parallel(
                 scheduler.step()
             if on_round is not None:
                 on_round()
-    return evaluate(model, heldout)
+    return _evaluate(model, evals)
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
@@ -347,7 +369,11 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         "--fragments", type=int, default=1,
         help="streaming DiLoCo: round r averages fragment r mod F of the model only",
     )  # fmt: skip
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-batches", type=int, default=8, help="of each held-out half")
+    parser.add_argument(
+        "--split-seed", type=int, default=0,
+        help="deals the held-out files into the validation and the test half",
+    )  # fmt: skip
 
 
 def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -396,7 +422,7 @@ def main() -> None:
     parse_schedule(args, parser)
     torch.manual_seed(0)
     corpus = load_stdlib_corpus()
-    heldout = eval_batches(corpus, batches=args.eval_batches, context=args.context)
+    evals = split_evals(corpus, args)
     params = sum(p.numel() for p in ByteTransformer(seed=0).parameters())
     rounds = len(args.schedule_h)
     codecs = args.compression.name
@@ -419,18 +445,18 @@ def main() -> None:
 
     everyone = [*range(args.workers)]
     methods = {
-        "diloco": lambda: run_diloco(corpus, args, heldout, on_round=tick("diloco")),
+        "diloco": lambda: run_diloco(corpus, args, evals, on_round=tick("diloco")),
         "data_parallel": lambda: run_data_parallel(
-            corpus, args, heldout, everyone, tick("data_parallel")
+            corpus, args, evals, everyone, tick("data_parallel")
         ),
-        "alone": lambda: run_data_parallel(corpus, args, heldout, [0], tick("alone")),
+        "alone": lambda: run_data_parallel(corpus, args, evals, [0], tick("alone")),
     }
     if args.sparse is not None:
         methods["diloco_sparse"] = lambda: run_diloco(
-            corpus, args, heldout, compression=args.sparse,
+            corpus, args, evals, compression=args.sparse,
             outer_momentum=_sparse_momentum(args), on_round=tick("diloco_sparse"),
         )  # fmt: skip
-    results: dict[str, float] = {}
+    losses: dict[str, dict[str, float]] = {}
     names = list(methods) if args.only is None else args.only.split(",")
     for name in names:
         progress.add(name, rounds)
@@ -441,21 +467,23 @@ def main() -> None:
         futures = {pool.submit(methods[name]): name for name in names}
         for future in as_completed(futures):
             name = futures[future]
-            results[name] = future.result()
+            losses[name] = future.result()
             print(
-                f"{name:>13}: held-out {results[name]:.4f} nats/byte "
-                f"({time.perf_counter() - start:.0f} s after the start)",
+                f"{name:>13}: held-out {losses[name]['heldout']:.4f} nats/byte, validation "
+                f"{losses[name]['validation']:.4f} ({time.perf_counter() - start:.0f} s after "
+                "the start)",
                 flush=True,
             )
     progress.close()
-    results = {name: results[name] for name in names}
+    results = {name: losses[name]["heldout"] for name in names}
+    validation = {name: losses[name]["validation"] for name in names}
     n = args.workers
     share = 2 * (n - 1) / n
     sizes = [p.numel() for p in ByteTransformer(seed=0).parameters()]
     dp_bytes = share * 4 * params * args.steps
     diloco_bytes = _Wire(sizes, n, args.compression, args.fragments).bytes_per_worker(rounds)
     if not {"diloco", "data_parallel", "alone"} <= results.keys():
-        print(json.dumps({"heldout": results, "config": _config(args)}))
+        print(json.dumps({"heldout": results, "validation": validation, "config": _config(args)}))
         return
     gap = results["alone"] - results["data_parallel"]
     wan = run_wan(args.wan_budget_s) if args.wan else None
@@ -465,6 +493,11 @@ def main() -> None:
         "recovered_fraction": (results["alone"] - results["diloco"]) / gap if gap else None,
         "wan_loss_ratio": wan["wan_loss_ratio"] if wan else None,
         "heldout": results,
+        "validation": {
+            "heldout": validation,
+            "recovered_fraction": _recovered(validation, "diloco"),
+            "sparse_recovered_fraction": _recovered(validation, "diloco_sparse"),
+        },
         "bytes_per_worker": {"data_parallel": dp_bytes, "diloco": diloco_bytes},
         **_sparse_summary(args, results, sizes, dp_bytes),
         "config": _config(args),
@@ -487,6 +520,12 @@ def main() -> None:
             f"{np.nan if gap == 0 else summary['sparse_recovered_fraction']:.2f}"
         )
     print(json.dumps(summary))
+
+
+def _recovered(losses: dict[str, float], name: str) -> float | None:
+    """(alone - name) / (alone - data parallel); None when ``name`` did not run or no gap."""
+    gap = losses["alone"] - losses["data_parallel"]
+    return (losses["alone"] - losses[name]) / gap if gap and name in losses else None
 
 
 def _sparse_momentum(args: argparse.Namespace) -> float:
