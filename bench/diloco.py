@@ -247,11 +247,14 @@ def run_diloco(
     wrap: Callable[[int, Average], Average] | None = None,
     compression: Codec | None = None,
     outer_momentum: float | None = None,
+    outer_lr: float | None = None,
+    error_decay: float = 1.0,
     on_round: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """DiLoCo's loss on each of ``evals`` after the run. ``aggregation``: ``LocalAverage``'s
     rule; ``wrap`` (worker, its average) -> what that worker calls instead (``bench.byzantine``'s
-    attacker); ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run);
+    attacker); ``compression``, ``outer_momentum`` and ``outer_lr``: instead of ``args``', and
+    ``error_decay`` (``DiLoCo(error_feedback_decay=)``): the sparse run's;
     ``on_round``: told when worker 0 finishes a round (progress)."""
     local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
@@ -273,10 +276,11 @@ def run_diloco(
                 inner,
                 average if wire is None else wire.finish(average),
                 inner_steps=args.schedule_h,
-                outer_lr=args.outer_lr,
+                outer_lr=args.outer_lr if outer_lr is None else outer_lr,
                 outer_momentum=momentum,
                 outer_momentum_warmup=args.outer_momentum_warmup,
                 compress=None if wire is None else wire.round_trip,
+                error_feedback_decay=error_decay,
                 fragments=args.fragments,
             ) as diloco:
                 for r in range(len(args.schedule_h)):
@@ -366,6 +370,13 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
     )  # fmt: skip
     parser.add_argument(
+        "--sparse-outer-lr", type=float, default=None, help="sparse DiLoCo's (default --outer-lr)"
+    )
+    parser.add_argument(
+        "--sparse-error-decay", type=float, default=1.0,
+        help="sparse DiLoCo's error feedback: the residual scaled by this before it is added",
+    )  # fmt: skip
+    parser.add_argument(
         "--fragments", type=int, default=1,
         help="streaming DiLoCo: round r averages fragment r mod F of the model only",
     )  # fmt: skip
@@ -380,6 +391,10 @@ def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     """Turn the parsed options into what ``run_diloco`` reads: the codec (``--compression
     sparse``: int8, and the sparse codec as ``args.sparse``), H of every round."""
     args.sparse = None
+    if not 0 <= args.sparse_error_decay <= 1:
+        parser.error(f"--sparse-error-decay {args.sparse_error_decay}: expected 0 to 1")
+    if args.sparse_outer_lr is not None and not args.sparse_outer_lr > 0:
+        parser.error(f"--sparse-outer-lr {args.sparse_outer_lr}: expected a positive number")
     if args.compression == "sparse":
         try:
             args.sparse = SparseCodec.from_density(
@@ -427,7 +442,10 @@ def main() -> None:
     rounds = len(args.schedule_h)
     codecs = args.compression.name
     if args.sparse is not None:
-        codecs += f" and {args.sparse.name} (outer momentum {_sparse_momentum(args)})"
+        codecs += (
+            f" and {args.sparse.name} (outer lr {_sparse_lr(args)} momentum "
+            f"{_sparse_momentum(args)}, error feedback decay {args.sparse_error_decay})"
+        )
     h_text = str(args.schedule_h[0]) if len(set(args.schedule_h)) == 1 else args.inner_steps
     print(
         f"=== DiLoCo vs data parallel vs alone ({git_sha()}): {args.workers} workers x "
@@ -454,7 +472,8 @@ def main() -> None:
     if args.sparse is not None:
         methods["diloco_sparse"] = lambda: run_diloco(
             corpus, args, evals, compression=args.sparse,
-            outer_momentum=_sparse_momentum(args), on_round=tick("diloco_sparse"),
+            outer_momentum=_sparse_momentum(args), outer_lr=_sparse_lr(args),
+            error_decay=args.sparse_error_decay, on_round=tick("diloco_sparse"),
         )  # fmt: skip
     losses: dict[str, dict[str, float]] = {}
     names = list(methods) if args.only is None else args.only.split(",")
@@ -526,6 +545,10 @@ def _recovered(losses: dict[str, float], name: str) -> float | None:
     """(alone - name) / (alone - data parallel); None when ``name`` did not run or no gap."""
     gap = losses["alone"] - losses["data_parallel"]
     return (losses["alone"] - losses[name]) / gap if gap and name in losses else None
+
+
+def _sparse_lr(args: argparse.Namespace) -> float:
+    return args.outer_lr if args.sparse_outer_lr is None else args.sparse_outer_lr
 
 
 def _sparse_momentum(args: argparse.Namespace) -> float:
