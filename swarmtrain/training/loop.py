@@ -369,6 +369,7 @@ def build_diloco(
         run_id=config.run.id,
         # Sparse rounds drop most of each pseudo-gradient: without its residual it is lost.
         error_feedback=training.error_feedback or config.swarm.compression == "sparse",
+        error_feedback_decay=training.error_feedback_decay,
         overlap=training.overlap,
         grad_scaler=grad_scaler(model, training),
         fragments=training.fragments,
