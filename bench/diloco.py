@@ -3,9 +3,10 @@
     python -m bench.diloco [--workers 4] [--steps 2000] [--inner-steps 125 | H1,H2,...] [--batch 8]
         [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
-        [--compression int8|none|sparse] [--sparse-density 0.02] [--sparse-bits 2]
-        [--sparse-chunk 4096] [--sparse-outer-momentum M] [--fragments F] [--eval-batches 8]
-        [--split-seed 0] [--sequential]
+        [--compression int8|none|sparse] [--sparse-density 0.0117] [--sparse-bits 2]
+        [--sparse-chunk 256] [--sparse-outer-lr 2.0] [--sparse-outer-momentum M]
+        [--sparse-error-decay 1.0] [--fragments F] [--eval-batches 8] [--split-seed 0]
+        [--sequential]
         [--only diloco,...] [--wan [--wan-budget-s 150]]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
@@ -24,8 +25,11 @@ threads (``--sequential``: one after another; the losses do not change, only the
   worker's part slices go through ``swarm.SparseCodec`` (the top ``--sparse-density`` of every
   ``--sparse-chunk`` entries at ``--sparse-bits`` bits) with error feedback, and the mean is
   exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
-  re-quantization). ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the
-  error-feedback residual in the momentum's place); by default the same outer step as int8.
+  re-quantization). Its defaults (3 of every 256 entries, outer lr 2.0, the int8 run's
+  momentum, undecayed error feedback) are the best of ten settings on the validation half at
+  500 steps, H=125 (docs/diloco_tuning.md), at a ``sparse_bytes_ratio`` over 10,000.
+  ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the error-feedback residual
+  in the momentum's place); ``--sparse-error-decay`` < 1: SparseLoCo's decayed residual.
 - Streaming fragments (``--fragments F``, both DiLoCo runs): round r averages and outer-steps
   fragment r mod F of the model only (``DiLoCo(fragments=F)``), so a round's bytes are that
   fragment's; the bytes below count each round's fragment.
@@ -362,15 +366,16 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         "--compression", default="int8", choices=["int8", "none", "sparse"],
         help="sparse: int8 DiLoCo and sparse DiLoCo side by side",
     )  # fmt: skip
-    parser.add_argument("--sparse-density", type=float, default=0.02)
+    # The sparse defaults: the best on the validation half (docs/diloco_tuning.md).
+    parser.add_argument("--sparse-density", type=float, default=0.0117, help="3 of 256")
     parser.add_argument("--sparse-bits", type=int, default=2)
-    parser.add_argument("--sparse-chunk", type=int, default=4096)
+    parser.add_argument("--sparse-chunk", type=int, default=256)
     parser.add_argument(
         "--sparse-outer-momentum", type=float, default=None,
         help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
     )  # fmt: skip
     parser.add_argument(
-        "--sparse-outer-lr", type=float, default=None, help="sparse DiLoCo's (default --outer-lr)"
+        "--sparse-outer-lr", type=float, default=2.0, help="sparse DiLoCo's outer learning rate"
     )
     parser.add_argument(
         "--sparse-error-decay", type=float, default=1.0,
@@ -393,7 +398,7 @@ def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     args.sparse = None
     if not 0 <= args.sparse_error_decay <= 1:
         parser.error(f"--sparse-error-decay {args.sparse_error_decay}: expected 0 to 1")
-    if args.sparse_outer_lr is not None and not args.sparse_outer_lr > 0:
+    if not args.sparse_outer_lr > 0:
         parser.error(f"--sparse-outer-lr {args.sparse_outer_lr}: expected a positive number")
     if args.compression == "sparse":
         try:
@@ -548,7 +553,7 @@ def _recovered(losses: dict[str, float], name: str) -> float | None:
 
 
 def _sparse_lr(args: argparse.Namespace) -> float:
-    return args.outer_lr if args.sparse_outer_lr is None else args.sparse_outer_lr
+    return float(args.sparse_outer_lr)
 
 
 def _sparse_momentum(args: argparse.Namespace) -> float:
