@@ -26,7 +26,7 @@ threads (``--sequential``: one after another; the losses do not change, only the
   ``--sparse-chunk`` entries at ``--sparse-bits`` bits) with error feedback, and the mean is
   exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
   re-quantization). Its defaults (3 of every 256 entries, outer lr 2.0, the int8 run's
-  momentum, undecayed error feedback) are the best of ten settings on the validation half at
+  momentum, undecayed error feedback) are the best of eleven settings on the validation half at
   500 steps, H=125 (docs/diloco_tuning.md), at a ``sparse_bytes_ratio`` over 10,000.
   ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the error-feedback residual
   in the momentum's place); ``--sparse-error-decay`` < 1: SparseLoCo's decayed residual.
