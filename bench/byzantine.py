@@ -143,7 +143,7 @@ def main() -> None:
     # Many runs of several worker threads each share the cores: one torch thread per worker.
     torch.set_num_threads(1)
     corpus = load_stdlib_corpus()
-    heldout = eval_batches(corpus, batches=args.eval_batches, context=args.context)
+    heldout = {"heldout": eval_batches(corpus, batches=args.eval_batches, context=args.context)}
     params = sum(p.numel() for p in ByteTransformer(seed=0).parameters())
     print(
         f"=== one hostile worker of {args.workers} ({git_sha()}): {args.steps} steps of "
@@ -163,7 +163,7 @@ def main() -> None:
         loss = run_diloco(
             corpus, args, heldout, aggregation=rule, wrap=attacker(args.workers, attack),
             on_round=lambda: progress.advance("byzantine"),
-        )  # fmt: skip
+        )["heldout"]  # fmt: skip
         progress.line(
             f"{rule:>14} {attack or 'no attacker':>12}: held-out {loss:.4f} "
             f"({time.perf_counter() - start:.0f} s)"

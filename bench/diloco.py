@@ -3,8 +3,9 @@
     python -m bench.diloco [--workers 4] [--steps 2000] [--inner-steps 125 | H1,H2,...] [--batch 8]
         [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
-        [--compression int8|none|sparse] [--sparse-density 0.02] [--sparse-bits 2]
-        [--sparse-chunk 4096] [--sparse-outer-momentum M] [--fragments F] [--eval-batches 8]
+        [--compression int8|none|sparse] [--sparse-density 0.0117] [--sparse-bits 2]
+        [--sparse-chunk 256] [--sparse-outer-lr 2.0] [--sparse-outer-momentum M]
+        [--sparse-error-decay 1.0] [--fragments F] [--eval-batches 8] [--split-seed 0]
         [--sequential]
         [--only diloco,...] [--wan [--wan-budget-s 150]]
 
@@ -24,8 +25,11 @@ threads (``--sequential``: one after another; the losses do not change, only the
   worker's part slices go through ``swarm.SparseCodec`` (the top ``--sparse-density`` of every
   ``--sparse-chunk`` entries at ``--sparse-bits`` bits) with error feedback, and the mean is
   exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
-  re-quantization). ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the
-  error-feedback residual in the momentum's place); by default the same outer step as int8.
+  re-quantization). Its defaults (3 of every 256 entries, outer lr 2.0, the int8 run's
+  momentum, undecayed error feedback) are the best of eleven settings on the validation half at
+  500 steps, H=125 (docs/diloco_tuning.md), at a ``sparse_bytes_ratio`` over 10,000.
+  ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the error-feedback residual
+  in the momentum's place); ``--sparse-error-decay`` < 1: SparseLoCo's decayed residual.
 - Streaming fragments (``--fragments F``, both DiLoCo runs): round r averages and outer-steps
   fragment r mod F of the model only (``DiLoCo(fragments=F)``), so a round's bytes are that
   fragment's; the bytes below count each round's fragment.
@@ -41,11 +45,16 @@ first round made DiLoCo worse than alone (1.943), model averaging (momentum 0) r
 momentum ramped over 4 rounds 1.798; at 2000 steps (16 rounds) a ramp over 4, 8 and 12 rounds
 recovered 0.34, 0.50 and 0.52 of the gap to data parallel.
 
+Held-out losses, two halves (``diloco.validation_split``: the held-out files dealt into a
+validation and a test half by a hash seeded with ``--split-seed``, disjoint): every setting is
+tuned on the validation half (printed, and under ``validation`` in the JSON), and the figures
+reported (``heldout`` and the ratios) are the test half's, which no setting was chosen on.
+
 Bytes each worker sends, bandwidth-optimal ring/butterfly all-reduce of N peers: data parallel
 2(N-1)/N x 4 x params per step (float32 gradients); DiLoCo 2(N-1)/N x the codec's bytes per round
-(per-tensor, per-part int8 blocks: a few more scales than one flat vector); sparse DiLoCo (N-1)/N
-x (the slices' bytes + the reduced parts' bytes, each N slices). Printed: held-out loss
-(nats/byte) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
+(per-tensor, per-part int8 blocks: a few more scales than one flat vector); sparse DiLoCo (N-1)/N x
+(the slices' bytes + the reduced parts' bytes, each N slices). Printed: held-out loss (nats/byte,
+test half) of each, ``bytes_ratio`` (data parallel over DiLoCo), ``loss_ratio`` (DiLoCo over data
 parallel) and ``recovered_fraction`` = (alone - DiLoCo) / (alone - data parallel). The last line is
 one JSON object with those keys and ``wan_loss_ratio``: with ``--wan`` (root: the NAT lab), after
 the equal-tokens part, ``bench.diloco_wan`` runs the two methods on the swarm itself at equal
@@ -86,6 +95,7 @@ from diloco import (
     fragments_of,
     inner_batches,
     load_stdlib_corpus,
+    validation_split,
 )
 from diloco.schedule import lr_factor
 from swarm.averaging.allreduce import partition
@@ -94,6 +104,22 @@ from swarm.averaging.payload import Codec, Layout
 from swarm.averaging.sparse_codec import SparseCodec
 
 RUN_SEED = 0
+# Held-out batches by split: "validation" (tuned on) and "heldout" (the test half, reported).
+Evals = dict[str, list[Any]]
+
+
+def split_evals(corpus: Any, args: argparse.Namespace) -> Evals:
+    """The validation and test halves' evaluation batches (``--split-seed``, ``--eval-batches``
+    of each)."""
+    validation, test = validation_split(corpus, args.split_seed)
+    return {
+        name: eval_batches(corpus, batches=args.eval_batches, context=args.context, part=part)
+        for name, part in (("validation", validation), ("heldout", test))
+    }
+
+
+def _evaluate(model: torch.nn.Module, evals: Evals) -> dict[str, float]:
+    return {name: evaluate(model, batches) for name, batches in evals.items()}
 
 
 def _peer(k: int) -> bytes:
@@ -219,18 +245,21 @@ class _Wire:
 def run_diloco(
     corpus: Any,
     args: argparse.Namespace,
-    heldout: list[Any],
+    evals: Evals,
     *,
     aggregation: str = "mean",
     wrap: Callable[[int, Average], Average] | None = None,
     compression: Codec | None = None,
     outer_momentum: float | None = None,
+    outer_lr: float | None = None,
+    error_decay: float = 1.0,
     on_round: Callable[[], None] | None = None,
-) -> float:
-    """DiLoCo's held-out loss after the run. ``aggregation``: ``LocalAverage``'s rule; ``wrap``
-    (worker, its average) -> what that worker calls instead (``bench.byzantine``'s attacker);
-    ``compression`` and ``outer_momentum``: instead of ``args``' (the sparse run); ``on_round``:
-    told when worker 0 finishes a round (progress)."""
+) -> dict[str, float]:
+    """DiLoCo's loss on each of ``evals`` after the run. ``aggregation``: ``LocalAverage``'s
+    rule; ``wrap`` (worker, its average) -> what that worker calls instead (``bench.byzantine``'s
+    attacker); ``compression``, ``outer_momentum`` and ``outer_lr``: instead of ``args``', and
+    ``error_decay`` (``DiLoCo(error_feedback_decay=)``): the sparse run's;
+    ``on_round``: told when worker 0 finishes a round (progress)."""
     local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
     sizes = [p.numel() for p in models[0].parameters()]
@@ -251,10 +280,11 @@ def run_diloco(
                 inner,
                 average if wire is None else wire.finish(average),
                 inner_steps=args.schedule_h,
-                outer_lr=args.outer_lr,
+                outer_lr=args.outer_lr if outer_lr is None else outer_lr,
                 outer_momentum=momentum,
                 outer_momentum_warmup=args.outer_momentum_warmup,
                 compress=None if wire is None else wire.round_trip,
+                error_feedback_decay=error_decay,
                 fragments=args.fragments,
             ) as diloco:
                 for r in range(len(args.schedule_h)):
@@ -276,16 +306,16 @@ def run_diloco(
     if errors:
         raise errors[0]
     # Every worker holds the same global parameters after the last round.
-    return evaluate(models[0], heldout)
+    return _evaluate(models[0], evals)
 
 
 def run_data_parallel(
     corpus: Any,
     args: argparse.Namespace,
-    heldout: list[Any],
+    evals: Evals,
     workers: list[int],
     on_round: Callable[[], None] | None = None,
-) -> float:
+) -> dict[str, float]:
     """Gradients averaged every step over ``workers``' windows: one model, one big batch.
 
     Each worker's gradient is computed in its own thread (as data-parallel workers would) and the
@@ -312,7 +342,7 @@ def run_data_parallel(
                 scheduler.step()
             if on_round is not None:
                 on_round()
-    return evaluate(model, heldout)
+    return _evaluate(model, evals)
 
 
 def add_training_options(parser: argparse.ArgumentParser) -> None:
@@ -336,24 +366,40 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         "--compression", default="int8", choices=["int8", "none", "sparse"],
         help="sparse: int8 DiLoCo and sparse DiLoCo side by side",
     )  # fmt: skip
-    parser.add_argument("--sparse-density", type=float, default=0.02)
+    # The sparse defaults: the best on the validation half (docs/diloco_tuning.md).
+    parser.add_argument("--sparse-density", type=float, default=0.0117, help="3 of 256")
     parser.add_argument("--sparse-bits", type=int, default=2)
-    parser.add_argument("--sparse-chunk", type=int, default=4096)
+    parser.add_argument("--sparse-chunk", type=int, default=256)
     parser.add_argument(
         "--sparse-outer-momentum", type=float, default=None,
         help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
     )  # fmt: skip
     parser.add_argument(
+        "--sparse-outer-lr", type=float, default=2.0, help="sparse DiLoCo's outer learning rate"
+    )
+    parser.add_argument(
+        "--sparse-error-decay", type=float, default=1.0,
+        help="sparse DiLoCo's error feedback: the residual scaled by this before it is added",
+    )  # fmt: skip
+    parser.add_argument(
         "--fragments", type=int, default=1,
         help="streaming DiLoCo: round r averages fragment r mod F of the model only",
     )  # fmt: skip
-    parser.add_argument("--eval-batches", type=int, default=8)
+    parser.add_argument("--eval-batches", type=int, default=8, help="of each held-out half")
+    parser.add_argument(
+        "--split-seed", type=int, default=0,
+        help="deals the held-out files into the validation and the test half",
+    )  # fmt: skip
 
 
 def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Turn the parsed options into what ``run_diloco`` reads: the codec (``--compression
     sparse``: int8, and the sparse codec as ``args.sparse``), H of every round."""
     args.sparse = None
+    if not 0 <= args.sparse_error_decay <= 1:
+        parser.error(f"--sparse-error-decay {args.sparse_error_decay}: expected 0 to 1")
+    if not args.sparse_outer_lr > 0:
+        parser.error(f"--sparse-outer-lr {args.sparse_outer_lr}: expected a positive number")
     if args.compression == "sparse":
         try:
             args.sparse = SparseCodec.from_density(
@@ -396,12 +442,15 @@ def main() -> None:
     parse_schedule(args, parser)
     torch.manual_seed(0)
     corpus = load_stdlib_corpus()
-    heldout = eval_batches(corpus, batches=args.eval_batches, context=args.context)
+    evals = split_evals(corpus, args)
     params = sum(p.numel() for p in ByteTransformer(seed=0).parameters())
     rounds = len(args.schedule_h)
     codecs = args.compression.name
     if args.sparse is not None:
-        codecs += f" and {args.sparse.name} (outer momentum {_sparse_momentum(args)})"
+        codecs += (
+            f" and {args.sparse.name} (outer lr {_sparse_lr(args)} momentum "
+            f"{_sparse_momentum(args)}, error feedback decay {args.sparse_error_decay})"
+        )
     h_text = str(args.schedule_h[0]) if len(set(args.schedule_h)) == 1 else args.inner_steps
     print(
         f"=== DiLoCo vs data parallel vs alone ({git_sha()}): {args.workers} workers x "
@@ -419,18 +468,19 @@ def main() -> None:
 
     everyone = [*range(args.workers)]
     methods = {
-        "diloco": lambda: run_diloco(corpus, args, heldout, on_round=tick("diloco")),
+        "diloco": lambda: run_diloco(corpus, args, evals, on_round=tick("diloco")),
         "data_parallel": lambda: run_data_parallel(
-            corpus, args, heldout, everyone, tick("data_parallel")
+            corpus, args, evals, everyone, tick("data_parallel")
         ),
-        "alone": lambda: run_data_parallel(corpus, args, heldout, [0], tick("alone")),
+        "alone": lambda: run_data_parallel(corpus, args, evals, [0], tick("alone")),
     }
     if args.sparse is not None:
         methods["diloco_sparse"] = lambda: run_diloco(
-            corpus, args, heldout, compression=args.sparse,
-            outer_momentum=_sparse_momentum(args), on_round=tick("diloco_sparse"),
+            corpus, args, evals, compression=args.sparse,
+            outer_momentum=_sparse_momentum(args), outer_lr=_sparse_lr(args),
+            error_decay=args.sparse_error_decay, on_round=tick("diloco_sparse"),
         )  # fmt: skip
-    results: dict[str, float] = {}
+    losses: dict[str, dict[str, float]] = {}
     names = list(methods) if args.only is None else args.only.split(",")
     for name in names:
         progress.add(name, rounds)
@@ -441,21 +491,23 @@ def main() -> None:
         futures = {pool.submit(methods[name]): name for name in names}
         for future in as_completed(futures):
             name = futures[future]
-            results[name] = future.result()
+            losses[name] = future.result()
             print(
-                f"{name:>13}: held-out {results[name]:.4f} nats/byte "
-                f"({time.perf_counter() - start:.0f} s after the start)",
+                f"{name:>13}: held-out {losses[name]['heldout']:.4f} nats/byte, validation "
+                f"{losses[name]['validation']:.4f} ({time.perf_counter() - start:.0f} s after "
+                "the start)",
                 flush=True,
             )
     progress.close()
-    results = {name: results[name] for name in names}
+    results = {name: losses[name]["heldout"] for name in names}
+    validation = {name: losses[name]["validation"] for name in names}
     n = args.workers
     share = 2 * (n - 1) / n
     sizes = [p.numel() for p in ByteTransformer(seed=0).parameters()]
     dp_bytes = share * 4 * params * args.steps
     diloco_bytes = _Wire(sizes, n, args.compression, args.fragments).bytes_per_worker(rounds)
     if not {"diloco", "data_parallel", "alone"} <= results.keys():
-        print(json.dumps({"heldout": results, "config": _config(args)}))
+        print(json.dumps({"heldout": results, "validation": validation, "config": _config(args)}))
         return
     gap = results["alone"] - results["data_parallel"]
     wan = run_wan(args.wan_budget_s) if args.wan else None
@@ -465,6 +517,11 @@ def main() -> None:
         "recovered_fraction": (results["alone"] - results["diloco"]) / gap if gap else None,
         "wan_loss_ratio": wan["wan_loss_ratio"] if wan else None,
         "heldout": results,
+        "validation": {
+            "heldout": validation,
+            "recovered_fraction": _recovered(validation, "diloco"),
+            "sparse_recovered_fraction": _recovered(validation, "diloco_sparse"),
+        },
         "bytes_per_worker": {"data_parallel": dp_bytes, "diloco": diloco_bytes},
         **_sparse_summary(args, results, sizes, dp_bytes),
         "config": _config(args),
@@ -487,6 +544,16 @@ def main() -> None:
             f"{np.nan if gap == 0 else summary['sparse_recovered_fraction']:.2f}"
         )
     print(json.dumps(summary))
+
+
+def _recovered(losses: dict[str, float], name: str) -> float | None:
+    """(alone - name) / (alone - data parallel); None when ``name`` did not run or no gap."""
+    gap = losses["alone"] - losses["data_parallel"]
+    return (losses["alone"] - losses[name]) / gap if gap and name in losses else None
+
+
+def _sparse_lr(args: argparse.Namespace) -> float:
+    return float(args.sparse_outer_lr)
 
 
 def _sparse_momentum(args: argparse.Namespace) -> float:

@@ -49,6 +49,7 @@ from diloco.data import (
     inner_batches,
     is_heldout,
     load_stdlib_corpus,
+    validation_split,
 )
 from diloco.datasets import load_datasets_corpus, load_text_corpus, load_token_corpus
 from diloco.fragments import Fragment, fragment_at, fragments_of
@@ -104,5 +105,6 @@ __all__ = [
     "pretrained_sha256",
     "save_checkpoint",
     "skipped_round",
+    "validation_split",
     "weighted_mean",
 ]

@@ -10,13 +10,16 @@ can recompute which batches a peer was given for a round, peers draw different d
 coordinating, and a restarted peer draws the same batches again.
 
 Held-out split: a file is held out when sha256(its path relative to the stdlib root) mod 20 == 0,
-so the split depends on names only, never on load order or on the size cap.
+so the split depends on names only, never on load order or on the size cap. ``validation_split``
+cuts the held-out part again, into a validation half that settings are tuned on and a test half
+reported as never tuned on (whole files where the corpus knows them, a pure function of a seed).
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import sysconfig
@@ -50,6 +53,9 @@ class Corpus:
     heldout_files: tuple[str, ...]
     fingerprint: str  # sha256 hex; equal fingerprints mean equal data
     vocab_size: int = 256  # token ids are below it (bytes: 256)
+    # Tokens of each held-out file in ``heldout``, in ``heldout_files`` order (the stdlib corpus);
+    # empty where files are not kept apart (``diloco.datasets``).
+    heldout_sizes: tuple[int, ...] = ()
 
 
 def check_sizes(corpus: Corpus, *, batch_size: int, sequence_length: int) -> None:
@@ -97,6 +103,7 @@ def load_stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = No
     base = Path(root or sysconfig.get_paths()["stdlib"])
     parts: dict[bool, list[bytes]] = {False: [], True: []}
     names: dict[bool, list[str]] = {False: [], True: []}
+    held_sizes: list[int] = []
     total = 0
     for relative in _stdlib_sources(base):
         try:
@@ -108,6 +115,8 @@ def load_stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = No
         held = is_heldout(relative)
         parts[held].append(text)
         names[held].append(relative)
+        if held:
+            held_sizes.append(len(text))
         total += len(text)
         if total >= max_bytes:
             break
@@ -118,7 +127,58 @@ def load_stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = No
     for array in (train, heldout):
         hasher.update(len(array).to_bytes(8, "little"))
         hasher.update(array.tobytes())
-    return Corpus(train, heldout, tuple(names[False]), tuple(names[True]), hasher.hexdigest())
+    return Corpus(
+        train,
+        heldout,
+        tuple(names[False]),
+        tuple(names[True]),
+        hasher.hexdigest(),
+        heldout_sizes=tuple(held_sizes),
+    )
+
+
+# Pieces of a held-out part whose files are not known: contiguous blocks of this many tokens.
+SPLIT_BLOCK = 1 << 16
+
+
+def validation_split(corpus: Corpus, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The held-out part cut into ``(validation, test)``: disjoint, together all of it.
+
+    Why: a setting tuned on the set it is reported on looks better than it is; tune on
+    validation, report test. The pieces are the held-out files (``Corpus.heldout_sizes``), else
+    blocks of ``SPLIT_BLOCK`` tokens; they are ordered by sha256(seed, piece name) and dealt
+    alternately, first to validation, so the halves hold about equal text and the cut is a pure
+    function of the seed and the corpus. Each half keeps its pieces in corpus order. Raises
+    ValueError when the held-out part has fewer than two pieces.
+    """
+    if corpus.heldout_sizes:
+        names = list(corpus.heldout_files)
+        sizes = list(corpus.heldout_sizes)
+    else:
+        count = -(-len(corpus.heldout) // SPLIT_BLOCK)
+        names = [f"block {i}" for i in range(count)]
+        sizes = [min(SPLIT_BLOCK, len(corpus.heldout) - i * SPLIT_BLOCK) for i in range(count)]
+    if len(names) < 2 or sum(sizes) != len(corpus.heldout):
+        raise ValueError(
+            f"validation split: {len(names)} held-out pieces of {sum(sizes)} tokens "
+            f"(need at least two covering the {len(corpus.heldout)} held-out tokens)"
+        )
+
+    def key(i: int) -> bytes:
+        hasher = hashlib.sha256(b"swarmtrain/diloco/validation/1")
+        hasher.update(seed.to_bytes(16, "little", signed=True))
+        hasher.update(names[i].encode())
+        return hasher.digest()
+
+    dealt = sorted(range(len(names)), key=key)
+    validation = sorted(dealt[0::2])
+    test = sorted(dealt[1::2])
+    starts = [0, *itertools.accumulate(sizes)]
+
+    def join(pieces: list[int]) -> np.ndarray:
+        return np.concatenate([corpus.heldout[starts[i] : starts[i + 1]] for i in pieces])
+
+    return join(validation), join(test)
 
 
 def _batch_at(data: np.ndarray, offsets: np.ndarray, context: int) -> tuple[torch.Tensor, ...]:
@@ -171,18 +231,25 @@ def inner_batches(
 
 
 def eval_batches(
-    corpus: Corpus, *, batches: int = 8, batch_size: int = 16, context: int = 128
+    corpus: Corpus,
+    *,
+    batches: int = 8,
+    batch_size: int = 16,
+    context: int = 128,
+    part: np.ndarray | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed set of held-out batches: windows evenly spaced over the held-out part.
+    """A fixed set of held-out batches: windows evenly spaced over the held-out part (or over
+    ``part``, e.g. one half of ``validation_split``).
 
     Evenly spaced (not random) so that the evaluation set depends on the corpus alone and covers
     all of it. Raises ValueError if the held-out part is shorter than one window.
     """
-    span = len(corpus.heldout) - context - 1
+    data = corpus.heldout if part is None else part
+    span = len(data) - context - 1
     if span < 0 or min(batches, batch_size, context) <= 0:
         raise ValueError("held-out part too short for the requested windows, or bad sizes")
     offsets = np.linspace(0, span, num=batches * batch_size).astype(np.int64)
-    return [_batch_at(corpus.heldout, row, context) for row in offsets.reshape(batches, batch_size)]
+    return [_batch_at(data, row, context) for row in offsets.reshape(batches, batch_size)]
 
 
 @torch.no_grad()

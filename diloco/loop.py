@@ -48,6 +48,10 @@ dropped, committed only when the round is applied. What was dropped is known exa
 ``compress`` computed it here, or the averaging says how its peers decoded our contribution
 (``AverageOutcome.sent``: the swarm's int8 round trip, whose blocks follow the round's parts,
 known only once the round's group formed); a lossless averaging drops nothing.
+``error_feedback_decay`` = beta < 1 (SparseLoCo's error-feedback momentum): the residual is
+scaled by beta before it is added, so a coordinate that stays below a sparse codec's cut does not
+pile up every round's progress in full: each phase restarts from a global model that did not move
+there, retrains the same direction, and the undecayed residual would count it again each round.
 
 Where the global state lives (``diloco.store``): on disk, two anonymous files in ``state_dir``
 (else ``TMPDIR``), read and written a bounded slice at a time at the round (pseudo-gradient,
@@ -147,13 +151,14 @@ class DiLoCo:
     quantization lost as the residual for the next round (error feedback, as in 1-bit SGD and
     PowerSGD). ``error_feedback=True`` without ``compress``: the averaging compresses
     (``AverageOutcome.sent`` says what it carried) and DiLoCo keeps what it dropped. The residual
-    lives in memory only: a restart or ``load_state`` zeroes it. ``grad_scaler``: an enabled
-    ``torch.amp.GradScaler`` for float16 inner steps; ``step`` runs the optimizer through it, and
-    a step it skips for non-finite gradients still counts toward H. Its state (scale, growth
-    tracker) goes into every checkpoint beside the inner optimizer's (``GRAD_SCALER_KEY``), so
-    a restart resumes at the scale it had reached (a checkpoint without it: the initial
-    scale). ``fragments``: F > 1 averages one
-    fragment of the parameters per round (module docstring; ``self.fragments`` holds the cut).
+    lives in memory only: a restart or ``load_state`` zeroes it. ``error_feedback_decay``: beta
+    in [0, 1], the residual is scaled by beta before it is added (module docstring).
+    ``grad_scaler``: an enabled ``torch.amp.GradScaler`` for float16 inner steps; ``step`` runs
+    the optimizer through it, and a step it skips for non-finite gradients still counts toward H.
+    Its state (scale, growth tracker) goes into every checkpoint beside the inner optimizer's
+    (``GRAD_SCALER_KEY``), so a restart resumes at the scale it had reached (a checkpoint without
+    it: the initial scale). ``fragments``: F > 1 averages one fragment of the parameters per
+    round (module docstring; ``self.fragments`` holds the cut).
 
     Raises ValueError on bad settings, on a model without trainable parameters, or when
     ``state_dir`` holds a checkpoint of another config or layout.
@@ -174,6 +179,7 @@ class DiLoCo:
         run_id: str = "",
         compress: Callable[[torch.Tensor], torch.Tensor] | None = None,
         error_feedback: bool = False,
+        error_feedback_decay: float = 1.0,
         grad_scaler: torch.amp.GradScaler | None = None,
         fragments: int = 1,
     ) -> None:
@@ -209,6 +215,14 @@ class DiLoCo:
         self._store_model()
         feedback = compress is not None or error_feedback
         self._residual = torch.zeros(self._offsets[-1]) if feedback else None
+        if not 0 <= error_feedback_decay <= 1:
+            raise ValueError(f"error_feedback_decay {error_feedback_decay}: expected 0 to 1")
+        # A float32 scalar: one correctly rounded multiply, the same bits on any machine.
+        self._decay = (
+            None
+            if error_feedback_decay == 1
+            else torch.tensor(error_feedback_decay, dtype=torch.float32)
+        )
         self._local_step = 0
         # By fragment: samples of local progress not yet in an applied round of that fragment.
         self._samples = [0.0] * len(self.fragments)
@@ -486,7 +500,10 @@ class DiLoCo:
         in the local progress carried on."""
         if self._residual is None:
             return delta, None
-        corrected = torch.add(delta, self._residual[fragment.start : fragment.stop])
+        residual = self._residual[fragment.start : fragment.stop]
+        if self._decay is not None:
+            residual = torch.mul(residual, self._decay)
+        corrected = torch.add(delta, residual)
         if self._compress is None:
             return corrected, corrected
         sent = self._compress(corrected)

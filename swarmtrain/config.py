@@ -336,6 +336,11 @@ class TrainingSection(_Section):
         "# pseudo-gradient to this round's (DiLoCo's int8 rounds in bench.diloco); costs one\n"
         '# more float32 copy of the parameters in memory; always on with "sparse"',
     )  # fmt: skip
+    error_feedback_decay: float = _key(
+        1.0, lambda v: 0 <= v <= 1, "a number in [0, 1]",
+        "with error feedback: the carried residual is scaled by this before it is added\n"
+        "# (SparseLoCo's decayed error feedback; 1: carried in full)",
+    )  # fmt: skip
     overlap: bool = _key(
         False, _any, "true or false",
         "one-round-delayed outer step: a round's averaging runs while the next inner phase\n"
@@ -519,6 +524,7 @@ class RunConfig:
                     "precision",
                     "overlap",
                     "error_feedback",
+                    "error_feedback_decay",
                     "fragments",
                 )
                 if getattr(training, name) != getattr(defaults, name)

@@ -375,6 +375,7 @@ def build_diloco(
         state_dir=state_dir,
         run_id=config.run.id,
         error_feedback=error_feedback(config),
+        error_feedback_decay=training.error_feedback_decay,
         overlap=training.overlap,
         grad_scaler=grad_scaler(model, training),
         fragments=training.fragments,

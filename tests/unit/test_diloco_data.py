@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from diloco import (
     ByteTransformer,
     ByteTransformerConfig,
+    Corpus,
     eval_batches,
     evaluate,
     inner_batches,
     is_heldout,
     load_stdlib_corpus,
+    validation_split,
 )
+from diloco.data import SPLIT_BLOCK
 
 torch.set_num_threads(1)
 SMALL = 1 << 20
@@ -90,3 +96,44 @@ def test_eval_batches_are_fixed_and_evaluate_gives_nats_per_byte() -> None:
     loss = evaluate(model, batches)
     assert abs(loss - math.log(256)) < 0.1
     assert model.training
+
+
+def test_the_validation_split_is_disjoint_whole_files_and_a_pure_function_of_the_seed() -> None:
+    corpus = load_stdlib_corpus(SMALL)
+    validation, test = validation_split(corpus, seed=0)
+    assert np.array_equal(validation, validation_split(corpus, seed=0)[0])
+    # Whole files each: every piece of each half is exactly one held-out file's text.
+    starts = [0, *itertools.accumulate(corpus.heldout_sizes)]
+    files = [corpus.heldout[a:b].tobytes() for a, b in itertools.pairwise(starts)]
+    assert len(files) >= 2 and sum(corpus.heldout_sizes) == len(corpus.heldout)
+    halves = [validation.tobytes(), test.tobytes()]
+    owners = [[f in half for half in halves] for f in files]
+    assert all(sum(found) >= 1 for found in owners)
+    # Disjoint and together all of it: the files' sizes add up exactly in each half.
+    in_validation = [f for f, found in zip(files, owners, strict=True) if found[0] and not found[1]]
+    in_test = [f for f, found in zip(files, owners, strict=True) if found[1] and not found[0]]
+    assert sum(map(len, in_validation)) == len(validation)
+    assert sum(map(len, in_test)) == len(test)
+    assert len(validation) + len(test) == len(corpus.heldout)
+    assert abs(len(in_validation) - len(in_test)) <= 1
+    # Another seed deals the files otherwise.
+    assert any(
+        not np.array_equal(validation, validation_split(corpus, seed=s)[0]) for s in (1, 2, 3)
+    )
+    # Evaluation windows come from the half asked for.
+    ((inputs, _),) = eval_batches(corpus, batches=1, batch_size=2, context=16, part=test)
+    assert inputs[0].numpy().astype(np.uint8).tobytes() == test[:16].tobytes()
+
+
+def test_a_corpus_without_file_sizes_is_split_in_whole_blocks() -> None:
+    tokens = np.arange(3 * SPLIT_BLOCK + 5, dtype=np.uint32)  # every token says where it was
+    corpus = Corpus(tokens[:10], tokens, ("f",), ("f",), "x", vocab_size=len(tokens))
+    validation, test = validation_split(corpus, seed=7)
+    assert not set(validation.tolist()) & set(test.tolist())
+    assert np.array_equal(np.sort(np.concatenate([validation, test])), tokens)
+    for half in (validation, test):
+        assert np.all(np.diff(half) > 0)  # corpus order kept
+        blocks = set((half // SPLIT_BLOCK).tolist())
+        assert sum(min(SPLIT_BLOCK, len(tokens) - b * SPLIT_BLOCK) for b in blocks) == len(half)
+    with pytest.raises(ValueError, match="validation split"):
+        validation_split(dataclasses.replace(corpus, heldout=tokens[:100]), seed=0)

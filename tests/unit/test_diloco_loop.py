@@ -326,7 +326,12 @@ def _coarse(flat: torch.Tensor) -> torch.Tensor:
     return torch.round(flat * 256.0) / 256.0
 
 
-def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_rest() -> None:
+@pytest.mark.parametrize("decay", [1.0, 0.75])
+def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_rest(
+    decay: float,
+) -> None:
+    """``decay`` < 1: SparseLoCo's decayed residual, one float32 multiply before the add; what
+    was sent plus the new residual is the corrected progress exactly."""
     member = LocalAverage(1).member("solo")
     holder: list[DiLoCo] = []
     residual = torch.zeros(0)
@@ -337,16 +342,18 @@ def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_res
         diloco = holder[0]
         sent = vector
         progress = torch.sub(diloco.global_state.params, _flat(diloco.model))
-        corrected = torch.add(progress, residual)
+        kept = torch.mul(residual, torch.tensor(decay, dtype=torch.float32))
+        corrected = torch.add(progress, kept)
         assert torch.equal(sent, _coarse(corrected))
         assert torch.count_nonzero(sent) < sent.numel()  # the quantizer really loses something
         observed.append(round)
         if round == 1:
             raise ConnectionError("lost")  # the residual must stay as it was
         residual = torch.sub(corrected, sent)
+        assert torch.equal(torch.add(residual, sent), corrected)
         return member(round, vector, weight)
 
-    diloco, model = _peer(checking, inner_steps=2, compress=_coarse)
+    diloco, model = _peer(checking, inner_steps=2, compress=_coarse, error_feedback_decay=decay)
     residual = torch.zeros_like(diloco.global_state.params)
     holder.append(diloco)
     with diloco:
@@ -354,6 +361,8 @@ def test_error_feedback_sends_the_quantized_corrected_progress_and_keeps_the_res
             _train_phase(diloco, model, 0)
     assert observed == [0, 1, 2]
     assert diloco.statistics().rounds_failed == 1
+    with pytest.raises(ValueError, match="error_feedback_decay"):
+        _peer(checking, inner_steps=2, compress=_coarse, error_feedback_decay=1.5)
 
 
 def test_error_feedback_keeps_what_the_averaging_reports_it_dropped() -> None:

@@ -268,6 +268,7 @@ def test_malformed_spec_bytes_are_refused() -> None:
 SPARSE = RunConfig(
     run=RunSection(id="sparse"),
     swarm=SwarmSection(compression="sparse", sparse_density=0.01, sparse_bits=3, sparse_chunk=1024),
+    training=TrainingSection(error_feedback_decay=0.5),
 )
 
 
@@ -282,6 +283,7 @@ def test_a_sparse_spec_is_signed_and_tampering_with_its_keys_is_refused() -> Non
         ("swarm.sparse_density", 0.02),
         ("swarm.sparse_bits", 2),
         ("swarm.sparse_chunk", 4096),
+        ("training.error_feedback_decay", 1.0),
     ]:
         assert key in dict(obj[1])
         changed = [[k, value if k == key else v] for k, v in obj[1]]
@@ -300,8 +302,11 @@ def test_sparse_keys_make_the_nodes_codec_and_turn_error_feedback_on() -> None:
     assert averager_config(SPARSE).compression == SparseCodec(chunk=1024, keep=11, bits=3)
     assert compression(RunConfig()) is None  # "auto": chosen per tensor
     # Error feedback is on although [training] leaves it off: what round 0's averaging reports
-    # it did not carry (everything: sent = 0) comes back in round 1's contribution.
-    config = dataclasses.replace(SPARSE, training=TrainingSection(inner_steps=1))
+    # it did not carry (everything: sent = 0) comes back in round 1's contribution, scaled by
+    # the spec's error_feedback_decay.
+    config = dataclasses.replace(
+        SPARSE, training=TrainingSection(inner_steps=1, error_feedback_decay=0.5)
+    )
     model = ByteTransformer(seed=0)
     given: list[tuple[torch.Tensor, torch.Tensor]] = []  # (contribution, progress) per round
 
@@ -319,7 +324,7 @@ def test_sparse_keys_make_the_nodes_codec_and_turn_error_feedback_on() -> None:
             diloco.zero_grad()
     (sent0, progress0), (sent1, progress1) = given
     assert torch.equal(sent0, progress0)  # nothing carried yet
-    assert torch.allclose(sent1 - progress1, progress0, atol=1e-7)  # round 0's, carried
+    assert torch.allclose(sent1 - progress1, 0.5 * progress0, atol=1e-7)  # round 0's, decayed
     assert progress0.abs().max() > 1e-4
 
 
