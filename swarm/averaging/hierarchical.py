@@ -80,6 +80,7 @@ __all__ = [
     "Handover",
     "ItemReceived",
     "RawPart",
+    "Ready",
     "Reduced",
     "SendItem",
     "Takeover",
@@ -145,13 +146,22 @@ class Handover:
 
 
 @dataclass(frozen=True, slots=True)
+class Ready:
+    """The last row's head of ``column`` holds its whole partial sum over every row, without
+    ``excluded``: to the last row's other members (the barrier before the division)."""
+
+    column: int
+    excluded: Tag
+
+
+@dataclass(frozen=True, slots=True)
 class Excluded:
     """News: every peer of ``excluded`` is left out of the round's sum."""
 
     excluded: Tag
 
 
-Item = RawPart | Accumulated | Reduced | Gathered | Takeover | Handover | Excluded
+Item = RawPart | Accumulated | Reduced | Gathered | Takeover | Handover | Ready | Excluded
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +212,8 @@ class GridAllReduce:
         self.gathered: dict[int, tuple[Tag, np.ndarray]] = {}
         self.sent: dict[tuple[object, ...], tuple[bytes, Tag | None]] = {}
         self.awaiting: dict[int, set[bytes]] = {}  # column taken over -> Handover still due from
+        # last row: column -> (exclusions, head) of the last Ready for it (``_barrier``)
+        self.ready: dict[int, tuple[Tag, bytes]] = {}
         self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
         self._raw_due = True  # our slices' heads may have moved since we last sent them
         self.mine: list[int] = self._my_columns()
@@ -264,6 +276,17 @@ class GridAllReduce:
                 break
         self._heads[key] = found
         return found
+
+    def _successor(self) -> bytes | None:
+        """The next alive peer of our row after us, cyclic: who heads our columns if we are
+        lost (None alone in the row)."""
+        members = self.plan.row(self.my_row)
+        n, pos = len(members), self.index[self.me] - members.start
+        for step in range(1, n):
+            peer = self.plan.peers[members.start + (pos + step) % n]
+            if peer in self.alive:
+                return peer
+        return None
 
     def _my_columns(self) -> list[int]:
         return [c for c in range(self.plan.columns) if self.head(self.my_row, c) == self.me]
@@ -405,6 +428,16 @@ class GridAllReduce:
                     a, b = plan.sub(c, j)
                     self.reduced[(c, j)] = (item.excluded, item.data[a - start : b - start])
             return why
+        if isinstance(item, Ready):
+            c = item.column
+            if not (isinstance(c, int) and 0 <= c < plan.columns):
+                return "column outside the grid"
+            last = plan.rows - 1
+            if self.row_index[sender] != last or self.my_row != last:
+                return "ready from or to outside the last row"
+            if item.excluded == self.excluded:
+                self.ready[c] = (item.excluded, sender)
+            return None
         if isinstance(item, Excluded):
             return None
         return f"unknown item {type(item).__name__}"
@@ -452,12 +485,24 @@ class GridAllReduce:
                     start, stop = plan.part(c)
                     piece = self.local[start:stop]
                     actions.append(SendItem(head, RawPart(c, piece, self.weight)))
-        for c in self.mine:
-            if self.awaiting.get(c):
-                continue  # a taken-over column waits for its neighbours' handovers
-            more = self._column(c, actions)
-            if more is not None:
-                return actions + more
+            # Our own slice of each column we head, to the peer that heads it if we are lost:
+            # a head lost before its sum went down is then still a contributor (no exclusion,
+            # so no column is summed and gathered a second time).
+            successor = self._successor()
+            for c in self.mine:
+                if successor is not None and self._owe(("backup", c), successor, None):
+                    start, stop = plan.part(c)
+                    piece = self.local[start:stop]
+                    actions.append(SendItem(successor, RawPart(c, piece, self.weight)))
+        # In the last row a column's division waits for every column's Ready (``_column``); a
+        # second pass divides the columns seen before the last one became ready.
+        for _ in range(2 if self.my_row == plan.rows - 1 else 1):
+            for c in self.mine:
+                if self.awaiting.get(c):
+                    continue  # a taken-over column waits for its neighbours' handovers
+                more = self._column(c, actions)
+                if more is not None:
+                    return actions + more
         if self.state is not GridState.DONE and all(
             self._column_result(c) is not None for c in self._columns()
         ):
@@ -491,15 +536,15 @@ class GridAllReduce:
                 if below is not None and self._owe(("acc", c, j), below, out[0]):
                     actions.append(SendItem(below, Accumulated(c, j, k, out[0], out[1])))
                 continue
-            computed = self._accumulate(c, j)
-            if isinstance(computed, list):
-                return computed
-            if computed is not None:
-                total = 0.0
-                for _, weight in self.contributors:  # sorted, as reduce_part sums them
-                    total += weight
-                np.divide(computed, total, out=computed)
-                self.reduced[(c, j)] = (tag, computed.astype(np.float32))
+            out = self.acc_out.get((c, j))
+            if out is None or out[0] != tag:
+                computed = self._accumulate(c, j)
+                if isinstance(computed, list):
+                    return computed
+                if computed is not None:
+                    self.acc_out[(c, j)] = (tag, computed)
+        if last:
+            self._barrier(c, tag, actions)
         if k > 0:
             above = self.head(k - 1, c)
             for j in range(plan.rows):
@@ -518,6 +563,42 @@ class GridAllReduce:
                 ):
                     actions.append(SendItem(peer, Gathered(c, tag, part)))
         return None
+
+    def _barrier(self, c: int, tag: Tag, actions: list[object]) -> None:
+        """Last row: once column ``c``'s whole sum is held under ``tag``, tell the row (Ready);
+        once every column is Ready under ``tag``, divide. An exclusion found in any column's
+        chain thus reaches every column before any is divided and gathered, so a column is
+        gathered once, not once per exclusion that trickles in."""
+        plan = self.plan
+        if self.ready.get(c) != (tag, self.me) and all(
+            self.acc_out.get((c, j), (None,))[0] == tag
+            or self.reduced.get((c, j), (None,))[0] == tag  # handed over: divided already
+            for j in range(plan.rows)
+        ):
+            self.ready[c] = (tag, self.me)
+        if self.ready.get(c) == (tag, self.me):
+            for i in plan.row(self.my_row):
+                peer = plan.peers[i]
+                if (
+                    peer != self.me
+                    and peer in self.alive
+                    and self._owe(("ready", c, peer), peer, tag)
+                ):
+                    actions.append(SendItem(peer, Ready(c, tag)))
+        last = plan.rows - 1
+        # A Ready counts while its sender heads the column: a lost head's sum is lost with it.
+        if not all(
+            self.ready.get(column) == (tag, self.head(last, column)) for column in self._columns()
+        ):
+            return
+        total = 0.0
+        for _, weight in self.contributors:  # sorted, as reduce_part sums them
+            total += weight
+        for j in range(plan.rows):
+            if self.reduced.get((c, j), (None,))[0] != tag:
+                out = self.acc_out.get((c, j))
+                if out is not None and out[0] == tag:
+                    self.reduced[(c, j)] = (tag, (out[1] / total).astype(np.float32))
 
     def _accumulate(self, c: int, j: int) -> np.ndarray | list[object] | None:
         """Our row's partial sum of ``(c, j)`` on top of the row above's, in float64; None while
