@@ -414,7 +414,8 @@ class GridAllReduce:
             if item.row == self.my_row - 1 and item.excluded == self._tag(item.row):
                 self.acc_in[(c, j)] = (item.excluded, item.data)
             elif item.row == self.my_row and item.excluded == self._tag(item.row):
-                self.acc_out[(c, j)] = (item.excluded, item.data)  # handed over by the row below
+                # handed over by the row below, or a copy from our row's head (``_barrier``)
+                self.acc_out[(c, j)] = (item.excluded, item.data)
             return None
         if isinstance(item, Gathered):
             c = item.column
@@ -585,6 +586,24 @@ class GridAllReduce:
                     and self._owe(("ready", c, peer), peer, tag)
                 ):
                     actions.append(SendItem(peer, Ready(c, tag)))
+            # A sum holding the slice of a lost row mate cannot be rebuilt from the row if we
+            # are lost too: our successor keeps a copy (it heads the column then).
+            successor = self._successor()
+            if successor is not None and any(
+                plan.peers[i] not in self.alive and plan.peers[i] not in self.excluded
+                for i in plan.row(self.my_row)
+            ):
+                for j in range(plan.rows):
+                    out = self.acc_out.get((c, j))
+                    if (
+                        out is not None
+                        and out[0] == tag
+                        and self._owe(("sum", c, j), successor, tag)
+                    ):
+                        data = out[1]
+                        actions.append(
+                            SendItem(successor, Accumulated(c, j, self.my_row, tag, data))
+                        )
         last = plan.rows - 1
         # A Ready counts while its sender heads the column: a lost head's sum is lost with it.
         if not all(
