@@ -214,6 +214,11 @@ class GridAllReduce:
         self.awaiting: dict[int, set[bytes]] = {}  # column taken over -> Handover still due from
         # last row: column -> (exclusions, head) of the last Ready for it (``_barrier``)
         self.ready: dict[int, tuple[Tag, bytes]] = {}
+        self._ready_version = 0
+        self._told: dict[int, tuple[Tag, int]] = {}  # column -> (tag, alive count) Ready went at
+        self._divided: dict[int, Tag] = {}
+        self._open_key: tuple[int, int, Tag] | None = None
+        self._open_now = False
         self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
         self._raw_due = True  # our slices' heads may have moved since we last sent them
         self.mine: list[int] = self._my_columns()
@@ -438,6 +443,7 @@ class GridAllReduce:
                 return "ready from or to outside the last row"
             if item.excluded == self.excluded:
                 self.ready[c] = (item.excluded, sender)
+                self._ready_version += 1
             return None
         if isinstance(item, Excluded):
             return None
@@ -497,13 +503,19 @@ class GridAllReduce:
                     actions.append(SendItem(successor, RawPart(c, piece, self.weight)))
         # In the last row a column's division waits for every column's Ready (``_column``); a
         # second pass divides the columns seen before the last one became ready.
-        for _ in range(2 if self.my_row == plan.rows - 1 else 1):
+        was_open = self._open(frozenset(self.excluded))
+        for c in self.mine:
+            if self.awaiting.get(c):
+                continue  # a taken-over column waits for its neighbours' handovers
+            more = self._column(c, actions)
+            if more is not None:
+                return actions + more
+        if not was_open and self._open(frozenset(self.excluded)):
             for c in self.mine:
-                if self.awaiting.get(c):
-                    continue  # a taken-over column waits for its neighbours' handovers
-                more = self._column(c, actions)
-                if more is not None:
-                    return actions + more
+                if not self.awaiting.get(c):
+                    more = self._column(c, actions)
+                    if more is not None:
+                        return actions + more
         if self.state is not GridState.DONE and all(
             self._column_result(c) is not None for c in self._columns()
         ):
@@ -571,13 +583,17 @@ class GridAllReduce:
         chain thus reaches every column before any is divided and gathered, so a column is
         gathered once, not once per exclusion that trickles in."""
         plan = self.plan
-        if self.ready.get(c) != (tag, self.me) and all(
+        held = self.ready.get(c) == (tag, self.me)
+        if not held and all(
             self.acc_out.get((c, j), (None,))[0] == tag
             or self.reduced.get((c, j), (None,))[0] == tag  # handed over: divided already
             for j in range(plan.rows)
         ):
             self.ready[c] = (tag, self.me)
-        if self.ready.get(c) == (tag, self.me):
+            self._ready_version += 1
+            held = True
+        if held and self._told.get(c) != (tag, len(self.alive)):
+            self._told[c] = (tag, len(self.alive))
             for i in plan.row(self.my_row):
                 peer = plan.peers[i]
                 if (
@@ -600,16 +616,12 @@ class GridAllReduce:
                         and out[0] == tag
                         and self._owe(("sum", c, j), successor, tag)
                     ):
-                        data = out[1]
                         actions.append(
-                            SendItem(successor, Accumulated(c, j, self.my_row, tag, data))
+                            SendItem(successor, Accumulated(c, j, self.my_row, tag, out[1]))
                         )
-        last = plan.rows - 1
-        # A Ready counts while its sender heads the column: a lost head's sum is lost with it.
-        if not all(
-            self.ready.get(column) == (tag, self.head(last, column)) for column in self._columns()
-        ):
+        if not self._open(tag) or self._divided.get(c) == tag:
             return
+        self._divided[c] = tag
         total = 0.0
         for _, weight in self.contributors:  # sorted, as reduce_part sums them
             total += weight
@@ -618,6 +630,19 @@ class GridAllReduce:
                 out = self.acc_out.get((c, j))
                 if out is not None and out[0] == tag:
                     self.reduced[(c, j)] = (tag, (out[1] / total).astype(np.float32))
+
+    def _open(self, tag: Tag) -> bool:
+        """Whether every column is Ready under ``tag`` from its head as we know it (a lost
+        head's sum is lost with it); cached until a Ready, a loss or the tag changes."""
+        key = (self._ready_version, len(self.alive), tag)
+        if self._open_key != key:
+            last = self.plan.rows - 1
+            self._open_key = key
+            self._open_now = all(
+                self.ready.get(column) == (tag, self.head(last, column))
+                for column in self._columns()
+            )
+        return self._open_now
 
     def _accumulate(self, c: int, j: int) -> np.ndarray | list[object] | None:
         """Our row's partial sum of ``(c, j)`` on top of the row above's, in float64; None while
