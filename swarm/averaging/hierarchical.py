@@ -11,17 +11,19 @@ inside one row).
    with its weight).
 2. *A chain of partial sums down the rows.* For each sub-part, the head of (row 0, c) sums its
    row's slices in sorted peer order into a float64 accumulator and sends it to the head of
-   (row 1, c), which adds its own row's slices in sorted order, and so on. The last row's head
-   divides by the total weight (summed in sorted order) and casts to float32. This is, value for
-   value, the flat all-reduce's ``reduce_part``: one float64 sum in sorted peer order over every
-   contributor, then one division. So the result is bit-identical to the flat all-reduce's over
-   the same contributors. Sub-parts pipeline the chain.
+   (row 1, c), which adds its own row's slices in sorted order, and so on. The last row's head,
+   once it holds its column's whole sum, tells its row (``Ready``); once every column of the
+   last row is Ready under the same exclusions (the *barrier*), it divides by the total weight
+   (summed in sorted order) and casts to float32. This is, value for value, the flat
+   all-reduce's ``reduce_part``: one float64 sum in sorted peer order over every contributor,
+   then one division. So the result is bit-identical to the flat all-reduce's over the same
+   contributors. Sub-parts pipeline the chain.
 3. *Gather.* The reduced sub-parts travel back up the chain (last row to row 0); each head, once
    it holds its whole column, sends it to its row. Every peer ends with every column.
 
 Per peer: connections to its row and to the column chain's two neighbours, ``O(row)``; bytes
 sent about ``2 (row - 1) / row`` of the vector plus ``8 / (columns x bytes per value)`` of it for
-the float64 chain.
+the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice.
 
 Losses (every rule from facts the peer sees; nothing is negotiated):
 
@@ -31,7 +33,15 @@ Losses (every rule from facts the peer sees; nothing is negotiated):
   fewer exclusions than the receiver knows is stale and ignored (a newer one follows: whoever
   computed it learns the exclusion the same way). A peer that sees itself excluded fails.
 * *Lost is not excluded* (as in ``allreduce`` rule 4): a head excludes a row member only when it
-  must compute an accumulator, lacks that member's slice, and the member is lost.
+  must compute an accumulator, lacks that member's slice, and the member is lost. A head sends
+  its own slice of each column it heads to its *successor* (the next alive peer of its row,
+  who heads the column if it is lost), and a last-row head whose sum holds a lost row mate's
+  slice sends the sum there too: a head lost after its scatter stays a contributor.
+* *One gather.* No column is divided before the barrier, so an exclusion found in any chain
+  reaches every column while only partial sums (from the excluded peer's row down) are redone;
+  without it, each exclusion found after some columns were gathered meant gathering every
+  column again (at 217 peers a frozen head's exclusion came after the first gather and the
+  second one missed the deadline). A Ready counts only while its sender heads the column.
 * *A lost head's roles move* to the next alive peer of its row. Its row mates send the new head
   the column they hold (if gathered) and then their slice; the new head announces itself
   (``Takeover``) to the heads above and below it in the column's chain, which send it what they
