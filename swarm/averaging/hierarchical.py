@@ -11,17 +11,19 @@ inside one row).
    with its weight).
 2. *A chain of partial sums down the rows.* For each sub-part, the head of (row 0, c) sums its
    row's slices in sorted peer order into a float64 accumulator and sends it to the head of
-   (row 1, c), which adds its own row's slices in sorted order, and so on. The last row's head
-   divides by the total weight (summed in sorted order) and casts to float32. This is, value for
-   value, the flat all-reduce's ``reduce_part``: one float64 sum in sorted peer order over every
-   contributor, then one division. So the result is bit-identical to the flat all-reduce's over
-   the same contributors. Sub-parts pipeline the chain.
+   (row 1, c), which adds its own row's slices in sorted order, and so on. The last row's head,
+   once it holds its column's whole sum, tells its row (``Ready``); once every column of the
+   last row is Ready under the same exclusions (the *barrier*), it divides by the total weight
+   (summed in sorted order) and casts to float32. This is, value for value, the flat
+   all-reduce's ``reduce_part``: one float64 sum in sorted peer order over every contributor,
+   then one division. So the result is bit-identical to the flat all-reduce's over the same
+   contributors. Sub-parts pipeline the chain.
 3. *Gather.* The reduced sub-parts travel back up the chain (last row to row 0); each head, once
    it holds its whole column, sends it to its row. Every peer ends with every column.
 
 Per peer: connections to its row and to the column chain's two neighbours, ``O(row)``; bytes
 sent about ``2 (row - 1) / row`` of the vector plus ``8 / (columns x bytes per value)`` of it for
-the float64 chain.
+the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice.
 
 Losses (every rule from facts the peer sees; nothing is negotiated):
 
@@ -31,7 +33,15 @@ Losses (every rule from facts the peer sees; nothing is negotiated):
   fewer exclusions than the receiver knows is stale and ignored (a newer one follows: whoever
   computed it learns the exclusion the same way). A peer that sees itself excluded fails.
 * *Lost is not excluded* (as in ``allreduce`` rule 4): a head excludes a row member only when it
-  must compute an accumulator, lacks that member's slice, and the member is lost.
+  must compute an accumulator, lacks that member's slice, and the member is lost. A head sends
+  its own slice of each column it heads to its *successor* (the next alive peer of its row,
+  who heads the column if it is lost), and a last-row head whose sum holds a lost row mate's
+  slice sends the sum there too: a head lost after its scatter stays a contributor.
+* *One gather.* No column is divided before the barrier, so an exclusion found in any chain
+  reaches every column while only partial sums (from the excluded peer's row down) are redone;
+  without it, each exclusion found after some columns were gathered meant gathering every
+  column again (at 217 peers a frozen head's exclusion came after the first gather and the
+  second one missed the deadline). A Ready counts only while its sender heads the column.
 * *A lost head's roles move* to the next alive peer of its row. Its row mates send the new head
   the column they hold (if gathered) and then their slice; the new head announces itself
   (``Takeover``) to the heads above and below it in the column's chain, which send it what they
@@ -80,6 +90,7 @@ __all__ = [
     "Handover",
     "ItemReceived",
     "RawPart",
+    "Ready",
     "Reduced",
     "SendItem",
     "Takeover",
@@ -145,13 +156,22 @@ class Handover:
 
 
 @dataclass(frozen=True, slots=True)
+class Ready:
+    """The last row's head of ``column`` holds its whole partial sum over every row, without
+    ``excluded``: to the last row's other members (the barrier before the division)."""
+
+    column: int
+    excluded: Tag
+
+
+@dataclass(frozen=True, slots=True)
 class Excluded:
     """News: every peer of ``excluded`` is left out of the round's sum."""
 
     excluded: Tag
 
 
-Item = RawPart | Accumulated | Reduced | Gathered | Takeover | Handover | Excluded
+Item = RawPart | Accumulated | Reduced | Gathered | Takeover | Handover | Ready | Excluded
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +222,13 @@ class GridAllReduce:
         self.gathered: dict[int, tuple[Tag, np.ndarray]] = {}
         self.sent: dict[tuple[object, ...], tuple[bytes, Tag | None]] = {}
         self.awaiting: dict[int, set[bytes]] = {}  # column taken over -> Handover still due from
+        # last row: column -> (exclusions, head) of the last Ready for it (``_barrier``)
+        self.ready: dict[int, tuple[Tag, bytes]] = {}
+        self._ready_version = 0
+        self._told: dict[int, tuple[Tag, int]] = {}  # column -> (tag, alive count) Ready went at
+        self._divided: dict[int, Tag] = {}
+        self._open_key: tuple[int, int, Tag] | None = None
+        self._open_now = False
         self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
         self._raw_due = True  # our slices' heads may have moved since we last sent them
         self.mine: list[int] = self._my_columns()
@@ -264,6 +291,17 @@ class GridAllReduce:
                 break
         self._heads[key] = found
         return found
+
+    def _successor(self) -> bytes | None:
+        """The next alive peer of our row after us, cyclic: who heads our columns if we are
+        lost (None alone in the row)."""
+        members = self.plan.row(self.my_row)
+        n, pos = len(members), self.index[self.me] - members.start
+        for step in range(1, n):
+            peer = self.plan.peers[members.start + (pos + step) % n]
+            if peer in self.alive:
+                return peer
+        return None
 
     def _my_columns(self) -> list[int]:
         return [c for c in range(self.plan.columns) if self.head(self.my_row, c) == self.me]
@@ -391,7 +429,8 @@ class GridAllReduce:
             if item.row == self.my_row - 1 and item.excluded == self._tag(item.row):
                 self.acc_in[(c, j)] = (item.excluded, item.data)
             elif item.row == self.my_row and item.excluded == self._tag(item.row):
-                self.acc_out[(c, j)] = (item.excluded, item.data)  # handed over by the row below
+                # handed over by the row below, or a copy from our row's head (``_barrier``)
+                self.acc_out[(c, j)] = (item.excluded, item.data)
             return None
         if isinstance(item, Gathered):
             c = item.column
@@ -405,6 +444,17 @@ class GridAllReduce:
                     a, b = plan.sub(c, j)
                     self.reduced[(c, j)] = (item.excluded, item.data[a - start : b - start])
             return why
+        if isinstance(item, Ready):
+            c = item.column
+            if not (isinstance(c, int) and 0 <= c < plan.columns):
+                return "column outside the grid"
+            last = plan.rows - 1
+            if self.row_index[sender] != last or self.my_row != last:
+                return "ready from or to outside the last row"
+            if item.excluded == self.excluded:
+                self.ready[c] = (item.excluded, sender)
+                self._ready_version += 1
+            return None
         if isinstance(item, Excluded):
             return None
         return f"unknown item {type(item).__name__}"
@@ -452,12 +502,30 @@ class GridAllReduce:
                     start, stop = plan.part(c)
                     piece = self.local[start:stop]
                     actions.append(SendItem(head, RawPart(c, piece, self.weight)))
+            # Our own slice of each column we head, to the peer that heads it if we are lost:
+            # a head lost before its sum went down is then still a contributor (no exclusion,
+            # so no column is summed and gathered a second time).
+            successor = self._successor()
+            for c in self.mine:
+                if successor is not None and self._owe(("backup", c), successor, None):
+                    start, stop = plan.part(c)
+                    piece = self.local[start:stop]
+                    actions.append(SendItem(successor, RawPart(c, piece, self.weight)))
+        # In the last row a column's division waits for every column's Ready (``_column``); a
+        # second pass divides the columns seen before the last one became ready.
+        was_open = self._open(frozenset(self.excluded))
         for c in self.mine:
             if self.awaiting.get(c):
                 continue  # a taken-over column waits for its neighbours' handovers
             more = self._column(c, actions)
             if more is not None:
                 return actions + more
+        if not was_open and self._open(frozenset(self.excluded)):
+            for c in self.mine:
+                if not self.awaiting.get(c):
+                    more = self._column(c, actions)
+                    if more is not None:
+                        return actions + more
         if self.state is not GridState.DONE and all(
             self._column_result(c) is not None for c in self._columns()
         ):
@@ -491,15 +559,15 @@ class GridAllReduce:
                 if below is not None and self._owe(("acc", c, j), below, out[0]):
                     actions.append(SendItem(below, Accumulated(c, j, k, out[0], out[1])))
                 continue
-            computed = self._accumulate(c, j)
-            if isinstance(computed, list):
-                return computed
-            if computed is not None:
-                total = 0.0
-                for _, weight in self.contributors:  # sorted, as reduce_part sums them
-                    total += weight
-                np.divide(computed, total, out=computed)
-                self.reduced[(c, j)] = (tag, computed.astype(np.float32))
+            out = self.acc_out.get((c, j))
+            if out is None or out[0] != tag:
+                computed = self._accumulate(c, j)
+                if isinstance(computed, list):
+                    return computed
+                if computed is not None:
+                    self.acc_out[(c, j)] = (tag, computed)
+        if last:
+            self._barrier(c, tag, actions)
         if k > 0:
             above = self.head(k - 1, c)
             for j in range(plan.rows):
@@ -518,6 +586,73 @@ class GridAllReduce:
                 ):
                     actions.append(SendItem(peer, Gathered(c, tag, part)))
         return None
+
+    def _barrier(self, c: int, tag: Tag, actions: list[object]) -> None:
+        """Last row: once column ``c``'s whole sum is held under ``tag``, tell the row (Ready);
+        once every column is Ready under ``tag``, divide. An exclusion found in any column's
+        chain thus reaches every column before any is divided and gathered, so a column is
+        gathered once, not once per exclusion that trickles in."""
+        plan = self.plan
+        held = self.ready.get(c) == (tag, self.me)
+        if not held and all(
+            self.acc_out.get((c, j), (None,))[0] == tag
+            or self.reduced.get((c, j), (None,))[0] == tag  # handed over: divided already
+            for j in range(plan.rows)
+        ):
+            self.ready[c] = (tag, self.me)
+            self._ready_version += 1
+            held = True
+        if held and self._told.get(c) != (tag, len(self.alive)):
+            self._told[c] = (tag, len(self.alive))
+            for i in plan.row(self.my_row):
+                peer = plan.peers[i]
+                if (
+                    peer != self.me
+                    and peer in self.alive
+                    and self._owe(("ready", c, peer), peer, tag)
+                ):
+                    actions.append(SendItem(peer, Ready(c, tag)))
+            # A sum holding the slice of a lost row mate cannot be rebuilt from the row if we
+            # are lost too: our successor keeps a copy (it heads the column then).
+            successor = self._successor()
+            if successor is not None and any(
+                plan.peers[i] not in self.alive and plan.peers[i] not in self.excluded
+                for i in plan.row(self.my_row)
+            ):
+                for j in range(plan.rows):
+                    out = self.acc_out.get((c, j))
+                    if (
+                        out is not None
+                        and out[0] == tag
+                        and self._owe(("sum", c, j), successor, tag)
+                    ):
+                        actions.append(
+                            SendItem(successor, Accumulated(c, j, self.my_row, tag, out[1]))
+                        )
+        if not self._open(tag) or self._divided.get(c) == tag:
+            return
+        self._divided[c] = tag
+        total = 0.0
+        for _, weight in self.contributors:  # sorted, as reduce_part sums them
+            total += weight
+        for j in range(plan.rows):
+            if self.reduced.get((c, j), (None,))[0] != tag:
+                out = self.acc_out.get((c, j))
+                if out is not None and out[0] == tag:
+                    self.reduced[(c, j)] = (tag, (out[1] / total).astype(np.float32))
+
+    def _open(self, tag: Tag) -> bool:
+        """Whether every column is Ready under ``tag`` from its head as we know it (a lost
+        head's sum is lost with it); cached until a Ready, a loss or the tag changes."""
+        key = (self._ready_version, len(self.alive), tag)
+        if self._open_key != key:
+            last = self.plan.rows - 1
+            self._open_key = key
+            self._open_now = all(
+                self.ready.get(column) == (tag, self.head(last, column))
+                for column in self._columns()
+            )
+        return self._open_now
 
     def _accumulate(self, c: int, j: int) -> np.ndarray | list[object] | None:
         """Our row's partial sum of ``(c, j)`` on top of the row above's, in float64; None while

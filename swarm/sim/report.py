@@ -16,7 +16,9 @@ function of one round's records and groups. Definitions (the bench prints these)
   messages and direct matchmaking asks; DHT lookups not counted).
 * ``dht_read_bytes_per_peer``: bytes read from the round's key (polls, re-reads, asks) per peer.
 * ``mismatched_groups``: groups whose finished members hold different bytes (must be 0: the
-  all-reduce promises every survivor the same bytes).
+  all-reduce promises every survivor the same bytes). A member that left the swarm before the
+  group's last finish is no survivor: it finished, then could not forward what it held, so the
+  others may rightly finish over fewer contributors (butterfly rule 4) and it is not counted.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class PeerRound:
     contributors: tuple[tuple[bytes, float], ...] = ()
     failure: str | None = None
     left: bool = False
+    departed_at: float | None = None  # when the peer left the swarm, in this round or later
     partners: set[bytes] = field(default_factory=set)
     dht_read_bytes: int = 0
 
@@ -95,8 +98,14 @@ def round_figures(
         kept = max(sorted(counts), key=lambda d: counts[d])
         holder = next(r for r in finished if digests[id(r)] == kept)
         kept_contributors = {peer for peer, _ in holder.contributors}
+    last_finish: dict[bytes | None, float] = {}
+    for r in finished:
+        ended = r.ended_at if r.ended_at is not None else math.inf
+        last_finish[r.group_id] = max(last_finish.get(r.group_id, -math.inf), ended)
     by_group: dict[bytes | None, set[bytes]] = {}
     for r in finished:
+        if r.departed_at is not None and r.departed_at < last_finish[r.group_id]:
+            continue  # left before the others finished (module docstring)
         by_group.setdefault(r.group_id, set()).add(digests[id(r)])
     ends = [r.ended_at for r in records if r.ended_at is not None]
     matches = [r.matched_at - r.started for r in records if r.matched_at is not None]

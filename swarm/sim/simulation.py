@@ -213,6 +213,9 @@ class Simulation:
         round_number = self.current.get(peer)
         if round_number is not None:
             self.record(peer, round_number).left = True
+            for r in range(round_number + 1):  # earlier rounds' groups may still be finishing
+                if (peer, r) in self.records:
+                    self.records[(peer, r)].departed_at = self.clock.now
         self.protocol.left(peer, froze)
 
     def _join(self) -> None:
