@@ -418,6 +418,16 @@ class SwarmSection(_Section):
         "# Nodes whose start-ups differ by more than matchmaking_timeout_s no longer miss\n"
         "# round 0",
     )  # fmt: skip
+    expected_peers: int = _key(
+        0, _non_negative, "a non-negative integer",
+        "0: a round's matchmaking waits for the peers it expects by name, at most\n"
+        "# matchmaking_timeout_s (small swarms). N > 0: scheduled rounds for a swarm of about N\n"
+        "# peers: declarations spread over ceil(N / 128) DHT keys, a round's window closes once\n"
+        "# 85% of the last round's survivors declared (open at least 5 s, at most 300 s after\n"
+        "# half of them), and everyone decides on what was declared before the close, so peers\n"
+        "# finishing a round far apart still form one group; the nodes' clocks must agree\n"
+        "# within about a second. Not in verified or pipeline runs",
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -548,6 +558,11 @@ class RunConfig:
             raise ConfigError(
                 f'swarm.aggregation = "{self.swarm.aggregation}": swarm.compression = "sparse" '
                 'needs "mean" (every peer recomputes a part\'s mean from the sparse slices)'
+            )
+        if self.swarm.expected_peers and (self.verify.rate > 0 or self.is_pipeline):
+            raise ConfigError(
+                f"swarm.expected_peers ({self.swarm.expected_peers}): scheduled rounds are for "
+                "DiLoCo runs without verification (verify.rate = 0, pipeline.stages = 0)"
             )
         if self.verify.rate > 0 and self.is_pipeline:
             raise ConfigError(

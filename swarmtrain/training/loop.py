@@ -157,7 +157,26 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
         # received: over twice the parameters' bytes) are given back after the round rather
         # than kept resident through the inner phase; the default model's still fit.
         buffer_pool_bytes=NODE_BUFFER_POOL_BYTES,
+        schedule=round_schedule(config),
+        matchmaking_shards=swarm.shard_count(config.swarm.expected_peers),
     )
+
+
+def round_schedule(config: RunConfig) -> swarm.RoundSchedule | None:
+    """Scheduled rounds for a swarm of about ``[swarm] expected_peers`` (0: none)."""
+    expected = config.swarm.expected_peers
+    if not expected:
+        return None
+    return swarm.RoundSchedule.for_swarm(expected, swarm.shard_count(expected))
+
+
+def matchmaking_wait_s(config: RunConfig) -> float:
+    """How long a round's matchmaking may take: ``matchmaking_timeout_s``, or a scheduled
+    round's longest window and its propagation grace."""
+    schedule = round_schedule(config)
+    if schedule is None:
+        return config.swarm.matchmaking_timeout_s
+    return schedule.long_window_s + schedule.grace_s
 
 
 def tokens_per_round(config: RunConfig) -> int:
@@ -633,9 +652,7 @@ def _record_round(
         # still be in the round: its deadlines bound how long it can outlast ours.
         # A peer ahead of live members waits for them: per round of gap, the round's own
         # duration as we saw it plus those deadlines (membership_plan.wait_budget_s).
-        outcome_wait_s = (
-            config.swarm.matchmaking_timeout_s + config.swarm.allreduce_timeout_s + round_s
-        )
+        outcome_wait_s = matchmaking_wait_s(config) + config.swarm.allreduce_timeout_s + round_s
         if elastic.after_round(r, ok=False, wait_s=outcome_wait_s) is not None:
             summary.agree = True
         return

@@ -353,3 +353,47 @@ def test_fragments_are_signed_and_cut_the_nodes_rounds_as_diloco_does() -> None:
     too_many = config.replace(training={"fragments": 1000})
     with pytest.raises(ValueError, match=r"training\.fragments = 1000 is more than the model's"):
         round_sizes(too_many, model)
+
+
+def test_expected_peers_makes_scheduled_sharded_rounds_signed_with_the_spec() -> None:
+    from swarm import RoundSchedule
+    from swarmtrain.training.loop import averager_config, matchmaking_wait_s
+
+    small = averager_config(RunConfig(run=RunSection(id="small")))
+    assert small.schedule is None and small.matchmaking_shards == 1
+    assert matchmaking_wait_s(RunConfig()) == RunConfig().swarm.matchmaking_timeout_s
+    large = RunConfig(run=RunSection(id="big"), swarm=SwarmSection(expected_peers=1000))
+    made = averager_config(large)
+    # 8 keys of about 125 declarations; each round's clock shard expects its share.
+    assert made.matchmaking_shards == 8 and made.schedule == RoundSchedule(expected=125)
+    assert matchmaking_wait_s(large) == made.schedule.long_window_s + made.schedule.grace_s
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, signature = sign_spec(RunSpec(large, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config == large
+    obj = msgpack.unpackb(data, raw=False)
+    changed = [[k, 10 if k == "swarm.expected_peers" else v] for k, v in obj[1]]
+    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    with pytest.raises(SpecRefused, match="tampered with"):
+        verify_spec(tampered, signature, coordinator)
+
+
+@pytest.mark.parametrize(
+    ("mapping", "message"),
+    [
+        ({"swarm": {"expected_peers": -1}}, "swarm.expected_peers must be a non-negative"),
+        ({"swarm": {"expected_peers": 2.5}}, "swarm.expected_peers must be a non-negative"),
+        (
+            {"swarm": {"expected_peers": 50}, "verify": {"rate": 0.5}},
+            "scheduled rounds are for DiLoCo runs without verification",
+        ),
+        (
+            {"swarm": {"expected_peers": 50}, "pipeline": {"stages": 2}},
+            "scheduled rounds are for DiLoCo runs without verification",
+        ),
+    ],
+)
+def test_bad_expected_peers_are_refused_in_one_line(mapping: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as info:
+        config_from_mapping(mapping)
+    assert "\n" not in str(info.value)
