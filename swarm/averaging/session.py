@@ -66,7 +66,7 @@ from swarm.averaging.channels import KeptChannels
 from swarm.averaging.liveness import Liveness, LivenessConfig
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.payload import Layout
-from swarm.averaging.session_links import PeerLinks, UploadMeter, Wake, short_id
+from swarm.averaging.session_links import PeerLinks, UploadMeter, Wake, claim_place, short_id
 from swarm.averaging.session_wire import (
     THREAD_MIN_NUMEL,
     Done,
@@ -456,10 +456,8 @@ def _claimer(
     garbage collection instead of until its caller drops the result."""
 
     def claim(part: int) -> np.ndarray | None:
-        with lock:  # receivers on the event loop claim places too
-            if part in landed or finished.is_set():
-                return None
-            landed.add(part)
+        if not claim_place(part, landed, lock, finished):
+            return None
         _, start, stop = parts[part]
         return out[start:stop]
 

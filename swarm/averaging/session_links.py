@@ -415,15 +415,10 @@ class PeerLinks:
 
     def _lands(self, part: int) -> bool:
         """Whether a reduced copy of ``part`` now being received goes into its place in the
-        result (then it is marked landing until written): the first copy of each part only,
-        and never once the round finished: the result handed out is ``_out`` itself, and a late
-        copy (reduced before its sender learned of an exclusion) must not change it."""
-        with self._landing_lock:  # our own reductions claim places from a worker thread
-            if part in self._landed or self._finished.is_set():
-                return False
-            self._landed.add(part)
-            self._landing.add(part)
-        return True
+        result (``claim_place``; it is then marked landing until written)."""
+        return claim_place(
+            part, self._landed, self._landing_lock, self._finished, landing=self._landing
+        )
 
     def _decode_into(
         self, data: bytes | bytearray | memoryview, start: int, stop: int, place: np.ndarray
@@ -491,3 +486,25 @@ class PeerLinks:
 
 def short_id(peer: bytes) -> str:
     return str(PeerID(peer))[-8:]
+
+
+def claim_place(
+    part: int,
+    landed: set[int],
+    lock: threading.Lock,
+    finished: trio.Event,
+    *,
+    landing: set[int] | None = None,
+) -> bool:
+    """Whether a copy of ``part`` now goes into its place in the round's result, claiming it
+    (``landed``, and ``landing`` until written when given): the first copy of each part only,
+    and never once the round finished: the result handed out is that vector itself, and a late
+    copy (reduced before its sender learned of an exclusion) must not change it. Under ``lock``:
+    receivers on the event loop and our own reductions in a worker thread both claim."""
+    with lock:
+        if part in landed or finished.is_set():
+            return False
+        landed.add(part)
+        if landing is not None:
+            landing.add(part)
+    return True
