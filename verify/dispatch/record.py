@@ -64,12 +64,6 @@ class TraceError(RuntimeError):
     """A step the dispatch trace cannot record faithfully; the message names the operator."""
 
 
-def run_call(func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
-    """One operator the way the trace records it: ``route`` (uninitialised outputs zeroed, as
-    in an untraced step)."""
-    return route(func, args, kwargs)
-
-
 def _values(tensor: torch.Tensor) -> np.ndarray:
     """``tensor``'s values as numpy: its own memory on the CPU, a copy from another device."""
     if tensor.dtype not in _NUMPY:
@@ -209,7 +203,7 @@ class Recorder:
         return self._add(CONST_OP, (), canonical_bytes(snapshot(tensor)), tensor)
 
     def call(self, func: torch._ops.OpOverload, args: Any, kwargs: Any) -> Any:
-        """Run one operator (``run_call``) and record it; what ``RepOpsMode`` calls."""
+        """Run one operator (``route``) and record it; what ``RepOpsMode`` calls."""
         if func.namespace in PASSIVE_NAMESPACES:  # markers: no data, not part of the trace
             return route(func, args, kwargs)
         self._settle()
@@ -231,7 +225,7 @@ class Recorder:
             target = args[position] if position < len(args) else kwargs.get(key)
             for tensor in tensor_outputs(target):
                 self.release(tensor)
-        out = run_call(func, args, kwargs)
+        out = route(func, args, kwargs)
         views = _views(func)
         for position, tensor in enumerate(tensor_outputs(out)):
             attrs = encode_call(args, kwargs, position)[1]
@@ -273,7 +267,7 @@ def recompute(name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray:
         func = overload_named(name)
         tensors = [torch.from_numpy(np.array(x, order="C")) for x in inputs]
         args, kwargs, output = decode_call(attrs, tensors)
-        outs = tensor_outputs(run_call(func, args, kwargs))
+        outs = tensor_outputs(route(func, args, kwargs))
         if not 0 <= output < len(outs):
             raise ValueError(f"{name} has no output {output}")
         return snapshot(outs[output])
