@@ -220,10 +220,22 @@ class Host:
 
         self.libp2p.set_stream_handler(TProtocol(protocol), guarded)
 
-    async def connect(self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr]) -> None:
-        """Connect to ``peer_id`` at one of ``addrs``; raises ``PeerUnreachable``."""
-        if self.libp2p.get_network().get_connections(peer_id):
+    async def connect(
+        self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr], *, own_backoff: bool = False
+    ) -> None:
+        """Connect to ``peer_id`` at one of ``addrs``; raises ``PeerUnreachable``.
+
+        ``own_backoff``: the caller spaces its attempts itself, so dial even when 0.8.1's
+        negative cache holds the peer (every dial to a peer whose addresses all failed is
+        refused for 60 s: a relay back after a 2 s restart stayed out of reach for a minute).
+        """
+        network = self.libp2p.get_network()
+        if network.get_connections(peer_id):
             return
+        if own_backoff:
+            failed = getattr(network, "_negative_peer_cache", None)
+            if failed is not None:
+                failed.evict(str(peer_id))
         try:
             with trio.fail_after(self.config.dial_timeout_s):
                 await self.libp2p.connect(PeerInfo(peer_id, list(addrs)))

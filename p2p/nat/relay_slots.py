@@ -128,7 +128,8 @@ class RelaySlots:
     async def _reserve_once(
         self, relay: PeerInfo, nursery: trio.Nursery
     ) -> tuple[multiaddr.Multiaddr, float]:
-        await self.host.connect(relay.peer_id, relay.addrs)
+        # The keeper spaces the attempts (1, 2, 4 ... 60 s), not 0.8.1's 60 s negative cache.
+        await self.host.connect(relay.peer_id, relay.addrs, own_backoff=True)
         known = self.host.libp2p.get_peerstore().addrs(relay.peer_id)
         relay_addr = next(
             (

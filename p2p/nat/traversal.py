@@ -41,7 +41,6 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
-from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
@@ -55,6 +54,7 @@ from p2p.nat.reachability import (
     decide_reachability,
     dialback_candidates,
 )
+from p2p.nat.relay_hop import CircuitRelay
 from p2p.nat.relay_slots import KeptCircuitTransport, RelaySlots
 from p2p.nat.reservations import KeeperStatistics, ReservationPolicy
 
@@ -185,7 +185,7 @@ class NatService:
         roles = RelayRole.STOP | RelayRole.CLIENT
         if self.config.relay_hop:
             roles |= RelayRole.HOP
-        self._relay_protocol = CircuitV2Protocol(
+        self._relay_protocol = CircuitRelay(
             raw, limits=self._relay_limits, allow_hop=self.config.relay_hop
         )
         self._transport = KeptCircuitTransport(

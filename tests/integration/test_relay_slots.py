@@ -28,6 +28,7 @@ from p2p import (
     NatService,
     Node,
     NodeConfig,
+    P2PError,
     PeerUnreachable,
     Reachability,
     RelayServiceLimits,
@@ -35,7 +36,7 @@ from p2p import (
     open_host,
     open_node,
 )
-from p2p.host import Host
+from p2p.host import Host, connection_kind
 from p2p.nat.reservations import ReservationPolicy
 from p2p.node import PING_PROTOCOL, PingReply, PingRequest
 
@@ -55,10 +56,16 @@ async def _serve_relay(
     key_pair: KeyPair,
     port: int,
     ttl_s: int,
+    circuit_duration_s: int = 3600,
+    circuit_data_bytes: int = 1 << 30,
     *,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    limits = RelayServiceLimits(reservation_ttl_s=ttl_s)
+    limits = RelayServiceLimits(
+        reservation_ttl_s=ttl_s,
+        circuit_duration_s=circuit_duration_s,
+        circuit_data_bytes=circuit_data_bytes,
+    )
     config = NodeConfig(
         HostConfig(key_pair, listen_addrs=(f"/ip4/127.0.0.1/tcp/{port}",)),
         role="relay",
@@ -102,6 +109,10 @@ async def _ping_through_relay(host: Host, nat: NatService, peer: Node) -> None:
     circuits = [multiaddr.Multiaddr(str(a)) for a in peer.relay_addrs()]
     kind = await nat.connect(peer_id, circuits, wait_direct=False)
     assert kind == "relayed"
+    await _ping(host, peer_id)
+
+
+async def _ping(host: Host, peer_id: ID) -> None:
     nonce = os.urandom(8)
     reply = await call_unary(
         host, peer_id, PING_PROTOCOL, PingRequest(nonce), PingReply, deadline_s=5
@@ -142,8 +153,11 @@ async def test_a_slot_lost_when_the_relay_restarts_is_made_again() -> None:
                 # reservation table is empty, and it answers NO_RESERVATION for the peer.
                 first.cancel()
                 await first_gone.wait()
+                # Down long enough for the peer's first attempts to fail: 0.8.1 then refused
+                # every dial to the relay for 60 s, whatever the keeper's backoff said.
+                await trio.sleep(2.5)
                 await nursery.start(_serve_relay, key, port, 3600)
-                took_s = await _reachable_within(host, nat, peer, 20)
+                took_s = await _reachable_within(host, nat, peer, 10)
                 stats = peer.nat.reservation_statistics()
                 assert stats.losses >= 1 and stats.held == 1
                 logging.getLogger(__name__).info("reachable again %.1f s after the restart", took_s)
@@ -181,4 +195,63 @@ async def test_a_short_ttl_is_refreshed_before_it_expires_without_hammering_the_
                 refreshes = [r for r in caplog.records if "already has a reservation" in r.message]
                 # At 2/3 of a TTL of 2-3 s (the relay rounds its expiry down): one every 1.3-2 s.
                 assert 4 <= len(refreshes) <= 12, len(refreshes)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_source_that_hangs_up_ends_its_own_circuit_and_no_other() -> None:
+    # 0.8.1's relay closed, when a circuit ended, the streams of the newest circuit to the same
+    # peer: the first caller to hang up cut the second off (p2p.nat.relay_hop).
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            relay = await nursery.start(_serve_relay, create_new_key_pair(), _free_port(), 3600)
+            async with (
+                _private_peer(relay) as peer,
+                _outsider() as (first, first_nat),
+                _outsider() as (second, second_nat),
+            ):
+                peer_id = peer.host.peer_id
+                await _ping_through_relay(first, first_nat, peer)
+                await _ping_through_relay(second, second_nat, peer)
+                circuit = second.libp2p.get_network().get_connections(peer_id)
+                await first.libp2p.get_network().close_peer(peer_id)
+                # Wait until the relay has ended the first circuit in both directions (each
+                # direction's cleanup has run when the circuit's slot is given back).
+                slot = relay.nat._relay_protocol.resource_manager.get_reservation(peer_id)
+                while slot.active_connections > 1:
+                    await trio.sleep(0.05)
+                await _ping(second, peer_id)
+                assert second.libp2p.get_network().get_connections(peer_id) == circuit
+            nursery.cancel_scope.cancel()
+
+
+async def _circuit_closed_within(host: Host, peer_id: ID, seconds: float) -> None:
+    with trio.fail_after(seconds):
+        while connection_kind(host, peer_id) is not None:
+            await trio.sleep(0.05)
+
+
+async def test_a_circuit_is_reset_when_its_duration_runs_out_even_when_idle() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            relay = await nursery.start(_serve_relay, create_new_key_pair(), _free_port(), 3600, 2)
+            async with _private_peer(relay) as peer, _outsider() as (host, nat):
+                await _ping_through_relay(host, nat, peer)
+                # Nothing more is sent: 0.8.1 looked at the clock only when data arrived.
+                await _circuit_closed_within(host, peer.host.peer_id, 10)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_circuit_is_reset_when_its_data_budget_runs_out() -> None:
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            relay = await nursery.start(
+                _serve_relay, create_new_key_pair(), _free_port(), 3600, 3600, 16 << 10
+            )
+            async with _private_peer(relay) as peer, _outsider() as (host, nat):
+                peer_id = peer.host.peer_id
+                await _ping_through_relay(host, nat, peer)
+                with pytest.raises(P2PError):  # the stream cannot open, or ends mid-reply
+                    for _ in range(2000):  # a few hundred bytes on the circuit each
+                        await _ping(host, peer_id)
+                await _circuit_closed_within(host, peer_id, 10)
             nursery.cancel_scope.cancel()
