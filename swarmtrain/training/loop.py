@@ -313,7 +313,12 @@ def train(
     )
     peer = runtime.peer_id
     how = "resumed from checkpoint at" if diloco.round else "starting at"
-    emit(f"node {peer} {how} round {diloco.round} of {config.run.rounds} on {device}")
+    schedule = round_schedule(config)
+    scheduled = "" if schedule is None else (
+        f"; rounds scheduled for about {config.swarm.expected_peers} peers over "
+        f"{swarm.shard_count(config.swarm.expected_peers)} key(s), window {schedule.window_s:g} s"
+    )  # fmt: skip
+    emit(f"node {peer} {how} round {diloco.round} of {config.run.rounds} on {device}{scheduled}")
     try:
         if diloco.round:
             elastic.serve_current()  # our checkpoint may be what a peer behind us needs

@@ -89,6 +89,36 @@ def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Pa
         assert all("averaging exposed" in line for line in averaged), lines
 
 
+def test_scheduled_rounds_of_expected_peers_train_and_agree(tmp_path: Path) -> None:
+    """``[swarm] expected_peers``: every node matches by the schedule a large swarm uses
+    (a declaration window of at least 5 s on the round's keys, then a grace for the reads)
+    instead of waiting for the peers it knows; three peers still agree every round."""
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text("[swarm]\nexpected_peers = 3\n")
+    summary_path = tmp_path / "local.json"
+    command = [
+        *SWARMTRAIN, "local", "--config", str(run_toml), "--peers", "3", "--rounds", "2",
+        "--inner-steps", "5", "--json", str(summary_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=110, check=False)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["state_hashes_agree"] is True and summary["rounds"] == 2
+    assert summary["loss_last"] < summary["loss_first"], summary
+    for index, node_summary in enumerate(summary["nodes"]):
+        lines = result.stdout.splitlines()
+        assert any(
+            line.startswith(f"[{index}] node")
+            and "rounds scheduled for about 3 peers over 1 key(s), window 5 s" in line
+            for line in lines
+        ), result.stdout
+        rounds = [line for line in lines if line.startswith(f"[{index}] round")]
+        assert len(rounds) == 2 and all("agree yes (3/3)" in line for line in rounds), rounds
+        # Each round waited out the window and its grace: the schedule ran, not the small
+        # swarm's rule (which closes as soon as the peers it knows have declared).
+        assert node_summary["averaging_exposed_s"] >= 2 * 6.5, node_summary
+
+
 def test_ctrl_c_then_restart_resumes_from_the_checkpoint_skipping_a_corrupt_one(
     tmp_path: Path,
 ) -> None:
