@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from verify.dispatch import elementwise  # noqa: F401  (registers the elementwise mappings)
+from verify.dispatch import optim  # noqa: F401  (registers the fused AdamW mappings)
 from verify.dispatch.registry import (
     F32,
     HANDLERS,

@@ -150,7 +150,7 @@ class DispatchStep:
                 tensor.grad = None
         optimizer = torch.optim.AdamW(
             self.params.values(), lr=settings.lr, betas=settings.betas, eps=settings.eps,
-            weight_decay=settings.weight_decay, foreach=False, fused=False,
+            weight_decay=settings.weight_decay, foreach=False, fused=True,
         )  # fmt: skip
         leaf = recorder.leaf if recorder is not None else lambda name, tensor: 0
         for name, tensor in self._tensors().items():

@@ -303,3 +303,52 @@ int scores_grad_rows(const float *dp, const float *p, float *out, int64_t rows, 
     }
     return 0;
 }
+
+/* ---- AdamW, one parameter tensor in one pass (repops_ops.adamw_) ------------------------------
+ *
+ * In place over n elements, with c = {beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2),
+ * eps, 1 - lr * weight_decay, lr / bias_correction1} as float32 (repops_ops.adamw_constants):
+ *   m = m * beta1 + g * (1 - beta1);  v = v * beta2 + (g * g) * (1 - beta2)
+ *   p = p * decay - (m / (sqrt(v) / sqrt(bc2) + eps)) * step_size
+ * sqrtf is IEEE's correctly rounded square root (as repops_ops.sqrt). Block by block, a block
+ * whose p, g, m or v holds a NaN or an infinity stops the kernel before it writes that block:
+ * the return value is the number of elements done (n when all were), and the caller runs the
+ * eager code from there (the elements are independent, so the split changes no bit). */
+#define ADAMW_BLOCK 256
+
+static int any_nonfinite(const float *x, int64_t n) {
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;
+    return bad != 0;
+}
+
+int64_t adamw(float *p, const float *g, float *m, float *v, int64_t n, const float *c) {
+    const float b1 = c[0], nb1 = c[1], b2 = c[2], nb2 = c[3], bc2 = c[4], eps = c[5];
+    const float decay = c[6], step_size = c[7];
+    for (int64_t start = 0; start < n; start += ADAMW_BLOCK) {
+        int64_t len = n - start < ADAMW_BLOCK ? n - start : ADAMW_BLOCK;
+        float *pb = p + start, *mb = m + start, *vb = v + start;
+        const float *gb = g + start;
+        if (any_nonfinite(pb, len) || any_nonfinite(gb, len) || any_nonfinite(mb, len) ||
+            any_nonfinite(vb, len))
+            return start;
+        for (int64_t i = 0; i < len; i++) {
+            float gi = gb[i];
+            float mi = mb[i] * b1;
+            mi = mi + gi * nb1;
+            float g2 = gi * gi;
+            float vi = vb[i] * b2;
+            vi = vi + g2 * nb2;
+            float denom = sqrtf(vi) / bc2;
+            denom = denom + eps;
+            float t = mi / denom;
+            t = t * step_size;
+            float pi = pb[i] * decay;
+            pb[i] = pi - t;
+            mb[i] = mi;
+            vb[i] = vi;
+        }
+    }
+    return n;
+}

@@ -34,7 +34,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: GCC's C default contracts a * b + c into an FMA (one rounding, not two).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+# -fno-math-errno: sqrtf may then vectorize (errno is all it changes, never a result's bits).
+FLAGS = (
+    "-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared",
+    "-fPIC",
+)  # fmt: skip
 BUILD_TIMEOUT_S = 60.0
 F32, F64 = torch.float32, torch.float64
 
@@ -111,10 +115,12 @@ def _build() -> ctypes.CDLL | None:
         "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
         "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
         "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
+        "adamw": [ptr, ptr, ptr, ptr, i64, ptr],
     }
     for name, argtypes in signatures.items():
         kernel = getattr(lib, name)
         kernel.argtypes, kernel.restype = argtypes, int_
+    lib.adamw.restype = i64
     return lib
 
 
@@ -281,3 +287,15 @@ def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> tor
     if lib.scores_grad_rows(*pointers, rows, cols, scale, scratch.data_ptr()):
         return None
     return out
+
+
+def adamw_(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, constants: torch.Tensor
+) -> int:
+    """``repops_ops.adamw_`` in place, one pass; the number of elements it did (all of them, or
+    fewer from a block holding a non-finite value; 0 when the kernels do not apply)."""
+    lib = library()
+    if lib is None or not _plain(p, g, m, v) or p.numel() == 0:
+        return 0
+    return int(lib.adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(),
+                         constants.data_ptr()))  # fmt: skip

@@ -617,6 +617,45 @@ def _adamw_param(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Ten
     return flat_blocks(update, p, m, v)
 
 
+def adamw_constants(attrs: dict[str, Any], step: int) -> torch.Tensor:
+    """The float32 constants of one AdamW update after ``step`` steps, in the order the
+    compiled kernel reads them: beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2),
+    eps, 1 - lr wd, lr / bias_correction1 (each a Python float rounded once to float32)."""
+    decay, step_size, bc2_sqrt, eps = adamw_scalars(attrs, step)
+    b1, b2 = attrs["beta1"], attrs["beta2"]
+    return torch.tensor(
+        [b1, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, eps, decay, step_size], dtype=F32
+    )
+
+
+def adamw_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: int,
+    attrs: dict[str, Any],
+) -> None:
+    """One AdamW update of a parameter in place: the moments as ``adamw_m``/``adamw_v``, then
+    the parameter as ``adamw_param`` from the new moments (each product and sum one float32
+    rounding; bias corrections from ``pow_int``). The compiled kernel does it in one pass;
+    from the first block it leaves (a NaN or an infinity) on, the eager ops run, with the same
+    bits (every element depends on its own p, g, m, v only)."""
+    constants = adamw_constants(attrs, step)
+    done = repops_native.adamw_(p, g, m, v, constants)
+    if done == p.numel():
+        return
+    # The kernel did some elements only when it applies: all four contiguous, so views of the rest.
+    pr, gr, mr, vr = (t.view(-1)[done:] for t in (p, g, m, v)) if done else (p, g, m, v)
+    b1, nb1, b2, nb2, bc2_sqrt, eps, decay, step_size = constants.to(p.device).unbind()
+    m_new = torch.mul(mr, b1).add_(torch.mul(gr, nb1))
+    v_new = torch.mul(vr, b2).add_(torch.mul(gr, gr).mul_(nb2))
+    denom = sqrt(v_new).div_(bc2_sqrt).add_(eps)
+    p_new = torch.mul(pr, decay).sub_(torch.div(m_new, denom).mul_(step_size))
+    for target, value in ((pr, p_new), (mr, m_new), (vr, v_new)):
+        target.copy_(value)
+
+
 def _increment(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     (step,) = inputs
     return torch.add(step, 1)
