@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from verify.dispatch import elementwise  # noqa: F401  (registers the elementwise mappings)
-from verify.dispatch import optim  # noqa: F401  (registers the fused AdamW mappings)
+# Imported for what importing them does: they register the elementwise and fused AdamW mappings.
+from verify.dispatch import elementwise, optim  # noqa: F401
 from verify.dispatch.registry import (
     F32,
     HANDLERS,

@@ -34,7 +34,8 @@ def _foreach_add_scalar(tensors: Sequence[torch.Tensor], scalar: Any) -> None:
     ``aten.add_``; integer tensors exactly."""
     for tensor in tensors:
         if tensor.is_floating_point():
-            tensor.copy_(torch.add(as_f32(tensor, "aten._foreach_add_"), operand(scalar, tensor, "")))
+            value = as_f32(tensor, "aten._foreach_add_")
+            tensor.copy_(torch.add(value, operand(scalar, tensor, "aten._foreach_add_")))
         else:
             tensor.add_(scalar)
 

@@ -2,11 +2,12 @@
 
 Every aten operator the mode routes becomes one ``verify.trace.OpRecord`` per tensor it returns
 (or, for an operator that returns nothing, per tensor it writes: a fused AdamW's parameters and
-moments, ``verify.dispatch.calls.results``): its name (``aten.mm.default``), the records whose outputs are its tensor arguments, its attrs
-(``verify.dispatch.calls``: every other argument, and which output) and its output's hash. The
-step's own tensors (parameters, optimizer state, the batch) enter as ``leaf:<name>`` records
-first. So the trace of any model's step is the dispatch log, and one record is recomputed from
-its inputs alone (``recompute``), by the same ``route`` the mode runs.
+moments, ``verify.dispatch.calls.results``): its name (``aten.mm.default``), the records whose
+outputs are its tensor arguments, its attrs (``verify.dispatch.calls``: every other argument,
+and which output) and its output's hash. The step's own tensors (parameters, optimizer state,
+the batch) enter as ``leaf:<name>`` records first. So the trace of any model's step is the
+dispatch log, and one record is recomputed from its inputs alone (``recompute``), by the same
+``route`` the mode runs.
 
 Which record an argument is. A tensor is found by where its values live: storage address,
 offset, sizes, strides and dtype. Every recorded tensor is kept alive to the end of the step, so

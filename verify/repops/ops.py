@@ -623,9 +623,7 @@ def adamw_constants(attrs: dict[str, Any], step: int) -> torch.Tensor:
     eps, 1 - lr wd, lr / bias_correction1 (each a Python float rounded once to float32)."""
     decay, step_size, bc2_sqrt, eps = adamw_scalars(attrs, step)
     b1, b2 = attrs["beta1"], attrs["beta2"]
-    return torch.tensor(
-        [b1, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, eps, decay, step_size], dtype=F32
-    )
+    return torch.tensor([b1, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, eps, decay, step_size], dtype=F32)
 
 
 def adamw_(
