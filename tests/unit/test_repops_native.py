@@ -174,6 +174,56 @@ def test_attention_and_loss_kernels_equal_eager(
     assert _bits(dlogits) == _bits(dlogits_eager)
 
 
+@FAST
+@given(
+    rows=st.integers(1, 70),
+    cols=st.integers(1, 200),
+    spread=st.sampled_from([1, 60]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_layernorm_and_tree_sum_kernels_equal_eager(
+    rows: int, cols: int, spread: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x, dy = (torch.from_numpy(_values(rng, (rows, cols), spread)) for _ in range(2))
+    g, b = (torch.from_numpy(_values(rng, (cols,), 1)) for _ in range(2))
+    stats, stats_eager = _both(lambda: ops.OPS["layernorm_stats"]([x], {"eps": 1e-5}))
+    assert _bits(stats) == _bits(stats_eager)
+    for name, inputs in (
+        ("layernorm", [x, stats, g, b]),
+        ("layernorm_backward", [x, stats, g, dy]),
+        ("layernorm_grad_weight", [x, stats, dy]),
+    ):
+        fused, eager = _both(lambda name=name, inputs=inputs: ops.OPS[name](inputs, {}))
+        assert _bits(fused) == _bits(eager), name
+    # The tree over either axis of a matrix, its transpose and a 3-d tensor's middle axis.
+    cube = x.view(rows, 1, cols).expand(rows, 2, cols).contiguous()
+    for tensor, dim in ((x, 0), (x, 1), (x.t(), 0), (x.t(), 1), (cube, 1), (cube, 0)):
+        fused, eager = _both(lambda tensor=tensor, dim=dim: ops.sum_tree(tensor, dim))
+        assert _bits(fused) == _bits(eager), (tuple(tensor.shape), tensor.stride(), dim)
+
+
+@FAST
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1), bad=st.booleans())
+def test_adamw_kernel_equals_eager(n: int, seed: int, bad: bool) -> None:
+    rng = np.random.default_rng(seed)
+    p, g, m = (_values(rng, (n,), 20) for _ in range(3))
+    v = np.abs(_values(rng, (n,), 20))
+    if bad:  # the kernel stops at this element's block; the eager ops do the rest
+        g[int(rng.integers(0, n))] = np.inf
+    attrs = {"lr": 2e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+    step = int(rng.integers(1, 5000))
+
+    def update() -> list[torch.Tensor]:
+        tensors = [torch.from_numpy(a.copy()) for a in (p, g, m, v)]
+        ops.adamw_(*tensors, step, attrs)
+        return tensors
+
+    fused, eager = _both(update)
+    for got, want in zip(fused, eager, strict=True):
+        assert _bits(got) == _bits(want)
+
+
 def test_a_nan_input_takes_the_eager_path_and_gives_its_bits() -> None:
     x = torch.randn(64)
     x[5] = float("nan")

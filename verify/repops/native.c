@@ -352,3 +352,110 @@ int64_t adamw(float *p, const float *g, float *m, float *v, int64_t n, const flo
     }
     return n;
 }
+
+/* ---- trees over a strided axis, LayerNorm rows (repops_ops.sum_tree, _layernorm_*) ---------- */
+
+/* out[r] = repops_ops.sum_tree over k of x[r * rs + k * ks] (R sums of K >= 1 terms each). The
+ * terms are copied to buf as K lines of R (buf holds R * K floats), then each level adds the
+ * second half of the lines to the first: the inner loops run over r, contiguous, and every sum
+ * sees the same additions in the same order as the row-at-a-time tree. */
+int sum_tree_axis(const float *x, int64_t rs, int64_t ks, int64_t rows, int64_t k, float *out,
+                  float *buf) {
+    for (int64_t j = 0; j < k; j++) {
+        float *line = buf + j * rows;
+        const float *src = x + j * ks;
+        if (rs == 1)
+            memcpy(line, src, (size_t)rows * sizeof(float));
+        else
+            for (int64_t r = 0; r < rows; r++) line[r] = src[r * rs];
+    }
+    if (any_nan(buf, rows * k)) return 1;
+    int64_t n = k;
+    while (n > 1) {
+        int64_t half = n / 2;
+        for (int64_t j = 0; j < half; j++) {
+            float *a = buf + j * rows;
+            const float *b = buf + (j + half) * rows;
+            for (int64_t r = 0; r < rows; r++) a[r] = a[r] + b[r];
+        }
+        if (n % 2) {
+            memcpy(buf + half * rows, buf + (n - 1) * rows, (size_t)rows * sizeof(float));
+            n = half + 1;
+        } else {
+            n = half;
+        }
+    }
+    memcpy(out, buf, (size_t)rows * sizeof(float));
+    return 0;
+}
+
+/* LayerNorm statistics of each row of contiguous (rows, cols): stats[2r] = sum_tree(x) / d,
+ * stats[2r + 1] = 1 / sqrt(sum_tree((x - mean)^2) / d + eps) (repops_ops._layernorm_stats).
+ * buf: cols floats. */
+int layernorm_stats(const float *x, int64_t rows, int64_t cols, float eps, float *stats,
+                    float *buf) {
+    if (any_nan(x, rows * cols)) return 1;
+    const float d = (float)cols;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        memcpy(buf, row, (size_t)cols * sizeof(float));
+        float mean = sum_tree(buf, cols) / d;
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            buf[c] = t * t;
+        }
+        float var = sum_tree(buf, cols) / d;
+        var = var + eps;
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = 1.0f / sqrtf(var);
+    }
+    return 0;
+}
+
+/* y = (x - mean) * rstd * g + b per row (repops_ops._layernorm). */
+int layernorm_apply(const float *x, const float *stats, const float *g, const float *b,
+                    int64_t rows, int64_t cols, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float *out = y + r * cols;
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            t = t * rstd;
+            t = t * g[c];
+            out[c] = t + b[c];
+        }
+    }
+    return 0;
+}
+
+/* dx per row (repops_ops._layernorm_backward): xhat = (x - mean) * rstd, dxhat = dy * g,
+ * a = sum_tree(dxhat) / d, c = sum_tree(dxhat * xhat) / d, dx = ((dxhat - a) - xhat * c) * rstd.
+ * buf: 3 * cols floats. */
+int layernorm_backward(const float *x, const float *stats, const float *g, const float *dy,
+                       int64_t rows, int64_t cols, float *dx, float *buf) {
+    if (any_nan(x, rows * cols) || any_nan(dy, rows * cols)) return 1;
+    const float d = (float)cols;
+    float *xhat = buf, *dxhat = buf + cols, *tree = buf + 2 * cols;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols, *dyr = dy + r * cols;
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            xhat[c] = t * rstd;
+            dxhat[c] = dyr[c] * g[c];
+            tree[c] = dxhat[c];
+        }
+        float a = sum_tree(tree, cols) / d;
+        for (int64_t c = 0; c < cols; c++) tree[c] = dxhat[c] * xhat[c];
+        float cc = sum_tree(tree, cols) / d;
+        float *out = dx + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float t = dxhat[c] - a;
+            float u = xhat[c] * cc;
+            t = t - u;
+            out[c] = t * rstd;
+        }
+    }
+    return 0;
+}

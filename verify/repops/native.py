@@ -116,6 +116,10 @@ def _build() -> ctypes.CDLL | None:
         "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
         "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
         "adamw": [ptr, ptr, ptr, ptr, i64, ptr],
+        "sum_tree_axis": [ptr, i64, i64, i64, i64, ptr, ptr],
+        "layernorm_stats": [ptr, i64, i64, f32, ptr, ptr],
+        "layernorm_apply": [ptr, ptr, ptr, ptr, i64, i64, ptr],
+        "layernorm_backward": [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr],
     }
     for name, argtypes in signatures.items():
         kernel = getattr(lib, name)
@@ -299,3 +303,78 @@ def adamw_(
         return 0
     return int(lib.adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(),
                          constants.data_ptr()))  # fmt: skip
+
+
+def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """``repops_ops.sum_tree(x, dim)`` (the same tree, one kernel call), or None when the kernels
+    do not apply (not a float32 CPU tensor whose other dims flatten into one stride, a NaN)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype != F32 or x.dim() == 0:
+        return None
+    moved = x.movedim(dim, -1)
+    k = moved.shape[-1]
+    if k == 0 or moved.numel() == 0:
+        return None
+    try:
+        flat = moved.view(-1, k)
+    except RuntimeError:  # the kept dims do not share one stride: a copy would be needed
+        return None
+    rows = flat.shape[0]
+    out = torch.empty(moved.shape[:-1], dtype=F32)
+    buf = torch.empty(rows * k, dtype=F32)
+    rs, ks = flat.stride()
+    if lib.sum_tree_axis(flat.data_ptr(), rs, ks, rows, k, out.data_ptr(), buf.data_ptr()):
+        return None
+    return out
+
+
+def layernorm_stats(x: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``repops_ops._layernorm_stats`` of contiguous (rows, cols) ``x``: (rows, 2) of (mean,
+    rstd); None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x) or x.dim() != 2 or x.numel() == 0:
+        return None
+    rows, cols = x.shape
+    stats = torch.empty(rows, 2, dtype=F32)
+    buf = torch.empty(cols, dtype=F32)
+    if lib.layernorm_stats(x.data_ptr(), rows, cols, eps, stats.data_ptr(), buf.data_ptr()):
+        return None
+    return stats
+
+
+def layernorm_apply(
+    x: torch.Tensor, stats: torch.Tensor, g: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor | None:
+    """``repops_ops._layernorm``: (x - mean) * rstd * g + b; None when the kernels do not
+    apply."""
+    lib = library()
+    if lib is None or not _plain(x) or x.dim() != 2 or not _rows_of(x, stats, g, b):
+        return None
+    y = torch.empty_like(x)
+    pointers = (t.data_ptr() for t in (x, stats, g, b))
+    lib.layernorm_apply(*pointers, x.shape[0], x.shape[1], y.data_ptr())
+    return y
+
+
+def layernorm_backward(
+    x: torch.Tensor, stats: torch.Tensor, g: torch.Tensor, dy: torch.Tensor
+) -> torch.Tensor | None:
+    """``repops_ops._layernorm_backward``'s dx; None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, dy) or x.dim() != 2 or not _rows_of(x, stats, g):
+        return None
+    dx = torch.empty_like(x)
+    buf = torch.empty(3 * x.shape[1], dtype=F32)
+    pointers = (t.data_ptr() for t in (x, stats, g, dy))
+    if lib.layernorm_backward(*pointers, x.shape[0], x.shape[1], dx.data_ptr(), buf.data_ptr()):
+        return None
+    return dx
+
+
+def _rows_of(x: torch.Tensor, stats: torch.Tensor, *per_column: torch.Tensor) -> bool:
+    """Contiguous float32 CPU (rows, 2) statistics and (cols,) vectors for ``x``'s rows."""
+    return (
+        _plain(stats)
+        and stats.shape == (x.shape[0], 2)
+        and all(_plain(t) and t.shape == (x.shape[1],) for t in per_column)
+    )

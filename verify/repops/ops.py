@@ -242,6 +242,10 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor:
     n = x.shape[dim]
     if n == 0:
         raise ValueError("sum_tree needs at least one term")
+    if n > 1:
+        fused = repops_native.sum_tree(x, dim)
+        if fused is not None:
+            return fused
     while n > 1:
         half = n // 2
         # One split instead of two narrows: these loops are short and run on small tensors,
@@ -475,6 +479,9 @@ def _attention_qkv_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -
 
 def _layernorm_stats(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     (x,) = inputs
+    fused = repops_native.layernorm_stats(x, attrs["eps"])
+    if fused is not None:
+        return fused
     d = _c(float(x.shape[-1]), x)
     mean = sum_tree(x, -1).div_(d)
     xc = torch.sub(x, mean.unsqueeze(-1))
@@ -489,11 +496,17 @@ def _xhat(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 def _layernorm(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     x, stats, g, b = inputs
+    fused = repops_native.layernorm_apply(x, stats, g, b)
+    if fused is not None:
+        return fused
     return _xhat(x, stats).mul_(g).add_(b)
 
 
 def _layernorm_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     x, stats, g, dy = inputs
+    fused = repops_native.layernorm_backward(x, stats, g, dy)
+    if fused is not None:
+        return fused
     xhat = _xhat(x, stats)
     dxhat = torch.mul(dy, g)
     d = _c(float(x.shape[-1]), x)
