@@ -260,15 +260,16 @@ static float sum_tree(float *buf, int64_t n) {
 
 /* Softmax of each row of contiguous (rows, cols) x into out (repops_ops.softmax_rows). With
  * `scale` != 0 each row is first multiplied by it, and with `causal` > 0 entries past the row's
- * position (row index modulo causal) are -inf first (repops_ops._attention_probs). `buf` is
+ * position (row index modulo causal, the rows numbered from row0: a thread's share of a
+ * matrix) are -inf first (repops_ops._attention_probs). `buf` is
  * scratch of cols floats. */
 int softmax_rows(const float *x, float *out, int64_t rows, int64_t cols, float scale,
-                 int64_t causal, const float *k, float *buf) {
+                 int64_t causal, int64_t row0, const float *k, float *buf) {
     if (any_nan(x, rows * cols)) return 1;
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * cols;
         float *orow = out + r * cols;
-        int64_t live = causal > 0 ? (r % causal) + 1 : cols;
+        int64_t live = causal > 0 ? ((row0 + r) % causal) + 1 : cols;
         if (live > cols) live = cols;
         for (int64_t c = 0; c < live; c++) orow[c] = scale != 0.0f ? row[c] * scale : row[c];
         for (int64_t c = live; c < cols; c++) orow[c] = -INFINITY;

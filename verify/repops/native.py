@@ -27,8 +27,11 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from verify.repops.split import split
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,7 @@ FLAGS = (
     "-fPIC",
 )  # fmt: skip
 BUILD_TIMEOUT_S = 60.0
+ADAMW_BLOCK = 256  # native.c's ADAMW_BLOCK: the kernel checks for non-finite values per block
 F32, F64 = torch.float32, torch.float64
 
 
@@ -113,7 +117,7 @@ def _build() -> ctypes.CDLL | None:
         "exp_vec": [ptr, ptr, i64, ptr],
         "gelu_cdf": [ptr, ptr, i64, ptr],
         "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
-        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
+        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, i64, ptr, ptr],
         "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
         "adamw": [ptr, ptr, ptr, ptr, i64, ptr],
         "sum_tree_axis": [ptr, i64, i64, i64, i64, ptr, ptr],
@@ -154,7 +158,8 @@ def _strides(t: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
 def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
     """Write ``repops_ops._grid(x, dim, bits)`` into float64 ``out`` (x's shape); False when the
     kernels do not apply (not built, not a 2-4 dim float32 CPU tensor, a non-finite value) and
-    the caller must run the eager code."""
+    the caller must run the eager code. Split over the first axis of more than one row (a
+    batch of matrices, or a matrix's rows: each row has its own grid)."""
     lib = library()
     if (
         lib is None
@@ -169,22 +174,21 @@ def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
     if dim in (-2, x.dim() - 2):
         x, out = x.transpose(-1, -2), out.transpose(-1, -2)
     shape = [1] * (4 - x.dim()) + list(x.shape)
-    rows = shape[2]
-    work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
-    rc = lib.grid_rows(
-        x.data_ptr(),
-        _strides(x),
-        out.data_ptr(),
-        _strides(out),
-        shape[0],
-        shape[1],
-        rows,
-        shape[3],
-        bits,
-        work.data_ptr(),
-        work.data_ptr() + 4 * rows,
-    )
-    return rc == 0
+    xs, os_ = _strides(x), _strides(out)
+    axis = next((a for a in range(3) if shape[a] > 1), 2)
+    each = x.numel() // max(1, shape[axis])
+
+    def run(lo: int, hi: int) -> int:
+        part = list(shape)
+        part[axis] = hi - lo
+        rows = part[2]
+        work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
+        return lib.grid_rows(
+            x.data_ptr() + 4 * lo * xs[axis], xs, out.data_ptr() + 8 * lo * os_[axis], os_,
+            part[0], part[1], rows, part[3], bits, work.data_ptr(), work.data_ptr() + 4 * rows,
+        )  # fmt: skip
+
+    return split(shape[axis], each, run) == 0
 
 
 def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -206,9 +210,14 @@ def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = 
         )
     ):
         return False
-    cols = x.shape[-1]
-    rows = x.numel() // cols if cols else 0
-    lib.to_f32(x.data_ptr(), out.data_ptr(), rows, cols, None if bias is None else bias.data_ptr())
+    rows, cols = _rows(x)
+    bias_ptr = None if bias is None else bias.data_ptr()
+
+    def run(lo: int, hi: int) -> int:
+        at = lo * cols
+        return lib.to_f32(x.data_ptr() + 8 * at, out.data_ptr() + 4 * at, hi - lo, cols, bias_ptr)
+
+    split(rows, cols, run)
     return True
 
 
@@ -221,15 +230,24 @@ def _plain(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _elementwise(kernel: Any, inputs: tuple[torch.Tensor, ...], constants: torch.Tensor
+                 ) -> torch.Tensor | None:  # fmt: skip
+    """``kernel(*inputs, out, n, constants)`` over ranges of elements; None on its refusal."""
+    out = torch.empty_like(inputs[0])
+
+    def run(lo: int, hi: int) -> int:
+        pointers = (t.data_ptr() + 4 * lo for t in (*inputs, out))
+        return kernel(*pointers, hi - lo, constants.data_ptr())
+
+    return None if split(out.numel(), 1, run) else out
+
+
 def exp(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     """``repops_ops.exp`` in one pass, or None when the kernels do not apply."""
     lib = library()
     if lib is None or not _plain(x):
         return None
-    out = torch.empty_like(x)
-    if lib.exp_vec(x.data_ptr(), out.data_ptr(), x.numel(), constants.data_ptr()):
-        return None
-    return out
+    return _elementwise(lib.exp_vec, (x,), constants)
 
 
 def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
@@ -237,10 +255,7 @@ def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     lib = library()
     if lib is None or not _plain(x):
         return None
-    out = torch.empty_like(x)
-    if lib.gelu_cdf(x.data_ptr(), out.data_ptr(), x.numel(), constants.data_ptr()):
-        return None
-    return out
+    return _elementwise(lib.gelu_cdf, (x,), constants)
 
 
 def gelu_backward(
@@ -250,11 +265,7 @@ def gelu_backward(
     lib = library()
     if lib is None or not _plain(x, cdf, dy):
         return None
-    out = torch.empty_like(x)
-    pointers = (t.data_ptr() for t in (x, cdf, dy, out))
-    if lib.gelu_backward(*pointers, x.numel(), constants.data_ptr()):
-        return None
-    return out
+    return _elementwise(lib.gelu_backward, (x, cdf, dy), constants)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -272,11 +283,15 @@ def softmax_rows(
         return None
     rows, cols = _rows(x)
     out = torch.empty_like(x)
-    scratch = torch.empty(cols, dtype=F32)
-    args = (rows, cols, scale, causal, constants.data_ptr(), scratch.data_ptr())
-    if lib.softmax_rows(x.data_ptr(), out.data_ptr(), *args):
-        return None
-    return out
+
+    def run(lo: int, hi: int) -> int:
+        at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
+        return lib.softmax_rows(
+            x.data_ptr() + at, out.data_ptr() + at, hi - lo, cols, scale, causal, lo,
+            constants.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+
+    return None if split(rows, cols, run) else out
 
 
 def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -286,28 +301,43 @@ def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> tor
         return None
     rows, cols = _rows(dp)
     out = torch.empty_like(dp)
-    scratch = torch.empty(cols, dtype=F32)
-    pointers = (dp.data_ptr(), probs.data_ptr(), out.data_ptr())
-    if lib.scores_grad_rows(*pointers, rows, cols, scale, scratch.data_ptr()):
-        return None
-    return out
+
+    def run(lo: int, hi: int) -> int:
+        at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
+        pointers = (t.data_ptr() + at for t in (dp, probs, out))
+        return lib.scores_grad_rows(*pointers, hi - lo, cols, scale, scratch.data_ptr())
+
+    return None if split(rows, cols, run) else out
 
 
 def adamw_(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, constants: torch.Tensor
-) -> int:
-    """``repops_ops.adamw_`` in place, one pass; the number of elements it did (all of them, or
-    fewer from a block holding a non-finite value; 0 when the kernels do not apply)."""
+) -> list[tuple[int, int]] | None:
+    """``repops_ops.adamw_`` in place, one pass over ranges of whole blocks; the element ranges
+    it left undone (a block holding a non-finite value and the rest of its range), which the
+    caller's eager code must do, or None when the kernels do not apply."""
     lib = library()
-    if lib is None or not _plain(p, g, m, v) or p.numel() == 0:
+    if lib is None or not _plain(p, g, m, v):
+        return None
+    n = p.numel()
+    left: dict[int, tuple[int, int]] = {}
+
+    def run(lo: int, hi: int) -> int:
+        start, stop = lo * ADAMW_BLOCK, min(n, hi * ADAMW_BLOCK)
+        pointers = (t.data_ptr() + 4 * start for t in (p, g, m, v))
+        done = start + lib.adamw(*pointers, stop - start, constants.data_ptr())
+        if done < stop:
+            left[lo] = (done, stop)
         return 0
-    return int(lib.adamw(p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(),
-                         constants.data_ptr()))  # fmt: skip
+
+    split(-(-n // ADAMW_BLOCK), ADAMW_BLOCK, run)
+    return [left[lo] for lo in sorted(left)]
 
 
 def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
-    """``repops_ops.sum_tree(x, dim)`` (the same tree, one kernel call), or None when the kernels
-    do not apply (not a float32 CPU tensor whose other dims flatten into one stride, a NaN)."""
+    """``repops_ops.sum_tree(x, dim)`` (the same tree, one kernel call per range of sums), or
+    None when the kernels do not apply (not a float32 CPU tensor whose other dims flatten into
+    one stride, a NaN)."""
     lib = library()
     if lib is None or x.device.type != "cpu" or x.dtype != F32 or x.dim() == 0:
         return None
@@ -321,11 +351,15 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
         return None
     rows = flat.shape[0]
     out = torch.empty(moved.shape[:-1], dtype=F32)
-    buf = torch.empty(rows * k, dtype=F32)
     rs, ks = flat.stride()
-    if lib.sum_tree_axis(flat.data_ptr(), rs, ks, rows, k, out.data_ptr(), buf.data_ptr()):
-        return None
-    return out
+
+    def run(lo: int, hi: int) -> int:
+        buf = torch.empty((hi - lo) * k, dtype=F32)
+        source = flat.data_ptr() + 4 * lo * rs
+        return lib.sum_tree_axis(source, rs, ks, hi - lo, k, out.data_ptr() + 4 * lo,
+                                 buf.data_ptr())  # fmt: skip
+
+    return None if split(rows, k, run) else out
 
 
 def layernorm_stats(x: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -336,10 +370,13 @@ def layernorm_stats(x: torch.Tensor, eps: float) -> torch.Tensor | None:
         return None
     rows, cols = x.shape
     stats = torch.empty(rows, 2, dtype=F32)
-    buf = torch.empty(cols, dtype=F32)
-    if lib.layernorm_stats(x.data_ptr(), rows, cols, eps, stats.data_ptr(), buf.data_ptr()):
-        return None
-    return stats
+
+    def run(lo: int, hi: int) -> int:
+        buf = torch.empty(cols, dtype=F32)
+        return lib.layernorm_stats(x.data_ptr() + 4 * lo * cols, hi - lo, cols, eps,
+                                   stats.data_ptr() + 8 * lo, buf.data_ptr())  # fmt: skip
+
+    return None if split(rows, cols, run) else stats
 
 
 def layernorm_apply(
@@ -350,9 +387,15 @@ def layernorm_apply(
     lib = library()
     if lib is None or not _plain(x) or x.dim() != 2 or not _rows_of(x, stats, g, b):
         return None
+    rows, cols = x.shape
     y = torch.empty_like(x)
-    pointers = (t.data_ptr() for t in (x, stats, g, b))
-    lib.layernorm_apply(*pointers, x.shape[0], x.shape[1], y.data_ptr())
+
+    def run(lo: int, hi: int) -> int:
+        at = 4 * lo * cols
+        return lib.layernorm_apply(x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(),
+                                   b.data_ptr(), hi - lo, cols, y.data_ptr() + at)  # fmt: skip
+
+    split(rows, cols, run)
     return y
 
 
@@ -363,12 +406,17 @@ def layernorm_backward(
     lib = library()
     if lib is None or not _plain(x, dy) or x.dim() != 2 or not _rows_of(x, stats, g):
         return None
+    rows, cols = x.shape
     dx = torch.empty_like(x)
-    buf = torch.empty(3 * x.shape[1], dtype=F32)
-    pointers = (t.data_ptr() for t in (x, stats, g, dy))
-    if lib.layernorm_backward(*pointers, x.shape[0], x.shape[1], dx.data_ptr(), buf.data_ptr()):
-        return None
-    return dx
+
+    def run(lo: int, hi: int) -> int:
+        at, buf = 4 * lo * cols, torch.empty(3 * cols, dtype=F32)
+        return lib.layernorm_backward(
+            x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(), dy.data_ptr() + at,
+            hi - lo, cols, dx.data_ptr() + at, buf.data_ptr(),
+        )  # fmt: skip
+
+    return None if split(rows, cols, run) else dx
 
 
 def _rows_of(x: torch.Tensor, stats: torch.Tensor, *per_column: torch.Tensor) -> bool:

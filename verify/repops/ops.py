@@ -653,17 +653,22 @@ def adamw_(
     from the first block it leaves (a NaN or an infinity) on, the eager ops run, with the same
     bits (every element depends on its own p, g, m, v only)."""
     constants = adamw_constants(attrs, step)
-    done = repops_native.adamw_(p, g, m, v, constants)
-    if done == p.numel():
-        return
-    # The kernel did some elements only when it applies: all four contiguous, so views of the rest.
-    pr, gr, mr, vr = (t.view(-1)[done:] for t in (p, g, m, v)) if done else (p, g, m, v)
+    left = repops_native.adamw_(p, g, m, v, constants)
+    if left is None:
+        _adamw_eager(p, g, m, v, constants)
+    for lo, hi in left or ():  # the kernel applied: all four contiguous, so views of the rest
+        _adamw_eager(*(t.view(-1)[lo:hi] for t in (p, g, m, v)), constants)
+
+
+def _adamw_eager(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, constants: torch.Tensor
+) -> None:
     b1, nb1, b2, nb2, bc2_sqrt, eps, decay, step_size = constants.to(p.device).unbind()
-    m_new = torch.mul(mr, b1).add_(torch.mul(gr, nb1))
-    v_new = torch.mul(vr, b2).add_(torch.mul(gr, gr).mul_(nb2))
+    m_new = torch.mul(m, b1).add_(torch.mul(g, nb1))
+    v_new = torch.mul(v, b2).add_(torch.mul(g, g).mul_(nb2))
     denom = sqrt(v_new).div_(bc2_sqrt).add_(eps)
-    p_new = torch.mul(pr, decay).sub_(torch.div(m_new, denom).mul_(step_size))
-    for target, value in ((pr, p_new), (mr, m_new), (vr, v_new)):
+    p_new = torch.mul(p, decay).sub_(torch.div(m_new, denom).mul_(step_size))
+    for target, value in ((p, p_new), (m, m_new), (v, v_new)):
         target.copy_(value)
 
 
