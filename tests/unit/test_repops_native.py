@@ -238,6 +238,8 @@ def test_every_kernel_gives_the_same_bits_split_over_1_2_and_3_threads(
     if rng.random() < 0.5:
         dy[int(rng.integers(0, rows)), int(rng.integers(0, cols))] = np.inf
     attrs = {"lr": 2e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+    masked = x.clone()
+    masked[int(rng.integers(0, rows))] = -np.inf  # a fully masked row: 0s from _safe_softmax
 
     def every_kernel() -> list[torch.Tensor]:
         stats = ops.OPS["layernorm_stats"]([x], {"eps": 1e-5})
@@ -249,6 +251,7 @@ def test_every_kernel_gives_the_same_bits_split_over_1_2_and_3_threads(
             ops.exp(x),
             ops.OPS["gelu_backward"]([x, ops.OPS["gelu_cdf"]([x], {}), z], {}),
             native.softmax_rows(x, ops.NATIVE_CONSTANTS, 0.5, 1 + seed % 7),
+            native.softmax_rows(masked, ops.NATIVE_CONSTANTS, safe=True),
             ops.OPS["attention_scores_backward"](
                 [ops.softmax_rows(x), x.repeat(1, 3), z], {"heads": 1, "batch": 1}
             ) if cols == rows else x,

@@ -261,10 +261,11 @@ static float sum_tree(float *buf, int64_t n) {
 /* Softmax of each row of contiguous (rows, cols) x into out (repops_ops.softmax_rows). With
  * `scale` != 0 each row is first multiplied by it, and with `causal` > 0 entries past the row's
  * position (row index modulo causal, the rows numbered from row0: a thread's share of a
- * matrix) are -inf first (repops_ops._attention_probs). `buf` is
- * scratch of cols floats. */
+ * matrix) are -inf first (repops_ops._attention_probs). With `safe`, a row whose entries are
+ * all -inf is 0 (torch's _safe_softmax; plain softmax makes it NaN). `buf` is scratch of cols
+ * floats. */
 int softmax_rows(const float *x, float *out, int64_t rows, int64_t cols, float scale,
-                 int64_t causal, int64_t row0, const float *k, float *buf) {
+                 int64_t causal, int64_t row0, int safe, const float *k, float *buf) {
     if (any_nan(x, rows * cols)) return 1;
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * cols;
@@ -275,6 +276,10 @@ int softmax_rows(const float *x, float *out, int64_t rows, int64_t cols, float s
         for (int64_t c = live; c < cols; c++) orow[c] = -INFINITY;
         float top = orow[0];
         for (int64_t c = 1; c < cols; c++) top = orow[c] > top ? orow[c] : top;
+        if (safe && top == -INFINITY) { /* every entry -inf: torch's _safe_softmax gives 0s */
+            for (int64_t c = 0; c < cols; c++) orow[c] = 0.0f;
+            continue;
+        }
         top = top + 0.0f;
         for (int64_t c = 0; c < cols; c++) {
             float e = exp_r(orow[c] - top, k);
@@ -356,22 +361,26 @@ int64_t adamw(float *p, const float *g, float *m, float *v, int64_t n, const flo
 
 /* ---- trees over a strided axis, LayerNorm rows (repops_ops.sum_tree, _layernorm_*) ---------- */
 
-/* out[r] = repops_ops.sum_tree over k of x[r * rs + k * ks] (R sums of K >= 1 terms each). The
- * terms are copied to buf as K lines of R (buf holds R * K floats), then each level adds the
- * second half of the lines to the first: the inner loops run over r, contiguous, and every sum
- * sees the same additions in the same order as the row-at-a-time tree. */
+/* out[r] = repops_ops.sum_tree over k of x[r * rs + k * ks] (R sums of K >= 2 terms each). The
+ * tree's levels run over lines of R partial sums in buf (R * ceil(K / 2) floats): each level adds
+ * the second half of the lines to the first, the inner loops run over r, contiguous, and every
+ * sum sees the same additions in the same order as the row-at-a-time tree. */
 int sum_tree_axis(const float *x, int64_t rs, int64_t ks, int64_t rows, int64_t k, float *out,
                   float *buf) {
-    for (int64_t j = 0; j < k; j++) {
+    /* The first level reads x itself: line j = term j + term j + k/2, the odd last term carried.
+     * A NaN among the terms leaves a NaN in its line (NaN + y is NaN), which the check sees. */
+    int64_t half = k / 2, n = half + k % 2;
+    for (int64_t j = 0; j < n; j++) {
         float *line = buf + j * rows;
-        const float *src = x + j * ks;
-        if (rs == 1)
-            memcpy(line, src, (size_t)rows * sizeof(float));
+        const float *a = x + j * ks, *b = x + (j + half) * ks;
+        if (j == half) /* k odd: the last term, carried */
+            for (int64_t r = 0; r < rows; r++) line[r] = x[(k - 1) * ks + r * rs];
+        else if (rs == 1)
+            for (int64_t r = 0; r < rows; r++) line[r] = a[r] + b[r];
         else
-            for (int64_t r = 0; r < rows; r++) line[r] = src[r * rs];
+            for (int64_t r = 0; r < rows; r++) line[r] = a[r * rs] + b[r * rs];
     }
-    if (any_nan(buf, rows * k)) return 1;
-    int64_t n = k;
+    if (any_nan(buf, rows * n)) return 1;
     while (n > 1) {
         int64_t half = n / 2;
         for (int64_t j = 0; j < half; j++) {
@@ -456,6 +465,22 @@ int layernorm_backward(const float *x, const float *stats, const float *g, const
             float u = xhat[c] * cc;
             t = t - u;
             out[c] = t * rstd;
+        }
+    }
+    return 0;
+}
+
+/* prod = (x - mean) * rstd * dy per row (repops_ops._layernorm_grad_weight's terms). */
+int layernorm_xhat_dy(const float *x, const float *stats, const float *dy, int64_t rows,
+                      int64_t cols, float *prod) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols, *dyr = dy + r * cols;
+        float *out = prod + r * cols;
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            t = t * rstd;
+            out[c] = t * dyr[c];
         }
     }
     return 0;

@@ -117,13 +117,14 @@ def _build() -> ctypes.CDLL | None:
         "exp_vec": [ptr, ptr, i64, ptr],
         "gelu_cdf": [ptr, ptr, i64, ptr],
         "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
-        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, i64, ptr, ptr],
+        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, i64, int_, ptr, ptr],
         "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
         "adamw": [ptr, ptr, ptr, ptr, i64, ptr],
         "sum_tree_axis": [ptr, i64, i64, i64, i64, ptr, ptr],
         "layernorm_stats": [ptr, i64, i64, f32, ptr, ptr],
         "layernorm_apply": [ptr, ptr, ptr, ptr, i64, i64, ptr],
         "layernorm_backward": [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr],
+        "layernorm_xhat_dy": [ptr, ptr, ptr, i64, i64, ptr],
     }
     for name, argtypes in signatures.items():
         kernel = getattr(lib, name)
@@ -274,10 +275,15 @@ def _rows(x: torch.Tensor) -> tuple[int, int]:
 
 
 def softmax_rows(
-    x: torch.Tensor, constants: torch.Tensor, scale: float = 0.0, causal: int = 0
+    x: torch.Tensor,
+    constants: torch.Tensor,
+    scale: float = 0.0,
+    causal: int = 0,
+    safe: bool = False,
 ) -> torch.Tensor | None:
     """``repops_ops.softmax_rows`` over the last dim, after ``* scale`` (float32, when not 0) and
-    a causal mask (row index modulo ``causal``, when > 0); None when the kernels do not apply."""
+    a causal mask (row index modulo ``causal``, when > 0); with ``safe`` a row of -inf only is 0
+    (``_safe_softmax``). None when the kernels do not apply."""
     lib = library()
     if lib is None or not _plain(x) or x.numel() == 0:
         return None
@@ -287,7 +293,7 @@ def softmax_rows(
     def run(lo: int, hi: int) -> int:
         at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
         return lib.softmax_rows(
-            x.data_ptr() + at, out.data_ptr() + at, hi - lo, cols, scale, causal, lo,
+            x.data_ptr() + at, out.data_ptr() + at, hi - lo, cols, scale, causal, lo, int(safe),
             constants.data_ptr(), scratch.data_ptr(),
         )  # fmt: skip
 
@@ -343,7 +349,7 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
         return None
     moved = x.movedim(dim, -1)
     k = moved.shape[-1]
-    if k == 0 or moved.numel() == 0:
+    if k < 2 or moved.numel() == 0:
         return None
     try:
         flat = moved.view(-1, k)
@@ -354,7 +360,7 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     rs, ks = flat.stride()
 
     def run(lo: int, hi: int) -> int:
-        buf = torch.empty((hi - lo) * k, dtype=F32)
+        buf = torch.empty((hi - lo) * (k // 2 + k % 2), dtype=F32)
         source = flat.data_ptr() + 4 * lo * rs
         return lib.sum_tree_axis(source, rs, ks, hi - lo, k, out.data_ptr() + 4 * lo,
                                  buf.data_ptr())  # fmt: skip
@@ -426,3 +432,22 @@ def _rows_of(x: torch.Tensor, stats: torch.Tensor, *per_column: torch.Tensor) ->
         and stats.shape == (x.shape[0], 2)
         and all(_plain(t) and t.shape == (x.shape[1],) for t in per_column)
     )
+
+
+def layernorm_xhat_dy(
+    x: torch.Tensor, stats: torch.Tensor, dy: torch.Tensor
+) -> torch.Tensor | None:
+    """(x - mean) * rstd * dy per row, one pass; None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, dy) or x.dim() != 2 or not _rows_of(x, stats):
+        return None
+    rows, cols = x.shape
+    prod = torch.empty_like(x)
+
+    def run(lo: int, hi: int) -> int:
+        at = 4 * lo * cols
+        pointers = (x.data_ptr() + at, stats.data_ptr() + 8 * lo, dy.data_ptr() + at)
+        return lib.layernorm_xhat_dy(*pointers, hi - lo, cols, prod.data_ptr() + at)
+
+    split(rows, cols, run)
+    return prod

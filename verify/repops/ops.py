@@ -517,7 +517,8 @@ def _layernorm_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> to
 
 def _layernorm_grad_weight(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     x, stats, dy = inputs
-    return sum_tree(_xhat(x, stats).mul_(dy), 0)
+    terms = repops_native.layernorm_xhat_dy(x, stats, dy)
+    return sum_tree(_xhat(x, stats).mul_(dy) if terms is None else terms, 0)
 
 
 def _row_losses(flat: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
