@@ -1,9 +1,10 @@
 """``DispatchStep``: any model's traced training step, the provider backend of the dispute game
 for models without a hand-written graph.
 
-One step is the model's own ``loss(inputs, targets)``, ``backward()`` and ``torch.optim.AdamW``'s
-step, run under ``RepOpsMode`` with a ``Recorder``: its trace is the dispatch log
-(``verify.dispatch.record``) and the referee recomputes a disputed record with
+One step is the model's own ``loss(inputs, targets)``, ``backward()`` and
+``torch.optim.AdamW(fused=True)``'s step (mapped to RepOps' one-pass AdamW per parameter,
+``verify.dispatch.optim``), run under ``RepOpsMode`` with a ``Recorder``: its trace is the
+dispatch log (``verify.dispatch.record``) and the referee recomputes a disputed record with
 ``verify.dispatch.record.recompute``. The state is plain numpy (``verify.trace``'s contract):
 every parameter and buffer by its ``named_parameters``/``named_buffers`` name (a frozen
 parameter counts as a buffer: no moments), and AdamW's
@@ -12,10 +13,11 @@ torch keeps it). Leaves come first, in a fixed order: parameters, buffers, then 
 step count and moments (one ``leaf:adamw.step`` per parameter: AdamW counts each one's steps
 apart), then ``leaf:inputs`` and ``leaf:targets``.
 
-The operator graph repeats every step except in the AdamW records' scalars (the bias
-corrections are Python floats of the step count), so a referee of a dispatch trace does not use
-``RefereeConfig.same_program_every_step``: a cheater who records another graph than the program
-leaves the dispute undecided (a commitment to the program would settle it; not taken yet).
+The fused AdamW's records carry no per-step scalars (its bias corrections come from the step
+tensors, by ``pow_int``), so a model whose step does not branch on its data records the same
+operator graph every step (a tiny Llama's does). A referee of a dispatch trace still does not
+use ``RefereeConfig.same_program_every_step``: a user's model may branch on its data, and then
+the previous step's graph is not the program (a commitment to the program would settle it).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class AdamWSettings:
-    """``torch.optim.AdamW``'s arguments for a traced step (single-tensor kernels always: the
-    trace is the same on a CPU and a GPU); the defaults are ``verify.repops.AdamWConfig``'s."""
+    """``torch.optim.AdamW``'s arguments for a traced step (``fused=True`` always: its two aten
+    operators are mapped the same on a CPU and a GPU); the defaults are
+    ``verify.repops.AdamWConfig``'s."""
 
     lr: float = 2e-3
     betas: tuple[float, float] = (0.9, 0.999)

@@ -650,9 +650,9 @@ def adamw_(
 ) -> None:
     """One AdamW update of a parameter in place: the moments as ``adamw_m``/``adamw_v``, then
     the parameter as ``adamw_param`` from the new moments (each product and sum one float32
-    rounding; bias corrections from ``pow_int``). The compiled kernel does it in one pass;
-    from the first block it leaves (a NaN or an infinity) on, the eager ops run, with the same
-    bits (every element depends on its own p, g, m, v only)."""
+    rounding; bias corrections from ``pow_int``). The compiled kernel does it in one pass; the
+    eager ops do what it leaves (a block holding a NaN or an infinity, and the rest of that
+    thread's range), with the same bits: every element depends on its own p, g, m, v only."""
     constants = adamw_constants(attrs, step)
     left = repops_native.adamw_(p, g, m, v, constants)
     if left is None:
