@@ -250,6 +250,8 @@ def test_every_kernel_gives_the_same_bits_split_over_1_2_and_3_threads(
             ops.matmul(x.expand(2, rows, cols), z.t().expand(2, cols, rows)),
             ops.exp(x),
             ops.OPS["gelu_backward"]([x, ops.OPS["gelu_cdf"]([x], {}), z], {}),
+            native.gelu(x, ops.NATIVE_CONSTANTS),
+            native.gelu_backward_of_x(x, z, ops.NATIVE_CONSTANTS),
             native.softmax_rows(x, ops.NATIVE_CONSTANTS, 0.5, 1 + seed % 7),
             native.softmax_rows(masked, ops.NATIVE_CONSTANTS, safe=True),
             ops.OPS["attention_scores_backward"](

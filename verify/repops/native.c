@@ -227,6 +227,33 @@ int gelu_cdf(const float *x, float *out, int64_t n, const float *k) {
     return 0;
 }
 
+static inline float gelu_cdf_r(float x, const float *k) {
+    float e = erf_r(x * k[INV_SQRT2], k);
+    e = e * 0.5f;
+    return e + 0.5f;
+}
+
+/* out = x * cdf(x): the exact GELU (verify.dispatch's aten.gelu, torch.mul(x, gelu_cdf(x))). */
+int gelu_vec(const float *x, float *out, int64_t n, const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * gelu_cdf_r(x[i], k);
+    return 0;
+}
+
+/* gelu_backward below with the cdf computed in the same pass (aten.gelu_backward's mapping). */
+int gelu_backward_x(const float *x, const float *dy, float *out, int64_t n, const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        float s = x[i] * x[i];
+        s = s * -0.5f;
+        float pdf = exp_r(s, k) * k[INV_SQRT_2PI];
+        pdf = pdf * x[i];
+        pdf = pdf + gelu_cdf_r(x[i], k);
+        out[i] = pdf * dy[i];
+    }
+    return 0;
+}
+
 /* out = (exp(x * x * -0.5) * INV_SQRT_2PI * x + cdf) * dy (repops_ops._gelu_grad_rows). */
 int gelu_backward(const float *x, const float *cdf, const float *dy, float *out, int64_t n,
                   const float *k) {

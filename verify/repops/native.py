@@ -117,6 +117,8 @@ def _build() -> ctypes.CDLL | None:
         "exp_vec": [ptr, ptr, i64, ptr],
         "gelu_cdf": [ptr, ptr, i64, ptr],
         "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
+        "gelu_vec": [ptr, ptr, i64, ptr],
+        "gelu_backward_x": [ptr, ptr, ptr, i64, ptr],
         "softmax_rows": [ptr, ptr, i64, i64, f32, i64, i64, int_, ptr, ptr],
         "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
         "adamw": [ptr, ptr, ptr, ptr, i64, ptr],
@@ -267,6 +269,25 @@ def gelu_backward(
     if lib is None or not _plain(x, cdf, dy):
         return None
     return _elementwise(lib.gelu_backward, (x, cdf, dy), constants)
+
+
+def gelu(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
+    """x * ``repops_ops._gelu_cdf(x)`` in one pass, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x):
+        return None
+    return _elementwise(lib.gelu_vec, (x,), constants)
+
+
+def gelu_backward_of_x(
+    x: torch.Tensor, dy: torch.Tensor, constants: torch.Tensor
+) -> torch.Tensor | None:
+    """``gelu_backward`` with the cdf of ``x`` computed in the same pass, or None when the
+    kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, dy):
+        return None
+    return _elementwise(lib.gelu_backward_x, (x, dy), constants)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
