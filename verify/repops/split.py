@@ -26,10 +26,11 @@ class _Pool:
         self._workers = 0
 
     def get(self, workers: int) -> ThreadPoolExecutor:
+        """An executor of at least ``workers`` threads. A smaller one it replaces is not shut
+        down: a caller in another thread may still be submitting to it; its threads end once
+        the last reference to it is gone (ThreadPoolExecutor's own weakref callback)."""
         with self._lock:
             if self._executor is None or self._workers < workers:
-                if self._executor is not None:
-                    self._executor.shutdown(wait=False)
                 self._executor = ThreadPoolExecutor(workers, thread_name_prefix="repops")
                 self._workers = workers
             return self._executor
