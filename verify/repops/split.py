@@ -8,6 +8,7 @@ threads (ctypes releases the GIL around each foreign call), one range in the cal
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -41,7 +42,10 @@ _POOL = _Pool()
 
 def threads_for(count: int, elements_each: int) -> int:
     """How many ranges to cut ``count`` rows of ``elements_each`` elements into: torch's intra-op
-    thread count, fewer when the ranges would be small."""
+    thread count, fewer when the ranges would be small; 1 with ``SWARMTRAIN_REPOPS_SPLIT=0``
+    (on an oversubscribed machine a range handed to another thread waits for a core)."""
+    if os.environ.get("SWARMTRAIN_REPOPS_SPLIT") == "0":
+        return 1
     by_size = (count * max(1, elements_each)) // MIN_ELEMENTS_PER_THREAD
     return max(1, min(torch.get_num_threads(), count, by_size))
 
