@@ -4,8 +4,9 @@
     python -m bench.repops --model default|llama-tiny|gpt2-tiny [--list-ops] [--steps 10] ...
 
 With ``--model`` the RepOps side is RepOps by dispatch (``verify.dispatch.RepOpsMode``): the
-named model's own forward, loss, backward and ``torch.optim.AdamW`` step, run under the mode, on
-a copy of the native side's parameters. ``default`` is ``ByteTransformer``'s default config;
+named model's own forward, loss, backward and ``torch.optim.AdamW(fused=True)`` step (the native
+side: ``torch.optim.AdamW``'s default, the single-tensor loop on a CPU), run under the mode, on a
+copy of the native side's parameters. ``default`` is ``ByteTransformer``'s default config;
 ``llama-tiny`` and ``gpt2-tiny`` are ``transformers`` models built from the configs in
 ``DISPATCH_MODELS`` (about 5M parameters each, nothing downloaded). Without ``--model``, the
 RepOps side is the hand-written graph of the default model (``verify.repops.step``):
@@ -189,7 +190,11 @@ def dispatch_bench(args: argparse.Namespace) -> None:
     repops_model = copy.deepcopy(native_model)
     sides = {
         "native": (native_model, torch.optim.AdamW(native_model.parameters(), lr=2e-3)),
-        "repops": (repops_model, torch.optim.AdamW(repops_model.parameters(), lr=2e-3)),
+        # fused=True: its two aten operators map to RepOps' one-pass AdamW (verify.dispatch.optim)
+        "repops": (
+            repops_model,
+            torch.optim.AdamW(repops_model.parameters(), lr=2e-3, fused=True),
+        ),
     }
 
     modes: list[RepOpsMode] = []  # the last RepOps step's mode: its operator count

@@ -355,7 +355,8 @@ def _referee(args: argparse.Namespace, children: list[_Child], step: Any = None)
         return tensor_hash(step.batch(index)[labels[label]]) if label in labels else None
 
     # RepOpsStep's graph is the same every step (the step counter is a state tensor); a
-    # dispatch trace's AdamW records carry the step's bias corrections (verify.dispatch.traced).
+    # dispatch trace's is only for a model that does not branch on its data
+    # (verify.dispatch.traced).
     config = RefereeConfig(args.timeout, same_program_every_step=not args.model_config)
     referee = Referee(
         task, recompute if args.model_config else run_op, leaf_oracle=data_leaf, config=config

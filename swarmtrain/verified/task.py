@@ -74,7 +74,8 @@ def inner_optimizer(config: RunConfig) -> AdamWConfig:
 
 
 def inner_adamw(config: RunConfig) -> AdamWSettings:
-    """The same optimizer for a dispatch trace (``torch.optim.AdamW`` itself, single-tensor)."""
+    """The same optimizer for a dispatch trace (``torch.optim.AdamW(fused=True)``, mapped to
+    RepOps' one-pass AdamW)."""
     return AdamWSettings(lr=config.training.inner_lr, weight_decay=config.training.weight_decay)
 
 
@@ -85,7 +86,8 @@ def recompute_of(config: RunConfig) -> Recompute:
 
 def same_program_every_step(config: RunConfig) -> bool:
     """Whether every step of a task records the same operator graph (the hand-written one
-    does; a dispatch trace's AdamW records carry the step's bias corrections)."""
+    does; a dispatch trace's does only for a model that does not branch on its data, which the
+    referee cannot assume: see ``verify.dispatch.traced``)."""
     return not dispatched(config)
 
 

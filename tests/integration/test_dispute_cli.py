@@ -73,7 +73,7 @@ def test_a_transformers_model_config_is_verified_through_its_dispatch_trace(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Issue 23 point 4: ``--model-config`` runs the task on a tiny Llama; ``--cheat-op`` indexes
-    its aten operator list (here the last one, the last parameter's AdamW update). The command
+    its aten operator list (here the last one: the fused AdamW's last written tensor). The command
     runs in this process (``run``, as the CLI calls it: transformers is imported once less),
     its two providers as processes."""
     config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 16,
@@ -93,6 +93,8 @@ def test_a_transformers_model_config_is_verified_through_its_dispatch_trace(
     args.cheat_op = last
     assert run(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert (result["step"], result["op"], result["op_name"]) == (1, last, "aten.addcdiv_.default")
+    assert (result["step"], result["op"], result["op_name"]) == (
+        1, last, "aten._fused_adamw_.default"
+    )  # fmt: skip
     assert result["cheater"] and result["reason"] == "output differs from the referee's"
     assert result["ops_per_step"] == last + 2  # the records, then the step's state record

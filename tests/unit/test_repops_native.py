@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verify.repops import native, ops
+from verify.repops import native, ops, split
 from verify.repops.graph import ModelShape
 from verify.repops.step import RepOpsStep, init_params
 
@@ -172,6 +172,107 @@ def test_attention_and_loss_kernels_equal_eager(
     targets = torch.from_numpy(rng.integers(0, 7, (batch, length)))
     dlogits, dlogits_eager = _both(lambda: ops.OPS["cross_entropy_backward"]([logits, targets], {}))
     assert _bits(dlogits) == _bits(dlogits_eager)
+
+
+@FAST
+@given(
+    rows=st.integers(1, 70),
+    cols=st.integers(1, 200),
+    spread=st.sampled_from([1, 60]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_layernorm_and_tree_sum_kernels_equal_eager(
+    rows: int, cols: int, spread: int, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    x, dy = (torch.from_numpy(_values(rng, (rows, cols), spread)) for _ in range(2))
+    g, b = (torch.from_numpy(_values(rng, (cols,), 1)) for _ in range(2))
+    stats, stats_eager = _both(lambda: ops.OPS["layernorm_stats"]([x], {"eps": 1e-5}))
+    assert _bits(stats) == _bits(stats_eager)
+    for name, inputs in (
+        ("layernorm", [x, stats, g, b]),
+        ("layernorm_backward", [x, stats, g, dy]),
+        ("layernorm_grad_weight", [x, stats, dy]),
+    ):
+        fused, eager = _both(lambda name=name, inputs=inputs: ops.OPS[name](inputs, {}))
+        assert _bits(fused) == _bits(eager), name
+    # The tree over either axis of a matrix, its transpose and a 3-d tensor's middle axis.
+    cube = x.view(rows, 1, cols).expand(rows, 2, cols).contiguous()
+    for tensor, dim in ((x, 0), (x, 1), (x.t(), 0), (x.t(), 1), (cube, 1), (cube, 0)):
+        fused, eager = _both(lambda tensor=tensor, dim=dim: ops.sum_tree(tensor, dim))
+        assert _bits(fused) == _bits(eager), (tuple(tensor.shape), tensor.stride(), dim)
+
+
+@FAST
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**32 - 1), bad=st.booleans())
+def test_adamw_kernel_equals_eager(n: int, seed: int, bad: bool) -> None:
+    rng = np.random.default_rng(seed)
+    p, g, m = (_values(rng, (n,), 20) for _ in range(3))
+    v = np.abs(_values(rng, (n,), 20))
+    if bad:  # the kernel stops at this element's block; the eager ops do the rest
+        g[int(rng.integers(0, n))] = np.inf
+    attrs = {"lr": 2e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+    step = int(rng.integers(1, 5000))
+
+    def update() -> list[torch.Tensor]:
+        tensors = [torch.from_numpy(a.copy()) for a in (p, g, m, v)]
+        ops.adamw_(*tensors, step, attrs)
+        return tensors
+
+    fused, eager = _both(update)
+    for got, want in zip(fused, eager, strict=True):
+        assert _bits(got) == _bits(want)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rows=st.integers(1, 40), cols=st.integers(1, 90), seed=st.integers(0, 2**32 - 1))
+def test_every_kernel_gives_the_same_bits_split_over_1_2_and_3_threads(
+    rows: int, cols: int, seed: int
+) -> None:
+    # Every kernel split however small its work (the threshold lowered to one element), so that
+    # each range boundary and the causal mask's row numbering across a cut are exercised.
+    rng = np.random.default_rng(seed)
+    x, dy, z = (torch.from_numpy(_values(rng, (rows, cols), 8)) for _ in range(3))
+    g, b = (torch.from_numpy(_values(rng, (cols,), 1)) for _ in range(2))
+    v = z.abs()
+    if rng.random() < 0.5:
+        dy[int(rng.integers(0, rows)), int(rng.integers(0, cols))] = np.inf
+    attrs = {"lr": 2e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+    masked = x.clone()
+    masked[int(rng.integers(0, rows))] = -np.inf  # a fully masked row: 0s from _safe_softmax
+
+    def every_kernel() -> list[torch.Tensor]:
+        stats = ops.OPS["layernorm_stats"]([x], {"eps": 1e-5})
+        p, m, w = x.clone(), z.clone(), v.clone()
+        ops.adamw_(p, dy, m, w, 7, attrs)
+        return [
+            ops.matmul(x, z.t(), bias=b[:rows] if cols >= rows else None),
+            ops.matmul(x.expand(2, rows, cols), z.t().expand(2, cols, rows)),
+            ops.exp(x),
+            ops.OPS["gelu_backward"]([x, ops.OPS["gelu_cdf"]([x], {}), z], {}),
+            native.gelu(x, ops.NATIVE_CONSTANTS),
+            native.gelu_backward_of_x(x, z, ops.NATIVE_CONSTANTS),
+            native.softmax_rows(x, ops.NATIVE_CONSTANTS, 0.5, 1 + seed % 7),
+            native.softmax_rows(masked, ops.NATIVE_CONSTANTS, safe=True),
+            ops.OPS["attention_scores_backward"](
+                [ops.softmax_rows(x), x.repeat(1, 3), z], {"heads": 1, "batch": 1}
+            ) if cols == rows else x,
+            ops.sum_tree(x, 0), ops.sum_tree(x, 1), stats,
+            ops.OPS["layernorm"]([x, stats, g, b], {}),
+            ops.OPS["layernorm_backward"]([x, stats, g, z], {}),
+            p, m, w,
+        ]  # fmt: skip
+
+    # Unsplit (these sizes are under the threshold): the kernels the other tests hold to eager.
+    want = [_bits(t) for t in every_kernel()]
+    lowered = split.MIN_ELEMENTS_PER_THREAD
+    split.MIN_ELEMENTS_PER_THREAD = 1
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert [_bits(t) for t in every_kernel()] == want, threads
+    finally:
+        split.MIN_ELEMENTS_PER_THREAD = lowered
 
 
 def test_a_nan_input_takes_the_eager_path_and_gives_its_bits() -> None:

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from verify.dispatch import elementwise  # noqa: F401  (registers the elementwise mappings)
+# Imported for what importing them does: they register the elementwise and fused AdamW mappings.
+from verify.dispatch import elementwise, optim  # noqa: F401
 from verify.dispatch.registry import (
     F32,
     HANDLERS,
@@ -141,9 +142,11 @@ def _softmax(x: torch.Tensor, dim: int, half_to_float: bool = False) -> torch.Te
 def _safe_softmax(x: torch.Tensor, dim: int, dtype: Any = None) -> torch.Tensor:
     """Softmax whose fully masked rows (all -inf) are 0 instead of NaN."""
     last, dim = _last(as_f32(x, "aten._safe_softmax"), dim)
-    masked = (last == -math.inf).all(dim=-1, keepdim=True)
-    out = _softmax_last(last).masked_fill_(masked, 0.0)
-    return out.movedim(-1, dim)
+    fused = repops_native.softmax_rows(last, ops.NATIVE_CONSTANTS, safe=True)
+    if fused is None:
+        masked = (last == -math.inf).all(dim=-1, keepdim=True)
+        fused = _softmax_last(last).masked_fill_(masked, 0.0)
+    return fused.movedim(-1, dim)
 
 
 @maps(aten._softmax_backward_data.default)

@@ -150,3 +150,19 @@ def decode_call(
 def tensor_outputs(out: Any) -> list[torch.Tensor]:
     """The tensors of an operator's result, in order (None and non-tensors skipped)."""
     return [leaf for leaf in tree_flatten(out)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def results(func: torch._ops.OpOverload, args: Sequence[Any], kwargs: dict[str, Any], out: Any
+            ) -> list[torch.Tensor]:  # fmt: skip
+    """What a call of ``func`` produced: the tensors it returned, or for an operator that returns
+    nothing and writes its arguments in place (``_foreach_add_``, ``_fused_adamw_``) the
+    tensors of those arguments, in schema order, after the call."""
+    if func._schema.returns:
+        return tensor_outputs(out)
+    written: list[torch.Tensor] = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        written.extend(tensor_outputs(value))
+    return written

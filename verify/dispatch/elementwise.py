@@ -24,6 +24,7 @@ from verify.dispatch.registry import (
     operand,
     scaled,
 )
+from verify.repops import native as repops_native
 from verify.repops import ops
 
 aten = torch.ops.aten
@@ -188,7 +189,8 @@ def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     x = as_f32(x, "aten.gelu")
     if _gelu_kind("aten.gelu.default", approximate):
         return torch.mul(x, 0.5).mul_(_gelu_tanh_inner(x)[1].add_(1.0))
-    return torch.mul(x, ops.OPS["gelu_cdf"]([x.contiguous()], {}))
+    fused = repops_native.gelu(x.contiguous(), ops.NATIVE_CONSTANTS)  # the same ops, one pass
+    return torch.mul(x, ops.OPS["gelu_cdf"]([x.contiguous()], {})) if fused is None else fused
 
 
 @maps(aten.gelu_backward.default)
@@ -202,6 +204,9 @@ def _gelu_backward(grad: torch.Tensor, x: torch.Tensor, approximate: str = "none
         slope = x2.mul_(3.0 * GELU_KAPPA).add_(1.0)
         right = torch.mul(x, 0.5).mul_(torch.sub(one(t), torch.mul(t, t))).mul_(GELU_BETA)
         return torch.mul(grad, left.add_(right.mul_(slope)))
+    fused = repops_native.gelu_backward_of_x(x, grad.contiguous(), ops.NATIVE_CONSTANTS)
+    if fused is not None:  # the same ops, one pass
+        return fused
     cdf = ops.OPS["gelu_cdf"]([x], {})
     return ops.OPS["gelu_backward"]([x, cdf, grad.contiguous()], {})
 

@@ -1,11 +1,13 @@
 """The dispatch trace: what ``RepOpsMode(recorder=...)`` writes while it runs a step.
 
-Every aten operator the mode routes becomes one ``verify.trace.OpRecord`` per tensor it returns:
-its name (``aten.mm.default``), the records whose outputs are its tensor arguments, its attrs
-(``verify.dispatch.calls``: every other argument, and which output) and its output's hash. The
-step's own tensors (parameters, optimizer state, the batch) enter as ``leaf:<name>`` records
-first. So the trace of any model's step is the dispatch log, and one record is recomputed from
-its inputs alone (``recompute``), by the same ``route`` the mode runs.
+Every aten operator the mode routes becomes one ``verify.trace.OpRecord`` per tensor it returns
+(or, for an operator that returns nothing, per tensor it writes: a fused AdamW's parameters and
+moments, ``verify.dispatch.calls.results``): its name (``aten.mm.default``), the records whose
+outputs are its tensor arguments, its attrs (``verify.dispatch.calls``: every other argument,
+and which output) and its output's hash. The step's own tensors (parameters, optimizer state,
+the batch) enter as ``leaf:<name>`` records first. So the trace of any model's step is the
+dispatch log, and one record is recomputed from its inputs alone (``recompute``), by the same
+``route`` the mode runs.
 
 Which record an argument is. A tensor is found by where its values live: storage address,
 offset, sizes, strides and dtype. Every recorded tensor is kept alive to the end of the step, so
@@ -41,6 +43,7 @@ from verify.dispatch.calls import (
     decode_call,
     encode_call,
     overload_named,
+    results,
     tensor_outputs,
 )
 from verify.dispatch.mode import PASSIVE_NAMESPACES, route
@@ -227,7 +230,7 @@ class Recorder:
                 self.release(tensor)
         out = route(func, args, kwargs)
         views = _views(func)
-        for position, tensor in enumerate(tensor_outputs(out)):
+        for position, tensor in enumerate(results(func, args, kwargs, out)):
             attrs = encode_call(args, kwargs, position)[1]
             watch = None
             if views(position):
@@ -267,7 +270,7 @@ def recompute(name: str, inputs: list[np.ndarray], attrs: bytes) -> np.ndarray:
         func = overload_named(name)
         tensors = [torch.from_numpy(np.array(x, order="C")) for x in inputs]
         args, kwargs, output = decode_call(attrs, tensors)
-        outs = tensor_outputs(route(func, args, kwargs))
+        outs = results(func, args, kwargs, route(func, args, kwargs))
         if not 0 <= output < len(outs):
             raise ValueError(f"{name} has no output {output}")
         return snapshot(outs[output])

@@ -4,7 +4,8 @@ Written from the definitions in ``aten``'s docstrings with numpy ufuncs on float
 numpy kernels of ``verify.repops.reference`` (itself tested bit for bit against the torch
 kernels), so a torch handler that strays from its definition, or a library that rounds
 differently, shows up as a mismatch. Keyed by the overload's name (``aten.mm.default``); an
-in-place overload shares its functional twin (the test compares ``self`` after the call).
+in-place overload shares its functional twin (the test compares ``self`` after the call); an
+operator that returns nothing and writes its list arguments gives the written tensors' values.
 """
 
 from __future__ import annotations
@@ -233,6 +234,43 @@ def _both(a: Any, b: Any, *rest: Any) -> np.ndarray:
     return _c(a) * _c(b)
 
 
+def foreach_add(tensors: list[np.ndarray], scalar: Any) -> list[np.ndarray]:
+    return [t + _c(scalar) if t.dtype.kind == "f" else t + scalar for t in tensors]
+
+
+def fused_adamw(
+    params: list[np.ndarray],
+    grads: list[np.ndarray],
+    exp_avgs: list[np.ndarray],
+    exp_avg_sqs: list[np.ndarray],
+    max_exp_avg_sqs: list[np.ndarray],
+    state_steps: list[np.ndarray],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    grad_scale: Any = None,
+    found_inf: Any = None,
+) -> list[np.ndarray]:
+    """The written tensors after the call, in schema order: parameters, gradients (unchanged),
+    first and second moments. Per parameter the graph's AdamW kernels: the moments, then the
+    parameter from the new moments and the step tensor's count."""
+    attrs = {"lr": lr, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    new_p, new_m, new_v = [], [], []
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, strict=True):
+        g = -g if maximize else g
+        m2 = kernels.OPS["adamw_m"]([m, g], attrs)
+        v2 = kernels.OPS["adamw_v"]([v, g], attrs)
+        new_p.append(kernels.OPS["adamw_param"]([p, m2, v2, step], attrs))
+        new_m.append(m2)
+        new_v.append(v2)
+    return [*new_p, *grads, *new_m, *new_v]
+
+
 REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.add.Tensor": add,
     "aten.add.Scalar": add,
@@ -296,6 +334,8 @@ REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.native_layer_norm.default": layer_norm,
     "aten.native_layer_norm_backward.default": layer_norm_backward,
     "aten.embedding_dense_backward.default": embedding_backward,
+    "aten._foreach_add_.Scalar": foreach_add,
+    "aten._fused_adamw_.default": fused_adamw,
     "aten.arange.default": lambda *a, **k: np.arange(*a).astype(F32),
     "aten.arange.start": lambda *a, **k: np.arange(*a).astype(F32),
     "aten.arange.start_step": lambda *a, **k: np.arange(*a).astype(F32),

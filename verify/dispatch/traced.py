@@ -1,21 +1,23 @@
 """``DispatchStep``: any model's traced training step, the provider backend of the dispute game
 for models without a hand-written graph.
 
-One step is the model's own ``loss(inputs, targets)``, ``backward()`` and ``torch.optim.AdamW``'s
-step, run under ``RepOpsMode`` with a ``Recorder``: its trace is the dispatch log
-(``verify.dispatch.record``) and the referee recomputes a disputed record with
-``verify.dispatch.record.recompute``. The state is plain numpy (``verify.trace``'s contract):
-every parameter and buffer by its ``named_parameters``/``named_buffers`` name (a frozen
-parameter counts as a buffer: no moments), and AdamW's
-``adamw.exp_avg.<param>``, ``adamw.exp_avg_sq.<param>`` and ``adamw.step`` (a float32 count, as
-torch keeps it). Leaves come first, in a fixed order: parameters, buffers, then each parameter's
-step count and moments (one ``leaf:adamw.step`` per parameter: AdamW counts each one's steps
-apart), then ``leaf:inputs`` and ``leaf:targets``.
+One step is the model's own ``loss(inputs, targets)``, ``backward()`` and
+``torch.optim.AdamW(fused=True)``'s step (its operators mapped to RepOps' one-pass AdamW,
+``verify.dispatch.optim``, and called once per parameter), run under ``RepOpsMode`` with a
+``Recorder``: its trace is the dispatch log (``verify.dispatch.record``) and the referee
+recomputes a disputed record with ``verify.dispatch.record.recompute``. The state is plain
+numpy (``verify.trace``'s contract): every parameter and buffer by its
+``named_parameters``/``named_buffers`` name (a frozen parameter counts as a buffer: no
+moments), and AdamW's ``adamw.exp_avg.<param>``, ``adamw.exp_avg_sq.<param>`` and
+``adamw.step`` (a float32 count, as torch keeps it). Leaves come first, in a fixed order:
+parameters, buffers, then each parameter's step count and moments (one ``leaf:adamw.step`` per
+parameter: AdamW counts each one's steps apart), then ``leaf:inputs`` and ``leaf:targets``.
 
-The operator graph repeats every step except in the AdamW records' scalars (the bias
-corrections are Python floats of the step count), so a referee of a dispatch trace does not use
-``RefereeConfig.same_program_every_step``: a cheater who records another graph than the program
-leaves the dispute undecided (a commitment to the program would settle it; not taken yet).
+The fused AdamW's records carry no per-step scalars (its bias corrections come from the step
+tensors, by ``pow_int``), so a model whose step does not branch on its data records the same
+operator graph every step (a tiny Llama's does). A referee of a dispatch trace still does not
+use ``RefereeConfig.same_program_every_step``: a user's model may branch on its data, and then
+the previous step's graph is not the program (a commitment to the program would settle it).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ Loss = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class AdamWSettings:
-    """``torch.optim.AdamW``'s arguments for a traced step (single-tensor kernels always: the
-    trace is the same on a CPU and a GPU); the defaults are ``verify.repops.AdamWConfig``'s."""
+    """``torch.optim.AdamW``'s arguments for a traced step (``fused=True`` always: its two aten
+    operators are mapped the same on a CPU and a GPU); the defaults are
+    ``verify.repops.AdamWConfig``'s."""
 
     lr: float = 2e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -139,7 +142,6 @@ class DispatchStep:
         """One step from ``state``, recorded when ``recorder`` is given; the state after it.
         Sets ``last_loss``."""
         self._check(state)
-        settings = self.optimizer
 
         def load(name: str) -> torch.Tensor:
             return torch.from_numpy(np.array(state[name], order="C"))
@@ -148,34 +150,50 @@ class DispatchStep:
             for name, tensor in self._tensors().items():
                 tensor.copy_(load(name))
                 tensor.grad = None
-        optimizer = torch.optim.AdamW(
-            self.params.values(), lr=settings.lr, betas=settings.betas, eps=settings.eps,
-            weight_decay=settings.weight_decay, foreach=False, fused=False,
-        )  # fmt: skip
         leaf = recorder.leaf if recorder is not None else lambda name, tensor: 0
         for name, tensor in self._tensors().items():
             leaf(name, tensor)
-        for name, p in self.params.items():
-            slots = {"step": load(STEP_KEY)}
-            leaf(STEP_KEY, slots["step"])
+        slots: dict[str, dict[str, torch.Tensor]] = {}
+        for name in self.params:
+            slots[name] = {"step": load(STEP_KEY)}
+            leaf(STEP_KEY, slots[name]["step"])
             for moment in ("exp_avg", "exp_avg_sq"):
-                slots[moment] = load(f"adamw.{moment}.{name}")
-                leaf(f"adamw.{moment}.{name}", slots[moment])
-            optimizer.state[p] = slots
+                slots[name][moment] = load(f"adamw.{moment}.{name}")
+                leaf(f"adamw.{moment}.{name}", slots[name][moment])
         inputs, targets = (torch.from_numpy(np.array(a, order="C")) for a in self.batch(step))
         leaf("inputs", inputs)
         leaf("targets", targets)
         with RepOpsMode(recorder):
             loss = self.loss(self.model, inputs, targets)
             loss.backward()
-            optimizer.step()
+            self._adamw(slots)
         self.last_loss = float(loss.detach())
         after = {name: snapshot(t) for name, t in self._tensors().items()}
         if recorder is not None:
             for tensor in self._tensors().values():
                 recorder.release(tensor)  # the next call loads the next state into them
-        for name, p in self.params.items():
+        for name in self.params:
             for moment in ("exp_avg", "exp_avg_sq"):
-                after[f"adamw.{moment}.{name}"] = snapshot(optimizer.state[p][moment])
-        after[STEP_KEY] = snapshot(optimizer.state[next(iter(self.params.values()))]["step"])
+                after[f"adamw.{moment}.{name}"] = snapshot(slots[name][moment])
+        after[STEP_KEY] = snapshot(slots[next(iter(self.params))]["step"])
         return after
+
+    @torch.no_grad()
+    def _adamw(self, slots: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """``torch.optim.AdamW(fused=True)``'s step, its two operators called once per parameter
+        rather than once over the list: the same bits (the mapping updates each parameter on its
+        own), but a disputed AdamW record then opens one parameter's tensors, not the model's
+        (about 4x the model's size from each provider). A parameter without a gradient is left
+        alone, its step count too, as torch's optimizer does."""
+        settings = self.optimizer
+        beta1, beta2 = settings.betas
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            state = slots[name]
+            torch._foreach_add_([state["step"]], 1)
+            torch._fused_adamw_(
+                [p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                lr=settings.lr, beta1=beta1, beta2=beta2, weight_decay=settings.weight_decay,
+                eps=settings.eps, amsgrad=False, maximize=False,
+            )  # fmt: skip

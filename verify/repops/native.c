@@ -227,6 +227,33 @@ int gelu_cdf(const float *x, float *out, int64_t n, const float *k) {
     return 0;
 }
 
+static inline float gelu_cdf_r(float x, const float *k) {
+    float e = erf_r(x * k[INV_SQRT2], k);
+    e = e * 0.5f;
+    return e + 0.5f;
+}
+
+/* out = x * cdf(x): the exact GELU (verify.dispatch's aten.gelu, torch.mul(x, gelu_cdf(x))). */
+int gelu_vec(const float *x, float *out, int64_t n, const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * gelu_cdf_r(x[i], k);
+    return 0;
+}
+
+/* gelu_backward below with the cdf computed in the same pass (aten.gelu_backward's mapping). */
+int gelu_backward_x(const float *x, const float *dy, float *out, int64_t n, const float *k) {
+    if (any_nan(x, n)) return 1;
+    for (int64_t i = 0; i < n; i++) {
+        float s = x[i] * x[i];
+        s = s * -0.5f;
+        float pdf = exp_r(s, k) * k[INV_SQRT_2PI];
+        pdf = pdf * x[i];
+        pdf = pdf + gelu_cdf_r(x[i], k);
+        out[i] = pdf * dy[i];
+    }
+    return 0;
+}
+
 /* out = (exp(x * x * -0.5) * INV_SQRT_2PI * x + cdf) * dy (repops_ops._gelu_grad_rows). */
 int gelu_backward(const float *x, const float *cdf, const float *dy, float *out, int64_t n,
                   const float *k) {
@@ -260,20 +287,26 @@ static float sum_tree(float *buf, int64_t n) {
 
 /* Softmax of each row of contiguous (rows, cols) x into out (repops_ops.softmax_rows). With
  * `scale` != 0 each row is first multiplied by it, and with `causal` > 0 entries past the row's
- * position (row index modulo causal) are -inf first (repops_ops._attention_probs). `buf` is
- * scratch of cols floats. */
+ * position (row index modulo causal, the rows numbered from row0: a thread's share of a
+ * matrix) are -inf first (repops_ops._attention_probs). With `safe`, a row whose entries are
+ * all -inf is 0 (torch's _safe_softmax; plain softmax makes it NaN). `buf` is scratch of cols
+ * floats. */
 int softmax_rows(const float *x, float *out, int64_t rows, int64_t cols, float scale,
-                 int64_t causal, const float *k, float *buf) {
+                 int64_t causal, int64_t row0, int safe, const float *k, float *buf) {
     if (any_nan(x, rows * cols)) return 1;
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * cols;
         float *orow = out + r * cols;
-        int64_t live = causal > 0 ? (r % causal) + 1 : cols;
+        int64_t live = causal > 0 ? ((row0 + r) % causal) + 1 : cols;
         if (live > cols) live = cols;
         for (int64_t c = 0; c < live; c++) orow[c] = scale != 0.0f ? row[c] * scale : row[c];
         for (int64_t c = live; c < cols; c++) orow[c] = -INFINITY;
         float top = orow[0];
         for (int64_t c = 1; c < cols; c++) top = orow[c] > top ? orow[c] : top;
+        if (safe && top == -INFINITY) { /* every entry -inf: torch's _safe_softmax gives 0s */
+            for (int64_t c = 0; c < cols; c++) orow[c] = 0.0f;
+            continue;
+        }
         top = top + 0.0f;
         for (int64_t c = 0; c < cols; c++) {
             float e = exp_r(orow[c] - top, k);
@@ -299,6 +332,182 @@ int scores_grad_rows(const float *dp, const float *p, float *out, int64_t rows, 
             float t = d[c] - row;
             t = t * pr[c];
             o[c] = t * scale;
+        }
+    }
+    return 0;
+}
+
+/* ---- AdamW, one parameter tensor in one pass (repops_ops.adamw_) ------------------------------
+ *
+ * In place over n elements, with c = {beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2),
+ * eps, 1 - lr * weight_decay, lr / bias_correction1} as float32 (repops_ops.adamw_constants):
+ *   m = m * beta1 + g * (1 - beta1);  v = v * beta2 + (g * g) * (1 - beta2)
+ *   p = p * decay - (m / (sqrt(v) / sqrt(bc2) + eps)) * step_size
+ * sqrtf is IEEE's correctly rounded square root (as repops_ops.sqrt). Block by block, a block
+ * whose p, g, m or v holds a NaN or an infinity stops the kernel before it writes that block:
+ * the return value is the number of elements done (n when all were), and the caller runs the
+ * eager code from there (the elements are independent, so the split changes no bit). */
+#define ADAMW_BLOCK 256
+
+static int any_nonfinite(const float *x, int64_t n) {
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; i++) bad |= (bits[i] & 0x7f800000u) == 0x7f800000u;
+    return bad != 0;
+}
+
+int64_t adamw(float *p, const float *g, float *m, float *v, int64_t n, const float *c) {
+    const float b1 = c[0], nb1 = c[1], b2 = c[2], nb2 = c[3], bc2 = c[4], eps = c[5];
+    const float decay = c[6], step_size = c[7];
+    for (int64_t start = 0; start < n; start += ADAMW_BLOCK) {
+        int64_t len = n - start < ADAMW_BLOCK ? n - start : ADAMW_BLOCK;
+        float *pb = p + start, *mb = m + start, *vb = v + start;
+        const float *gb = g + start;
+        if (any_nonfinite(pb, len) || any_nonfinite(gb, len) || any_nonfinite(mb, len) ||
+            any_nonfinite(vb, len))
+            return start;
+        for (int64_t i = 0; i < len; i++) {
+            float gi = gb[i];
+            float mi = mb[i] * b1;
+            mi = mi + gi * nb1;
+            float g2 = gi * gi;
+            float vi = vb[i] * b2;
+            vi = vi + g2 * nb2;
+            float denom = sqrtf(vi) / bc2;
+            denom = denom + eps;
+            float t = mi / denom;
+            t = t * step_size;
+            float pi = pb[i] * decay;
+            pb[i] = pi - t;
+            mb[i] = mi;
+            vb[i] = vi;
+        }
+    }
+    return n;
+}
+
+/* ---- trees over a strided axis, LayerNorm rows (repops_ops.sum_tree, _layernorm_*) ---------- */
+
+/* out[r] = repops_ops.sum_tree over k of x[r * rs + k * ks] (R sums of K >= 2 terms each). The
+ * tree's levels run over lines of R partial sums in buf (R * ceil(K / 2) floats): each level adds
+ * the second half of the lines to the first, the inner loops run over r, contiguous, and every
+ * sum sees the same additions in the same order as the row-at-a-time tree. */
+int sum_tree_axis(const float *x, int64_t rs, int64_t ks, int64_t rows, int64_t k, float *out,
+                  float *buf) {
+    /* The first level reads x itself: line j = term j + term j + k/2, the odd last term carried.
+     * A NaN among the terms leaves a NaN in its line (NaN + y is NaN), which the check sees. */
+    int64_t half = k / 2, n = half + k % 2;
+    for (int64_t j = 0; j < n; j++) {
+        float *line = buf + j * rows;
+        const float *a = x + j * ks, *b = x + (j + half) * ks;
+        if (j == half) /* k odd: the last term, carried */
+            for (int64_t r = 0; r < rows; r++) line[r] = x[(k - 1) * ks + r * rs];
+        else if (rs == 1)
+            for (int64_t r = 0; r < rows; r++) line[r] = a[r] + b[r];
+        else
+            for (int64_t r = 0; r < rows; r++) line[r] = a[r * rs] + b[r * rs];
+    }
+    if (any_nan(buf, rows * n)) return 1;
+    while (n > 1) {
+        int64_t half = n / 2;
+        for (int64_t j = 0; j < half; j++) {
+            float *a = buf + j * rows;
+            const float *b = buf + (j + half) * rows;
+            for (int64_t r = 0; r < rows; r++) a[r] = a[r] + b[r];
+        }
+        if (n % 2) {
+            memcpy(buf + half * rows, buf + (n - 1) * rows, (size_t)rows * sizeof(float));
+            n = half + 1;
+        } else {
+            n = half;
+        }
+    }
+    memcpy(out, buf, (size_t)rows * sizeof(float));
+    return 0;
+}
+
+/* LayerNorm statistics of each row of contiguous (rows, cols): stats[2r] = sum_tree(x) / d,
+ * stats[2r + 1] = 1 / sqrt(sum_tree((x - mean)^2) / d + eps) (repops_ops._layernorm_stats).
+ * buf: cols floats. */
+int layernorm_stats(const float *x, int64_t rows, int64_t cols, float eps, float *stats,
+                    float *buf) {
+    if (any_nan(x, rows * cols)) return 1;
+    const float d = (float)cols;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        memcpy(buf, row, (size_t)cols * sizeof(float));
+        float mean = sum_tree(buf, cols) / d;
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            buf[c] = t * t;
+        }
+        float var = sum_tree(buf, cols) / d;
+        var = var + eps;
+        stats[2 * r] = mean;
+        stats[2 * r + 1] = 1.0f / sqrtf(var);
+    }
+    return 0;
+}
+
+/* y = (x - mean) * rstd * g + b per row (repops_ops._layernorm). */
+int layernorm_apply(const float *x, const float *stats, const float *g, const float *b,
+                    int64_t rows, int64_t cols, float *y) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        float *out = y + r * cols;
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            t = t * rstd;
+            t = t * g[c];
+            out[c] = t + b[c];
+        }
+    }
+    return 0;
+}
+
+/* dx per row (repops_ops._layernorm_backward): xhat = (x - mean) * rstd, dxhat = dy * g,
+ * a = sum_tree(dxhat) / d, c = sum_tree(dxhat * xhat) / d, dx = ((dxhat - a) - xhat * c) * rstd.
+ * buf: 3 * cols floats. */
+int layernorm_backward(const float *x, const float *stats, const float *g, const float *dy,
+                       int64_t rows, int64_t cols, float *dx, float *buf) {
+    if (any_nan(x, rows * cols) || any_nan(dy, rows * cols)) return 1;
+    const float d = (float)cols;
+    float *xhat = buf, *dxhat = buf + cols, *tree = buf + 2 * cols;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols, *dyr = dy + r * cols;
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            xhat[c] = t * rstd;
+            dxhat[c] = dyr[c] * g[c];
+            tree[c] = dxhat[c];
+        }
+        float a = sum_tree(tree, cols) / d;
+        for (int64_t c = 0; c < cols; c++) tree[c] = dxhat[c] * xhat[c];
+        float cc = sum_tree(tree, cols) / d;
+        float *out = dx + r * cols;
+        for (int64_t c = 0; c < cols; c++) {
+            float t = dxhat[c] - a;
+            float u = xhat[c] * cc;
+            t = t - u;
+            out[c] = t * rstd;
+        }
+    }
+    return 0;
+}
+
+/* prod = (x - mean) * rstd * dy per row (repops_ops._layernorm_grad_weight's terms). */
+int layernorm_xhat_dy(const float *x, const float *stats, const float *dy, int64_t rows,
+                      int64_t cols, float *prod) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols, *dyr = dy + r * cols;
+        float *out = prod + r * cols;
+        const float mean = stats[2 * r], rstd = stats[2 * r + 1];
+        for (int64_t c = 0; c < cols; c++) {
+            float t = row[c] - mean;
+            t = t * rstd;
+            out[c] = t * dyr[c];
         }
     }
     return 0;

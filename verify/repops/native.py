@@ -27,15 +27,23 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from verify.repops.split import split
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: GCC's C default contracts a * b + c into an FMA (one rounding, not two).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+# -fno-math-errno: sqrtf may then vectorize (errno is all it changes, never a result's bits).
+FLAGS = (
+    "-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared",
+    "-fPIC",
+)  # fmt: skip
 BUILD_TIMEOUT_S = 60.0
+ADAMW_BLOCK = 256  # native.c's ADAMW_BLOCK: the kernel checks for non-finite values per block
 F32, F64 = torch.float32, torch.float64
 
 
@@ -109,12 +117,21 @@ def _build() -> ctypes.CDLL | None:
         "exp_vec": [ptr, ptr, i64, ptr],
         "gelu_cdf": [ptr, ptr, i64, ptr],
         "gelu_backward": [ptr, ptr, ptr, ptr, i64, ptr],
-        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, ptr, ptr],
+        "gelu_vec": [ptr, ptr, i64, ptr],
+        "gelu_backward_x": [ptr, ptr, ptr, i64, ptr],
+        "softmax_rows": [ptr, ptr, i64, i64, f32, i64, i64, int_, ptr, ptr],
         "scores_grad_rows": [ptr, ptr, ptr, i64, i64, f32, ptr],
+        "adamw": [ptr, ptr, ptr, ptr, i64, ptr],
+        "sum_tree_axis": [ptr, i64, i64, i64, i64, ptr, ptr],
+        "layernorm_stats": [ptr, i64, i64, f32, ptr, ptr],
+        "layernorm_apply": [ptr, ptr, ptr, ptr, i64, i64, ptr],
+        "layernorm_backward": [ptr, ptr, ptr, ptr, i64, i64, ptr, ptr],
+        "layernorm_xhat_dy": [ptr, ptr, ptr, i64, i64, ptr],
     }
     for name, argtypes in signatures.items():
         kernel = getattr(lib, name)
         kernel.argtypes, kernel.restype = argtypes, int_
+    lib.adamw.restype = i64
     return lib
 
 
@@ -144,7 +161,8 @@ def _strides(t: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
 def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
     """Write ``repops_ops._grid(x, dim, bits)`` into float64 ``out`` (x's shape); False when the
     kernels do not apply (not built, not a 2-4 dim float32 CPU tensor, a non-finite value) and
-    the caller must run the eager code."""
+    the caller must run the eager code. Split over the first axis of more than one row (a
+    batch of matrices, or a matrix's rows: each row has its own grid)."""
     lib = library()
     if (
         lib is None
@@ -159,22 +177,21 @@ def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
     if dim in (-2, x.dim() - 2):
         x, out = x.transpose(-1, -2), out.transpose(-1, -2)
     shape = [1] * (4 - x.dim()) + list(x.shape)
-    rows = shape[2]
-    work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
-    rc = lib.grid_rows(
-        x.data_ptr(),
-        _strides(x),
-        out.data_ptr(),
-        _strides(out),
-        shape[0],
-        shape[1],
-        rows,
-        shape[3],
-        bits,
-        work.data_ptr(),
-        work.data_ptr() + 4 * rows,
-    )
-    return rc == 0
+    xs, os_ = _strides(x), _strides(out)
+    axis = next((a for a in range(3) if shape[a] > 1), 2)
+    each = x.numel() // max(1, shape[axis])
+
+    def run(lo: int, hi: int) -> int:
+        part = list(shape)
+        part[axis] = hi - lo
+        rows = part[2]
+        work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
+        return lib.grid_rows(
+            x.data_ptr() + 4 * lo * xs[axis], xs, out.data_ptr() + 8 * lo * os_[axis], os_,
+            part[0], part[1], rows, part[3], bits, work.data_ptr(), work.data_ptr() + 4 * rows,
+        )  # fmt: skip
+
+    return split(shape[axis], each, run) == 0
 
 
 def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -196,9 +213,14 @@ def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = 
         )
     ):
         return False
-    cols = x.shape[-1]
-    rows = x.numel() // cols if cols else 0
-    lib.to_f32(x.data_ptr(), out.data_ptr(), rows, cols, None if bias is None else bias.data_ptr())
+    rows, cols = _rows(x)
+    bias_ptr = None if bias is None else bias.data_ptr()
+
+    def run(lo: int, hi: int) -> int:
+        at = lo * cols
+        return lib.to_f32(x.data_ptr() + 8 * at, out.data_ptr() + 4 * at, hi - lo, cols, bias_ptr)
+
+    split(rows, cols, run)
     return True
 
 
@@ -211,15 +233,24 @@ def _plain(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _elementwise(kernel: Any, inputs: tuple[torch.Tensor, ...], constants: torch.Tensor
+                 ) -> torch.Tensor | None:  # fmt: skip
+    """``kernel(*inputs, out, n, constants)`` over ranges of elements; None on its refusal."""
+    out = torch.empty_like(inputs[0])
+
+    def run(lo: int, hi: int) -> int:
+        pointers = (t.data_ptr() + 4 * lo for t in (*inputs, out))
+        return kernel(*pointers, hi - lo, constants.data_ptr())
+
+    return None if split(out.numel(), 1, run) else out
+
+
 def exp(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     """``repops_ops.exp`` in one pass, or None when the kernels do not apply."""
     lib = library()
     if lib is None or not _plain(x):
         return None
-    out = torch.empty_like(x)
-    if lib.exp_vec(x.data_ptr(), out.data_ptr(), x.numel(), constants.data_ptr()):
-        return None
-    return out
+    return _elementwise(lib.exp_vec, (x,), constants)
 
 
 def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
@@ -227,10 +258,7 @@ def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     lib = library()
     if lib is None or not _plain(x):
         return None
-    out = torch.empty_like(x)
-    if lib.gelu_cdf(x.data_ptr(), out.data_ptr(), x.numel(), constants.data_ptr()):
-        return None
-    return out
+    return _elementwise(lib.gelu_cdf, (x,), constants)
 
 
 def gelu_backward(
@@ -240,11 +268,26 @@ def gelu_backward(
     lib = library()
     if lib is None or not _plain(x, cdf, dy):
         return None
-    out = torch.empty_like(x)
-    pointers = (t.data_ptr() for t in (x, cdf, dy, out))
-    if lib.gelu_backward(*pointers, x.numel(), constants.data_ptr()):
+    return _elementwise(lib.gelu_backward, (x, cdf, dy), constants)
+
+
+def gelu(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
+    """x * ``repops_ops._gelu_cdf(x)`` in one pass, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x):
         return None
-    return out
+    return _elementwise(lib.gelu_vec, (x,), constants)
+
+
+def gelu_backward_of_x(
+    x: torch.Tensor, dy: torch.Tensor, constants: torch.Tensor
+) -> torch.Tensor | None:
+    """``gelu_backward`` with the cdf of ``x`` computed in the same pass, or None when the
+    kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, dy):
+        return None
+    return _elementwise(lib.gelu_backward_x, (x, dy), constants)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
@@ -253,20 +296,29 @@ def _rows(x: torch.Tensor) -> tuple[int, int]:
 
 
 def softmax_rows(
-    x: torch.Tensor, constants: torch.Tensor, scale: float = 0.0, causal: int = 0
+    x: torch.Tensor,
+    constants: torch.Tensor,
+    scale: float = 0.0,
+    causal: int = 0,
+    safe: bool = False,
 ) -> torch.Tensor | None:
     """``repops_ops.softmax_rows`` over the last dim, after ``* scale`` (float32, when not 0) and
-    a causal mask (row index modulo ``causal``, when > 0); None when the kernels do not apply."""
+    a causal mask (row index modulo ``causal``, when > 0); with ``safe`` a row of -inf only is 0
+    (``_safe_softmax``). None when the kernels do not apply."""
     lib = library()
     if lib is None or not _plain(x) or x.numel() == 0:
         return None
     rows, cols = _rows(x)
     out = torch.empty_like(x)
-    scratch = torch.empty(cols, dtype=F32)
-    args = (rows, cols, scale, causal, constants.data_ptr(), scratch.data_ptr())
-    if lib.softmax_rows(x.data_ptr(), out.data_ptr(), *args):
-        return None
-    return out
+
+    def run(lo: int, hi: int) -> int:
+        at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
+        return lib.softmax_rows(
+            x.data_ptr() + at, out.data_ptr() + at, hi - lo, cols, scale, causal, lo, int(safe),
+            constants.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+
+    return None if split(rows, cols, run) else out
 
 
 def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -276,8 +328,147 @@ def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> tor
         return None
     rows, cols = _rows(dp)
     out = torch.empty_like(dp)
-    scratch = torch.empty(cols, dtype=F32)
-    pointers = (dp.data_ptr(), probs.data_ptr(), out.data_ptr())
-    if lib.scores_grad_rows(*pointers, rows, cols, scale, scratch.data_ptr()):
+
+    def run(lo: int, hi: int) -> int:
+        at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
+        pointers = (t.data_ptr() + at for t in (dp, probs, out))
+        return lib.scores_grad_rows(*pointers, hi - lo, cols, scale, scratch.data_ptr())
+
+    return None if split(rows, cols, run) else out
+
+
+def adamw_(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, constants: torch.Tensor
+) -> list[tuple[int, int]] | None:
+    """``repops_ops.adamw_`` in place, one pass over ranges of whole blocks; the element ranges
+    it left undone (a block holding a non-finite value and the rest of its range), which the
+    caller's eager code must do, or None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(p, g, m, v):
         return None
-    return out
+    n = p.numel()
+    left: dict[int, tuple[int, int]] = {}
+
+    def run(lo: int, hi: int) -> int:
+        start, stop = lo * ADAMW_BLOCK, min(n, hi * ADAMW_BLOCK)
+        pointers = (t.data_ptr() + 4 * start for t in (p, g, m, v))
+        done = start + lib.adamw(*pointers, stop - start, constants.data_ptr())
+        if done < stop:
+            left[lo] = (done, stop)
+        return 0
+
+    split(-(-n // ADAMW_BLOCK), ADAMW_BLOCK, run)
+    return [left[lo] for lo in sorted(left)]
+
+
+def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """``repops_ops.sum_tree(x, dim)`` (the same tree, one kernel call per range of sums), or
+    None when the kernels do not apply (not a float32 CPU tensor whose other dims flatten into
+    one stride, a NaN)."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype != F32 or x.dim() == 0:
+        return None
+    moved = x.movedim(dim, -1)
+    k = moved.shape[-1]
+    if k < 2 or moved.numel() == 0:
+        return None
+    try:
+        flat = moved.view(-1, k)
+    except RuntimeError:  # the kept dims do not share one stride: a copy would be needed
+        return None
+    rows = flat.shape[0]
+    out = torch.empty(moved.shape[:-1], dtype=F32)
+    rs, ks = flat.stride()
+
+    def run(lo: int, hi: int) -> int:
+        buf = torch.empty((hi - lo) * (k // 2 + k % 2), dtype=F32)
+        source = flat.data_ptr() + 4 * lo * rs
+        return lib.sum_tree_axis(source, rs, ks, hi - lo, k, out.data_ptr() + 4 * lo,
+                                 buf.data_ptr())  # fmt: skip
+
+    return None if split(rows, k, run) else out
+
+
+def layernorm_stats(x: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``repops_ops._layernorm_stats`` of contiguous (rows, cols) ``x``: (rows, 2) of (mean,
+    rstd); None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x) or x.dim() != 2 or x.numel() == 0:
+        return None
+    rows, cols = x.shape
+    stats = torch.empty(rows, 2, dtype=F32)
+
+    def run(lo: int, hi: int) -> int:
+        buf = torch.empty(cols, dtype=F32)
+        return lib.layernorm_stats(x.data_ptr() + 4 * lo * cols, hi - lo, cols, eps,
+                                   stats.data_ptr() + 8 * lo, buf.data_ptr())  # fmt: skip
+
+    return None if split(rows, cols, run) else stats
+
+
+def layernorm_apply(
+    x: torch.Tensor, stats: torch.Tensor, g: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor | None:
+    """``repops_ops._layernorm``: (x - mean) * rstd * g + b; None when the kernels do not
+    apply."""
+    lib = library()
+    if lib is None or not _plain(x) or x.dim() != 2 or not _rows_of(x, stats, g, b):
+        return None
+    rows, cols = x.shape
+    y = torch.empty_like(x)
+
+    def run(lo: int, hi: int) -> int:
+        at = 4 * lo * cols
+        return lib.layernorm_apply(x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(),
+                                   b.data_ptr(), hi - lo, cols, y.data_ptr() + at)  # fmt: skip
+
+    split(rows, cols, run)
+    return y
+
+
+def layernorm_backward(
+    x: torch.Tensor, stats: torch.Tensor, g: torch.Tensor, dy: torch.Tensor
+) -> torch.Tensor | None:
+    """``repops_ops._layernorm_backward``'s dx; None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, dy) or x.dim() != 2 or not _rows_of(x, stats, g):
+        return None
+    rows, cols = x.shape
+    dx = torch.empty_like(x)
+
+    def run(lo: int, hi: int) -> int:
+        at, buf = 4 * lo * cols, torch.empty(3 * cols, dtype=F32)
+        return lib.layernorm_backward(
+            x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(), dy.data_ptr() + at,
+            hi - lo, cols, dx.data_ptr() + at, buf.data_ptr(),
+        )  # fmt: skip
+
+    return None if split(rows, cols, run) else dx
+
+
+def _rows_of(x: torch.Tensor, stats: torch.Tensor, *per_column: torch.Tensor) -> bool:
+    """Contiguous float32 CPU (rows, 2) statistics and (cols,) vectors for ``x``'s rows."""
+    return (
+        _plain(stats)
+        and stats.shape == (x.shape[0], 2)
+        and all(_plain(t) and t.shape == (x.shape[1],) for t in per_column)
+    )
+
+
+def layernorm_xhat_dy(
+    x: torch.Tensor, stats: torch.Tensor, dy: torch.Tensor
+) -> torch.Tensor | None:
+    """(x - mean) * rstd * dy per row, one pass; None when the kernels do not apply."""
+    lib = library()
+    if lib is None or not _plain(x, dy) or x.dim() != 2 or not _rows_of(x, stats):
+        return None
+    rows, cols = x.shape
+    prod = torch.empty_like(x)
+
+    def run(lo: int, hi: int) -> int:
+        at = 4 * lo * cols
+        pointers = (x.data_ptr() + at, stats.data_ptr() + 8 * lo, dy.data_ptr() + at)
+        return lib.layernorm_xhat_dy(*pointers, hi - lo, cols, prod.data_ptr() + at)
+
+    split(rows, cols, run)
+    return prod

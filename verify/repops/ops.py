@@ -242,6 +242,10 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor:
     n = x.shape[dim]
     if n == 0:
         raise ValueError("sum_tree needs at least one term")
+    if n > 1:
+        fused = repops_native.sum_tree(x, dim)
+        if fused is not None:
+            return fused
     while n > 1:
         half = n // 2
         # One split instead of two narrows: these loops are short and run on small tensors,
@@ -475,6 +479,9 @@ def _attention_qkv_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -
 
 def _layernorm_stats(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     (x,) = inputs
+    fused = repops_native.layernorm_stats(x, attrs["eps"])
+    if fused is not None:
+        return fused
     d = _c(float(x.shape[-1]), x)
     mean = sum_tree(x, -1).div_(d)
     xc = torch.sub(x, mean.unsqueeze(-1))
@@ -489,11 +496,17 @@ def _xhat(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 def _layernorm(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     x, stats, g, b = inputs
+    fused = repops_native.layernorm_apply(x, stats, g, b)
+    if fused is not None:
+        return fused
     return _xhat(x, stats).mul_(g).add_(b)
 
 
 def _layernorm_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     x, stats, g, dy = inputs
+    fused = repops_native.layernorm_backward(x, stats, g, dy)
+    if fused is not None:
+        return fused
     xhat = _xhat(x, stats)
     dxhat = torch.mul(dy, g)
     d = _c(float(x.shape[-1]), x)
@@ -504,7 +517,8 @@ def _layernorm_backward(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> to
 
 def _layernorm_grad_weight(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
     x, stats, dy = inputs
-    return sum_tree(_xhat(x, stats).mul_(dy), 0)
+    terms = repops_native.layernorm_xhat_dy(x, stats, dy)
+    return sum_tree(_xhat(x, stats).mul_(dy) if terms is None else terms, 0)
 
 
 def _row_losses(flat: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
@@ -615,6 +629,48 @@ def _adamw_param(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Ten
         return torch.mul(p, constants[0]).sub_(torch.div(m, denom).mul_(constants[1]))
 
     return flat_blocks(update, p, m, v)
+
+
+def adamw_constants(attrs: dict[str, Any], step: int) -> torch.Tensor:
+    """The float32 constants of one AdamW update after ``step`` steps, in the order the
+    compiled kernel reads them: beta1, 1 - beta1, beta2, 1 - beta2, sqrt(bias_correction2),
+    eps, 1 - lr wd, lr / bias_correction1 (each a Python float rounded once to float32)."""
+    decay, step_size, bc2_sqrt, eps = adamw_scalars(attrs, step)
+    b1, b2 = attrs["beta1"], attrs["beta2"]
+    return torch.tensor([b1, 1.0 - b1, b2, 1.0 - b2, bc2_sqrt, eps, decay, step_size], dtype=F32)
+
+
+def adamw_(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step: int,
+    attrs: dict[str, Any],
+) -> None:
+    """One AdamW update of a parameter in place: the moments as ``adamw_m``/``adamw_v``, then
+    the parameter as ``adamw_param`` from the new moments (each product and sum one float32
+    rounding; bias corrections from ``pow_int``). The compiled kernel does it in one pass; the
+    eager ops do what it leaves (a block holding a NaN or an infinity, and the rest of that
+    thread's range), with the same bits: every element depends on its own p, g, m, v only."""
+    constants = adamw_constants(attrs, step)
+    left = repops_native.adamw_(p, g, m, v, constants)
+    if left is None:
+        _adamw_eager(p, g, m, v, constants)
+    for lo, hi in left or ():  # the kernel applied: all four contiguous, so views of the rest
+        _adamw_eager(*(t.view(-1)[lo:hi] for t in (p, g, m, v)), constants)
+
+
+def _adamw_eager(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, constants: torch.Tensor
+) -> None:
+    b1, nb1, b2, nb2, bc2_sqrt, eps, decay, step_size = constants.to(p.device).unbind()
+    m_new = torch.mul(m, b1).add_(torch.mul(g, nb1))
+    v_new = torch.mul(v, b2).add_(torch.mul(g, g).mul_(nb2))
+    denom = sqrt(v_new).div_(bc2_sqrt).add_(eps)
+    p_new = torch.mul(p, decay).sub_(torch.div(m_new, denom).mul_(step_size))
+    for target, value in ((p, p_new), (m, m_new), (v, v_new)):
+        target.copy_(value)
 
 
 def _increment(inputs: list[torch.Tensor], attrs: dict[str, Any]) -> torch.Tensor:
