@@ -101,7 +101,7 @@ from diloco.schedule import lr_factor
 from swarm.averaging.allreduce import partition
 from swarm.averaging.codec import Compression, decode, encode
 from swarm.averaging.payload import Codec, Layout
-from swarm.averaging.sparse_codec import SparseCodec
+from swarm.averaging.sparse_codec import SELECTIONS, SparseCodec
 
 RUN_SEED = 0
 # Held-out batches by split: "validation" (tuned on) and "heldout" (the test half, reported).
@@ -371,6 +371,11 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-bits", type=int, default=2)
     parser.add_argument("--sparse-chunk", type=int, default=256)
     parser.add_argument(
+        "--sparse-select", default="chunk", choices=list(SELECTIONS),
+        help="chunk: the top of every chunk; part: the top of each part wherever it lies "
+        "(chunks keep only the scales)",
+    )  # fmt: skip
+    parser.add_argument(
         "--sparse-outer-momentum", type=float, default=None,
         help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
     )  # fmt: skip
@@ -403,7 +408,7 @@ def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.compression == "sparse":
         try:
             args.sparse = SparseCodec.from_density(
-                args.sparse_density, args.sparse_bits, args.sparse_chunk
+                args.sparse_density, args.sparse_bits, args.sparse_chunk, args.sparse_select
             )
         except ValueError as error:
             parser.error(str(error))
