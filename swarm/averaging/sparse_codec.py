@@ -87,7 +87,8 @@ class SparseCodec:
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"sparse {name} must be an integer in [{low}, {high}]: {value!r}")
         if self.select not in SELECTIONS:
-            raise ValueError(f"sparse select must be one of {', '.join(SELECTIONS)}: {self.select!r}")
+            choices = ", ".join(SELECTIONS)
+            raise ValueError(f"sparse select must be one of {choices}: {self.select!r}")
 
     @classmethod
     def from_density(

@@ -203,9 +203,8 @@ def test_pooled_selection_follows_the_magnitudes_across_chunks() -> None:
     sent = pooled.decode(pooled.encode(x), 64)
     assert np.flatnonzero(sent).tolist() == list(range(8, 16))
     per_chunk = SparseCodec(16, 2, 2)
-    assert np.flatnonzero(per_chunk.decode(per_chunk.encode(x), 64)).tolist() == [
-        14, 15, 16, 17, 32, 33, 48, 49
-    ]
+    per_chunk_sent = per_chunk.decode(per_chunk.encode(x), 64)
+    assert np.flatnonzero(per_chunk_sent).tolist() == [14, 15, 16, 17, 32, 33, 48, 49]
     # 4 exponents, one Elias-Fano set of 8 in 64 (8 x 3 low + 8 + 7 high bits), 8 codes.
     assert pooled.wire_bytes(64) == 4 + -(-(24 + 15) // 8) + 2
     assert pooled.wire_bytes(0) == 0 and pooled.encode(np.zeros(0, np.float32)) == b""
