@@ -533,7 +533,8 @@ def _sparse_figures(
     text = (
         f"sparse {codec.name} (density {args.sparse_density}): one peer's vector encoded "
         f"{encoded} bytes, its entries' information-theoretic size {information:.0f} bytes "
-        f"(per chunk log2 C(n, k) + k x {codec.bits} bits + 8; encoded/I = "
+        f"({'per part' if codec.pooled else 'per chunk'} log2 C(n, k) + k x {codec.bits} bits + 8"
+        f"{' per chunk' if codec.pooled else ''}; encoded/I = "
         f"{encoded / information:.4f})\n"
         f"sparse wire per peer per round: received {per_peer:.0f} bytes (mean; sent "
         f"{statistics.fmean(sent):.0f}); minimum (N-1) x I over the round's parts = "
