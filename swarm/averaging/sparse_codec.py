@@ -51,6 +51,20 @@ Wire format (``numel`` is known to both sides from the round's plan), for ``m`` 
 A decoder refuses a bit vector without exactly ``k`` ones, an index set that is not strictly
 ascending or has an index outside its chunk (both possible in a bit vector of the right weight),
 and padding bits that are not zero.
+Pooled selection (``select="part"``, name ``SPARSE-EFP``). Per-chunk top-k gives every chunk the
+same ``keep``, wherever the pseudo-gradient's energy is: DiLoCo's first round puts 36% of it in the
+output layer (4% of the entries), of which per-chunk top-k sends 5% (docs/diloco_tuning.md). A
+pooled codec keeps ``kept(n)`` entries of the whole segment of ``n`` (the same density; a
+``Layout`` makes neighbouring tensors sharing the codec one segment, so a segment is a peer's part
+of the vector), the largest magnitudes wherever they lie, ties to the lower index; a chunk keeps
+a variable number of them, none or all. Wire format: the ``m`` int8 exponents as above, each from
+the entries its chunk keeps by the same rule (a chunk keeping none writes -126, the smallest, so
+one input has one encoding); one Elias-Fano set of ``kept(n)`` indices over the segment's ``n``
+(the section above with the chunk's ``n`` and ``k`` replaced by the segment's: its size still
+depends on ``(n, kept(n))`` alone, so ``wire_bytes`` is known before a byte is read and no
+per-chunk count travels); the codes, one per kept entry in index order. Quantization, exactness
+and the decoder's checks are the per-chunk format's, plus: a chunk keeping no entry with another
+exponent is refused.
 """
 
 from __future__ import annotations
