@@ -51,6 +51,7 @@ Wire format (``numel`` is known to both sides from the round's plan), for ``m`` 
 A decoder refuses a bit vector without exactly ``k`` ones, an index set that is not strictly
 ascending or has an index outside its chunk (both possible in a bit vector of the right weight),
 and padding bits that are not zero.
+
 Pooled selection (``select="part"``, name ``SPARSE-EFP``). Per-chunk top-k gives every chunk the
 same ``keep``, wherever the pseudo-gradient's energy is: DiLoCo's first round puts 36% of it in the
 output layer (4% of the entries), of which per-chunk top-k sends 5% (docs/diloco_tuning.md). A
@@ -136,7 +137,7 @@ class SparseCodec:
         return (1 << (self.bits - 1)) - 1
 
     def kept(self, n: int) -> int:
-        """Entries a chunk of ``n`` elements keeps."""
+        """Entries a chunk of ``n`` elements keeps (pooled: a segment of ``n``, in all)."""
         return min(n, -(-self.keep * n // self.chunk))
 
     def wire_bytes(self, numel: int) -> int:
