@@ -2,7 +2,7 @@
 
     python -m bench.allreduce --peers N --numel M --rounds R [--warmup 1]
         [--compression none|fp16|bf16|int8|auto|sparse] [--vs-hivemind PYTHON]
-        [--sparse-density 0.02 --sparse-bits 2 --sparse-chunk 4096]
+        [--sparse-density 0.02 --sparse-bits 2 --sparse-chunk 4096 --sparse-select chunk]
 
 Starts a ``swarmtrain relay`` (bootstrap and DHT) and N ``bench.allreduce_worker`` processes.
 Worker k averages ``np.random.default_rng(1000 + k).standard_normal(M, float32)`` (made before
@@ -36,7 +36,8 @@ mean over peers; item headers and transport framing are not counted):
 
     I        = one peer's sparse entries' information-theoretic size: over the round's parts,
                per codec chunk of n elements keeping k, log2 C(n, k) bits (which k) + k * bits
-               (the codes at the codec's width) + 8 (the chunk's scale exponent)
+               (the codes at the codec's width) + 8 (the chunk's scale exponent); with
+               ``--sparse-select part`` the part is one set of n keeping k, 8 bits per chunk
     minimum  = (N - 1) x I / 8 bytes: every peer must receive the other N - 1 peers' entries
     sparse_info_fraction = minimum / measured           (issue 20's target: >= 0.8)
     dense_f32_ratio      = 2(N-1)/N x 4 x numel / measured (dense float32, bandwidth-optimal)
@@ -301,6 +302,10 @@ def sparse_information_bits(codec: Any, parts: list[list[int]]) -> float:
 
     total = 0.0
     for start, stop in parts:
+        if codec.pooled:  # one set over the part, a scale per chunk
+            n = stop - start
+            total += chunk_bits(n) + 8 * (-(-n // codec.chunk) - 1)
+            continue
         full, rest = divmod(stop - start, codec.chunk)
         total += full * chunk_bits(codec.chunk) + (chunk_bits(rest) if rest else 0.0)
     return total
@@ -347,6 +352,7 @@ def _run_ours(args: argparse.Namespace, tmp: Path, progress: BenchProgress) -> d
     if args.compression == "sparse":
         extra += ["--sparse-density", str(args.sparse_density), "--sparse-bits"]
         extra += [str(args.sparse_bits), "--sparse-chunk", str(args.sparse_chunk)]
+        extra += ["--sparse-select", args.sparse_select]
     extra += ["--peer-timeout", str(args.peer_timeout)] if args.peer_timeout else []
     progress.phase(f"starting a relay and {args.peers} workers")
     relay, join = start_relay(tmp)
@@ -527,7 +533,8 @@ def _sparse_figures(
     text = (
         f"sparse {codec.name} (density {args.sparse_density}): one peer's vector encoded "
         f"{encoded} bytes, its entries' information-theoretic size {information:.0f} bytes "
-        f"(per chunk log2 C(n, k) + k x {codec.bits} bits + 8; encoded/I = "
+        f"({'per part' if codec.pooled else 'per chunk'} log2 C(n, k) + k x {codec.bits} bits + 8"
+        f"{' per chunk' if codec.pooled else ''}; encoded/I = "
         f"{encoded / information:.4f})\n"
         f"sparse wire per peer per round: received {per_peer:.0f} bytes (mean; sent "
         f"{statistics.fmean(sent):.0f}); minimum (N-1) x I over the round's parts = "
@@ -651,6 +658,7 @@ def main() -> None:
                     "sparse_density": args.sparse_density,
                     "sparse_bits": args.sparse_bits,
                     "sparse_chunk": args.sparse_chunk,
+                    "sparse_select": args.sparse_select,
                 }
                 if args.compression == "sparse"
                 else {}

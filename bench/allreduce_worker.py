@@ -2,6 +2,7 @@
 
     python -m bench.allreduce_worker --join ADDR --rank K --numel M [--compression none] [...]
         [--sparse-density 0.02 --sparse-bits 2 --sparse-chunk 4096]   (with --compression sparse)
+        [--sparse-select chunk|part]
 
 Generates its vector ``np.random.default_rng(1000 + rank).standard_normal(M, float32)`` before it
 says ``READY <peer id hex>``, so no round pays for it. Each command line
@@ -52,7 +53,9 @@ def codec_of(args: argparse.Namespace) -> Any:
     from swarm import Compression, SparseCodec
 
     if args.compression == "sparse":
-        return SparseCodec.from_density(args.sparse_density, args.sparse_bits, args.sparse_chunk)
+        return SparseCodec.from_density(
+            args.sparse_density, args.sparse_bits, args.sparse_chunk, args.sparse_select
+        )
     return None if args.compression == "auto" else Compression[args.compression.upper()]
 
 
@@ -61,6 +64,9 @@ def add_sparse_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sparse-density", type=float, default=0.02, help="[0.02]")
     parser.add_argument("--sparse-bits", type=int, default=2, help="[2]")
     parser.add_argument("--sparse-chunk", type=int, default=4096, help="[4096]")
+    parser.add_argument(
+        "--sparse-select", default="chunk", choices=["chunk", "part"], help="[chunk]"
+    )
 
 
 def _emit(record: dict[str, Any]) -> None:

@@ -3,8 +3,9 @@
     python -m bench.diloco [--workers 4] [--steps 2000] [--inner-steps 125 | H1,H2,...] [--batch 8]
         [--context 128] [--inner-lr 2e-3] [--schedule cosine|constant] [--warmup 0.05]
         [--final-lr 0.1] [--outer-lr 1.0] [--outer-momentum 0.9] [--outer-momentum-warmup 12]
-        [--compression int8|none|sparse] [--sparse-density 0.0117] [--sparse-bits 2]
-        [--sparse-chunk 256] [--sparse-outer-lr 2.0] [--sparse-outer-momentum M]
+        [--compression int8|none|sparse] [--sparse-density 0.0146] [--sparse-bits 2]
+        [--sparse-chunk 4096] [--sparse-select part|chunk] [--sparse-outer-lr 2.0]
+        [--sparse-outer-momentum M]
         [--sparse-error-decay 1.0] [--fragments F] [--eval-batches 8] [--split-seed 0]
         [--sequential]
         [--only diloco,...] [--wan [--wan-budget-s 150]]
@@ -22,12 +23,14 @@ threads (``--sequential``: one after another; the losses do not change, only the
   sender's side. The all-reduce itself is in-process: this bench measures optimization, the
   all-reduce benches measure the wire.
 - Sparse DiLoCo (``--compression sparse``, beside int8 DiLoCo in the same sitting): each
-  worker's part slices go through ``swarm.SparseCodec`` (the top ``--sparse-density`` of every
-  ``--sparse-chunk`` entries at ``--sparse-bits`` bits) with error feedback, and the mean is
-  exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
-  re-quantization). Its defaults (3 of every 256 entries, outer lr 2.0, the int8 run's
-  momentum, undecayed error feedback) are the best of eleven settings on the validation half at
-  500 steps, H=125 (docs/diloco_tuning.md), at a ``sparse_bytes_ratio`` over 10,000.
+  worker's part slices go through ``swarm.SparseCodec`` (``--sparse-select part``: the top
+  ``--sparse-density`` of each worker's part wherever it lies, a scale per ``--sparse-chunk``
+  entries; ``chunk``: the top of every chunk) at ``--sparse-bits`` bits with error feedback, and
+  the mean is exact over the decoded slices, as the swarm's gathering all-reduce computes it (no
+  re-quantization). Its defaults (pooled, 60 of every 4096 entries on average, outer lr 2.0, the
+  int8 run's momentum, undecayed error feedback) are the best of seventeen settings on the
+  validation half at 500 steps, H=125 (docs/diloco_tuning.md), at a ``sparse_bytes_ratio`` over
+  10,000 (10,703: the bytes of the per-chunk 3 of every 256 it replaced, 10,740).
   ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the error-feedback residual
   in the momentum's place); ``--sparse-error-decay`` < 1: SparseLoCo's decayed residual.
 - Streaming fragments (``--fragments F``, both DiLoCo runs): round r averages and outer-steps
@@ -101,7 +104,7 @@ from diloco.schedule import lr_factor
 from swarm.averaging.allreduce import partition
 from swarm.averaging.codec import Compression, decode, encode
 from swarm.averaging.payload import Codec, Layout
-from swarm.averaging.sparse_codec import SparseCodec
+from swarm.averaging.sparse_codec import SELECTIONS, SparseCodec
 
 RUN_SEED = 0
 # Held-out batches by split: "validation" (tuned on) and "heldout" (the test half, reported).
@@ -367,9 +370,14 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         help="sparse: int8 DiLoCo and sparse DiLoCo side by side",
     )  # fmt: skip
     # The sparse defaults: the best on the validation half (docs/diloco_tuning.md).
-    parser.add_argument("--sparse-density", type=float, default=0.0117, help="3 of 256")
+    parser.add_argument("--sparse-density", type=float, default=0.0146, help="60 of 4096")
     parser.add_argument("--sparse-bits", type=int, default=2)
-    parser.add_argument("--sparse-chunk", type=int, default=256)
+    parser.add_argument("--sparse-chunk", type=int, default=4096)
+    parser.add_argument(
+        "--sparse-select", default="part", choices=list(SELECTIONS),
+        help="chunk: the top of every chunk; part: the top of each part wherever it lies "
+        "(chunks keep only the scales)",
+    )  # fmt: skip
     parser.add_argument(
         "--sparse-outer-momentum", type=float, default=None,
         help="sparse DiLoCo's (default --outer-momentum; 0: SparseLoCo's plain outer step)",
@@ -403,7 +411,7 @@ def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
     if args.compression == "sparse":
         try:
             args.sparse = SparseCodec.from_density(
-                args.sparse_density, args.sparse_bits, args.sparse_chunk
+                args.sparse_density, args.sparse_bits, args.sparse_chunk, args.sparse_select
             )
         except ValueError as error:
             parser.error(str(error))

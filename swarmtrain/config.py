@@ -116,6 +116,8 @@ COMPRESSIONS = ("auto", "int8", "none", "sparse")
 ADMISSIONS = ("open", "allowlist", "token")
 # swarm.averaging.aggregation.AGGREGATIONS, spelled out: the config is read before swarm loads.
 AGGREGATIONS = ("mean", "centered_clip", "trimmed_mean")
+# swarm.averaging.sparse_codec.SELECTIONS, spelled out likewise (test_runspec.py: they agree).
+SPARSE_SELECTIONS = ("chunk", "part")
 # The config keys that give a causal LM's longest sequence, by model family (Llama, GPT-2, ...).
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
 MAX_MODEL_CONFIG_BYTES = 16384
@@ -387,6 +389,12 @@ class SwarmSection(_Section):
     sparse_chunk: int = _key(
         4096, lambda v: 2 <= v <= 65536, "an integer in [2, 65536]",
         'compression = "sparse": entries per chunk (the kept indices Elias-Fano coded)',
+    )  # fmt: skip
+    sparse_select: str = _key(
+        "chunk", lambda v: v in SPARSE_SELECTIONS, f"one of {', '.join(SPARSE_SELECTIONS)}",
+        'compression = "sparse": "chunk" keeps the top of every chunk; "part" the same\n'
+        "# number of entries in all, the largest of each peer's part wherever they lie (the\n"
+        "# budget follows the pseudo-gradient's energy across tensors; chunks keep the scales)",
     )  # fmt: skip
     max_weight_rounds: int = _key(
         8, *_POSITIVE_INT,

@@ -17,6 +17,11 @@ payloads, concatenated in sorted contributor order (``reduced_bytes``); every re
 them and computes the weighted mean itself (``decode_reduced``, ``reduce_part``: sorted order,
 float64), which is bit for bit what the reducer computed from the same decoded slices.
 
+A pooled sparse codec (``SparseCodec(select="part")``) selects over a whole segment, so neighbouring
+tensors with the same pooled codec form one segment: the largest entries of the part are sent
+wherever they lie, the budget following the pseudo-gradient's energy across tensors
+(docs/diloco_tuning.md).
+
 Pure numpy, sans-IO (the driver calls it from worker threads).
 """
 
@@ -81,7 +86,8 @@ class Layout:
         return any(isinstance(c, SparseCodec) for c in self.codecs)
 
     def segments(self, start: int, stop: int) -> list[tuple[int, int, Codec]]:
-        """The pieces of ``[start, stop)`` that lie in one tensor each, with that tensor's codec."""
+        """The pieces of ``[start, stop)`` that lie in one tensor each, with that tensor's codec;
+        neighbouring tensors sharing a pooled sparse codec are one piece (the module docstring)."""
         if not 0 <= start <= stop <= self.numel:
             raise ValueError(f"range [{start}, {stop}) outside 0..{self.numel}")
         pieces = []
@@ -89,8 +95,12 @@ class Layout:
         position = start
         while position < stop:
             end = min(stop, self.offsets[index + 1])
+            codec = self.codecs[index]
             if end > position:
-                pieces.append((position, end, self.codecs[index]))
+                if pieces and codec == pieces[-1][2] and _pooled(codec):
+                    pieces[-1] = (pieces[-1][0], end, codec)
+                else:
+                    pieces.append((position, end, codec))
             position = end
             index += 1
         return pieces
@@ -173,6 +183,10 @@ class Layout:
         if self.lossless():
             return values
         return self.decode(self.encode(values, start), start, start + len(values))
+
+
+def _pooled(codec: Codec) -> bool:
+    return isinstance(codec, SparseCodec) and codec.pooled
 
 
 def _wire_bytes(numel: int, codec: Codec) -> int:

@@ -51,6 +51,21 @@ Wire format (``numel`` is known to both sides from the round's plan), for ``m`` 
 A decoder refuses a bit vector without exactly ``k`` ones, an index set that is not strictly
 ascending or has an index outside its chunk (both possible in a bit vector of the right weight),
 and padding bits that are not zero.
+
+Pooled selection (``select="part"``, name ``SPARSE-EFP``). Per-chunk top-k gives every chunk the
+same ``keep``, wherever the pseudo-gradient's energy is: DiLoCo's first round puts 36% of it in the
+output layer (4% of the entries), of which per-chunk top-k sends 5% (docs/diloco_tuning.md). A
+pooled codec keeps ``kept(n)`` entries of the whole segment of ``n`` (the same density; a
+``Layout`` makes neighbouring tensors sharing the codec one segment, so a segment is a peer's part
+of the vector), the largest magnitudes wherever they lie, ties to the lower index; a chunk keeps
+a variable number of them, none or all. Wire format: the ``m`` int8 exponents as above, each from
+the entries its chunk keeps by the same rule (a chunk keeping none writes -126, the smallest, so
+one input has one encoding); one Elias-Fano set of ``kept(n)`` indices over the segment's ``n``
+(the section above with the chunk's ``n`` and ``k`` replaced by the segment's: its size still
+depends on ``(n, kept(n))`` alone, so ``wire_bytes`` is known before a byte is read and no
+per-chunk count travels); the codes, one per kept entry in index order. Quantization, exactness
+and the decoder's checks are the per-chunk format's, plus: a chunk keeping no entry with another
+exponent is refused.
 """
 
 from __future__ import annotations
@@ -62,7 +77,10 @@ import numpy as np
 
 from p2p import RemoteProtocolError
 
-__all__ = ["SparseCodec"]
+__all__ = ["SELECTIONS", "SparseCodec"]
+
+# "chunk": the top keep of every chunk; "part": the top keep/chunk of the whole segment.
+SELECTIONS = ("chunk", "part")
 
 _F32 = np.dtype("<f4")
 _MIN_EXPONENT = -126  # 2**-126: the smallest normal float32
@@ -76,26 +94,38 @@ class SparseCodec:
     chunk: int = 4096
     keep: int = 82
     bits: int = 2
+    select: str = "chunk"
 
     def __post_init__(self) -> None:
         for name, low, high in (("chunk", 2, 1 << 16), ("keep", 1, self.chunk), ("bits", 2, 8)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 raise ValueError(f"sparse {name} must be an integer in [{low}, {high}]: {value!r}")
+        if self.select not in SELECTIONS:
+            choices = ", ".join(SELECTIONS)
+            raise ValueError(f"sparse select must be one of {choices}: {self.select!r}")
 
     @classmethod
-    def from_density(cls, density: float, bits: int = 2, chunk: int = 4096) -> SparseCodec:
-        """The codec keeping ``ceil(density * chunk)`` entries per chunk (0 < density <= 1)."""
+    def from_density(
+        cls, density: float, bits: int = 2, chunk: int = 4096, select: str = "chunk"
+    ) -> SparseCodec:
+        """The codec keeping ``ceil(density * chunk)`` entries per chunk (0 < density <= 1);
+        ``select="part"``: that many per chunk on average, wherever the largest are."""
         if not 0 < density <= 1:
             raise ValueError(f"sparse density must be in (0, 1]: {density!r}")
-        return cls(chunk, max(1, math.ceil(density * chunk)), bits)
+        return cls(chunk, max(1, math.ceil(density * chunk)), bits, select)
+
+    @property
+    def pooled(self) -> bool:
+        """One selection over the whole segment (``select="part"``), not one per chunk."""
+        return self.select == "part"
 
     @property
     def name(self) -> str:
         """What a layout's digest names it by: every parameter, so peers must agree on all."""
         # EF: the Elias-Fano index format, so a peer of the older 12-bit format is refused by
-        # the layout digest instead of misreading the bytes.
-        return f"SPARSE-EF:{self.chunk}:{self.keep}:{self.bits}"
+        # the layout digest instead of misreading the bytes; EFP the pooled selection's format.
+        return f"SPARSE-EF{'P' if self.pooled else ''}:{self.chunk}:{self.keep}:{self.bits}"
 
     def index_bits(self, n: int) -> int:
         """Bits of the index section of a chunk of ``n`` elements (module docstring)."""
@@ -107,7 +137,7 @@ class SparseCodec:
         return (1 << (self.bits - 1)) - 1
 
     def kept(self, n: int) -> int:
-        """Entries a chunk of ``n`` elements keeps."""
+        """Entries a chunk of ``n`` elements keeps (pooled: a segment of ``n``, in all)."""
         return min(n, -(-self.keep * n // self.chunk))
 
     def wire_bytes(self, numel: int) -> int:
@@ -126,6 +156,8 @@ class SparseCodec:
         flat = np.ascontiguousarray(array, dtype=_F32).reshape(-1)
         if not np.isfinite(flat).all():
             raise ValueError("cannot encode NaN or inf")
+        if self.pooled:
+            return self._encode_pooled(flat)
         full = flat.size // self.chunk * self.chunk
         pieces = [self._encode_rows(flat[:full].reshape(-1, self.chunk))]
         if full < flat.size:
@@ -166,6 +198,8 @@ class SparseCodec:
         stream = np.unpackbits(
             np.frombuffer(raw[chunks:offset], dtype=np.uint8), count=index_bits, bitorder="little"
         )
+        if self.pooled:
+            return self._decode_pooled(stream, exponents, codes, numel)
         full, rest = divmod(numel, self.chunk)
         section = _section(self.chunk, self.keep)[2]
         pieces = [self._decode_rows(stream[: full * section].reshape(full, section), self.chunk)]
@@ -182,10 +216,11 @@ class SparseCodec:
         out[chunk_of * self.chunk + positions] = values
         return out
 
-    def _decode_rows(self, rows: np.ndarray, n: int) -> np.ndarray:
+    def _decode_rows(self, rows: np.ndarray, n: int, k: int | None = None) -> np.ndarray:
         """The (count, k) indices of ``count`` chunks of ``n`` elements from their index sections
-        (one row of bits each); ``RemoteProtocolError`` for a set no encoder writes."""
-        k = self.kept(n)
+        (one row of bits each; ``k`` kept in each, by default ``kept(n)``);
+        ``RemoteProtocolError`` for a set no encoder writes."""
+        k = self.kept(n) if k is None else k
         low, _, size = _section(n, k)
         count = rows.shape[0]
         if size == 0:  # the chunk keeps everything
@@ -205,14 +240,71 @@ class SparseCodec:
             raise RemoteProtocolError(f"{self.name} payload has indices not ascending in a chunk")
         return indices
 
+    # -- pooled selection (select="part") -------------------------------------------------------
+
+    def _encode_pooled(self, flat: np.ndarray) -> bytes:
+        """The segment's ``kept(n)`` entries of largest magnitude wherever they lie (ties: the
+        lower index), one Elias-Fano set over the segment, each chunk's scale from the entries
+        kept in it (a chunk keeping none writes the smallest exponent: one encoding per input)."""
+        n = flat.size
+        if n == 0:
+            return b""
+        k = self.kept(n)
+        magnitude = np.abs(flat)
+        threshold = np.partition(magnitude, n - k)[n - k]
+        above = np.flatnonzero(magnitude > threshold)
+        ties = np.flatnonzero(magnitude == threshold)[: k - above.size]
+        index = np.union1d(above, ties)  # ascending, k of them
+        chunk_of = index // self.chunk
+        chunks = -(-n // self.chunk)
+        kept = magnitude[index]
+        # The smallest and largest kept magnitude of each chunk; index is ascending, so each
+        # chunk's entries are one run: reduceat over the runs' starts.
+        present, starts = np.unique(chunk_of, return_index=True)
+        exponent = np.full(chunks, _MIN_EXPONENT, dtype=np.int32)
+        exponent[present] = self._exponents(
+            np.minimum.reduceat(kept, starts), np.maximum.reduceat(kept, starts)
+        )
+        scaled = np.ldexp(flat[index], -exponent[chunk_of])  # exact: power-of-two scaling
+        codes = np.clip(np.rint(scaled), -self.limit, self.limit).astype(np.int64)
+        index_bits = _elias_fano(index.astype(np.int64).reshape(1, k), n)
+        return (
+            exponent.astype(np.int8).tobytes()
+            + np.packbits(index_bits, bitorder="little").tobytes()
+            + _pack(codes + self.limit, self.bits)
+        )
+
+    def _decode_pooled(
+        self, stream: np.ndarray, exponents: np.ndarray, codes: np.ndarray, numel: int
+    ) -> np.ndarray:
+        """The pooled format's values from its (length-checked) index bits, exponents and
+        codes; a chunk keeping no entry must carry the smallest exponent."""
+        out = np.zeros(numel, dtype=np.float32)
+        if numel == 0:
+            return out
+        k = self.kept(numel)
+        positions = self._decode_rows(stream.reshape(1, -1), numel, k).reshape(-1)
+        chunk_of = positions // self.chunk
+        used = np.zeros(exponents.size, dtype=bool)
+        used[chunk_of] = True
+        if (exponents[~used] != _MIN_EXPONENT).any():
+            raise RemoteProtocolError(f"{self.name} payload has a scale for an empty chunk")
+        values = np.ldexp(codes.astype(np.float32), exponents[chunk_of]).astype(np.float32)
+        out[positions] = values
+        return out
+
     # -- encoding --------------------------------------------------------------------------------
 
     def _shape(self, numel: int) -> tuple[int, int]:
         """(chunks, entries kept in all) for ``numel`` elements."""
         full, rest = divmod(numel, self.chunk)
+        if self.pooled:
+            return full + (rest > 0), self.kept(numel) if numel else 0
         return full + (rest > 0), full * self.keep + (self.kept(rest) if rest else 0)
 
     def _index_bits_total(self, numel: int) -> int:
+        if self.pooled:
+            return self.index_bits(numel) if numel else 0
         full, rest = divmod(numel, self.chunk)
         return full * self.index_bits(self.chunk) + (self.index_bits(rest) if rest else 0)
 

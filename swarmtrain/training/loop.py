@@ -222,7 +222,9 @@ def compression(config: RunConfig) -> swarm.Compression | swarm.SparseCodec | No
     """The codec ``[swarm] compression`` names (None: chosen per tensor), with the sparse keys."""
     sw = config.swarm
     if sw.compression == "sparse":
-        return swarm.SparseCodec.from_density(sw.sparse_density, sw.sparse_bits, sw.sparse_chunk)
+        return swarm.SparseCodec.from_density(
+            sw.sparse_density, sw.sparse_bits, sw.sparse_chunk, sw.sparse_select
+        )
     return _COMPRESSIONS[sw.compression]
 
 

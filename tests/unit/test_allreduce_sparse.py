@@ -29,6 +29,8 @@ from swarm.averaging.session_wire import KIND_REDUCED, Item, RoundValues, check_
 from swarm.averaging.sparse_codec import SparseCodec
 
 CODEC = SparseCodec(chunk=16, keep=3, bits=2)
+# The same density pooled over each part (one segment across the tensors' boundaries).
+POOLED = SparseCodec(chunk=16, keep=3, bits=2, select="part")
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def build_sparse(setup) -> SparseNetwork:
     weights = [rng.choice([1.0, 0.5, 3.0, rng.uniform(0.1, 10)]) for _ in range(n)]
     cut = sorted(rng.randint(0, numel) for _ in range(rng.randint(0, 2)))
     sizes = [b - a for a, b in zip([0, *cut], [*cut, numel], strict=True)]
-    layout = Layout.for_sizes(sizes, CODEC)
+    layout = Layout.for_sizes(sizes, rng.choice([CODEC, POOLED]))
     chunks = rng.choice([1, 1, 2, 3])
     return SparseNetwork(make_vectors(rng, n, numel), weights, bandwidths, rng, chunks, layout)
 
@@ -246,5 +248,5 @@ def test_sparse_compression_refuses_a_robust_rule_and_a_tampered_part() -> None:
         values.finalizer(lambda p, x: x)
     # The codec's parameters are in the layout's digest: peers must agree on every one.
     digests = {Layout.for_sizes([4], c).digest for c in (CODEC, SparseCodec(16, 4, 2),
-               SparseCodec(16, 3, 3), SparseCodec(32, 3, 2))}  # fmt: skip
-    assert len(digests) == 4
+               SparseCodec(16, 3, 3), SparseCodec(32, 3, 2), POOLED)}  # fmt: skip
+    assert len(digests) == 5

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from bench import diloco as bench
+from bench.diloco_sparse_round import parse_codec
+from swarm.averaging.sparse_codec import SparseCodec
 
 TINY = ["--workers", "2", "--steps", "2", "--inner-steps", "1", "--batch", "1", "--context", "16",
         "--eval-batches", "1", "--sequential"]  # fmt: skip
@@ -42,6 +44,8 @@ def test_the_last_line_reports_the_test_half_and_the_validation_half_apart(
         assert recovered == pytest.approx((losses["alone"] - losses["diloco_sparse"]) / gap)
     assert summary["config"]["sparse_outer_lr"] == 2.0
     assert summary["config"]["sparse_error_decay"] == 0.5
+    # The default codec: pooled selection, 60 of every 4096 on average (docs/diloco_tuning.md).
+    assert summary["config"]["sparse"] == "SPARSE-EFP:4096:60:2"
 
 
 @pytest.mark.parametrize(
@@ -49,6 +53,7 @@ def test_the_last_line_reports_the_test_half_and_the_validation_half_apart(
     [
         ("--sparse-error-decay", "1.5", "--sparse-error-decay 1.5: expected 0 to 1"),
         ("--sparse-outer-lr", "0", "--sparse-outer-lr 0.0: expected a positive number"),
+        ("--sparse-select", "tensor", "invalid choice: 'tensor'"),
     ],
 )
 def test_bad_sparse_settings_are_refused_with_one_line(
@@ -62,3 +67,13 @@ def test_bad_sparse_settings_are_refused_with_one_line(
         _run(monkeypatch, capsys, "--compression", "sparse", option, value)
     assert exit.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_one_round_script_parses_its_codecs() -> None:
+    assert parse_codec("exact") is None
+    assert parse_codec("part:4096:60:2") == SparseCodec(4096, 60, 2, "part")
+    assert parse_codec("chunk:256:3:2") == SparseCodec(256, 3, 2)
+    with pytest.raises(ValueError, match="SELECT:CHUNK:KEEP:BITS"):
+        parse_codec("part:4096:60")
+    with pytest.raises(ValueError, match="sparse select"):
+        parse_codec("tensor:4096:60:2")

@@ -13,7 +13,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID as PeerID
 
 from swarm import SparseCodec
+from swarm.averaging.sparse_codec import SELECTIONS
 from swarmtrain.config import (
+    SPARSE_SELECTIONS,
     ConfigError,
     ModelSection,
     PipelineSection,
@@ -98,6 +100,7 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
         ("[swarm]\nsparse_density = 0\n", "swarm.sparse_density must be a number in (0, 1]"),
         ("[swarm]\nsparse_bits = 1\n", "swarm.sparse_bits must be an integer in [2, 8]"),
         ("[swarm]\nsparse_chunk = 70000\n", "swarm.sparse_chunk must be an integer in [2,"),
+        ('[swarm]\nsparse_select = "tensor"\n', "swarm.sparse_select must be one of chunk, part"),
         (
             '[swarm]\ncompression = "sparse"\naggregation = "trimmed_mean"\n',
             'swarm.aggregation = "trimmed_mean": swarm.compression = "sparse" needs "mean"',
@@ -267,7 +270,13 @@ def test_malformed_spec_bytes_are_refused() -> None:
 
 SPARSE = RunConfig(
     run=RunSection(id="sparse"),
-    swarm=SwarmSection(compression="sparse", sparse_density=0.01, sparse_bits=3, sparse_chunk=1024),
+    swarm=SwarmSection(
+        compression="sparse",
+        sparse_density=0.01,
+        sparse_bits=3,
+        sparse_chunk=1024,
+        sparse_select="part",
+    ),
     training=TrainingSection(error_feedback_decay=0.5),
 )
 
@@ -283,6 +292,7 @@ def test_a_sparse_spec_is_signed_and_tampering_with_its_keys_is_refused() -> Non
         ("swarm.sparse_density", 0.02),
         ("swarm.sparse_bits", 2),
         ("swarm.sparse_chunk", 4096),
+        ("swarm.sparse_select", "chunk"),
         ("training.error_feedback_decay", 1.0),
     ]:
         assert key in dict(obj[1])
@@ -298,8 +308,9 @@ def test_sparse_keys_make_the_nodes_codec_and_turn_error_feedback_on() -> None:
     from diloco import AverageOutcome, ByteTransformer
     from swarmtrain.training.loop import averager_config, build_diloco, compression
 
-    assert compression(SPARSE) == SparseCodec(chunk=1024, keep=11, bits=3)
-    assert averager_config(SPARSE).compression == SparseCodec(chunk=1024, keep=11, bits=3)
+    assert compression(SPARSE) == SparseCodec(chunk=1024, keep=11, bits=3, select="part")
+    assert averager_config(SPARSE).compression == compression(SPARSE)
+    assert SPARSE_SELECTIONS == SELECTIONS  # the spec's choices are the codec's
     assert compression(RunConfig()) is None  # "auto": chosen per tensor
     # Error feedback is on although [training] leaves it off: what round 0's averaging reports
     # it did not carry (everything: sent = 0) comes back in round 1's contribution, scaled by

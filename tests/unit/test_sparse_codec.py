@@ -14,15 +14,23 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from p2p import RemoteProtocolError
-from swarm.averaging.sparse_codec import SparseCodec
+from swarm.averaging.payload import Layout
+from swarm.averaging.sparse_codec import SELECTIONS, SparseCodec
 
 # Elements of every kind: subnormals, zeros of both signs, huge values, many exact ties.
 _ELEMENTS = st.one_of(
     st.floats(width=32, allow_nan=False, allow_infinity=False),
     st.sampled_from([0.0, -0.0, 1.0, -1.0, 2.0**-149, -(2.0**-140), 3.0e38, -3.4e38]),
 )
+# Both selections: per chunk, and pooled over the whole segment (select="part").
 _CODECS = st.sampled_from([2, 7, 16, 64]).flatmap(
-    lambda chunk: st.builds(SparseCodec, st.just(chunk), st.integers(1, chunk), st.integers(2, 8))
+    lambda chunk: st.builds(
+        SparseCodec,
+        st.just(chunk),
+        st.integers(1, chunk),
+        st.integers(2, 8),
+        st.sampled_from(SELECTIONS),
+    )
 )
 
 
@@ -64,9 +72,11 @@ def test_what_is_sent_plus_what_is_left_is_the_input_exactly(
 @settings(max_examples=80, deadline=None)
 @given(_CODECS, _arrays())
 def test_it_keeps_the_top_k_of_each_chunk_ties_by_index(codec: SparseCodec, x: np.ndarray) -> None:
+    """Per chunk; pooled (select="part"): of the whole vector, ``kept(size)`` entries."""
     sent = _round_trip(codec, x)
-    for start in range(0, x.size, codec.chunk):
-        chunk, got = x[start : start + codec.chunk], sent[start : start + codec.chunk]
+    step = max(1, x.size) if codec.pooled else codec.chunk
+    for start in range(0, x.size, step):
+        chunk, got = x[start : start + step], sent[start : start + step]
         k = codec.kept(chunk.size)
         # Largest magnitude first, the lower index first among equals (a stable sort).
         ranked = np.argsort(-np.abs(chunk.astype(np.float64)), kind="stable")
@@ -182,6 +192,63 @@ def test_golden_bytes() -> None:
 GOLDEN = "bf017f3d0e538cb2"
 
 
+def test_pooled_selection_follows_the_magnitudes_across_chunks() -> None:
+    """select="part": the segment's budget (keep/chunk of it) goes wherever the largest entries
+    are; per-chunk selection gives every chunk the same k. Same bytes for the same (n, K)."""
+    x = np.zeros(64, np.float32)
+    x[:16] = np.arange(16, 32)  # the first chunk holds every large entry
+    x[16:] = 0.5
+    pooled = SparseCodec(16, 2, 2, "part")
+    assert pooled.name == "SPARSE-EFP:16:2:2" and pooled.kept(64) == 8
+    sent = pooled.decode(pooled.encode(x), 64)
+    assert np.flatnonzero(sent).tolist() == list(range(8, 16))
+    per_chunk = SparseCodec(16, 2, 2)
+    per_chunk_sent = per_chunk.decode(per_chunk.encode(x), 64)
+    assert np.flatnonzero(per_chunk_sent).tolist() == [14, 15, 16, 17, 32, 33, 48, 49]
+    # 4 exponents, one Elias-Fano set of 8 in 64 (8 x 3 low + 8 + 7 high bits), 8 codes.
+    assert pooled.wire_bytes(64) == 4 + -(-(24 + 15) // 8) + 2
+    assert pooled.wire_bytes(0) == 0 and pooled.encode(np.zeros(0, np.float32)) == b""
+
+
+def test_pooled_golden_bytes() -> None:
+    x = (np.random.default_rng(20).standard_normal(10_000) * 1e-3).astype(np.float32)
+    x[:300] *= 50  # the first chunk takes most of the budget
+    x[17] = x[18] = -x[19]
+    data = SparseCodec.from_density(0.02, bits=3, chunk=1024, select="part").encode(x)
+    assert hashlib.sha256(data).hexdigest()[:16] == POOLED_GOLDEN
+
+
+POOLED_GOLDEN = "e1a293d0c580f035"
+
+
+def test_decode_refuses_a_scale_on_a_chunk_that_keeps_nothing() -> None:
+    """One encoding per input: a pooled chunk without entries carries the smallest exponent."""
+    codec = SparseCodec(16, 1, 2, "part")
+    x = np.zeros(48, np.float32)
+    x[[2, 5, 40]] = [3.0, 2.0, -5.0]  # kept(48) = 3: chunk 1 (16..31) keeps nothing
+    good = bytearray(codec.encode(x))
+    assert np.flatnonzero(codec.decode(good, 48)).tolist() == [2, 5, 40]
+    assert good[1] == (-126 & 0xFF)
+    good[1] = 0
+    with pytest.raises(RemoteProtocolError, match="empty chunk"):
+        codec.decode(good, 48)
+
+
+def test_a_layout_pools_neighbouring_tensors_with_one_pooled_codec() -> None:
+    """Pooled: one segment across tensor boundaries, so the part's budget crosses them too;
+    per-chunk codecs keep one segment per tensor."""
+    pooled = SparseCodec(16, 2, 2, "part")
+    layout = Layout.for_sizes([10, 30, 5], pooled)
+    assert layout.segments(3, 42) == [(3, 42, pooled)]
+    x = np.zeros(39, np.float32)
+    x[20:28] = 1.5  # every large entry in the second tensor
+    data = layout.encode(x, 3)
+    assert len(data) == layout.wire_bytes(3, 42) == pooled.wire_bytes(39)
+    assert np.flatnonzero(layout.decode(data, 3, 42)).tolist() == list(range(20, 25))
+    mixed = Layout((10, 30, 5), (pooled, SparseCodec(16, 2, 2), pooled))
+    assert len(mixed.segments(3, 42)) == 3
+
+
 def test_encode_refuses_what_it_cannot_carry() -> None:
     codec = SparseCodec()
     with pytest.raises(ValueError, match="float32"):
@@ -200,6 +267,8 @@ def test_parameters_out_of_range_name_themselves(kwargs: dict, name: str) -> Non
         SparseCodec(**kwargs)
     with pytest.raises(ValueError, match="density"):
         SparseCodec.from_density(0.0)
+    with pytest.raises(ValueError, match="sparse select"):
+        SparseCodec(select="tensor")
 
 
 def _payload(codec: SparseCodec, numel: int = 40) -> tuple[bytearray, int]:
@@ -275,10 +344,13 @@ def test_decode_refuses_index_sets_no_encoder_writes(case: str) -> None:
         codec.decode(bad, 22)
 
 
+@pytest.mark.parametrize("select", SELECTIONS)
 @settings(max_examples=80, deadline=None)
-@given(st.binary(max_size=80), st.integers(0, 120))
-def test_garbage_decodes_or_is_a_remote_protocol_error(data: bytes, numel: int) -> None:
-    codec = SparseCodec(chunk=16, keep=3, bits=3)
+@given(data=st.binary(max_size=80), numel=st.integers(0, 120))
+def test_garbage_decodes_or_is_a_remote_protocol_error(
+    data: bytes, numel: int, select: str
+) -> None:
+    codec = SparseCodec(chunk=16, keep=3, bits=3, select=select)
     try:
         values = codec.decode(data, numel)
     except RemoteProtocolError:
