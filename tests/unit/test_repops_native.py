@@ -265,14 +265,19 @@ def test_every_kernel_gives_the_same_bits_split_over_1_2_and_3_threads(
 
     # Unsplit (these sizes are under the threshold): the kernels the other tests hold to eager.
     want = [_bits(t) for t in every_kernel()]
-    lowered = split.MIN_ELEMENTS_PER_THREAD
+    lowered, switch = split.MIN_ELEMENTS_PER_THREAD, os.environ.get("SWARMTRAIN_REPOPS_SPLIT")
     split.MIN_ELEMENTS_PER_THREAD = 1
+    os.environ["SWARMTRAIN_REPOPS_SPLIT"] = "1"  # opt-in (off by default)
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             assert [_bits(t) for t in every_kernel()] == want, threads
     finally:
         split.MIN_ELEMENTS_PER_THREAD = lowered
+        if switch is None:
+            del os.environ["SWARMTRAIN_REPOPS_SPLIT"]
+        else:
+            os.environ["SWARMTRAIN_REPOPS_SPLIT"] = switch
 
 
 def test_a_nan_input_takes_the_eager_path_and_gives_its_bits() -> None:

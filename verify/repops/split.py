@@ -41,10 +41,11 @@ _POOL = _Pool()
 
 
 def threads_for(count: int, elements_each: int) -> int:
-    """How many ranges to cut ``count`` rows of ``elements_each`` elements into: torch's intra-op
-    thread count, fewer when the ranges would be small; 1 with ``SWARMTRAIN_REPOPS_SPLIT=0``
-    (on an oversubscribed machine a range handed to another thread waits for a core)."""
-    if os.environ.get("SWARMTRAIN_REPOPS_SPLIT") == "0":
+    """How many ranges to cut ``count`` rows of ``elements_each`` elements into: 1 unless
+    ``SWARMTRAIN_REPOPS_SPLIT=1``; then torch's intra-op thread count, fewer when the ranges
+    would be small. Off by default: every measurement so far (a shared 2-core machine at load
+    3-22) found split steps slower, a range handed to another thread waiting for a core."""
+    if os.environ.get("SWARMTRAIN_REPOPS_SPLIT") != "1":
         return 1
     by_size = (count * max(1, elements_each)) // MIN_ELEMENTS_PER_THREAD
     return max(1, min(torch.get_num_threads(), count, by_size))
