@@ -85,6 +85,13 @@ class SimGrid(SessionDriver):
         self.dropped: dict[bytes, dict[bytes, str]] = {}
         self._paced: dict[bytes, deque[SendItem]] = {}
         self._outcome = outcome
+        plan = self.sized
+        self._start_sessions([[plan.peers[i] for i in plan.row(k)] for k in range(plan.rows)])
+
+    def _near(self, cohort: int) -> range:
+        """A grid member serves its row and the rows above and below it (its columns' chain
+        neighbours): no one else ever sends it a ``Takeover`` or waits for its items."""
+        return range(max(0, cohort - 1), min(len(self._cohorts), cohort + 2))
 
     def join(self, peer: bytes, local: np.ndarray, weight: float) -> None:
         now = self.clock.now
@@ -112,6 +119,7 @@ class SimGrid(SessionDriver):
         return same_row or peer in self.contacts[observer]
 
     def _missing_row_mates(self, peer: bytes) -> None:
+        self._missing_settled()
         machine = self.machines[peer]
         for i in machine.plan.row(machine.my_row):
             member = machine.plan.peers[i]
@@ -150,10 +158,14 @@ class SimGrid(SessionDriver):
                     self.finished_at[peer] = self.clock.now
                 else:  # its session closes: the peers it talks to see it gone
                     self._closed(peer)
+                self._settle(peer)
                 self._outcome(peer, action)
 
     def _pump(self, peer: bytes) -> None:
         queue = self._paced[peer]
+        if peer in self.closed:  # its session ended: what it had not sent yet is not sent
+            queue.clear()
+            return
         first = queue.popleft()
         self._send(peer, first)
         if not isinstance(first.item, Accumulated | Reduced):
