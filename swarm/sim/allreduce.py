@@ -251,6 +251,7 @@ class SimGroup(SessionDriver):
         self.left: dict[bytes, bool] = {}  # member -> froze (else crashed)
         self.dropped: dict[bytes, dict[bytes, str]] = {}
         self.contacts: dict[bytes, set[bytes]] = {m: set() for m in self.members}
+        self.sent_bytes: dict[bytes, float] = dict.fromkeys(self.members, 0.0)
         self._outcome = outcome
         self._start_sessions([self.members])
 
@@ -299,6 +300,7 @@ class SimGroup(SessionDriver):
                 event = PartReceived(peer, action.part_index, data, machine.weight)
                 self.contacts[peer].add(action.peer)
                 self.contacts[action.peer].add(peer)
+                self.sent_bytes[peer] += size
                 network.send(peer, action.peer, size, self._feed, action.peer, event)
             elif isinstance(action, SendReduced):
                 size = (
@@ -311,6 +313,7 @@ class SimGroup(SessionDriver):
                 )
                 self.contacts[peer].add(action.peer)
                 self.contacts[action.peer].add(peer)
+                self.sent_bytes[peer] += size
                 network.send(peer, action.peer, size, self._feed, action.peer, reduced)
             elif isinstance(action, DropPeer):
                 self.dropped[peer][action.peer] = action.reason
