@@ -65,6 +65,7 @@ Events: ``ItemReceived``, ``allreduce.PeerLost``, ``allreduce.DeadlineReached``.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -132,11 +133,13 @@ class Reduced:
 
 @dataclass(frozen=True, slots=True)
 class Gathered:
-    """Column ``column`` of the result (float32) over everyone but ``excluded``."""
+    """Column ``column`` of the result (float32) over everyone but ``excluded``; the receiver
+    sends the same bytes on to each row mate in ``forward`` (a relay: ``_gather``)."""
 
     column: int
     excluded: Tag
     data: np.ndarray
+    forward: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,9 @@ class GridAllReduce:
         self._open_now = False
         self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
         self._raw_due = True  # our slices' heads may have moved since we last sent them
+        # relay -> (column, exclusions, row mates it was to forward to), for columns we
+        # gathered through relays (``_gather``)
+        self._relayed: dict[bytes, list[tuple[int, Tag, tuple[bytes, ...]]]] = {}
         self.mine: list[int] = self._my_columns()
 
     # -- public ----------------------------------------------------------------------------------
@@ -342,6 +348,14 @@ class GridAllReduce:
                 if peer not in self.alive:
                     due.discard(peer)
                     actions += self._announce(c, due)
+        tag = frozenset(self.excluded)
+        for relay in gone:  # it may not have forwarded: its row mates get the column from us
+            for c, relayed_tag, targets in self._relayed.pop(relay, []):
+                held = self.gathered.get(c)
+                if relayed_tag == tag and held is not None and held[0] == tag:
+                    for peer in targets:
+                        if peer in self.alive:
+                            actions.append(SendItem(peer, Gathered(c, tag, held[1])))
         self.mine = self._my_columns()
         return actions
 
@@ -394,7 +408,15 @@ class GridAllReduce:
         else:
             spread = []
         why = self._store(sender, item)
-        return spread + (self._drop(sender, why) if why else self._progress())
+        if why:
+            return spread + self._drop(sender, why)
+        if isinstance(item, Gathered) and item.forward:  # relayed: the exact bytes we got
+            spread += [
+                SendItem(p, Gathered(item.column, item.excluded, item.data))
+                for p in item.forward
+                if p in self.alive
+            ]
+        return spread + self._progress()
 
     def _store(self, sender: bytes, item: object) -> str | None:
         plan = self.plan
@@ -436,6 +458,12 @@ class GridAllReduce:
             c = item.column
             if not (isinstance(c, int) and 0 <= c < plan.columns):
                 return "column outside the grid"
+            forward = item.forward
+            if not isinstance(forward, tuple) or not all(
+                p in self.index and self.row_index[p] == self.my_row and p not in (self.me, sender)
+                for p in forward
+            ):
+                return "relay to peers outside our row"
             start, stop = plan.part(c)
             why = _check(item.data, stop - start, np.float32)
             if not why and item.excluded == self.excluded:
@@ -577,15 +605,34 @@ class GridAllReduce:
                     actions.append(SendItem(above, Reduced(c, j, tag, entry[1])))
         part = self._column_result(c)
         if part is not None:
-            for i in plan.row(k):
-                peer = plan.peers[i]
-                if (
-                    peer != self.me
-                    and peer in self.alive
-                    and self._owe(("col", c, peer), peer, tag)
-                ):
-                    actions.append(SendItem(peer, Gathered(c, tag, part)))
+            targets = [
+                peer
+                for peer in (plan.peers[i] for i in plan.row(k))
+                if peer != self.me and peer in self.alive and self._owe(("col", c, peer), peer, tag)
+            ]
+            if targets:
+                actions += self._gather(c, tag, part, targets)
         return None
+
+    def _gather(self, c: int, tag: Tag, part: np.ndarray, targets: list[bytes]) -> list[object]:
+        """Column ``c`` to ``targets`` (row mates). The column our place in the row gives us goes
+        to each directly; one we head because its head was lost goes through relays: about
+        sqrt(n) row mates, each forwarding it to its run of the others. A successor heading a
+        lost head's column then sends about 2 sqrt(n) / n of a column's broadcast more, not a
+        second whole one (the busiest peer's bytes under churn); a relay lost before it
+        forwarded is replaced by us sending its run directly (``_lost``)."""
+        members = self.plan.row(self.my_row)
+        if c == self.index[self.me] - members.start or len(targets) < 4:
+            return [SendItem(peer, Gathered(c, tag, part)) for peer in targets]
+        runs = math.isqrt(len(targets) - 1) + 1  # ceil(sqrt(n))
+        actions: list[object] = []
+        for r in range(runs):
+            run = targets[len(targets) * r // runs : len(targets) * (r + 1) // runs]
+            relay, rest = run[0], tuple(run[1:])
+            if rest:
+                self._relayed.setdefault(relay, []).append((c, tag, rest))
+            actions.append(SendItem(relay, Gathered(c, tag, part, rest)))
+        return actions
 
     def _barrier(self, c: int, tag: Tag, actions: list[object]) -> None:
         """Last row: once column ``c``'s whole sum is held under ``tag``, tell the row (Ready);

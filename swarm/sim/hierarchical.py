@@ -200,7 +200,9 @@ class SimGrid(SessionDriver):
 
     def _size(self, item: object) -> float:
         plan, bpp = self.sized, self.bytes_per_param
-        header = ITEM_HEADER_BYTES + EXCLUSION_BYTES * len(getattr(item, "excluded", ()))
+        header = ITEM_HEADER_BYTES + EXCLUSION_BYTES * (
+            len(getattr(item, "excluded", ())) + len(getattr(item, "forward", ()))
+        )
         if isinstance(item, RawPart | Gathered):
             start, stop = plan.part(item.column)
             return header + (stop - start) * bpp
