@@ -19,11 +19,17 @@ inside one row).
    then one division. So the result is bit-identical to the flat all-reduce's over the same
    contributors. Sub-parts pipeline the chain.
 3. *Gather.* The reduced sub-parts travel back up the chain (last row to row 0); each head, once
-   it holds its whole column, sends it to its row. Every peer ends with every column.
+   it holds its whole column, sends it to its row. Every peer ends with every column. A column
+   that a peer heads only because its head was lost goes through relays (``_gather``): about
+   sqrt(n) row mates, each forwarding the exact bytes to its run of the row, so the successor
+   does not send a second whole broadcast (that made the busiest peer send 3-7x the vector
+   under churn).
 
 Per peer: connections to its row and to the column chain's two neighbours, ``O(row)``; bytes
 sent about ``2 (row - 1) / row`` of the vector plus ``8 / (columns x bytes per value)`` of it for
-the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice.
+the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice; a
+column taken over adds its chain share and ``sqrt(row) / columns`` (its relays), a relay
+``sqrt(row) / columns`` (its run).
 
 Losses (every rule from facts the peer sees; nothing is negotiated):
 
@@ -49,8 +55,12 @@ Losses (every rule from facts the peer sees; nothing is negotiated):
   ``Handover``. Only after every announced neighbour's ``Handover`` does the new head compute:
   a partial sum or reduced sub-part that reached any of them is reused, not recomputed, so a
   lost head whose contribution already went down the chain stays a contributor.
+* *A relay lost* before it forwarded a column is replaced: the head sends that column to the
+  relay's run directly (a copy that arrives twice is the same bytes, stored again).
 * *Finish* when every column is held under exactly ``excluded``; a finished peer keeps serving
-  (forwarding, answering takeovers) until the driver ends the round.
+  (forwarding, relaying, answering takeovers) until the driver ends the round: at the deadline,
+  or once its row and the rows above and below it hold their results (nobody else sends it an
+  item or a ``Takeover``).
 * *Deadline* as in ``allreduce`` rule 8.
 
 What this machine does not cover: a lost head whose neighbours in the chain are lost at the same

@@ -11,9 +11,12 @@ that have not joined, feeding ``DeadlineReached``), with what a grid changes:
   ``join_wait_s`` after the sender did, makes it lost to the sender one detection delay later;
   past that wait, an item to a member that never joined is refused at the hello (one round trip,
   no payload, no connection counted).
+* A member's session ends (``SessionDriver``) at its deadline, or once every member of its row
+  and of the rows above and below it is settled (finished, failed, left, never joined): those
+  are the only peers it may still serve. Later departures then reach no finished grid.
 * Sizes are those of the simulated vector: a raw slice or reduced part at ``bytes_per_param``, a
   partial sum at 8 bytes a value (float64, never compressed), plus each item's header and 38
-  bytes per exclusion it names.
+  bytes per exclusion or relay target it names.
 """
 
 from __future__ import annotations
