@@ -19,11 +19,17 @@ inside one row).
    then one division. So the result is bit-identical to the flat all-reduce's over the same
    contributors. Sub-parts pipeline the chain.
 3. *Gather.* The reduced sub-parts travel back up the chain (last row to row 0); each head, once
-   it holds its whole column, sends it to its row. Every peer ends with every column.
+   it holds its whole column, sends it to its row. Every peer ends with every column. A column
+   that a peer heads only because its head was lost goes through relays (``_gather``): about
+   sqrt(n) row mates, each forwarding the exact bytes to its run of the row, so the successor
+   does not send a second whole broadcast (that made the busiest peer send 3-7x the vector
+   under churn).
 
 Per peer: connections to its row and to the column chain's two neighbours, ``O(row)``; bytes
 sent about ``2 (row - 1) / row`` of the vector plus ``8 / (columns x bytes per value)`` of it for
-the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice.
+the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice; a
+column taken over adds its chain share and ``sqrt(row) / columns`` (its relays), a relay
+``sqrt(row) / columns`` (its run).
 
 Losses (every rule from facts the peer sees; nothing is negotiated):
 
@@ -49,8 +55,12 @@ Losses (every rule from facts the peer sees; nothing is negotiated):
   ``Handover``. Only after every announced neighbour's ``Handover`` does the new head compute:
   a partial sum or reduced sub-part that reached any of them is reused, not recomputed, so a
   lost head whose contribution already went down the chain stays a contributor.
+* *A relay lost* before it forwarded a column is replaced: the head sends that column to the
+  relay's run directly (a copy that arrives twice is the same bytes, stored again).
 * *Finish* when every column is held under exactly ``excluded``; a finished peer keeps serving
-  (forwarding, answering takeovers) until the driver ends the round.
+  (forwarding, relaying, answering takeovers) until the driver ends the round: at the deadline,
+  or once its row and the rows above and below it hold their results (nobody else sends it an
+  item or a ``Takeover``).
 * *Deadline* as in ``allreduce`` rule 8.
 
 What this machine does not cover: a lost head whose neighbours in the chain are lost at the same
@@ -65,6 +75,7 @@ Events: ``ItemReceived``, ``allreduce.PeerLost``, ``allreduce.DeadlineReached``.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -132,11 +143,13 @@ class Reduced:
 
 @dataclass(frozen=True, slots=True)
 class Gathered:
-    """Column ``column`` of the result (float32) over everyone but ``excluded``."""
+    """Column ``column`` of the result (float32) over everyone but ``excluded``; the receiver
+    sends the same bytes on to each row mate in ``forward`` (a relay: ``_gather``)."""
 
     column: int
     excluded: Tag
     data: np.ndarray
+    forward: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +244,9 @@ class GridAllReduce:
         self._open_now = False
         self._heads: dict[tuple[int, int], bytes | None] = {}  # (row, column) -> head, as known
         self._raw_due = True  # our slices' heads may have moved since we last sent them
+        # relay -> (column, exclusions, row mates it was to forward to), for columns we
+        # gathered through relays (``_gather``)
+        self._relayed: dict[bytes, list[tuple[int, Tag, tuple[bytes, ...]]]] = {}
         self.mine: list[int] = self._my_columns()
 
     # -- public ----------------------------------------------------------------------------------
@@ -342,6 +358,14 @@ class GridAllReduce:
                 if peer not in self.alive:
                     due.discard(peer)
                     actions += self._announce(c, due)
+        tag = frozenset(self.excluded)
+        for relay in gone:  # it may not have forwarded: its row mates get the column from us
+            for c, relayed_tag, targets in self._relayed.pop(relay, []):
+                held = self.gathered.get(c)
+                if relayed_tag == tag and held is not None and held[0] == tag:
+                    for peer in targets:
+                        if peer in self.alive:
+                            actions.append(SendItem(peer, Gathered(c, tag, held[1])))
         self.mine = self._my_columns()
         return actions
 
@@ -394,7 +418,15 @@ class GridAllReduce:
         else:
             spread = []
         why = self._store(sender, item)
-        return spread + (self._drop(sender, why) if why else self._progress())
+        if why:
+            return spread + self._drop(sender, why)
+        if isinstance(item, Gathered) and item.forward:  # relayed: the exact bytes we got
+            spread += [
+                SendItem(p, Gathered(item.column, item.excluded, item.data))
+                for p in item.forward
+                if p in self.alive
+            ]
+        return spread + self._progress()
 
     def _store(self, sender: bytes, item: object) -> str | None:
         plan = self.plan
@@ -436,6 +468,12 @@ class GridAllReduce:
             c = item.column
             if not (isinstance(c, int) and 0 <= c < plan.columns):
                 return "column outside the grid"
+            forward = item.forward
+            if not isinstance(forward, tuple) or not all(
+                p in self.index and self.row_index[p] == self.my_row and p not in (self.me, sender)
+                for p in forward
+            ):
+                return "relay to peers outside our row"
             start, stop = plan.part(c)
             why = _check(item.data, stop - start, np.float32)
             if not why and item.excluded == self.excluded:
@@ -577,15 +615,34 @@ class GridAllReduce:
                     actions.append(SendItem(above, Reduced(c, j, tag, entry[1])))
         part = self._column_result(c)
         if part is not None:
-            for i in plan.row(k):
-                peer = plan.peers[i]
-                if (
-                    peer != self.me
-                    and peer in self.alive
-                    and self._owe(("col", c, peer), peer, tag)
-                ):
-                    actions.append(SendItem(peer, Gathered(c, tag, part)))
+            targets = [
+                peer
+                for peer in (plan.peers[i] for i in plan.row(k))
+                if peer != self.me and peer in self.alive and self._owe(("col", c, peer), peer, tag)
+            ]
+            if targets:
+                actions += self._gather(c, tag, part, targets)
         return None
+
+    def _gather(self, c: int, tag: Tag, part: np.ndarray, targets: list[bytes]) -> list[object]:
+        """Column ``c`` to ``targets`` (row mates). The column our place in the row gives us goes
+        to each directly; one we head because its head was lost goes through relays: about
+        sqrt(n) row mates, each forwarding it to its run of the others. A successor heading a
+        lost head's column then sends about 2 sqrt(n) / n of a column's broadcast more, not a
+        second whole one (the busiest peer's bytes under churn); a relay lost before it
+        forwarded is replaced by us sending its run directly (``_lost``)."""
+        members = self.plan.row(self.my_row)
+        if c == self.index[self.me] - members.start or len(targets) < 4:
+            return [SendItem(peer, Gathered(c, tag, part)) for peer in targets]
+        runs = math.isqrt(len(targets) - 1) + 1  # ceil(sqrt(n))
+        actions: list[object] = []
+        for r in range(runs):
+            run = targets[len(targets) * r // runs : len(targets) * (r + 1) // runs]
+            relay, rest = run[0], tuple(run[1:])
+            if rest:
+                self._relayed.setdefault(relay, []).append((c, tag, rest))
+            actions.append(SendItem(relay, Gathered(c, tag, part, rest)))
+        return actions
 
     def _barrier(self, c: int, tag: Tag, actions: list[object]) -> None:
         """Last row: once column ``c``'s whole sum is held under ``tag``, tell the row (Ready);

@@ -21,7 +21,15 @@ What the driver does, as ``swarm.averaging.session`` does it:
   pair latency later if it crashed (its sockets reset), ``peer_timeout_s`` later if it froze (an
   unanswered ping).
 * ``DeadlineReached`` is fed at each machine's deadline. A finished member keeps serving (its
-  machine answers losses and forwards) until the events stop.
+  machine answers losses and forwards) until its session ends, as ``session.Session._drive``
+  ends it: at the deadline, or once every member it may still have to serve is settled
+  (finished, failed, left, or never joined within the join wait: the real session's ``Done``
+  from every live peer). A butterfly member serves the whole group; ``SimGrid`` narrows it to
+  the rows a grid member talks to. After that its machine gets no event: a member that leaves
+  in a later round makes no finished round's machines take over and send again (they did, and
+  at 1,000 peers rounds 5-9 failed at the deadline: every departure made the departed peer's
+  row mates in each of the earlier rounds' grids gather its columns again, on the uplinks the
+  current round needed).
 """
 
 from __future__ import annotations
@@ -125,9 +133,58 @@ class SessionDriver:
     waiting: dict[bytes, list[object]]  # events for members not joined yet
     left: dict[bytes, bool]  # member -> froze (else crashed)
 
+    finished_at: dict[bytes, float]
+    # Members whose session ended (``_settle``): their machines get no more events.
+    closed: set[bytes]
+    _settled: set[bytes]
+    _cohort: dict[bytes, int]  # member -> its cohort (``_start_sessions``)
+    _cohorts: list[list[bytes]]
+    _unsettled: list[int]  # cohort -> members not yet settled
+    _missing_checked: bool
+
+    def _start_sessions(self, cohorts: Sequence[Sequence[bytes]]) -> None:
+        """Partition the members into cohorts (a grid's rows; one for a butterfly): a member
+        may have to serve every member of its cohort and of the cohorts ``_near`` it."""
+        self.closed, self._settled = set(), set()
+        self._missing_checked = False
+        self._cohorts = [list(c) for c in cohorts]
+        self._cohort = {m: i for i, c in enumerate(self._cohorts) for m in c}
+        self._unsettled = [len(c) for c in self._cohorts]
+
+    def _near(self, cohort: int) -> range:
+        """The cohorts a member of ``cohort`` may serve (itself included)."""
+        return range(len(self._cohorts))
+
+    def _settle(self, peer: bytes) -> None:
+        """``peer`` needs nothing more from the group (it finished, failed, left, or never
+        joined in time); close the sessions of finished members who now serve no one."""
+        if peer in self._settled:
+            return
+        self._settled.add(peer)
+        k = self._cohort[peer]
+        self._unsettled[k] -= 1
+        if self._unsettled[k]:
+            return
+        for near in self._near(k):
+            if all(self._unsettled[j] == 0 for j in self._near(near)):
+                for member in self._cohorts[near]:
+                    if member in self.finished_at:
+                        self.closed.add(member)
+
+    def _missing_settled(self) -> None:
+        """The join wait passed: a member that has not joined is lost to those that did (they
+        serve it nothing), so it no longer keeps their sessions open."""
+        if self._missing_checked:
+            return  # the first joiner's wait ended first: those joining later were counted
+        self._missing_checked = True
+        for member in list(self._cohort):
+            if member not in self.joined_at:
+                self._settle(member)
+
     def leave(self, peer: bytes, froze: bool) -> None:
         """``peer`` (a member) just left; tell each member watching it when it notices."""
         self.left[peer] = froze
+        self._settle(peer)
         for observer in self.machines:
             if observer != peer and self._watches(observer, peer):
                 at = max(
@@ -147,9 +204,12 @@ class SessionDriver:
         if machine is None:
             self.waiting.setdefault(peer, []).append(event)
             return
-        if self._failed(machine) or not self.network.present(peer):
+        if peer in self.closed or self._failed(machine) or not self.network.present(peer):
             return
         self._apply(peer, machine.handle(event, self.clock.now))
+        if isinstance(event, DeadlineReached):  # the session ends with its deadline
+            self.closed.add(peer)
+            self._settle(peer)
 
     def _failed(self, machine: Any) -> bool:
         raise NotImplementedError
@@ -191,7 +251,9 @@ class SimGroup(SessionDriver):
         self.left: dict[bytes, bool] = {}  # member -> froze (else crashed)
         self.dropped: dict[bytes, dict[bytes, str]] = {}
         self.contacts: dict[bytes, set[bytes]] = {m: set() for m in self.members}
+        self.sent_bytes: dict[bytes, float] = dict.fromkeys(self.members, 0.0)
         self._outcome = outcome
+        self._start_sessions([self.members])
 
     def join(self, peer: bytes, local: np.ndarray, weight: float) -> None:
         now = self.clock.now
@@ -220,6 +282,7 @@ class SimGroup(SessionDriver):
     # -- the machines ------------------------------------------------------------------------
 
     def _missing_members(self, peer: bytes) -> None:
+        self._missing_settled()
         for member in self.members:
             if member not in self.joined_at:
                 self._feed(peer, PeerLost(member))
@@ -237,6 +300,7 @@ class SimGroup(SessionDriver):
                 event = PartReceived(peer, action.part_index, data, machine.weight)
                 self.contacts[peer].add(action.peer)
                 self.contacts[action.peer].add(peer)
+                self.sent_bytes[peer] += size
                 network.send(peer, action.peer, size, self._feed, action.peer, event)
             elif isinstance(action, SendReduced):
                 size = (
@@ -249,12 +313,14 @@ class SimGroup(SessionDriver):
                 )
                 self.contacts[peer].add(action.peer)
                 self.contacts[action.peer].add(peer)
+                self.sent_bytes[peer] += size
                 network.send(peer, action.peer, size, self._feed, action.peer, reduced)
             elif isinstance(action, DropPeer):
                 self.dropped[peer][action.peer] = action.reason
             elif isinstance(action, Finish | Fail):
                 if isinstance(action, Finish):
                     self.finished_at[peer] = self.clock.now
+                self._settle(peer)
                 self._outcome(peer, action)
 
     # -- figures -----------------------------------------------------------------------------

@@ -11,9 +11,12 @@ that have not joined, feeding ``DeadlineReached``), with what a grid changes:
   ``join_wait_s`` after the sender did, makes it lost to the sender one detection delay later;
   past that wait, an item to a member that never joined is refused at the hello (one round trip,
   no payload, no connection counted).
+* A member's session ends (``SessionDriver``) at its deadline, or once every member of its row
+  and of the rows above and below it is settled (finished, failed, left, never joined): those
+  are the only peers it may still serve. Later departures then reach no finished grid.
 * Sizes are those of the simulated vector: a raw slice or reduced part at ``bytes_per_param``, a
   partial sum at 8 bytes a value (float64, never compressed), plus each item's header and 38
-  bytes per exclusion it names.
+  bytes per exclusion or relay target it names.
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ class SimGrid(SessionDriver):
         self.dropped: dict[bytes, dict[bytes, str]] = {}
         self._paced: dict[bytes, deque[SendItem]] = {}
         self._outcome = outcome
+        plan = self.sized
+        self._start_sessions([[plan.peers[i] for i in plan.row(k)] for k in range(plan.rows)])
+
+    def _near(self, cohort: int) -> range:
+        """A grid member serves its row and the rows above and below it (its columns' chain
+        neighbours): no one else ever sends it a ``Takeover`` or waits for its items."""
+        return range(max(0, cohort - 1), min(len(self._cohorts), cohort + 2))
 
     def join(self, peer: bytes, local: np.ndarray, weight: float) -> None:
         now = self.clock.now
@@ -112,6 +122,7 @@ class SimGrid(SessionDriver):
         return same_row or peer in self.contacts[observer]
 
     def _missing_row_mates(self, peer: bytes) -> None:
+        self._missing_settled()
         machine = self.machines[peer]
         for i in machine.plan.row(machine.my_row):
             member = machine.plan.peers[i]
@@ -150,10 +161,14 @@ class SimGrid(SessionDriver):
                     self.finished_at[peer] = self.clock.now
                 else:  # its session closes: the peers it talks to see it gone
                     self._closed(peer)
+                self._settle(peer)
                 self._outcome(peer, action)
 
     def _pump(self, peer: bytes) -> None:
         queue = self._paced[peer]
+        if peer in self.closed:  # its session ended: what it had not sent yet is not sent
+            queue.clear()
+            return
         first = queue.popleft()
         self._send(peer, first)
         if not isinstance(first.item, Accumulated | Reduced):
@@ -188,7 +203,9 @@ class SimGrid(SessionDriver):
 
     def _size(self, item: object) -> float:
         plan, bpp = self.sized, self.bytes_per_param
-        header = ITEM_HEADER_BYTES + EXCLUSION_BYTES * len(getattr(item, "excluded", ()))
+        header = ITEM_HEADER_BYTES + EXCLUSION_BYTES * (
+            len(getattr(item, "excluded", ())) + len(getattr(item, "forward", ()))
+        )
         if isinstance(item, RawPart | Gathered):
             start, stop = plan.part(item.column)
             return header + (stop - start) * bpp

@@ -240,7 +240,9 @@ def test_a_late_peer_is_left_out_and_a_peer_without_a_quorum_gives_up() -> None:
 
 def test_sharded_scheduled_rounds_in_the_simulator_keep_one_state_under_churn() -> None:
     """60 peers over 3 keys, rows of 8, 5% churn, reads through the simulated DHT's latency:
-    every round one group and one state; only peers that left miss a round."""
+    every round one group and one state; a peer misses a round only by leaving, or by declaring
+    after the window closed (a row whose head has a slow uplink can finish the last round some
+    seconds after the quorum's spread: seed 2's round 2 leaves such a row of 6 out)."""
     schedule = RoundSchedule.for_swarm(60, 3)
     protocol = HierarchicalRounds(
         ButterflyConfig(
@@ -255,8 +257,12 @@ def test_sharded_scheduled_rounds_in_the_simulator_keep_one_state_under_churn() 
     figures = sim.run()
     for f in figures:
         assert f.groups == 1 and f.states == 1, f
-        assert f.finished + f.left == f.peers, f  # nobody late, nobody grouped alone
         assert f.contributed_fraction >= 0.85, f
+        missed = [r for (_, n), r in sim.records.items() if n == f.round and r.result is None]
+        late = [r for r in missed if not r.left]
+        # nobody failed in the all-reduce, nobody was grouped alone; the late are few
+        assert all("after its window closed" in (r.failure or "") for r in late), f
+        assert len(late) <= 0.1 * f.peers, f
     keys = {key for (_, key) in sim.dht.bytes_read}
     assert keys and all(key.count(b"/") == 4 for key in keys)  # run/sim/round/<r>/<shard>
     assert max(len(records) for records in sim.dht.keys.values()) < 50
