@@ -10,7 +10,8 @@ deterministic with two sources: the first to hang up cut the other off.
 
 Its pump also retried a failed read (0.2 s, then 0.4 s) with an ERROR line each time, though a
 reset or closed stream never yields data again; that kept dead circuits, and their table
-entries, alive for most of a second and filled the logs of a busy relay.
+entries, alive for most of a second and filled the logs of a busy relay. And it looked at the
+circuit's duration only when data arrived, so an idle circuit outlived its limit for ever.
 """
 
 from __future__ import annotations
