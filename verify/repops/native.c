@@ -240,32 +240,28 @@ int gelu_vec(const float *x, float *out, int64_t n, const float *k) {
     return 0;
 }
 
+/* (exp(x * x * -0.5) * INV_SQRT_2PI * x + cdf) * dy (repops_ops._gelu_grad_rows), one element. */
+static inline float gelu_grad_r(float x, float cdf, float dy, const float *k) {
+    float s = x * x;
+    s = s * -0.5f;
+    float pdf = exp_r(s, k) * k[INV_SQRT_2PI];
+    pdf = pdf * x;
+    pdf = pdf + cdf;
+    return pdf * dy;
+}
+
 /* gelu_backward below with the cdf computed in the same pass (aten.gelu_backward's mapping). */
 int gelu_backward_x(const float *x, const float *dy, float *out, int64_t n, const float *k) {
     if (any_nan(x, n)) return 1;
-    for (int64_t i = 0; i < n; i++) {
-        float s = x[i] * x[i];
-        s = s * -0.5f;
-        float pdf = exp_r(s, k) * k[INV_SQRT_2PI];
-        pdf = pdf * x[i];
-        pdf = pdf + gelu_cdf_r(x[i], k);
-        out[i] = pdf * dy[i];
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = gelu_grad_r(x[i], gelu_cdf_r(x[i], k), dy[i], k);
     return 0;
 }
 
-/* out = (exp(x * x * -0.5) * INV_SQRT_2PI * x + cdf) * dy (repops_ops._gelu_grad_rows). */
+/* out = gelu_grad_r of each element, the cdf given. */
 int gelu_backward(const float *x, const float *cdf, const float *dy, float *out, int64_t n,
                   const float *k) {
     if (any_nan(x, n)) return 1;
-    for (int64_t i = 0; i < n; i++) {
-        float s = x[i] * x[i];
-        s = s * -0.5f;
-        float pdf = exp_r(s, k) * k[INV_SQRT_2PI];
-        pdf = pdf * x[i];
-        pdf = pdf + cdf[i];
-        out[i] = pdf * dy[i];
-    }
+    for (int64_t i = 0; i < n; i++) out[i] = gelu_grad_r(x[i], cdf[i], dy[i], k);
     return 0;
 }
 

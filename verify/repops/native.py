@@ -27,7 +27,6 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -233,50 +232,43 @@ def _plain(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _elementwise(kernel: Any, inputs: tuple[torch.Tensor, ...], constants: torch.Tensor
+def _elementwise(kernel: str, inputs: tuple[torch.Tensor, ...], constants: torch.Tensor
                  ) -> torch.Tensor | None:  # fmt: skip
-    """``kernel(*inputs, out, n, constants)`` over ranges of elements; None on its refusal."""
+    """The library's ``kernel(*inputs, out, n, constants)`` over ranges of elements; None when
+    the kernels do not apply (no library, inputs not ``_plain``) or on the kernel's refusal."""
+    lib = library()
+    if lib is None or not _plain(*inputs):
+        return None
+    run_kernel = getattr(lib, kernel)
     out = torch.empty_like(inputs[0])
 
     def run(lo: int, hi: int) -> int:
         pointers = (t.data_ptr() + 4 * lo for t in (*inputs, out))
-        return kernel(*pointers, hi - lo, constants.data_ptr())
+        return run_kernel(*pointers, hi - lo, constants.data_ptr())
 
     return None if split(out.numel(), 1, run) else out
 
 
 def exp(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     """``repops_ops.exp`` in one pass, or None when the kernels do not apply."""
-    lib = library()
-    if lib is None or not _plain(x):
-        return None
-    return _elementwise(lib.exp_vec, (x,), constants)
+    return _elementwise("exp_vec", (x,), constants)
 
 
 def gelu_cdf(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     """``repops_ops._gelu_cdf`` in one pass, or None when the kernels do not apply."""
-    lib = library()
-    if lib is None or not _plain(x):
-        return None
-    return _elementwise(lib.gelu_cdf, (x,), constants)
+    return _elementwise("gelu_cdf", (x,), constants)
 
 
 def gelu_backward(
     x: torch.Tensor, cdf: torch.Tensor, dy: torch.Tensor, constants: torch.Tensor
 ) -> torch.Tensor | None:
     """``repops_ops._gelu_backward`` in one pass, or None when the kernels do not apply."""
-    lib = library()
-    if lib is None or not _plain(x, cdf, dy):
-        return None
-    return _elementwise(lib.gelu_backward, (x, cdf, dy), constants)
+    return _elementwise("gelu_backward", (x, cdf, dy), constants)
 
 
 def gelu(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
     """x * ``repops_ops._gelu_cdf(x)`` in one pass, or None when the kernels do not apply."""
-    lib = library()
-    if lib is None or not _plain(x):
-        return None
-    return _elementwise(lib.gelu_vec, (x,), constants)
+    return _elementwise("gelu_vec", (x,), constants)
 
 
 def gelu_backward_of_x(
@@ -284,10 +276,7 @@ def gelu_backward_of_x(
 ) -> torch.Tensor | None:
     """``gelu_backward`` with the cdf of ``x`` computed in the same pass, or None when the
     kernels do not apply."""
-    lib = library()
-    if lib is None or not _plain(x, dy):
-        return None
-    return _elementwise(lib.gelu_backward_x, (x, dy), constants)
+    return _elementwise("gelu_backward_x", (x, dy), constants)
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int]:
