@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_sim_hierarchical import check_one_state
+from test_sim_hierarchical import check_random_losses
 
 from swarm.sim import ButterflyConfig, SimConfig, Simulation, VectorModel
 from swarm.sim.hierarchical import HierarchicalRounds
@@ -39,13 +39,4 @@ def small_grid(peers: int, row: int, seed: int) -> Simulation:
 def test_small_grids_with_random_crashes_and_freezes_end_with_one_exact_mean(
     peers, row, seed, data
 ) -> None:
-    sim = small_grid(peers, row, seed)
-    victims = data.draw(st.lists(st.integers(0, peers - 1), min_size=1, max_size=3, unique=True))
-    gone = set()
-    for index in victims:
-        peer = sim.peers[index]
-        sim.leave_at(peer, data.draw(st.floats(0.5, 30.0)), froze=data.draw(st.booleans()))
-        gone.add(peer)
-    sim.run()
-    done = check_one_state(sim, gone)
-    assert {r.peer for r in done} >= {p for p in sim.peers if p not in gone}
+    check_random_losses(small_grid(peers, row, seed), data, victims=3, latest_s=30.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_sim_hierarchical import check_one_state
+from test_sim_hierarchical import check_one_state, check_random_losses
 
 from swarm.sim import ButterflyConfig, SimConfig, Simulation, VectorModel
 from swarm.sim.hierarchical import HierarchicalRounds, SimGrid
@@ -82,13 +82,4 @@ def test_a_relay_frozen_before_it_forwarded_is_replaced_by_direct_sends() -> Non
 )
 @given(seed=st.integers(0, 10_000), data=st.data())
 def test_heads_and_relays_lost_at_random_moments_leave_one_exact_mean(seed, data) -> None:
-    sim, _ = grid(seed)
-    victims = data.draw(st.lists(st.integers(0, PEERS - 1), min_size=2, max_size=4, unique=True))
-    gone = set()
-    for index in victims:
-        peer = sim.peers[index]
-        sim.leave_at(peer, data.draw(st.floats(0.5, 60.0)), froze=data.draw(st.booleans()))
-        gone.add(peer)
-    sim.run()
-    done = check_one_state(sim, gone)
-    assert {r.peer for r in done} >= {p for p in sim.peers if p not in gone}
+    check_random_losses(grid(seed)[0], data, victims=4, latest_s=60.0, fewest=2)

@@ -47,6 +47,24 @@ def check_one_state(sim: Simulation, gone: set[bytes]) -> list:
     return done
 
 
+def check_random_losses(
+    sim: Simulation, data: st.DataObject, victims: int, latest_s: float, *, fewest: int = 1
+) -> None:
+    """Crash or freeze ``fewest``..``victims`` peers drawn by ``data`` at moments up to
+    ``latest_s``, run the round, and check one exact mean that every survivor finished with."""
+    drawn = data.draw(
+        st.lists(st.integers(0, len(sim.peers) - 1), min_size=fewest, max_size=victims, unique=True)
+    )
+    gone = set()
+    for index in drawn:
+        peer = sim.peers[index]
+        sim.leave_at(peer, data.draw(st.floats(0.5, latest_s)), froze=data.draw(st.booleans()))
+        gone.add(peer)
+    sim.run()
+    done = check_one_state(sim, gone)
+    assert {r.peer for r in done} >= {p for p in sim.peers if p not in gone}
+
+
 def test_a_clean_round_of_200_is_one_exact_mean_with_connections_bounded_by_the_row() -> None:
     sim, protocol = simulation(200, seed=5)
     figures = sim.run()[0]
