@@ -43,7 +43,7 @@ from p2p.errors import (
     RemoteProtocolError,
     StreamEnded,
 )
-from p2p.host import Host, HostConfig, open_host
+from p2p.host import ConnectionKind, Host, HostConfig, connection_kind, is_direct_kind, open_host
 from p2p.identity import (
     MAX_WORK_BITS,
     create_identity,
@@ -57,7 +57,6 @@ from p2p.nat.traversal import (
     NatConfig,
     NatService,
     RelayServiceLimits,
-    connection_kind,
     stream_kind,
     upnp_status,
 )
@@ -81,6 +80,7 @@ __all__ = [
     "BulkListener",
     "BulkReceived",
     "BulkTransferFailed",
+    "ConnectionKind",
     "DataMode",
     "Dht",
     "DhtConfig",
@@ -121,6 +121,7 @@ __all__ = [
     "dht_key",
     "encode",
     "identity_work",
+    "is_direct_kind",
     "join_addr",
     "join_address_problem",
     "listen_address_problem",

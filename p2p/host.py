@@ -16,7 +16,9 @@ down when the enclosing scope exits or is cancelled (cancellation is the shutdow
   (``p2p.rejections``);
 - a read deadline on every inbound stream, libp2p's protocols included
   (``p2p.stream_deadlines``);
-- ``connection_kind(peer)``: whether our connection to a peer is direct or through a relay.
+- ``connection_kind(peer)``: how our connection to a peer was made: dialed or accepted
+  directly, through a relay circuit, or punched (DCUtR, ``p2p.nat.traversal``, marks the
+  connections its hole punches make: ``punching``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import errno
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,7 +53,9 @@ from p2p.stream_deadlines import DEFAULT_CONTROL_S, StreamDeadlineExceeded, boun
 
 log = logging.getLogger(__name__)
 
-ConnectionKind = Literal["direct", "relayed"]
+# How a connection was made: dialed or accepted directly, through a relay circuit, or by a hole
+# punch (direct too, but only because both NATs were opened for it: worth counting apart).
+ConnectionKind = Literal["direct", "punched", "relayed"]
 StreamHandler = Callable[[INetStream], Awaitable[None]]
 
 
@@ -99,13 +104,27 @@ def _closed(conn: INetConn) -> bool:
 
 
 def connection_kind(host: IHost | Host, peer_id: ID) -> ConnectionKind | None:
-    """``direct`` if any live connection to ``peer_id`` is direct, ``relayed`` if all go through
-    a relay, None when not connected."""
+    """How we are connected to ``peer_id`` now, None when not connected: ``direct`` if a live
+    connection is direct and was not punched, else ``punched`` if one was punched, else
+    ``relayed`` (all go through a relay).
+
+    Only our ``Host`` knows which connections were punched; given libp2p's ``IHost`` (no
+    record), a punched connection counts as ``direct``.
+    """
     raw = host.libp2p if isinstance(host, Host) else host
     conns = [c for c in raw.get_network().get_connections(peer_id) if not _closed(c)]
     if not conns:
         return None
-    return "relayed" if all(is_relayed(c) for c in conns) else "direct"
+    direct = [c for c in conns if not is_relayed(c)]
+    if not direct:
+        return "relayed"
+    punched: Container[INetConn] = host.punched if isinstance(host, Host) else ()
+    return "direct" if any(c not in punched for c in direct) else "punched"
+
+
+def is_direct_kind(kind: ConnectionKind | None) -> bool:
+    """Whether a connection of this kind reaches the peer without a relay (dialed or punched)."""
+    return kind in ("direct", "punched")
 
 
 class _ConnectionNotifee(INotifee):
@@ -117,6 +136,8 @@ class _ConnectionNotifee(INotifee):
 
     async def connected(self, network: INetwork, conn: INetConn) -> None:
         log.debug("connection to %s opened (%s)", conn.muxed_conn.peer_id, _direction(conn))
+        if conn.muxed_conn.peer_id in self._host._punching and not is_relayed(conn):
+            self._host.punched.add(conn)
         total = sum(len(conns) for conns in network.get_connections_map().values())
         if total > self._host.config.max_connections:
             self._host.statistics.connections_refused_over_limit += 1
@@ -181,6 +202,10 @@ class Host:
         self.rejections = rejections or RejectionLog()
         self.statistics = HostStatistics(rejections=self.rejections.counts)
         self._nursery = nursery
+        # Connections made by hole punching (weak: a closed connection leaves on its own), and
+        # the peers a punch is under way with, by how many sessions (both ends may run one).
+        self.punched: weakref.WeakSet[INetConn] = weakref.WeakSet()
+        self._punching: dict[ID, int] = {}
 
     def reject(self, peer: object, kind: str, detail: str) -> None:
         """Count input refused from ``peer``; logged at most once per peer and kind a minute."""
@@ -264,6 +289,33 @@ class Host:
 
     def connection_kind(self, peer_id: ID) -> ConnectionKind | None:
         return connection_kind(self, peer_id)
+
+    @contextmanager
+    def punching(self, peer_id: ID) -> Iterator[None]:
+        """Count the direct connections to ``peer_id`` that appear in this block as punched.
+
+        The hole punch wraps its dial rounds in it. Marked twice over: when a connection
+        opens in the block (so it is ``punched`` before the punch's caller learns it exists,
+        and at the end that accepted it as well), and, when the block ends, every direct
+        connection that was not there when it began (a connection registered just before the
+        punch saw it can have its ``connected`` notification still pending then).
+        """
+        network = self.libp2p.get_network()
+
+        def direct_now() -> list[INetConn]:
+            return [c for c in network.get_connections(peer_id) if not is_relayed(c)]
+
+        before = set(direct_now())
+        self._punching[peer_id] = self._punching.get(peer_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._punching.pop(peer_id) - 1
+            if left:
+                self._punching[peer_id] = left
+            for conn in direct_now():
+                if conn not in before and not _closed(conn):
+                    self.punched.add(conn)
 
 
 async def reset_quietly(stream: INetStream) -> None:

@@ -31,7 +31,7 @@ from p2p.bulk.payload import receive_bulk, send_bulk
 from p2p.bulk.transfer import BulkConfig, ReceiveBudget
 from p2p.dht.kademlia import Dht, DhtConfig
 from p2p.errors import P2PError, PeerUnreachable
-from p2p.host import Host, HostConfig, open_host, reset_quietly
+from p2p.host import Host, HostConfig, is_direct_kind, open_host, reset_quietly
 from p2p.loop_lag import watch_loop_lag
 from p2p.nat.reachability import Reachability, ReachabilityVerdict
 from p2p.nat.traversal import (
@@ -237,7 +237,8 @@ class Node:
         await self.nat.connect(peer_id, addrs)
 
     def is_direct(self, peer_id: ID) -> bool:
-        return self.host.connection_kind(peer_id) == "direct"
+        """Whether we reach ``peer_id`` without a relay (a dialed or a punched connection)."""
+        return is_direct_kind(self.host.connection_kind(peer_id))
 
     async def measure_bulk(
         self, peer_id: ID, nbytes: int, *, deadline_s: float = 60.0
@@ -326,8 +327,8 @@ class Node:
                 best = min(best, await one_round())
         except P2PError as exc:
             return PingResult(str(peer_id), False, None, None, str(exc))
-        kind = self.host.connection_kind(peer_id)
-        return PingResult(str(peer_id), True, kind == "direct", best * 1000)
+        direct = is_direct_kind(self.host.connection_kind(peer_id))
+        return PingResult(str(peer_id), True, direct, best * 1000)
 
 
 def _has_addrs(host: Host, peer_id: ID) -> bool:

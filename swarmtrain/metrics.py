@@ -46,7 +46,7 @@ DROP_KINDS = ("lost", "weight", "bad_data", "protocol")
 ROUND_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 DHT_SECONDS_BUCKETS = (0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 REACHABILITY = ("public", "private", "unknown")
-CONNECTION_KINDS = ("direct", "relayed")
+CONNECTION_KINDS = ("direct", "punched", "relayed")  # p2p.host.ConnectionKind
 
 
 def drop_kind(reason: str) -> str:

@@ -10,7 +10,9 @@ that owns, on the host:
   peers (``reserve``), and the ``/p2p-circuit`` addresses those give (``circuit_addrs``). 0.8.1
   does not add them to ``get_addrs()``: publish them in the peer's DHT record;
 - DCUtR hole punching (``libp2p.relay.circuit_v2.dcutr``), used by ``connect``: direct first, then
-  through a relay, then an upgrade of the relayed connection to a direct one.
+  through a relay, then an upgrade of the relayed connection to a direct one. The connections
+  a punch makes, at either end, are marked on the host (``Host.punching``), so
+  ``connection_kind`` tells them (``punched``) from dialed ones.
 
 UPnP port mapping is libp2p's (``HostConfig.enable_upnp``; off by default, off in the lab where no
 gateway answers); ``upnp_status`` reports what it achieved.
@@ -33,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import multiaddr
 import trio
@@ -45,7 +48,7 @@ from libp2p.relay.circuit_v2.resources import RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2p.errors import P2PError, PeerUnreachable
-from p2p.host import ConnectionKind, Host, connection_kind, is_relayed
+from p2p.host import ConnectionKind, Host, is_direct_kind, is_relayed
 from p2p.nat.dialback import ask_for_dialbacks, serve_dialback
 from p2p.nat.reachability import (
     DIALBACK_PROTOCOL,
@@ -99,8 +102,9 @@ class NatConfig:
 # --------------------------------------------------------------------------- connection kinds
 
 
-def stream_kind(stream: INetStream) -> ConnectionKind:
-    """Whether this stream runs over a relayed or a direct connection."""
+def stream_kind(stream: INetStream) -> Literal["direct", "relayed"]:
+    """Whether this stream runs over a relayed or a direct connection (dialed or punched: the
+    path, which is what a data connection's choice depends on)."""
     return "relayed" if is_relayed(stream.muxed_conn) else "direct"
 
 
@@ -145,10 +149,24 @@ class _DialerDrivenDCUtR(DCUtRProtocol):
     sessions for one pair dial the same 4-tuple from the same SO_REUSEPORT listen port, and the
     second bind fails with EADDRNOTAVAIL; measured: 1 punch in 12 between two cone NATs failed
     that way, under load. Inbound sessions are still answered.
+
+    Both ends' dial rounds (the initiator's from ``initiate_hole_punch``, the responder's from
+    its stream handler) run inside ``Host.punching``: the connection they make, dialed, merged
+    by simultaneous open or accepted, is recorded as punched.
     """
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host.libp2p)
+        self._our_host = host
 
     async def _auto_drive_loop(self) -> None:
         await trio.sleep_forever()
+
+    async def _perform_hole_punch(
+        self, peer_id: ID, addrs: list[multiaddr.Multiaddr], as_responder: bool = False
+    ) -> bool:
+        with self._our_host.punching(peer_id):
+            return await super()._perform_hole_punch(peer_id, addrs, as_responder)
 
 
 # --------------------------------------------------------------------------- the service
@@ -191,7 +209,7 @@ class NatService:
         self._transport = KeptCircuitTransport(
             raw, self._relay_protocol, RelayConfig(roles=roles, limits=self._relay_limits)
         )
-        self._dcutr = _DialerDrivenDCUtR(raw) if self.config.holepunch else None
+        self._dcutr = _DialerDrivenDCUtR(host) if self.config.holepunch else None
         self._slots = RelaySlots(
             host,
             self._transport,
@@ -282,11 +300,11 @@ class NatService:
 
         Returns the kind of connection we end up with. Raises ``PeerUnreachable``.
         """
-        kind = connection_kind(self.host.libp2p, peer_id)
+        kind = self.host.connection_kind(peer_id)
         report = _DialReport()
         if kind is None:
             await self._race_direct_and_relayed(peer_id, addrs, report)
-            kind = connection_kind(self.host.libp2p, peer_id)
+            kind = self.host.connection_kind(peer_id)
         if kind is None:
             raise PeerUnreachable(
                 f"cannot reach {peer_id}: " + ("; ".join(report.errors) or "no addresses"),
@@ -298,7 +316,7 @@ class NatService:
                 await self.upgrade(peer_id)
             elif self._nursery is not None:
                 self._nursery.start_soon(self.upgrade, peer_id)
-        return connection_kind(self.host.libp2p, peer_id) or kind
+        return self.host.connection_kind(peer_id) or kind
 
     async def _race_direct_and_relayed(
         self, peer_id: ID, addrs: Sequence[multiaddr.Multiaddr], report: _DialReport
@@ -345,7 +363,7 @@ class NatService:
                 nursery.start_soon(dial_direct)
             if circuits:
                 nursery.start_soon(dial_relayed)
-        if direct and connection_kind(self.host.libp2p, peer_id) != "direct":
+        if direct and not is_direct_kind(self.host.connection_kind(peer_id)):
             # Forget the plain addresses that did not answer: DCUtR's first step re-dials every
             # plain address in the peerstore (10 s budget, swarm retries with backoff), which
             # measured 8+ s here and used up the whole hole-punch window.
@@ -364,7 +382,7 @@ class NatService:
                 await self._dcutr.initiate_hole_punch(peer_id)
             except Exception as exc:
                 log.info("hole punch to %s failed: %r", peer_id, exc)
-        direct = connection_kind(self.host.libp2p, peer_id) == "direct"
+        direct = is_direct_kind(self.host.connection_kind(peer_id))
         log.info("connection to %s is %s", peer_id, "direct" if direct else "still relayed")
         return direct
 

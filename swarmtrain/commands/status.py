@@ -244,7 +244,7 @@ async def probe_reach(node: Node, peer: PeerID) -> str:
         return "unreachable"
     if kind == "relayed":
         return "punched" if await node.nat.upgrade(peer) else "relayed"
-    return "direct"
+    return kind  # direct, or punched by an earlier connection
 
 
 async def _verdicts(node: Node, run_id: str, coordinator: PeerID) -> list[Verdict]:

@@ -57,7 +57,8 @@ class Reading:
 
     ``progress``: DiLoCo peers' latest records; ``trainers`` and ``stages``: a pipeline run's
     trainer records and ``pipeline_status`` rows; ``verdicts``: the coordinator's own;
-    ``links``: peer id -> how the coordinator is connected to it now (``direct``, ``relayed``)."""
+    ``links``: peer id -> how the coordinator is connected to it now (``direct``, ``punched``,
+    ``relayed``)."""
 
     at: float
     progress: tuple[Progress, ...] = ()

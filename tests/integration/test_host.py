@@ -1,4 +1,5 @@
-"""The host wrapper on loopback: fast dials, shutdown by cancellation, connection kinds."""
+"""The host wrapper on loopback: fast dials, shutdown by cancellation, connection kinds (direct,
+punched)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,31 @@ async def test_dials_skip_the_happy_eyeballs_wait() -> None:
                     durations.append(time.perf_counter() - start)
                     assert client.connection_kind(server.peer_id) == "direct"
     assert statistics.median(durations) < 0.2, durations
+
+
+async def test_connections_made_during_a_punch_count_as_punched_at_both_ends() -> None:
+    # DCUtR's dial rounds run inside Host.punching (p2p.nat.traversal); here a plain dial stands
+    # in for the punch's dial, and each end marks what it sees: the dialer (through its
+    # notifee) and the acceptor (at the block's end: its connection was not there before).
+    with trio.fail_after(30):
+        async with (
+            open_host(HostConfig(create_new_key_pair())) as a,
+            open_host(HostConfig(create_new_key_pair())) as b,
+            open_host(HostConfig(create_new_key_pair())) as c,
+        ):
+            await a.connect(c.peer_id, c.addrs())
+            with a.punching(b.peer_id), b.punching(a.peer_id), a.punching(c.peer_id):
+                await a.connect(b.peer_id, b.addrs())
+                assert a.connection_kind(b.peer_id) == "punched"
+                while b.connection_kind(a.peer_id) is None:
+                    await trio.sleep(0.01)
+            assert b.connection_kind(a.peer_id) == "punched"
+            assert a.connection_kind(b.peer_id) == "punched"
+            # Dialed before the punch began: still direct, at both ends.
+            assert a.connection_kind(c.peer_id) == "direct"
+            assert c.connection_kind(a.peer_id) == "direct"
+            await a.libp2p.get_network().close_peer(b.peer_id)
+            assert a.connection_kind(b.peer_id) is None
 
 
 async def test_cancellation_shuts_the_host_down_and_frees_its_port() -> None:

@@ -127,6 +127,7 @@ def test_a_relay_serves_metrics_and_a_busy_port_is_named(tmp_path: Path) -> None
         assert values[("swarmtrain_info", (("role", "relay"),))] == 1
         assert values[("swarmtrain_reachability", (("status", "unknown"),))] == 1
         assert values[("swarmtrain_connections", (("kind", "relayed"),))] == 0
+        assert values[("swarmtrain_connections", (("kind", "punched"),))] == 0
     finally:
         assert relay.stop() == 130
     with socket.socket() as busy:

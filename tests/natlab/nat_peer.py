@@ -13,7 +13,10 @@ one JSON object per line, answering each with one line:
 
     {"cmd": "reachability", "helpers": [PEER_ID, ...]}   -> {"event": "reachability", ...}
     {"cmd": "ping", "peer_id": ID, "addrs": [MULTIADDR]} -> {"event": "ping", "peer_id", "ok",
-                                                            "direct", "kind", "rtt_ms", "error"}
+                    "direct", "kind", "rtt_ms", "server_kind", "server_connection", "error"}
+
+``kind`` and ``server_connection`` are ``connection_kind`` at our end and at the server's
+(direct, punched or relayed); ``server_kind`` is the server's stream's path (direct or relayed).
 
 End of stdin ends the process (exit 0). This drives ``p2p.nat.traversal`` directly; ``swarmtrain
 doctor`` covers the one-shot version of the same checks.
@@ -37,12 +40,11 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from p2p.errors import P2PError
-from p2p.host import HostConfig, open_host
+from p2p.host import HostConfig, connection_kind, is_direct_kind, open_host
 from p2p.nat.traversal import (
     NatConfig,
     NatService,
     advertised_addrs,
-    connection_kind,
     establish,
     observed_addrs,
     stream_kind,
@@ -63,6 +65,7 @@ class Echo(Message):
 class EchoReply(Message):
     payload: bytes
     server_kind: str  # how the server's end of the stream came in: "direct" or "relayed"
+    server_connection: str  # the server's connection_kind of us: "direct", "punched", "relayed"
 
 
 def emit(**fields: Any) -> None:
@@ -94,7 +97,8 @@ async def main(args: argparse.Namespace) -> None:
         async def echo(stream: INetStream) -> None:
             rpc = RpcStream(stream)
             request = await rpc.receive(Echo)
-            await rpc.send(EchoReply(request.payload, stream_kind(stream)))
+            kind = host.connection_kind(stream.muxed_conn.peer_id)
+            await rpc.send(EchoReply(request.payload, stream_kind(stream), str(kind)))
             await rpc.close()
 
         host.set_handler(ECHO_PROTOCOL, echo)
@@ -142,11 +146,12 @@ async def ping(host: Any, nat: NatService, command: dict[str, Any]) -> dict[str,
         result["rtt_ms"] = round((trio.current_time() - t0) * 1000, 2)
         result["ok"] = reply.payload == sent
         result["server_kind"] = reply.server_kind
+        result["server_connection"] = reply.server_connection
     except P2PError as exc:
         result["error"] = str(exc)
     kind = connection_kind(host, peer_id)
     result["kind"] = kind
-    result["direct"] = kind == "direct"
+    result["direct"] = is_direct_kind(kind)
     return result
 
 

@@ -5,8 +5,10 @@ A behind a port-restricted cone NAT (nat1), B behind nat2 (port-restricted or sy
 
 - reachability by dial-back: public for the relay and c, private for A and B;
 - every pair exchanges an RPC;
-- A <-> B: direct after DCUtR when both NATs are port-restricted cones; through the relay, and
-  saying so, when B's NAT is symmetric (a plain-socket punch fails there too, see DESIGN.md).
+- A <-> B: direct after DCUtR when both NATs are port-restricted cones, and both ends' hosts say
+  so: ``punched`` (``connection_kind``, what ``swarmtrain_connections{kind="punched"}`` counts);
+  through the relay, and saying so (``relayed`` at both ends), when B's NAT is symmetric (a
+  plain-socket punch fails there too, see DESIGN.md).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def ping(src: LabProcess, dst: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(
     ("nat2", "a_to_b"),
-    [("prc", "direct"), ("sym", "relayed")],
+    [("prc", "punched"), ("sym", "relayed")],
     ids=["cone-cone-holepunch", "cone-symmetric-relayed"],
 )
 def test_nat_traversal(
@@ -76,7 +78,9 @@ def test_nat_traversal(
     print("a->b", json.dumps(ab))  # timings, shown on failure or with -s
     assert ab["ok"], (ab, procs["a"].tail(), procs["b"].tail())
     assert ab["kind"] == a_to_b, (ab, procs["a"].tail(), procs["b"].tail())
-    assert ab["direct"] is (a_to_b == "direct")
+    assert ab["direct"] is (a_to_b == "punched")
+    # B's host knows how it came too: it ran the punch's other end (or served over the relay).
+    assert ab["server_connection"] == a_to_b, (ab, procs["a"].tail(), procs["b"].tail())
     if a_to_b == "relayed":
         # B's end agrees: the RPC came in over the relay. (After a punch, B may serve the first
         # stream on either connection, so only the relayed case pins the server's view.)
@@ -99,3 +103,4 @@ def test_nat_traversal(
         # Everything else involves a public peer, reachable directly.
         assert result["kind"] == "direct", result
         assert result["server_kind"] == "direct", result
+        assert result["server_connection"] == "direct", result

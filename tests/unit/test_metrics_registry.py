@@ -121,7 +121,7 @@ def test_a_node_is_sampled_in_its_loop_at_each_scrape() -> None:
         on_request=None,
     )
     node = SimpleNamespace(
-        host=FakeHost({"a": "direct", "b": "relayed", "c": "direct"}),
+        host=FakeHost({"a": "direct", "b": "relayed", "c": "direct", "d": "punched"}),
         dht=dht,
         reachability=ReachabilityVerdict(Reachability.PRIVATE, "no dial-back"),
     )
@@ -140,6 +140,7 @@ def test_a_node_is_sampled_in_its_loop_at_each_scrape() -> None:
     assert calls == [1]
     assert values[("swarmtrain_connections", (("kind", "direct"),))] == 2
     assert values[("swarmtrain_connections", (("kind", "relayed"),))] == 1
+    assert values[("swarmtrain_connections", (("kind", "punched"),))] == 1
     assert values[("swarmtrain_reachability", (("status", "private"),))] == 1
     assert values[("swarmtrain_reachability", (("status", "public"),))] == 0
     assert values[("swarmtrain_dht_routing_table_peers", ())] == 5
