@@ -191,6 +191,11 @@ def node_families(node: Any) -> Iterator[Metric]:
         "swarmtrain_dht_refused_over_quota", "DHT stores refused over a storage quota",
         value=dht.refused_over_quota,
     )  # fmt: skip
+    yield CounterMetricFamily(
+        "swarmtrain_dht_over_key_cap",
+        "DHT entries left out: their owner held its cap of entries under that key",
+        value=dht.over_key_cap,
+    )  # fmt: skip
     host = node.host.statistics
     yield CounterMetricFamily(
         "swarmtrain_connections_closed", "Connections closed", value=host.connections_closed

@@ -128,6 +128,9 @@ class DhtStatistics:
     bytes_held: int = 0
     refused_over_quota: int = 0
     peers_forgotten: int = 0  # departed peers removed from the routing table
+    # Entries left out because their owner already had its cap of that key (``StorageLimits``),
+    # in PUTs we served and in the answers we read.
+    over_key_cap: int = 0
 
 
 def dht_key(key: str) -> bytes:
@@ -317,6 +320,7 @@ class Dht:
             bytes_held=self.store_local.bytes_held,
             refused_over_quota=self.store_local.refused_over_quota,
             peers_forgotten=self.upkeep.forgotten,
+            over_key_cap=self.store_local.over_key_cap,
         )
 
     def suspect(self, peer_id: ID, seconds: float | None = None) -> None:
@@ -424,7 +428,7 @@ class Dht:
         """
         width = width or self.config.replicas
         now = time.time()
-        merged = self.store_local.records(kbytes, now)
+        local = merged = self.store_local.records(kbytes, now)
         asked: set[ID] = {self.peer_id}
         answered: list[ID] = [self.peer_id]
         named: list[ID] = []
@@ -461,7 +465,8 @@ class Dht:
                 if held:
                     merged = merge_records(merged, held.values(), now=now)
         closest = sort_peer_ids_by_distance(kbytes, answered)[:width]
-        return closest, merged
+        # Each answer was capped per owner, but two replicas may keep different entries of one.
+        return closest, self.store_local.cap_owners(kbytes, merged, held=local)
 
     # ------------------------------------------------------------------ addresses
 
@@ -515,6 +520,8 @@ class Dht:
         if data is not None and len(data) <= MAX_RECORD_SET_BYTES:
             try:
                 held = valid_records(data, key=kbytes, now=time.time(), strict=False)
+                # A replica that does not cap (an older or a hostile one) is capped here.
+                held = self.store_local.cap_owners(kbytes, held)
             except RemoteProtocolError as exc:
                 log.info("peer %s sent a malformed value: %s", peer, exc)
         answers.append((peer, held, closer))

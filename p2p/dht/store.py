@@ -9,8 +9,9 @@ us hold (``StorageLimits``). ``p2p.dht.kademlia`` installs both on the node's ``
 
 from __future__ import annotations
 
+import fnmatch
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from libp2p.abc import IHost
@@ -36,17 +37,46 @@ NAMESPACE = "swarmtrain"
 KEY_PREFIX = f"/{NAMESPACE}/".encode()
 
 
+# Key families (``fnmatch`` patterns over the key after ``/swarmtrain/``) whose writers
+# legitimately hold several subkeys of one key, with how many each owner may hold there. Every
+# other key holds one entry per owner: each run key but one is written once per peer, under its
+# own subkey (declarations, progress, state hashes, joins, starts, claims, verdicts, stage and
+# trainer announcements, addresses). The exception is a round's aggregation audit records: a
+# member splits its record over tagged values, one per claim at most, and a record holds at most
+# 256 claims (``swarm.averaging.audit.split_record``, ``MAX_PARTS``). The table is plain data
+# here (p2p imports nothing above it) because every storing peer must apply the same caps,
+# whatever program runs it; tests/unit/test_records.py checks it against the run keys.
+MULTI_ENTRY_KEY_FAMILIES: tuple[tuple[str, int], ...] = (("run/*/aggregate/*", 256),)
+
+
 @dataclass(frozen=True)
 class StorageLimits:
     """What one identity may make a storing peer hold, and what the store holds in all.
 
     An honest peer writes a few keys a round (declaration, progress, state hash, claims), each
     living 10 minutes to an hour: a few thousand entries of under 1 KiB at one-second rounds.
+    Under one key an owner holds ``max_entries_per_owner_per_key`` entries, or what the first
+    matching pattern of ``key_families`` allows. Raises ValueError for a limit under 1.
     """
 
     max_entries_per_owner: int = 8192
     max_bytes_per_owner: int = 8 << 20
     max_bytes: int = 512 << 20
+    max_entries_per_owner_per_key: int = 1
+    key_families: tuple[tuple[str, int], ...] = MULTI_ENTRY_KEY_FAMILIES
+
+    def __post_init__(self) -> None:
+        caps = [self.max_entries_per_owner_per_key, *(cap for _, cap in self.key_families)]
+        if min(caps) < 1:
+            raise ValueError(f"an owner's entries per key must be at least 1, got {min(caps)}")
+
+    def entries_per_owner(self, key: bytes) -> int:
+        """How many entries one owner may hold under DHT key ``key`` (``/swarmtrain/...``)."""
+        name = key.removeprefix(KEY_PREFIX).decode("utf-8", "replace")
+        for pattern, cap in self.key_families:
+            if fnmatch.fnmatchcase(name, pattern):
+                return cap
+        return self.max_entries_per_owner_per_key
 
 
 class SubkeyDictValidator(Validator):
@@ -88,6 +118,13 @@ class MergingValueStore(ValueStore):
     owner, or the whole store, past ``StorageLimits`` is refused with ``RecordRejected("quota")``
     and changes nothing (seen before: one identity stored 47.5 MiB in 9 s).
 
+    One owner holds at most ``StorageLimits.entries_per_owner(key)`` entries of a key (one for
+    every run key but the audit records): its entries held already stay, and of its new
+    subkeys only those that fit are kept, in subkey order; the rest are left out and counted
+    in ``over_key_cap``, and the PUT succeeds with what was kept. Without this cap one identity
+    seen early wrote 1,024 subkeys into a round's key and, its owner being the oldest there,
+    pushed the members' later declarations out (below).
+
     A key holds at most ``MAX_SUBKEYS`` entries (and ``MAX_RECORD_SET_BYTES``). When a merge
     would pass that, the entries of the owners this store first saw most recently go first, the
     incoming ones included: identities are free, so 1,100 fresh ones written into a round's key
@@ -106,6 +143,7 @@ class MergingValueStore(ValueStore):
         self.evicted_young = 0
         self.bytes_held = 0
         self.refused_over_quota = 0
+        self.over_key_cap = 0  # entries left out: their owner held its cap of that key
 
     def put_record(self, key: bytes, record: Record) -> None:
         if not key.startswith(KEY_PREFIX):
@@ -120,12 +158,38 @@ class MergingValueStore(ValueStore):
         ``RecordRejected`` (reason ``quota``) if an owner or the store would hold too much."""
         now = time.time()
         current = self.records(key, now)
-        merged = merge_records(current, records, now=now)
+        merged = self.cap_owners(key, merge_records(current, records, now=now), held=current)
         for record in merged.values():
             self._first_seen.setdefault(record.owner, now)
         merged = self._oldest_owners_fit(merged)
         self._check_quota(current, merged)
         self._write(key, merged)
+
+    def cap_owners(
+        self,
+        key: bytes,
+        records: dict[bytes, SignedRecord],
+        *,
+        held: Collection[bytes] = (),
+    ) -> dict[bytes, SignedRecord]:
+        """``records`` (entries of ``key``) with at most ``entries_per_owner(key)`` per owner:
+        the subkeys in ``held`` first, then the others in subkey order. What is left out is
+        counted in ``over_key_cap``. Readers apply it to what replicas answer, too."""
+        cap = self.limits.entries_per_owner(key)
+        count: dict[bytes, int] = {}
+        for record in records.values():
+            count[record.owner] = count.get(record.owner, 0) + 1
+        if all(n <= cap for n in count.values()):
+            return records
+        kept: dict[bytes, SignedRecord] = {}
+        taken: dict[bytes, int] = {}
+        for subkey in sorted(records, key=lambda sk: (sk not in held, sk)):
+            owner = records[subkey].owner
+            if taken.get(owner, 0) < cap:
+                taken[owner] = taken.get(owner, 0) + 1
+                kept[subkey] = records[subkey]
+        self.over_key_cap += len(records) - len(kept)
+        return kept
 
     def _oldest_owners_fit(self, merged: dict[bytes, SignedRecord]) -> dict[bytes, SignedRecord]:
         """``merged`` without the entries of the most recently seen owners that do not fit."""

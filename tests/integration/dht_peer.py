@@ -7,10 +7,14 @@ stdout:
     join MULTIADDR                        -> {"routing_table_size": n}
     peers                                 -> {"routing_table_size": n}
     store KEY VALUE_HEX TTL_S             -> {"stored": replicas}
+    store_as SEED_HEX KEY COUNT TTL_S     -> {"stored": replicas}
     get KEY                               -> {"values": {SUBKEY_HEX: VALUE_HEX}}
     forge KEY VICTIM_ID_HEX VALUE_HEX     -> {"accepted": peers, "asked": peers}
     publish_addrs TTL_S [MULTIADDR ...]   -> {"stored": replicas}
     find_addrs PEER_ID_HEX                -> {"addrs": [MULTIADDR, ...]}
+
+``store_as`` signs ``COUNT`` entries as the identity of the 32-byte ``SEED_HEX`` (one untagged,
+or tagged ``0``, ``1``, ...) and stores them in one PUT at the key's replicas.
 
 ``forge`` writes, under the victim's subkey, records signed with this peer's key (claiming the
 victim as owner, and with the victim's public key copied) straight to every peer it knows,
@@ -31,7 +35,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from multiaddr import Multiaddr
 
 from p2p.dht.kademlia import Dht, dht_key
-from p2p.dht.records import encode_record_set, peer_id_from_public_key
+from p2p.dht.records import RecordSigner, encode_record_set, peer_id_from_public_key
 from p2p.host import Host, HostConfig, open_host
 
 
@@ -62,6 +66,12 @@ async def _command(host: Host, dht: Dht, line: str) -> dict[str, object]:
     if cmd == "store":
         key, value_hex, ttl = args
         return {"stored": await dht.store(key, bytes.fromhex(value_hex), time.time() + float(ttl))}
+    if cmd == "store_as":
+        seed_hex, key, count, ttl = args
+        signer, expires = RecordSigner(bytes.fromhex(seed_hex)), time.time() + float(ttl)
+        tags = [b""] if count == "1" else [b"%d" % i for i in range(int(count))]
+        records = [signer.sign(dht_key(key), b"v", expires, tag=tag) for tag in tags]
+        return {"stored": await dht.store_records(key, records)}
     if cmd == "get":
         values = await dht.get(args[0])
         return {"values": {k.hex(): v.hex() for k, v in values.items()}}

@@ -164,6 +164,26 @@ def test_second_writer_cannot_overwrite_a_subkey_it_does_not_own(swarm: list[Pee
     assert reader.ask("get", "owned")["values"] == {victim: b"mine".hex()}
 
 
+def test_one_identity_met_first_cannot_fill_a_round_key_with_its_subkeys(
+    swarm: list[Peer],
+) -> None:
+    """Issue 19 point 3: an identity the key's replicas met before the members wrote 1,024
+    subkeys there; as the oldest owner it kept them all and the members' later declarations
+    were left out. Now each replica keeps one entry of it (a run key's cap per owner)."""
+    from p2p.dht.records import RecordSigner, subkey_owner
+
+    key = "run/capped/round/7"
+    attacker, honest = "aa" * 32, ["b1" * 32, "b2" * 32]
+    assert swarm[2].ask("store_as", attacker, key, "1", "300")["stored"] >= 2
+    assert swarm[2].ask("store_as", attacker, key, "1024", "300")["stored"] >= 2
+    for peer, seed in zip(swarm[3:5], honest, strict=True):
+        assert peer.ask("store_as", seed, key, "1", "300")["stored"] >= 2
+    owners = sorted(RecordSigner(bytes.fromhex(s)).peer_id for s in [attacker, *honest])
+    for reader in (swarm[0], swarm[8]):
+        values = reader.ask("get", key)["values"]
+        assert sorted(subkey_owner(bytes.fromhex(sk)) for sk in values) == owners
+
+
 def test_relay_addresses_are_found_by_peer_id(swarm: list[Peer]) -> None:
     publisher, seeker, relay = swarm[4], swarm[5], swarm[0]
     circuit = f"{relay.addr}/p2p-circuit/p2p/{publisher.peer_id}"

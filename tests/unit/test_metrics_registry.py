@@ -116,7 +116,11 @@ class FakeHost:
 def test_a_node_is_sampled_in_its_loop_at_each_scrape() -> None:
     dht = SimpleNamespace(
         statistics=lambda: DhtStatistics(
-            routing_table_size=5, keys_held=7, requests_failed=2, bytes_held=4096
+            routing_table_size=5,
+            keys_held=7,
+            requests_failed=2,
+            bytes_held=4096,
+            over_key_cap=3,
         ),
         on_request=None,
     )
@@ -146,6 +150,7 @@ def test_a_node_is_sampled_in_its_loop_at_each_scrape() -> None:
     assert values[("swarmtrain_dht_routing_table_peers", ())] == 5
     assert values[("swarmtrain_dht_records", ())] == 7
     assert values[("swarmtrain_dht_requests_failed_total", ())] == 2
+    assert values[("swarmtrain_dht_over_key_cap_total", ())] == 3
     assert values[("swarmtrain_connections_closed_total", ())] == 4
     assert (
         values[("swarmtrain_rejected_inputs_total", (("kind", "/ipfs/kad/1.0.0 deadline"),))] == 2

@@ -292,7 +292,12 @@ def test_the_store_holds_at_most_an_owners_quota_and_frees_it_when_entries_go() 
 
     from p2p.dht.store import MergingValueStore, StorageLimits
 
-    limits = StorageLimits(max_entries_per_owner=4, max_bytes_per_owner=3 * 1400, max_bytes=10**6)
+    limits = StorageLimits(
+        max_entries_per_owner=4,
+        max_bytes_per_owner=3 * 1400,
+        max_bytes=10**6,
+        max_entries_per_owner_per_key=2,
+    )
     store = MergingValueStore(host=None, local_peer_id=None, limits=limits)  # type: ignore[arg-type]
     soon = time.time() + 3600
 
@@ -361,3 +366,82 @@ def test_a_full_key_keeps_its_oldest_owners_and_a_flood_of_fresh_identities_cann
     assert store.evicted_young == 1100 + 3 - MAX_SUBKEYS
     served = store.get(key)
     assert served is not None and len(decode_record_set(served.value)) == MAX_SUBKEYS
+
+
+def test_one_owner_holds_at_most_its_cap_of_a_key_and_later_owners_still_fit() -> None:
+    """Issue 19 point 3: one identity seen early wrote 1,024 subkeys into a round's key; being
+    the oldest owner there it kept them all and pushed out the members' later declarations.
+    Now it holds one entry there (the cap of every run key but the audit records)."""
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+    from p2p.dht.store import MergingValueStore
+
+    store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
+    soon = time.time() + 3600
+    key = b"/swarmtrain/run/r/round/7"
+    attacker = RecordSigner(b"\xaa" * 32)
+
+    def put(key: bytes, records: list[SignedRecord]) -> None:
+        store.put_record(key, Record(key=key, value=encode_record_set(records)))
+
+    put(key, [attacker.sign(key, b"first", soon)])  # seen here before anyone else
+    put(key, [attacker.sign(key, b"d", soon, tag=b"%d" % i) for i in range(1024)])
+    held = store.records(key, time.time())
+    assert list(held) == [attacker.peer_id]  # what it held stays; the new subkeys are left out
+    assert store.over_key_cap == 1024
+    put(key, [attacker.sign(key, b"newer", soon + 1)])  # a fresher entry replaces its own
+    assert store.records(key, time.time())[attacker.peer_id].value == b"newer"
+    honest = [RecordSigner(bytes([i]) * 32) for i in range(1, 4)]
+    for signer in honest:
+        put(key, [signer.sign(key, b"declaration", soon)])
+    held = store.records(key, time.time())
+    assert sorted(held) == sorted([attacker.peer_id, *(s.peer_id for s in honest)])
+    assert store.usage(attacker.peer_id)[0] == 1
+    # Audit records: a member splits its record over up to 256 tagged values.
+    audits = b"/swarmtrain/run/r/aggregate/7"
+    put(audits, [attacker.sign(audits, b"a", soon, tag=b"a%d" % i) for i in range(300)])
+    kept = store.records(audits, time.time())
+    assert sorted(kept) == sorted(attacker.subkey(b"a%d" % i) for i in range(300))[:256]
+    assert store.over_key_cap == 1024 + 300 - 256
+    # A reader caps what a replica answers the same way, preferring what it holds itself.
+    answer = {
+        r.subkey: r for r in (attacker.sign(key, b"x", soon, tag=b"%d" % i) for i in range(5))
+    }
+    mine = {attacker.subkey(b"3"): answer[attacker.subkey(b"3")]}
+    assert list(store.cap_owners(key, answer, held=mine)) == [attacker.subkey(b"3")]
+
+
+def test_every_run_key_takes_one_entry_per_owner_but_the_audit_records_a_split_record() -> None:
+    """The caps ``p2p.dht.store`` applies (plain data there) against what the run's writers
+    need: one subkey per peer everywhere, and ``split_record``'s values under aggregate keys."""
+    import dataclasses as dc
+
+    from p2p.dht.kademlia import dht_key
+    from p2p.dht.store import StorageLimits
+    from swarm.averaging.audit import MAX_PARTS, AuditRecord, PartAudit, split_record
+    from swarmtrain import keys
+
+    limits = StorageLimits()
+    single = [
+        keys.round_key("r", 3).decode(),
+        keys.round_key("r", 3, 1).decode(),
+        keys.state_key("r", 3),
+        keys.progress_key("r"),
+        keys.join_key("r", 3),
+        keys.starts_key("r"),
+        keys.admissions_key("r"),
+        keys.verify_key("r", 3),
+        keys.verdicts_key("r"),
+        keys.audits_key("r"),
+        keys.servers_key("r"),
+        keys.trainers_key("r"),
+        "addrs/12D3KooW",
+    ]
+    assert [limits.entries_per_owner(dht_key(k)) for k in single] == [1] * len(single)
+    assert limits.entries_per_owner(dht_key(keys.aggregate_key("r", 3))) == MAX_PARTS
+    # Each value holds at least one claim: a record of MAX_PARTS claims too big to pair up
+    # takes one value each, the most a writer can need.
+    inputs = tuple((bytes([i]) * 38, 1.0, bytes(32), bytes(64)) for i in range(60))
+    claim = PartAudit(0, 0, 1, inputs, bytes(32))
+    record = AuditRecord(1, b"g", (), tuple(dc.replace(claim, part=p) for p in range(MAX_PARTS)))
+    assert len(split_record(record)) == MAX_PARTS
