@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import threading
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 from bench.progress import BenchProgress
 from diloco import LocalAverage, eval_batches, evaluate
 from p2p import PeerID
-from swarmtrain.config import ConfigError, RunConfig, load_config, run_seed_of
+from swarmtrain.config import ConfigError, RunConfig, load_config, run_seed_of, with_base
 from swarmtrain.training.loop import build_diloco, native_inner_phase
 from swarmtrain.training.progress_bar import InnerProgress
 from swarmtrain.training.workload import build_model, load_data
@@ -97,7 +98,12 @@ def run_spec(
 
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
-        config = load_config(Path(args.config))
+        # Relative paths from the run.toml's folder, as the coordinator reads them.
+        config = with_base(
+            load_config(Path(args.config)),
+            Path(args.config).parent,
+            warn=lambda line: print(f"warning: {line}", file=sys.stderr),
+        )
     except (OSError, ConfigError) as exc:
         parser.error(f"--config {args.config}: {exc}")
     if config.is_pipeline or config.verify.rate > 0:

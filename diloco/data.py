@@ -45,7 +45,8 @@ class DataError(ValueError):
 class Corpus:
     """Token ids split into a training and a held-out part (read-only 1-d arrays: uint8 bytes
     for the stdlib corpus and byte-level text, uint16/uint32 token ids otherwise, possibly
-    memory-mapped; ``diloco.datasets`` loads a user's files into one)."""
+    memory-mapped, or a ``diloco.token_stream.TokenStream`` over several mapped files, which
+    is read alike; ``diloco.datasets`` loads a user's files into one)."""
 
     train: np.ndarray
     heldout: np.ndarray

@@ -13,7 +13,8 @@ Held-out split: the last twentieth of the token stream (at least one window for 
 caller asks of ``check_sizes``), so it depends on the data alone, like the stdlib corpus' split.
 
 Files match their globs in sorted order (a glob's matches, sorted, then the next glob's); a path
-matched twice counts once. Relative paths are taken from the current directory.
+matched twice counts once. Relative paths are taken from the current directory (callers join
+them to the run's folder first: ``swarmtrain.config.with_base``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from diloco.data import HELDOUT_MODULUS, Corpus, DataError
+from diloco.token_stream import TokenStream, max_token
 
 EDGE_BYTES = 2**20
 SAMPLE_TOKENS = 4096
@@ -89,7 +92,7 @@ def fingerprint(
     return hasher.hexdigest()
 
 
-def split_heldout(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def split_heldout(tokens: np.ndarray | TokenStream) -> tuple[Any, Any]:
     """(train, held out): the held-out part is the stream's last twentieth (views, no copy)."""
     cut = len(tokens) - len(tokens) // HELDOUT_MODULUS
     return tokens[:cut], tokens[cut:]
@@ -231,16 +234,18 @@ def _token_array(path: Path, dtype: str) -> np.ndarray:
 
 def load_token_corpus(patterns: tuple[str, ...], *, dtype: str) -> Corpus:
     """Pre-tokenized ``.bin`` (raw little-endian) or ``.npy`` (1-d) arrays of ``dtype``
-    (``uint16`` or ``uint32``), memory-mapped. One file stays mapped (the splits are views of
-    it); several are concatenated into memory in order. The vocabulary is the largest sampled
-    token + 1 (a lower bound: an id beyond the model's vocabulary fails in its embedding).
-    Raises DataError naming the key or the file."""
+    (``uint16`` or ``uint32``), memory-mapped: one stream of the files in order, each file
+    staying mapped (several are read through a ``TokenStream``, never concatenated in memory).
+    The vocabulary is the largest token + 1, every file scanned in bounded chunks, so a model
+    whose vocabulary is smaller is refused before training (``training.workload``). Raises
+    DataError naming the key or the file."""
     if dtype not in TOKEN_DTYPES:
         raise DataError(f"data.dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
     files = expand_paths(patterns, TOKEN_SUFFIXES)
     arrays = [_token_array(path, dtype) for path in files]
-    tokens = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-    train, heldout = split_heldout(tokens)
+    tokens = arrays[0] if len(arrays) == 1 else TokenStream(arrays)
+    train, heldout = split_heldout(tokens)  # a stream slices as an array does
     names = tuple(str(p) for p in files)
     digest = fingerprint("tokens", files, dtype.encode(), train, heldout)
-    return Corpus(train, heldout, names, names, digest, int(tokens[_sample(len(tokens))].max()) + 1)
+    vocab_size = max(max_token(a) for a in arrays) + 1
+    return Corpus(train, heldout, names, names, digest, vocab_size)

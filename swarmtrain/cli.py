@@ -66,7 +66,14 @@ from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_repor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.local_progress import LocalProgress
 from swarmtrain.commands.relay import RelayOptions, run_relay
-from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config, plain_os_error
+from swarmtrain.config import (
+    ConfigError,
+    RunConfig,
+    default_toml,
+    load_config,
+    plain_os_error,
+    with_base,
+)
 from swarmtrain.dashboard.options import add_dashboard_arguments
 from swarmtrain.dashboard.options import options_from as dashboard_options_from
 from swarmtrain.faults import Faults, parse_task_fault
@@ -254,6 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
         "inner AdamW state (FSDP2) instead of each holding all of them, for a model that does "
         "not fit one device; not with training.overlap, fragments > 1 or fp16 [off]",
     )
+    p_node.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="where the run spec's relative paths ([data] paths, path, tokenizer; [model] "
+        "pretrained) are read from: this machine's copy of the folder that holds the "
+        "coordinator's run.toml, the files laid out under it as beside that run.toml "
+        "[the working directory]",
+    )
     p_node.add_argument("--json", type=Path, default=None, metavar="PATH", help="write a summary")
     p_node.add_argument(
         "--token",
@@ -290,6 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_export.add_argument(
         "--out", type=Path, required=True, help="folder to create (refused if not empty)"
+    )
+    p_export.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="the node's --data-dir, where a relative [data] tokenizer is copied from "
+        "[the working directory]",
     )
     p_export.add_argument("--json", type=Path, default=None, help="also write the report here")
 
@@ -483,6 +508,7 @@ def _main_node(args: argparse.Namespace) -> int:
             token=args.token,
             metrics=metrics,
             trackers=tuple(trackers),
+            data_dir=args.data_dir,
         )
         summary = run_node(options, lambda line: print(line, flush=True))
     except KeyboardInterrupt:
@@ -526,7 +552,7 @@ def _main_export(args: argparse.Namespace) -> int:
     from swarmtrain.commands.export import ExportError, export
 
     try:
-        report = export(args.state_dir, args.out)
+        report = export(args.state_dir, args.out, args.data_dir)
         if args.json is not None:
             args.json.write_text(json.dumps(report.to_json()) + "\n")
     except (ExportError, SpecRefused, OSError, ValueError) as exc:
@@ -580,7 +606,7 @@ def _main_token(args: argparse.Namespace, key_pair: KeyPair) -> int:
 
 def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
     from swarmtrain.commands.coordinator import CoordinatorOptions, pick_run_id, run_coordinator
-    from swarmtrain.training.workload import with_data_fingerprint, with_model_hash
+    from swarmtrain.training.workload import with_local_hashes
 
     if args.action == "token":
         return _main_token(args, key_pair)
@@ -588,8 +614,12 @@ def _main_coordinator(args: argparse.Namespace, key_pair: KeyPair) -> int:
         config = _coordinator_config(args)
         # The spec carries the data's fingerprint and the pretrained weights' hash, from the
         # coordinator's copies unless run.toml sets them: nodes whose copies differ refuse
-        # before training (training.workload).
-        config = with_model_hash(with_data_fingerprint(config))
+        # before training (training.workload). Relative paths are read from run.toml's folder.
+        config = with_local_hashes(
+            config,
+            args.config.parent if args.config is not None else Path("."),
+            warn=lambda line: print(f"swarmtrain coordinator: warning: {line}", file=sys.stderr),
+        )
         if config.verify.rate > 0:
             # Spec time: a model whose step uses an operator RepOps cannot run is refused
             # here, naming it, before any node trains (one traced step of the model).
@@ -674,6 +704,14 @@ def _main_local(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
     try:
         config = load_config(args.config) if args.config is not None else None
+        if config is not None:
+            # The coordinator reads the copy written to the work folder: the paths go there
+            # made absolute from this run.toml's folder, and every child here reads them so.
+            config = with_base(
+                config,
+                args.config.parent.resolve(),
+                warn=lambda line: print(f"swarmtrain local: warning: {line}", file=sys.stderr),
+            )
         default = config or RunConfig()  # rounds 5, H 20: the defaults --help names
         options = LocalOptions(
             peers=args.peers,

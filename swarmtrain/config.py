@@ -12,6 +12,15 @@ Every error is a ``ConfigError`` naming the key as written in ``run.toml``.
 (``load_config``, relative to the file's folder) and kept as its table, so the signed spec carries
 the architecture itself and peers need no copy of that file.
 
+One rule for every other path a run names (``PATH_KEYS``: the data's files and tokenizer, the
+pretrained weights): a relative path is relative to the run's folder. The spec carries it as
+written; each machine reads it from its own copy of that folder (``with_base``): the coordinator
+and ``swarmtrain local`` from the folder of the run.toml, a node from its ``--data-dir`` (its
+working directory unless given). Why not absolute paths in the spec: they name the
+coordinator's disk, which the nodes' do not mirror. A run.toml written before this rule (paths
+relative to the working directory it was started from, not to its folder) is still read, with a
+warning, when only the working directory holds the file.
+
 Over the ~400 lines STYLE.md asks of a module: every key's rule, default and ``init`` comment sit
 together here, and the cross-section rules of ``[model]`` and ``[data]`` with them.
 
@@ -22,9 +31,11 @@ signed in (``swarmtrain.runspec``), so the signed bytes depend on the keys, not 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import math
+import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -198,8 +209,8 @@ class ModelSection(_Section):
         "", lambda v: len(v) <= 1000, "a path",
         'kind "transformers": start from these weights instead of the run seed: a\n'
         "# save_pretrained folder (its config.json is the model.config when that is unset) or\n"
-        "# one .safetensors file, on every node under this path (relative to the directory a\n"
-        "# node runs in); nothing is downloaded",
+        "# one .safetensors file (relative to this file's folder; a node reads it from its\n"
+        "# --data-dir); nothing is downloaded",
     )  # fmt: skip
     pretrained_sha256: str = _key(
         "", lambda v: v == "" or re.fullmatch(r"[0-9a-f]{64}", v) is not None,
@@ -243,13 +254,15 @@ class DataSection(_Section):
         '# "tokens": pre-tokenized .bin / .npy arrays of `dtype` (memory-mapped, nanoGPT style).\n'
         '# "datasets": a Hugging Face datasets dataset: a save_to_disk folder (`path`) or\n'
         "# local .jsonl/.json/.csv/.parquet/.txt/.arrow files (`paths`), its `field` column.\n"
-        "# Every node needs the same files under the same paths; the spec carries their\n"
-        "# fingerprint and a node whose files differ refuses to train",
+        "# Every node needs the same files under the same paths (relative ones: under its\n"
+        "# --data-dir as they lie beside this file); the spec carries their fingerprint and a\n"
+        "# node whose files differ refuses to train",
     )  # fmt: skip
     paths: tuple[str, ...] = _key(
         (), _paths_ok, "a list of at most 64 paths or globs",
-        'kinds "text" and "tokens": files or globs, e.g. ["data/*.jsonl"] (relative to the\n'
-        "# directory a node runs in); matched files are read in sorted order",
+        'kinds "text" and "tokens": files or globs, e.g. ["data/*.jsonl"] (relative to this\n'
+        "# file's folder; a node reads them from its --data-dir); matched files are read in\n"
+        "# sorted order",
     )  # fmt: skip
     path: str = _key(
         "", lambda v: len(v) <= 1000, "a path",
@@ -677,20 +690,76 @@ def _check_data_kind(config: RunConfig) -> None:
         )
 
 
+# The keys whose values are paths on the machine that reads the spec (section, key); ``paths``
+# holds globs. ``model.config`` is not one: it is read into the spec when run.toml loads.
+PATH_KEYS = (("model", "pretrained"), ("data", "paths"), ("data", "path"), ("data", "tokenizer"))
+
+
+def _joined(base: Path, path: str, *, pattern: bool) -> str:
+    if not path or os.path.isabs(path) or str(base) == ".":
+        return path
+    # A glob's folder part is taken literally, whatever characters the folder's name holds.
+    return os.path.join(glob.escape(str(base)) if pattern else str(base), path)
+
+
+def _present(path: str, *, pattern: bool) -> bool:
+    return bool(glob.glob(path, recursive=True)) if pattern else os.path.exists(path)
+
+
+def _located(
+    base: Path, path: str, *, pattern: bool, warn: Callable[[str], None] | None, key: str
+) -> str:
+    """``path`` read from ``base``; with ``warn``, a run.toml written before paths were relative
+    to its folder: a path found only from the working directory is taken from there, and
+    ``warn`` is told so."""
+    joined = _joined(base, path, pattern=pattern)
+    if warn is None or joined == path or _present(joined, pattern=pattern):
+        return joined
+    if not _present(path, pattern=pattern):
+        return joined  # absent either way: the error names the path the rule reads
+    warn(
+        f"{key}: {path} is read from the working directory, but {joined} does not exist: "
+        f"paths in a run.toml are relative to its folder ({base}); write {key} relative to it "
+        "(the spec carries it as written, and nodes read it from their --data-dir)"
+    )
+    return _joined(Path.cwd(), path, pattern=pattern)
+
+
+def with_base(
+    config: RunConfig, base: Path, *, warn: Callable[[str], None] | None = None
+) -> RunConfig:
+    """``config`` as this machine reads its paths (``PATH_KEYS``): each relative one joined to
+    ``base``, the run's folder here (a run.toml's folder, a node's ``--data-dir``); absolute
+    ones kept. ``warn``: the run.toml's own reader, which also accepts paths from the working
+    directory as runs before this rule wrote them (``_located``). Not for signing: the spec
+    carries the paths as written."""
+    changes: dict[str, dict[str, Any]] = {}
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(config, section), key)
+        pattern = isinstance(value, tuple)
+        located = [
+            _located(base, v, pattern=pattern, warn=warn, key=f"{section}.{key}")
+            for v in (value if pattern else (value,))
+        ]
+        changes.setdefault(section, {})[key] = tuple(located) if pattern else located[0]
+    return config.replace(**changes)
+
+
 def resolve_model_config(data: dict[str, Any], folder: Path, source: str) -> None:
     """Replace a ``[model] config = "PATH"`` in parsed TOML by the JSON table in that file (a
-    relative PATH from ``folder``), in place. Raises ConfigError naming the key and the file."""
+    relative PATH from ``folder``), in place; an unset one by the ``config.json`` of a
+    ``pretrained`` folder (from ``folder`` too, or from the working directory as runs before
+    that rule wrote it). Raises ConfigError naming the key and the file."""
     model = data.get("model")
     if not isinstance(model, dict):
         return
     pretrained = model.get("pretrained")
-    if (
-        model.get("config", "") == ""
-        and isinstance(pretrained, str)
-        and pretrained
-        and (folder / pretrained).is_dir()
-    ):
-        model["config"] = pretrained  # a save_pretrained folder names its own architecture
+    if model.get("config", "") == "" and isinstance(pretrained, str) and pretrained:
+        where = _located(folder, pretrained, pattern=False, warn=lambda _: None, key="")
+        if os.path.isdir(where):
+            # A save_pretrained folder names its own architecture.
+            model["config"] = os.path.join(where, "config.json")
+            folder = Path(".")  # ``where`` is joined already
     if not isinstance(model.get("config"), str) or not model["config"]:
         return
     path = folder / model["config"]

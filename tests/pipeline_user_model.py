@@ -54,6 +54,11 @@ def build_not_layers() -> int:
     return 3
 
 
+def build_raises() -> nn.Module:
+    """A factory that fails itself, with a message of two lines (a traceback's shape)."""
+    raise RuntimeError("weights.bin is missing\n  (looked in /nowhere)")
+
+
 class Cumulative(nn.Module):
     """A running sum over the sequence: ``torch.cumsum`` on floats, which RepOps has no
     reproducible mapping for (a verified run refuses it at spec time, naming it)."""

@@ -5,9 +5,9 @@ library), the model's ``config.json`` and the ``run.toml`` that names them.
     python examples/tiny_llama/prepare.py mine
     swarmtrain local --config mine/run.toml --rounds 3 --inner-steps 8
 
-Paths in the run.toml are relative to where the nodes run (the folder this script was run
-from); ``model.config`` is read relative to the run.toml. Swap in your own documents (one JSON
-object per line with a "text" field) and a bigger config for a real run.
+Paths in the run.toml are relative to its folder (a node of a real swarm reads them from its
+``--data-dir``, its copy of that folder). Swap in your own documents (one JSON object per line
+with a "text" field) and a bigger config for a real run.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ CONFIG = {
 RUN_TOML = """\
 [model]
 kind = "transformers"
-config = "model/config.json"   # relative to this file; or an inline [model.config] table
+config = "model/config.json"   # paths are relative to this file; or a [model.config] table
 
 [data]
 kind = "text"
-paths = ["{folder}/data/*.jsonl"]  # relative to where the nodes run
+paths = ["data/*.jsonl"]
 field = "text"
-tokenizer = "{folder}/tokenizer"
+tokenizer = "tokenizer"
 
 [training]
 batch_size = 8
@@ -73,7 +73,7 @@ def prepare(folder: Path) -> Path:
     train_tokenizer(folder / "tokenizer" / "tokenizer.json")
     (folder / "model" / "config.json").write_text(json.dumps(CONFIG, indent=1) + "\n")
     run_toml = folder / "run.toml"
-    run_toml.write_text(RUN_TOML.format(folder=folder.as_posix()))
+    run_toml.write_text(RUN_TOML)
     return run_toml
 
 

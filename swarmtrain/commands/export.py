@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from diloco import layout_digest, load_latest
+from swarmtrain.config import with_base
 from swarmtrain.runspec import RunSpec
 from swarmtrain.training.workload import build_model
 
@@ -78,9 +79,10 @@ def save_spec(state_dir: Path, spec: RunSpec) -> None:
     os.replace(temporary, state_dir / SPEC_FILE)
 
 
-def export(state_dir: Path, out: Path) -> Exported:
+def export(state_dir: Path, out: Path, data_dir: Path = Path(".")) -> Exported:
     """Write the model of ``state_dir``'s newest good checkpoint to ``out`` (see the module
-    docstring). Raises ExportError naming what is missing or wrong."""
+    docstring); the spec's relative tokenizer path is read from ``data_dir`` (the node's
+    ``--data-dir``). Raises ExportError naming what is missing or wrong."""
     spec_path = state_dir / SPEC_FILE
     try:
         spec = RunSpec.from_bytes(spec_path.read_bytes())
@@ -111,7 +113,7 @@ def export(state_dir: Path, out: Path) -> Exported:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        files = _write(spec, model, staging)
+        files = _write(spec, model, staging, data_dir)
         report = Exported(
             out,
             config.run.id,
@@ -140,7 +142,7 @@ def _model_of(spec: RunSpec) -> nn.Module:
     return build_model(config)
 
 
-def _write(spec: RunSpec, model: nn.Module, folder: Path) -> list[str]:
+def _write(spec: RunSpec, model: nn.Module, folder: Path, data_dir: Path) -> list[str]:
     from safetensors.torch import save_model
 
     if spec.config.model.kind != "transformers":
@@ -150,7 +152,7 @@ def _write(spec: RunSpec, model: nn.Module, folder: Path) -> list[str]:
         return ["model.safetensors"]
     lm = model.lm  # type: ignore[attr-defined]  # diloco.causal_lm.CausalLM
     lm.save_pretrained(folder, safe_serialization=True)
-    tokenizer = spec.config.data.tokenizer
+    tokenizer = with_base(spec.config, data_dir).data.tokenizer
     if tokenizer:
         source = Path(tokenizer)
         source = source / "tokenizer.json" if source.is_dir() else source

@@ -44,7 +44,7 @@ from swarmtrain.admission import (
 )
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec
 from swarmtrain.commands.export import save_spec
-from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of
+from swarmtrain.config import FACTORY_PATTERN, RunConfig, run_seed_of, with_base
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import admissions_key
 from swarmtrain.membership.state_sync import StateServer
@@ -94,6 +94,9 @@ class NodeOptions:
     metrics: Metrics | None = None
     # ``--log-to``: experiment trackers fed the same rounds (``swarmtrain.tracking``).
     trackers: tuple[Tracker, ...] = ()
+    # ``--data-dir``: the folder the spec's relative paths (data files, tokenizer, pretrained
+    # weights) are read from, this node's copy of the run.toml's folder (``config.with_base``).
+    data_dir: Path = Path(".")
 
     def __post_init__(self) -> None:
         if not self.join:
@@ -109,6 +112,11 @@ class NodeOptions:
             raise ValueError(
                 "--fsdp shards the model across the node's local ranks: it needs "
                 f"--nproc-per-node 2 or more, got {self.nproc_per_node}"
+            )
+        if not self.data_dir.is_dir():
+            raise ValueError(
+                f"--data-dir {self.data_dir}: no such folder (the folder the run's data and "
+                "weights lie under, as beside the coordinator's run.toml)"
             )
 
 
@@ -218,7 +226,9 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         assert node is not None
         log.info("joined; fetching the run spec from coordinator %s", str(coordinator)[-8:])
         spec: RunSpec = runtime.call(fetch_spec, node, coordinator)
-        config = spec.config
+        # The spec's relative paths, as this node finds them (the spec itself is kept as
+        # signed: ``save_spec`` below).
+        config = with_base(spec.config, options.data_dir)
         # Before the node takes part in anything: data that is not the run's (another Python's
         # standard library, other files) is refused with one line, exit status 1.
         local_data = corpus.result() if config.data.kind == "stdlib" else load_data(config)

@@ -84,8 +84,11 @@ def build_model(factory: str, seed: int) -> Any:
         try:
             return function()
         except Exception as exc:
+            # One line, whatever the message holds: the node's error is one line.
+            said = str(exc).strip().splitlines()
             raise ModelContractError(
-                f"model factory {factory} raised {type(exc).__name__}: {exc}"
+                f"model factory {factory} raised {type(exc).__name__}"
+                + (f": {said[0]}" if said else "")
             ) from None
 
 

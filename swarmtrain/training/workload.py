@@ -11,6 +11,7 @@ line names the key or the file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from diloco import (
     load_token_corpus,
     pretrained_sha256,
 )
-from swarmtrain.config import RunConfig, run_seed_of
+from swarmtrain.config import RunConfig, run_seed_of, with_base
 from swarmtrain.pipeline.roles import shape_of
 
 
@@ -97,6 +98,50 @@ def with_model_hash(config: RunConfig) -> RunConfig:
     return config.replace(model={"pretrained_sha256": pretrained_sha256(Path(model.pretrained))})
 
 
+def with_local_hashes(
+    config: RunConfig, base: Path, *, warn: Callable[[str], None] | None = None
+) -> RunConfig:
+    """The config a coordinator signs: its paths as written (each node reads them from its own
+    ``--data-dir``), the data fingerprint and the weights' hash filled in (where unset) from this
+    machine's copies, read from ``base``, the run.toml's folder (``config.with_base``; ``warn``
+    hears of a path found from the working directory instead). Raises what ``load_data`` and
+    ``with_model_hash`` raise, and WorkloadError for token ids beyond the vocabulary the spec
+    names (``check_token_ids``: refused here already, not on every node)."""
+    here = with_base(config, base, warn=warn)
+    if not here.data.fingerprint:  # a coordinator without the data signs the one set
+        corpus = load_data(here)
+        here = with_data_fingerprint(here, corpus)
+        check_token_ids(here, corpus.vocab_size, *_spec_vocabulary(here))
+    here = with_model_hash(here)
+    return config.replace(
+        data={"fingerprint": here.data.fingerprint},
+        model={"pretrained_sha256": here.model.pretrained_sha256},
+    )
+
+
+def _spec_vocabulary(config: RunConfig) -> tuple[int, str]:
+    """The vocabulary size the spec alone names for its model, and the key that names it
+    (0 when only the built model knows: a factory, a config without ``vocab_size``)."""
+    model = config.model
+    if model.kind == "transformers":
+        vocab = model.config.get("vocab_size") if isinstance(model.config, dict) else None
+        return (vocab, "model.config.vocab_size") if isinstance(vocab, int) else (0, "")
+    return (0, "") if model.factory else (256, 'model.kind "default", which reads bytes')
+
+
+def check_token_ids(config: RunConfig, data_vocab: int, model_vocab: int, named: str) -> None:
+    """Raise WorkloadError when pre-tokenized data (``kind = "tokens"``, whose vocabulary is its
+    largest id + 1) holds an id the model's vocabulary (``model_vocab``, ``named`` by its key;
+    0: unknown here) has no row for: an embedding lookup would fail mid-run, or on CUDA
+    corrupt memory."""
+    if config.data.kind == "tokens" and 0 < model_vocab < data_vocab:
+        raise WorkloadError(
+            f"data.paths: the largest token id in the data is {data_vocab - 1}, not below the "
+            f"model's vocabulary size {model_vocab} ({named}); retokenize the data or widen "
+            "the vocabulary"
+        )
+
+
 def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = True) -> nn.Module:
     """The model ``[model]`` names with its round-0 parameters: from the run seed (equal on every
     peer), or the ``pretrained`` weights once their files hash as the spec says (``weights``
@@ -107,6 +152,7 @@ def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = Tru
     if config.model.kind == "transformers":
         assert isinstance(config.model.config, dict), "RunConfig checks the table"
         model = build_causal_lm(config.model.config, seed=seed)
+        check_token_ids(config, vocab_size, model.vocab_size, "model.config.vocab_size")
         check_fits(model, sequence_length=config.training.sequence_length, vocab_size=vocab_size)
         if config.model.pretrained and weights:
             _check_weights(config)
@@ -114,6 +160,7 @@ def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = Tru
         return model
     if config.model.factory:
         return factory_model(config, vocab_size)
+    check_token_ids(config, vocab_size, 256, 'model.kind "default", which reads bytes')
     if vocab_size > 256:
         raise WorkloadError(
             f'model.kind "default" reads bytes (vocabulary 256); the data\'s vocabulary is '
@@ -185,6 +232,8 @@ def factory_model(config: RunConfig, vocab_size: int) -> FactoryLM:
             f"({type(exc).__name__}: {exc})"
         ) from None
     shape = tuple(getattr(logits, "shape", ()))
+    if len(shape) == 3 and shape[:2] == (1, length):
+        check_token_ids(config, vocab_size, shape[2], f"the logits of model factory {factory}")
     if len(shape) != 3 or shape[:2] != (1, length) or shape[2] < vocab_size:
         raise ModelContractError(
             f"model factory {factory}: its module maps (1, {length}) token ids to {shape}, not "

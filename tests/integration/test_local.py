@@ -13,6 +13,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import numpy as np
 from peerproc import SWARMTRAIN
 from runproc import node, start_coordinator, wait_exit
 
@@ -87,6 +88,42 @@ def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Pa
         averaged = [line for line in lines if "agree yes (2/2)" in line]
         assert [line.split()[2] for line in averaged] == ["0", "1", "2"], lines
         assert all("averaging exposed" in line for line in averaged), lines
+
+
+def test_a_tokens_run_from_a_run_toml_in_a_subfolder_trains_and_agrees(tmp_path: Path) -> None:
+    """``[data] kind = "tokens"``: two pre-tokenized files (uint16 ids, read mapped as one
+    stream) named relative to a run.toml in a subfolder, the command run from its parent; a
+    small default model, 2 peers, 2 rounds: the paths resolve, the loss falls, states agree."""
+    sub = tmp_path / "sub"
+    (sub / "data").mkdir(parents=True)
+    text = b"the quick brown fox jumps over the lazy dog; " * 300
+    ids = np.frombuffer(text, dtype=np.uint8).astype("<u2")
+    ids[: len(ids) // 3].tofile(sub / "data" / "a.bin")
+    ids[len(ids) // 3 :].tofile(sub / "data" / "b.bin")
+    (sub / "run.toml").write_text(
+        '[data]\nkind = "tokens"\npaths = ["data/*.bin"]\n'
+        "[model]\nd_model = 32\nn_layers = 1\nn_heads = 2\ncontext = 32\n"
+        "[training]\nbatch_size = 4\nsequence_length = 32\ninner_lr = 0.01\n"
+    )
+    summary_path = tmp_path / "local.json"
+    command = [
+        *SWARMTRAIN, "local", "--config", "sub/run.toml", "--peers", "2", "--rounds", "2",
+        "--inner-steps", "4", "--json", str(summary_path),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=90, check=False, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "warning" not in result.stderr, result.stderr[-2000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["state_hashes_agree"] is True and summary["rounds"] == 2
+    assert summary["loss_last"] < summary["loss_first"], summary
+    train_tokens = len(ids) - len(ids) // 20
+    for index in range(2):
+        assert f"[{index}] model default: " in result.stdout, result.stdout[-3000:]
+        assert f"data tokens: {train_tokens:,} training tokens" in result.stdout
+        rounds = [s for s in result.stdout.splitlines() if s.startswith(f"[{index}] round")]
+        assert len(rounds) == 2 and all("agree yes (2/2)" in s for s in rounds), rounds
 
 
 def test_scheduled_rounds_of_expected_peers_train_and_agree(tmp_path: Path) -> None:

@@ -3,20 +3,33 @@ here, pre-tokenized arrays memory-mapped, their fingerprint, and every bad input
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tiny_lm import DOCUMENTS, train_tokenizer, write_jsonl
+from tiny_lm import DOCUMENTS, TINY_LLAMA, train_tokenizer, write_jsonl
 from tokenizers import Tokenizer
 
 from diloco import (
+    Corpus,
     DataError,
     check_sizes,
     eval_batches,
     inner_batches,
     load_text_corpus,
     load_token_corpus,
+)
+from diloco.datasets import fingerprint, split_heldout
+from diloco.token_stream import TokenStream, max_token
+from swarmtrain.cli import main
+from swarmtrain.config import RunConfig, with_base
+from swarmtrain.training.workload import (
+    WorkloadError,
+    build_model,
+    load_data,
+    with_data_fingerprint,
+    with_local_hashes,
 )
 
 
@@ -91,6 +104,79 @@ def test_several_token_files_are_read_in_sorted_order(tmp_path: Path) -> None:
     corpus = load_token_corpus((str(tmp_path / "*.bin"),), dtype="uint16")
     whole = np.concatenate([corpus.train, corpus.heldout])
     assert np.array_equal(whole, np.concatenate([np.arange(100, 200), np.arange(100)]))
+
+
+def test_several_token_files_stay_mapped_and_read_as_their_concatenation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files of uneven sizes: the corpus holds no concatenated copy (``TokenStream``), yet its
+    batches (windows across file boundaries), held-out windows, validation split and
+    fingerprint are those of the concatenated stream; its vocabulary is the exact largest id,
+    found by a scan in chunks."""
+    monkeypatch.setattr("diloco.token_stream.SCAN_TOKENS", 64)  # many chunks per file
+    rng = np.random.default_rng(3)
+    parts = [rng.integers(0, 900, size=n).astype("<u2") for n in (700, 53, 1400)]
+    parts[1][-1] = 977  # the largest id, the last token of the middle file
+    parts[0].tofile(tmp_path / "a.bin")
+    parts[1].tofile(tmp_path / "b.bin")
+    np.save(tmp_path / "c.npy", parts[2])
+    corpus = load_token_corpus((str(tmp_path / "[ab].bin"), str(tmp_path / "c.npy")),
+                               dtype="uint16")  # fmt: skip
+    assert isinstance(corpus.train, TokenStream) and corpus.vocab_size == 978
+    whole = np.concatenate(parts)
+    train, heldout = split_heldout(whole)
+    files = [tmp_path / "a.bin", tmp_path / "b.bin", tmp_path / "c.npy"]
+    in_memory = Corpus(train, heldout, (), (), "", 978)
+    assert corpus.fingerprint == fingerprint("tokens", files, b"uint16", train, heldout)
+    for peer in (b"p", b"q", b"r"):
+        ours, theirs = (
+            inner_batches(c, run_seed=5, round=2, peer_id=peer, steps=6, batch_size=8, context=16)
+            for c in (corpus, in_memory)
+        )
+        assert all(x.equal(y) and t.equal(u) for (x, t), (y, u) in zip(ours, theirs, strict=True))
+    held = [eval_batches(c, batches=2, batch_size=4, context=16) for c in (corpus, in_memory)]
+    assert all(x.equal(y) for (x, _), (y, _) in zip(*held, strict=True))
+    assert np.array_equal(corpus.train[695:760], whole[695:760])  # across two boundaries
+    assert np.array_equal(corpus.train[[0, 752, 753, -1]], train[[0, 752, 753, -1]])
+    assert max_token(parts[2]) == int(parts[2].max())
+
+
+def test_token_ids_beyond_the_models_vocabulary_are_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Exactly: one id of 300 among bytes is refused for the default model (vocabulary 256) by
+    the coordinator when it signs the spec and by a node when it builds the model, one line
+    naming the data key and both numbers; ``swarmtrain coordinator`` exits 1 with it."""
+    ids = np.zeros(3 * 2**20, dtype="<u2")
+    ids[12345] = 300  # far from the fingerprint's sampled positions
+    ids.tofile(tmp_path / "big.bin")
+    config = RunConfig().replace(data={"kind": "tokens", "paths": ("big.bin",)})
+    message = (
+        "data.paths: the largest token id in the data is 300, not below the model's vocabulary "
+        'size 256 (model.kind "default", which reads bytes); retokenize the data or widen the '
+        "vocabulary"
+    )
+    with pytest.raises(WorkloadError, match=re.escape(message)):
+        with_local_hashes(config, tmp_path)
+    signed = with_data_fingerprint(with_base(config, tmp_path))
+    with pytest.raises(WorkloadError, match=re.escape(message)):
+        build_model(signed, load_data(signed).vocab_size)  # a node's check
+    factory = signed.replace(model={"factory": "pipeline_user_model:build"})
+    with pytest.raises(WorkloadError, match=re.escape(
+        "vocabulary size 256 (the logits of model factory pipeline_user_model:build)"
+    )):  # fmt: skip
+        build_model(factory, 301)
+    llama = config.replace(model={"kind": "transformers",
+                                  "config": {**TINY_LLAMA, "vocab_size": 299}})  # fmt: skip
+    with pytest.raises(WorkloadError, match=re.escape(
+        "is 300, not below the model's vocabulary size 299 (model.config.vocab_size)"
+    )):  # fmt: skip
+        with_local_hashes(llama, tmp_path)
+    (tmp_path / "run.toml").write_text('[data]\nkind = "tokens"\npaths = ["big.bin"]\n')
+    status = main(["coordinator", "--config", str(tmp_path / "run.toml"),
+                   "--identity", str(tmp_path / "c.key")])  # fmt: skip
+    assert status == 1
+    assert capsys.readouterr().err.strip().splitlines() == [f"swarmtrain coordinator: {message}"]
 
 
 def test_the_fingerprint_is_stable_and_follows_the_data_and_settings(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from peerproc import ROOT
 
 from diloco import check_sizes
-from swarmtrain.config import load_config
+from swarmtrain.config import load_config, with_base
 from swarmtrain.training.workload import build_model, load_data
 
 
@@ -27,8 +27,10 @@ def test_the_tiny_llama_example_writes_a_run_that_loads_and_builds(
     assert done.stdout.strip() == (
         "wrote mine/run.toml; run: swarmtrain local --config mine/run.toml"
     )
-    monkeypatch.chdir(tmp_path)  # data paths are the nodes', from where they run
-    config = load_config(Path("mine/run.toml"))
+    monkeypatch.chdir(tmp_path)
+    # Its paths are relative to its folder: read from there, as the coordinator and a node
+    # with --data-dir mine read them.
+    config = with_base(load_config(Path("mine/run.toml")), Path("mine"))
     corpus = load_data(config)
     assert corpus.vocab_size == 400
     check_sizes(corpus, batch_size=config.training.batch_size,

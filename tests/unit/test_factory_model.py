@@ -67,12 +67,14 @@ def test_a_module_with_its_own_loss_keeps_it() -> None:
         ("build_layered", "its module failed on a (1, 16) batch of token ids"),
         ("build_wrong_output", "maps (1, 16) token ids to (1, 16, 10), not (1, 16, V) logits"),
         ("no_such_function", "pipeline_user_model has no function no_such_function"),
+        ("build_raises", "raised RuntimeError: weights.bin is missing"),
     ],
 )
 def test_a_broken_factory_is_one_error_naming_it(factory: str, message: str) -> None:
     with pytest.raises(ModelContractError, match=re.escape(message)) as error:
         build_model(factory_config(factory))
     assert f"pipeline_user_model:{factory}" in str(error.value)
+    assert "\n" not in str(error.value)  # the node prints it as its one error line
 
 
 def test_a_verified_run_takes_a_factory_whose_operators_all_map() -> None:
