@@ -55,11 +55,11 @@ def build_not_layers() -> int:
 
 
 class Cumulative(nn.Module):
-    """A running sum over the sequence: ``torch.cumsum`` on floats, which RepOps has no
+    """A running product over the sequence: ``torch.cumprod`` on floats, which RepOps has no
     reproducible mapping for (a verified run refuses it at spec time, naming it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(x, dim=1)
+        return torch.cumprod(x, dim=1)
 
 
 def build_cumulative() -> nn.Sequential:
