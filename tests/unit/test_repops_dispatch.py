@@ -602,3 +602,26 @@ def test_tanh_sin_and_cos_kernels_are_accurate_and_equal_their_numpy_twins() -> 
     for got, truth in ((sin, np.sin(wide)), (cos, np.cos(wide))):
         ulp = np.spacing(np.abs(truth).astype(np.float32)).astype(np.float64)
         assert np.all(np.abs(got - truth) <= ulp)  # within one ulp (measured: half of one)
+
+
+def test_log_and_log1p_kernels_are_accurate_and_equal_their_numpy_twins() -> None:
+    # Subnormal to huge inputs, near 1 and near -1 (log1p), and every special value.
+    rng = np.random.default_rng(6)
+    scale = rng.choice([1e-40, 1e-20, 1e-6, 0.01, 1.0, 12.0, 1e30], 20000)
+    x = np.abs(rng.standard_normal(20000) * scale).astype(np.float32)
+    x = np.concatenate([x, -x, x - 1, [0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan]])
+    x = x.astype(np.float32)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        log, log1p = (fn(torch.from_numpy(x)).numpy() for fn in (ops.log, ops.log1p))
+        with np.errstate(all="ignore"):
+            _same([log, log1p], [reference.log(x), reference.log1p(x)], "log, log1p")
+    with np.errstate(all="ignore"):
+        truths = np.log(x.astype(np.float64)), np.log1p(x.astype(np.float64))
+    for got, truth in ((log, truths[0]), (log1p, truths[1])):
+        assert np.array_equal(np.isnan(got), np.isnan(truth))
+        finite = np.isfinite(truth)
+        assert np.array_equal(got[~finite & ~np.isnan(truth)], truth[~finite & ~np.isnan(truth)])
+        ulp = np.spacing(np.abs(truth[finite]).astype(np.float32)).astype(np.float64)
+        # Within half an ulp plus the float64 series' error: correctly rounded on these inputs.
+        assert np.all(np.abs(got[finite] - truth[finite]) <= 0.5 * ulp * (1 + 1e-6))
