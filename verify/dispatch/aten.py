@@ -19,8 +19,9 @@ Three kinds of operator reach ``RepOpsMode`` (``verify.dispatch.mode``):
 Everything else is refused (``UnmappedOperator``), never run natively. Float tensors must be
 float32; a 0-d tensor or a Python number is a scalar and is rounded to float32 first. Each
 handler has a numpy twin in ``verify.dispatch.reference``; the tests compare the two bit for bit.
-The elementwise mappings live in ``verify.dispatch.elementwise`` (imported here, so that
-``HANDLERS`` is complete whenever this module is), the matmuls, reductions, softmax, loss,
+The elementwise mappings live in ``verify.dispatch.elementwise``, maxima, variance, norms
+(gradient clipping), MSE and cumsum in ``verify.dispatch.reductions`` (both imported here, so
+that ``HANDLERS`` is complete whenever this module is), the matmuls, sums, softmax, loss,
 LayerNorm and embedding ones here, the shared rules in ``verify.dispatch.registry``.
 """
 
