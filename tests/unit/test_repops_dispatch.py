@@ -223,6 +223,120 @@ def _gelu(backward: bool) -> Callable[[Rng], Case]:
     return build
 
 
+def _signed(rng: Rng, shape: tuple[int, ...]) -> np.ndarray:
+    """Values with ties and zeros of both signs; all of one sign half the time, so that maxima
+    and minima are often zeros."""
+    x = np.round(_x(rng, shape))
+    if rng.random() < 0.5:
+        x = np.abs(x) if rng.random() < 0.5 else -np.abs(x)
+    return x.astype(np.float32)
+
+
+def _extreme(with_dim: str) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        x = _signed(rng, _shape(rng, 1, 3))
+        if with_dim == "none":
+            return (x,), {}
+        if with_dim == "one":
+            return (x, int(rng.integers(-x.ndim, x.ndim)), bool(rng.random() < 0.5)), {}
+        dims = sorted(rng.choice(x.ndim, size=rng.integers(0, x.ndim + 1), replace=False))
+        return (x, [int(d) for d in dims], bool(rng.random() < 0.5)), {}
+
+    return build
+
+
+def _variance(rng: Rng) -> Case:
+    x = _x(rng, _shape(rng, 1, 3))
+    dims = sorted(rng.choice(x.ndim, size=rng.integers(1, x.ndim + 1), replace=False))
+    dim = None if rng.random() < 0.25 else [int(d) for d in dims]
+    correction = [None, 0, 1, 2][int(rng.integers(0, 4))]
+    return (x, dim), {"correction": correction, "keepdim": bool(rng.random() < 0.5)}
+
+
+def _norm(rng: Rng) -> Case:
+    x = _x(rng, _shape(rng, 1, 3))
+    order = [2, 2.0, 1, float("inf")][int(rng.integers(0, 4))]
+    dims = sorted(rng.choice(x.ndim, size=rng.integers(0, x.ndim + 1), replace=False))
+    return (x, order, [int(d) for d in dims] or None, bool(rng.random() < 0.5)), {}
+
+
+def _foreach_norm(rng: Rng) -> Case:
+    tensors = [_x(rng, _shape(rng, 1, 2)) for _ in range(int(rng.integers(1, 4)))]
+    return (tensors, [2, 1, float("inf")][int(rng.integers(0, 3))]), {}
+
+
+def _foreach_mul(tensor: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        tensors = [_x(rng, _shape(rng, 1, 2)) for _ in range(int(rng.integers(1, 4)))]
+        scale = rng.uniform(0.0, 1.5)
+        return (tensors, np.array(scale, np.float32) if tensor else float(scale)), {}
+
+    return build
+
+
+def _clamp(kind: str) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        x = _x(rng, _shape(rng))
+        low, high = sorted(float(v) for v in rng.choice([-1.0, -0.0, 0.0, 0.3, 2.5], 2))
+        if rng.random() < 0.1:
+            low, high = high + 1.0, low  # low above high: high everywhere
+        if kind == "min":
+            return (x, low), {}
+        if kind == "max":
+            return (x, high), {}
+        if kind == "tensor":
+            return (x, _x(rng, x.shape), _x(rng, x.shape)), {}
+        bounds = [(low, high), (low, None), (None, high)][int(rng.integers(0, 3))]
+        return (x, *bounds), {}
+
+    return build
+
+
+def _mse(backward: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        x, target = _pair(rng)
+        reduction = int(rng.integers(0, 3))
+        if not backward:
+            return (x, target, reduction), {}
+        grad = _x(rng, x.shape if reduction == 0 else ())
+        return (grad, x, target, reduction), {}
+
+    return build
+
+
+def _scatter(value: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        rows, cols = (int(v) for v in rng.integers(1, 9, size=2))
+        x = _x(rng, (rows, cols))
+        dim = int(rng.integers(0, 2))
+        taken = int(rng.integers(1, x.shape[dim] + 1))  # distinct indices along dim: a permutation
+        order = np.argsort(rng.random(x.shape), axis=dim)
+        index = order[:taken] if dim == 0 else order[:, :taken]
+        src = 2.5 if value else _x(rng, index.shape)
+        return (x, dim, index, src), {}
+
+    return build
+
+
+def _log1p(rng: Rng) -> Case:
+    x = _x(rng, _shape(rng))
+    x[rng.random(x.shape) < 0.2] = -1.0
+    return (np.where(rng.random(x.shape) < 0.3, x * np.float32(1e-6), x),), {}
+
+
+def _baddbmm(rng: Rng) -> Case:
+    batch, m, k, n = (int(v) for v in rng.integers(1, 30, size=4))
+    a, b = _x(rng, (batch, m, k)), _x(rng, (batch, k, n))
+    bias = _x(rng, (batch, m, n) if rng.random() < 0.5 else (n,))
+    scales = [{}, {"alpha": 0.5, "beta": 2.0}, {"beta": 0.0}][int(rng.integers(0, 3))]
+    return (bias, a, b), scales
+
+
+def _cumsum(rng: Rng) -> Case:
+    x = _x(rng, _shape(rng))
+    return (x, int(rng.integers(-x.ndim, x.ndim))), {}
+
+
 CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.add.Tensor": _binary("alpha"),
     "aten.add.Scalar": _binary("scalar"),
@@ -287,6 +401,37 @@ CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.arange.start": _arange,
     "aten._foreach_add_.Scalar": _foreach_add,
     "aten._fused_adamw_.default": _fused_adamw,
+    "aten._foreach_norm.Scalar": _foreach_norm,
+    "aten._foreach_mul_.Tensor": _foreach_mul(True),
+    "aten._foreach_mul_.Scalar": _foreach_mul(False),
+    "aten.linalg_vector_norm.default": _norm,
+    "aten.reciprocal.default": _unary(),
+    "aten.clamp.default": _clamp("both"),
+    "aten.clamp.Tensor": _clamp("tensor"),
+    "aten.clamp_.default": _clamp("both"),
+    "aten.clamp_.Tensor": _clamp("tensor"),
+    "aten.clamp_min.default": _clamp("min"),
+    "aten.clamp_max.default": _clamp("max"),
+    "aten.mse_loss.default": _mse(False),
+    "aten.mse_loss_backward.default": _mse(True),
+    "aten.amax.default": _extreme("list"),
+    "aten.amin.default": _extreme("list"),
+    "aten.max.default": _extreme("none"),
+    "aten.min.default": _extreme("none"),
+    "aten.max.dim": _extreme("one"),
+    "aten.min.dim": _extreme("one"),
+    "aten.scatter.src": _scatter(False),
+    "aten.scatter.value": _scatter(True),
+    "aten.var.correction": _variance,
+    "aten.std.correction": _variance,
+    "aten.var_mean.correction": _variance,
+    "aten.std_mean.correction": _variance,
+    "aten.log.default": _unary(),
+    "aten.log1p.default": _log1p,
+    "aten.sgn.default": _unary(),
+    "aten.sign.default": _unary(),
+    "aten.baddbmm.default": _baddbmm,
+    "aten.cumsum.default": _cumsum,
 }
 
 
@@ -378,24 +523,24 @@ def _to_cpu(value: Any) -> Any:
 # ---- refusals ---------------------------------------------------------------------------------
 
 
-class _LogOnePlus(torch.nn.Module):
-    """A user's module with an operator RepOps has no mapping for (log1p: a libm function)."""
+class _ArcTangent(torch.nn.Module):
+    """A user's module with an operator RepOps has no mapping for (atan: a libm function)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.log1p(x.abs() * self.weight).sum()
+        return torch.atan(x * self.weight).sum()
 
 
 def test_unmapped_operator_is_refused_with_its_name_before_it_runs() -> None:
     x = torch.randn(3, 4)
-    name = r"^aten\.log1p\.default has no RepOps mapping"
+    name = r"^aten\.atan\.default has no RepOps mapping"
     with pytest.raises(UnmappedOperator, match=name), RepOpsMode():
-        _LogOnePlus()(x).backward()
-    with pytest.raises(UnmappedOperator, match=r"aten\.cumsum\.default"), RepOpsMode():
-        torch.cumsum(x, 0)  # a float reduction in an order of torch's choosing
+        _ArcTangent()(x).backward()
+    with pytest.raises(UnmappedOperator, match=r"aten\.prod\.dim_int"), RepOpsMode():
+        torch.prod(x, 0)  # a float reduction in an order of torch's choosing
     a = torch.ones(2, 2, dtype=torch.float64)
     refusals = [
         (lambda: torch.mm(a, a), r"aten\.mm .*float64 tensor; RepOps maps float32"),
@@ -431,11 +576,11 @@ def test_integer_arithmetic_and_data_movement_run_natively() -> None:
 
 
 def test_survey_lists_the_operators_and_the_unmapped_ones() -> None:
-    model, x = _LogOnePlus(), torch.randn(3, 4)
+    model, x = _ArcTangent(), torch.randn(3, 4)
     found = survey(lambda: model(x).backward())
-    assert found.unmapped == {"aten.log1p.default"}
+    assert found.unmapped == {"aten.atan.default"}
     assert survey(lambda: torch.randn(2)).unmapped == {"aten.randn.default"}  # no RNG mapped
-    assert found.ops["aten.log1p.default"] == 1 and found.ops["aten.sum.default"] == 1
+    assert found.ops["aten.atan.default"] == 1 and found.ops["aten.sum.default"] == 1
     assert model.weight.grad is not None  # it ran, natively
 
 
@@ -457,3 +602,26 @@ def test_tanh_sin_and_cos_kernels_are_accurate_and_equal_their_numpy_twins() -> 
     for got, truth in ((sin, np.sin(wide)), (cos, np.cos(wide))):
         ulp = np.spacing(np.abs(truth).astype(np.float32)).astype(np.float64)
         assert np.all(np.abs(got - truth) <= ulp)  # within one ulp (measured: half of one)
+
+
+def test_log_and_log1p_kernels_are_accurate_and_equal_their_numpy_twins() -> None:
+    # Subnormal to huge inputs, near 1 and near -1 (log1p), and every special value.
+    rng = np.random.default_rng(6)
+    scale = rng.choice([1e-40, 1e-20, 1e-6, 0.01, 1.0, 12.0, 1e30], 20000)
+    x = np.abs(rng.standard_normal(20000) * scale).astype(np.float32)
+    x = np.concatenate([x, -x, x - 1, [0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan]])
+    x = x.astype(np.float32)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        log, log1p = (fn(torch.from_numpy(x)).numpy() for fn in (ops.log, ops.log1p))
+        with np.errstate(all="ignore"):
+            _same([log, log1p], [reference.log(x), reference.log1p(x)], "log, log1p")
+    with np.errstate(all="ignore"):
+        truths = np.log(x.astype(np.float64)), np.log1p(x.astype(np.float64))
+    for got, truth in ((log, truths[0]), (log1p, truths[1])):
+        assert np.array_equal(np.isnan(got), np.isnan(truth))
+        finite = np.isfinite(truth)
+        assert np.array_equal(got[~finite & ~np.isnan(truth)], truth[~finite & ~np.isnan(truth)])
+        ulp = np.spacing(np.abs(truth[finite]).astype(np.float32)).astype(np.float64)
+        # Within half an ulp plus the float64 series' error: correctly rounded on these inputs.
+        assert np.all(np.abs(got[finite] - truth[finite]) <= 0.5 * ulp * (1 + 1e-6))

@@ -1,7 +1,8 @@
 """RepOps by dispatch on whole training steps: the default model, a tiny Llama and a tiny GPT-2
 (built from configs, nothing downloaded), forward, loss, backward and ``torch.optim.AdamW``
 under ``RepOpsMode``: bit-identical on one and two threads, close to native torch, and every
-operator of the step listed and mapped."""
+operator of the step listed and mapped; and a small regressor's step with an MSE head and
+``clip_grad_norm_`` (both its foreach and its per-tensor path)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ OPTIMIZER_OPS = {
 }  # fmt: skip
 
 
+CLIP = 0.05  # below the regressor's first gradient norm (asserted): the clip scales
+
+
+class _Regressor(torch.nn.Module):
+    """A user's small regressor: embedding, LayerNorm, an MLP, one output a position scored by
+    mean squared error against a float target."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng():  # its own initial weights, the process's stream untouched
+            torch.manual_seed(3)
+            self.embed = torch.nn.Embedding(96, 16)
+            self.body = torch.nn.Sequential(
+                torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.SiLU(),
+                torch.nn.Linear(32, 1),
+            )  # fmt: skip
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = self.body(self.embed(inputs)).squeeze(-1)
+        return torch.nn.functional.mse_loss(out, targets.float() / 96)
+
+
 @pytest.fixture(autouse=True)
 def _threads_restored() -> Iterator[None]:
     # The tests switch torch's thread count; whatever they leave, the next test starts as before.
@@ -71,14 +94,18 @@ def _step(
     targets: torch.Tensor,
     repops: bool,
     fused: bool = False,
+    clip: bool | None = None,
 ) -> tuple[dict[str, np.ndarray], float, list[torch.Tensor], Counter[str]]:
-    """One AdamW step of a copy of ``model``: (parameters and moments, loss, grads, ops used)."""
+    """One AdamW step of a copy of ``model``: (parameters and moments, loss, grads, ops used);
+    ``clip`` (the value is ``foreach``) clips the gradients to norm CLIP before the step."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     mode = RepOpsMode() if repops else contextlib.nullcontext()
     with mode:
         loss = model.loss(inputs, targets)
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=clip)
         optimizer.step()
     state = {name: p.detach().numpy().copy() for name, p in model.named_parameters()}
     for name, p in model.named_parameters():
@@ -115,3 +142,30 @@ def test_training_step_is_bit_identical_on_one_and_two_threads(name: str) -> Non
         assert cosine > 0.9999 or torch.equal(ours, theirs)
     for key, value in native.items():
         assert np.max(np.abs(one[key] - value)) < 1e-4, key  # lr 1e-3 steps: 10% of one step
+
+
+def test_a_clipped_mse_step_is_bit_identical_on_one_and_two_threads_and_both_clip_paths() -> None:
+    model = _Regressor()
+    generator = torch.Generator().manual_seed(11)
+    inputs, targets = torch.randint(0, 96, (2, 4, 24), generator=generator)
+    runs = {}
+    for threads, foreach in ((1, True), (2, True), (1, False), (2, False)):
+        torch.set_num_threads(threads)
+        runs[threads, foreach] = _step(model, inputs, targets, repops=True, clip=foreach)
+    torch.set_num_threads(1)
+    # foreach: _foreach_norm and _foreach_mul_; per tensor: linalg_vector_norm and mul_; one
+    # definition (the tree sum of squares, a correctly rounded sqrt, one multiply), one result.
+    hashes = {key: state_hash(run[0]) for key, run in runs.items()}
+    assert len(set(hashes.values())) == 1, hashes
+    used = set(runs[1, True][3]) | set(runs[1, False][3])
+    clipping = {"aten._foreach_norm.Scalar", "aten._foreach_mul_.Tensor", "aten.clamp.default",
+                "aten.linalg_vector_norm.default", "aten.mul_.Tensor"}  # fmt: skip
+    assert {"aten.mse_loss.default", "aten.mse_loss_backward.default"} | clipping <= used
+
+    native, native_loss, _, _ = _step(model, inputs, targets, repops=False, clip=True)
+    ours, loss, grads, _ = runs[1, True]
+    assert abs(loss - native_loss) <= 1e-5 * abs(native_loss)
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    assert abs(float(clipped) - CLIP) < 1e-6  # the gradients were scaled down to the clip norm
+    for key, value in native.items():
+        assert np.max(np.abs(ours[key] - value)) < 1e-4, key

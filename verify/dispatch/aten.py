@@ -19,8 +19,9 @@ Three kinds of operator reach ``RepOpsMode`` (``verify.dispatch.mode``):
 Everything else is refused (``UnmappedOperator``), never run natively. Float tensors must be
 float32; a 0-d tensor or a Python number is a scalar and is rounded to float32 first. Each
 handler has a numpy twin in ``verify.dispatch.reference``; the tests compare the two bit for bit.
-The elementwise mappings live in ``verify.dispatch.elementwise`` (imported here, so that
-``HANDLERS`` is complete whenever this module is), the matmuls, reductions, softmax, loss,
+The elementwise mappings live in ``verify.dispatch.elementwise``, maxima, variance, norms
+(gradient clipping), MSE and cumsum in ``verify.dispatch.reductions`` (both imported here, so
+that ``HANDLERS`` is complete whenever this module is), the matmuls, sums, softmax, loss,
 LayerNorm and embedding ones here, the shared rules in ``verify.dispatch.registry``.
 """
 
@@ -34,6 +35,8 @@ import torch
 
 # Imported for what importing them does: they register the elementwise and fused AdamW mappings.
 from verify.dispatch import elementwise, optim  # noqa: F401
+from verify.dispatch.reductions import reduced_dims as _dims
+from verify.dispatch.reductions import sum_dims
 from verify.dispatch.registry import (
     F32,
     HANDLERS,
@@ -69,31 +72,20 @@ def _addmm(
     return torch.add(scaled(ops.matmul(a, b), alpha), scaled(bias, beta))
 
 
-# ---- reductions: the fixed pairwise tree ------------------------------------------------------
+@maps(aten.baddbmm.default)
+def _baddbmm(
+    bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta: Any = 1, alpha: Any = 1
+) -> torch.Tensor:
+    """alpha (a @ b) + beta bias per batch, as ``addmm``; beta 0 ignores ``bias`` (a NaN in it
+    too), as torch does."""
+    a, b, bias = (as_f32(t, "aten.baddbmm") for t in (a, b, bias))
+    product = scaled(ops.matmul(a, b), alpha)
+    if not isinstance(beta, torch.Tensor) and beta == 0:
+        return product
+    return torch.add(product, scaled(bias, beta))
 
 
-def _dims(x: torch.Tensor, dim: Sequence[int] | int | None) -> list[int]:
-    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
-        return list(range(x.dim()))
-    return sorted({d % max(1, x.dim()) for d in ([dim] if isinstance(dim, int) else dim)})
-
-
-def sum_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
-    """Sum over ``dims`` by ``sum_tree`` over their elements in row-major order."""
-    if x.dim() == 0:
-        return x.clone()
-    kept = [d for d in range(x.dim()) if d not in dims]
-    moved = x.permute(*kept, *dims)
-    flat = moved.reshape(*moved.shape[: len(kept)], -1)
-    if flat.shape[-1] == 1:  # sum_tree would return a view of the input: a result must not alias
-        out = flat[..., 0].clone()
-    elif flat.shape[-1]:
-        out = ops.sum_tree(flat, -1)
-    else:
-        out = torch.zeros(flat.shape[:-1], dtype=x.dtype, device=x.device)
-    if keepdim:
-        out = out.view([1 if d in dims else x.shape[d] for d in range(x.dim())])
-    return out
+# ---- reductions: the fixed pairwise tree (more in ``verify.dispatch.reductions``) -------------
 
 
 @maps(aten.sum.dim_IntList, aten.sum.default)
@@ -319,6 +311,18 @@ def _embedding_backward(
     if padding_idx >= 0:
         out[padding_idx] = 0.0
     return out
+
+
+@maps(aten.scatter.src, aten.scatter.value)
+def _scatter(x: torch.Tensor, dim: int, index: torch.Tensor, src: Any) -> torch.Tensor:
+    """``x`` with ``src`` placed at ``index`` along ``dim`` (no arithmetic: what ``max.dim``'s
+    backward does); an index repeated along ``dim`` is refused, since which write wins would be
+    torch's choice."""
+    if index.numel() and index.dim():
+        ordered = index.sort(dim=dim).values
+        if bool((ordered.diff(dim=dim) == 0).any()):
+            raise UnmappedOperator("aten.scatter", "an index repeated along the dim")
+    return torch.scatter(x, dim, index, src)
 
 
 # ---- operators that are exact natively ---------------------------------------------------------

@@ -1,8 +1,9 @@
 """Elementwise aten operators under RepOps: IEEE ``+ - * /`` with their scalars and scale factors
 fixed, compound operators (``lerp``, ``addcmul``, ``addcdiv``) split into single IEEE operations,
-and the functions a library computes differently (``exp``, ``tanh``, ``sin``, ``cos``,
-``sigmoid``, ``silu``, ``gelu``, ``sqrt``, ``rsqrt``, ``pow``, ``relu``'s zero) defined over
-RepOps' own kernels (``verify.repops.ops``). Importing it registers them in ``HANDLERS``."""
+and the functions a library computes differently (``exp``, ``log``, ``log1p``, ``tanh``,
+``sin``, ``cos``, ``sigmoid``, ``silu``, ``gelu``, ``sqrt``, ``rsqrt``, ``pow``; the zeros of
+``relu``, ``sign`` and ``clamp``) defined over RepOps' own kernels (``verify.repops.ops``).
+Importing it registers them in ``HANDLERS``."""
 
 from __future__ import annotations
 
@@ -130,8 +131,41 @@ HANDLERS.update(
         aten.sin.default: _unary(lambda x: ops.sin_cos(x)[0], "aten.sin"),
         aten.cos.default: _unary(lambda x: ops.sin_cos(x)[1], "aten.cos"),
         aten.sigmoid.default: _unary(_sigmoid, "aten.sigmoid"),
+        aten.log.default: _unary(ops.log, "aten.log"),
+        aten.log1p.default: _unary(ops.log1p, "aten.log1p"),
+        aten.reciprocal.default: _unary(lambda x: torch.div(one(x), x), "aten.reciprocal"),
     }
 )
+
+
+@maps(aten.sgn.default, aten.sign.default)
+def _sign(x: torch.Tensor) -> torch.Tensor:
+    """1 above 0, -1 below, and x itself otherwise (a zero keeps its sign, a NaN stays NaN):
+    selections, so no library's vector body and scalar tail can disagree on a zero's sign."""
+    x = as_f32(x, "aten.sign")
+    unit = torch.ones((), dtype=x.dtype, device=x.device)
+    return torch.where(x > 0, unit, torch.where(x < 0, -unit, x))
+
+
+def _clamp(x: torch.Tensor, low: Any = None, high: Any = None) -> torch.Tensor:
+    """x below ``low`` becomes low, then above ``high`` becomes high (bounds rounded to float32
+    first): selections, so a zero keeps its sign and a NaN stays NaN; low > high gives high,
+    as torch."""
+    x = as_f32(x, "aten.clamp")
+    out = x
+    if low is not None:
+        low = operand(low, x, "aten.clamp")
+        out = torch.where(out < low, low, out)
+    if high is not None:
+        high = operand(high, x, "aten.clamp")
+        out = torch.where(out > high, high, out)
+    return out.clone() if out is x else out
+
+
+maps(aten.clamp.default, aten.clamp.Tensor)(_clamp)
+maps(aten.clamp_.default, aten.clamp_.Tensor)(inplace(_clamp))
+maps(aten.clamp_min.default)(lambda x, low: _clamp(x, low, None))
+maps(aten.clamp_max.default)(lambda x, high: _clamp(x, None, high))
 
 
 @maps(aten.relu.default)

@@ -271,6 +271,88 @@ def fused_adamw(
     return [*new_p, *grads, *new_m, *new_v]
 
 
+def extreme(x: np.ndarray, dim: Any = (), keepdim: bool = False, largest: bool = True) -> Any:
+    """numpy's max (or min) over the dims, which propagates NaN; a zero result is +0 in a
+    maximum when any +0 is there (else -0), and -0 in a minimum when any -0 is."""
+    axes = tuple(_reduced(x, dim))
+    best = (np.max if largest else np.min)(x, axis=axes, keepdims=keepdim)
+    zeros = (x == 0) & (np.signbit(x) != largest)
+    won = np.any(zeros, axis=axes, keepdims=keepdim)
+    signed = np.where(won, F32(0.0) if largest else F32(-0.0), F32(-0.0) if largest else F32(0.0))
+    return np.where(best == 0, signed, best).astype(F32)
+
+
+def extreme_dim(x: np.ndarray, dim: int, keepdim: bool = False, largest: bool = True) -> Any:
+    """(values, the first index holding the value's bits, or the first NaN)."""
+    value = extreme(x, [dim], True, largest)
+    same = (x.view(np.int32) == value.view(np.int32)) | (np.isnan(x) & np.isnan(value))
+    index = np.argmax(same, axis=dim, keepdims=True).astype(np.int64)
+    return (value, index) if keepdim else (value.squeeze(dim), index.squeeze(dim))
+
+
+def var_mean(x: np.ndarray, dim: Any = None, correction: Any = None, keepdim: bool = False) -> Any:
+    dims = _reduced(x, dim)
+    n = math.prod(x.shape[d] for d in dims)
+    centre = total(x, dims, True) / F32(n)
+    c = 1 if correction is None else correction
+    var = total((x - centre) * (x - centre), dims, keepdim) / F32(max(0, n - c))
+    return var, (centre if keepdim else centre.reshape(var.shape))
+
+
+def vector_norm(x: np.ndarray, order: Any = 2, dim: Any = None, keepdim: bool = False) -> Any:
+    if float(order) == 2:
+        return np.sqrt(total(x * x, dim, keepdim))
+    if float(order) == 1:
+        return total(np.abs(x), dim, keepdim)
+    return np.max(np.abs(x), axis=tuple(_reduced(x, dim)), keepdims=keepdim).astype(F32)
+
+
+def mse_loss(x: np.ndarray, target: np.ndarray, reduction: int = 1) -> np.ndarray:
+    squares = (x - target) * (x - target)
+    if reduction == 0:
+        return squares
+    summed = total(squares)
+    return summed / F32(squares.size) if reduction == 1 else summed
+
+
+def mse_loss_backward(g: Any, x: np.ndarray, target: np.ndarray, reduction: int) -> np.ndarray:
+    norm = F32(2.0 / x.size if reduction == 1 else 2.0)
+    return ((x - target) * norm) * _c(g)
+
+
+def cumsum(x: np.ndarray, dim: int, dtype: Any = None) -> np.ndarray:
+    """A Python loop along the dim: out[i] = out[i - 1] + x[i] in float32."""
+    moved = np.moveaxis(x.astype(F32), dim, 0) if x.ndim else x.astype(F32)
+    out = moved.copy()
+    for i in range(1, len(out) if x.ndim else 0):
+        out[i] = out[i - 1] + moved[i]
+    return np.moveaxis(out, 0, dim) if x.ndim else out
+
+
+def clamp(x: np.ndarray, low: Any = None, high: Any = None) -> np.ndarray:
+    out = x if low is None else np.where(x < _c(low), _c(low), x)
+    return (out if high is None else np.where(out > _c(high), _c(high), out)).astype(F32)
+
+
+def scatter(x: np.ndarray, dim: int, index: np.ndarray, src: Any) -> np.ndarray:
+    out = x.copy()
+    values = np.broadcast_to(_c(src), index.shape) if np.ndim(src) == 0 else src
+    for position in np.ndindex(*index.shape):
+        target = list(position)
+        target[dim] = index[position]
+        out[tuple(target)] = values[position]
+    return out
+
+
+def foreach_mul(tensors: list[np.ndarray], scalar: Any) -> list[np.ndarray]:
+    return [t * _c(scalar) for t in tensors]
+
+
+def baddbmm(bias: np.ndarray, a: np.ndarray, b: np.ndarray, beta: Any = 1, alpha: Any = 1) -> Any:
+    product = _scale(kernels.matmul(a, b), alpha)
+    return product if beta == 0 else product + _scale(bias, beta)
+
+
 REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.add.Tensor": add,
     "aten.add.Scalar": add,
@@ -335,6 +417,47 @@ REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.native_layer_norm_backward.default": layer_norm_backward,
     "aten.embedding_dense_backward.default": embedding_backward,
     "aten._foreach_add_.Scalar": foreach_add,
+    "aten._foreach_mul_.Tensor": foreach_mul,
+    "aten._foreach_mul_.Scalar": foreach_mul,
+    "aten._foreach_norm.Scalar": lambda ts, order=2, dtype=None: [
+        vector_norm(t, order) for t in ts
+    ],
+    "aten.linalg_vector_norm.default": lambda x, order=2, dim=None, keepdim=False, dtype=None: (
+        vector_norm(x, order, dim, keepdim)
+    ),
+    "aten.reciprocal.default": lambda x: ONE / x,
+    "aten.clamp.default": clamp,
+    "aten.clamp.Tensor": clamp,
+    "aten.clamp_.default": clamp,
+    "aten.clamp_.Tensor": clamp,
+    "aten.clamp_min.default": lambda x, low: clamp(x, low),
+    "aten.clamp_max.default": lambda x, high: clamp(x, None, high),
+    "aten.mse_loss.default": mse_loss,
+    "aten.mse_loss_backward.default": mse_loss_backward,
+    "aten.amax.default": lambda x, dim=(), keepdim=False: extreme(x, dim, keepdim, True),
+    "aten.amin.default": lambda x, dim=(), keepdim=False: extreme(x, dim, keepdim, False),
+    "aten.max.default": lambda x: extreme(x, (), False, True),
+    "aten.min.default": lambda x: extreme(x, (), False, False),
+    "aten.max.dim": lambda x, dim, keepdim=False: extreme_dim(x, dim, keepdim, True),
+    "aten.min.dim": lambda x, dim, keepdim=False: extreme_dim(x, dim, keepdim, False),
+    "aten.scatter.src": scatter,
+    "aten.scatter.value": scatter,
+    "aten.var.correction": lambda x, dim=None, correction=None, keepdim=False: var_mean(
+        x, dim, correction, keepdim
+    )[0],
+    "aten.std.correction": lambda x, dim=None, correction=None, keepdim=False: np.sqrt(
+        var_mean(x, dim, correction, keepdim)[0]
+    ),
+    "aten.var_mean.correction": var_mean,
+    "aten.std_mean.correction": lambda x, dim=None, correction=None, keepdim=False: (
+        lambda v, m: (np.sqrt(v), m)
+    )(*var_mean(x, dim, correction, keepdim)),
+    "aten.log.default": kernels.log,
+    "aten.log1p.default": kernels.log1p,
+    "aten.sgn.default": lambda x: np.where(x > 0, ONE, np.where(x < 0, -ONE, x)),
+    "aten.sign.default": lambda x: np.where(x > 0, ONE, np.where(x < 0, -ONE, x)),
+    "aten.baddbmm.default": baddbmm,
+    "aten.cumsum.default": cumsum,
     "aten._fused_adamw_.default": fused_adamw,
     "aten.arange.default": lambda *a, **k: np.arange(*a).astype(F32),
     "aten.arange.start": lambda *a, **k: np.arange(*a).astype(F32),

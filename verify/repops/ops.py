@@ -307,18 +307,54 @@ def erf(x: torch.Tensor) -> torch.Tensor:
 
 
 def log_pos(s: torch.Tensor) -> torch.Tensor:
-    """float32 natural log of positive normal float32 ``s``, in float64, rounded once."""
+    """float32 natural log of positive finite float32 ``s``, in float64, rounded once."""
     mant, e = torch.frexp(s)
     small = mant < SQRT_HALF
     mant = torch.where(small, torch.mul(mant, 2.0), mant).to(F64)
-    e = torch.where(small, e - 1, e).to(F64)
+    return _log_series(mant, torch.where(small, e - 1, e).to(F64)).to(F32)
+
+
+def _log_series(mant: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """float64 e ln 2 + log(mant) for mant in [sqrt(1/2), sqrt(2)]: 2 atanh(u), u = (mant - 1) /
+    (mant + 1), to u^17 (|u| <= 0.172: truncation below 1e-15 relative). IEEE float64 + - * /
+    only, so every library and device gives the same bits."""
     u = torch.div(torch.sub(mant, 1.0), torch.add(mant, 1.0))
     u2 = torch.mul(u, u)
     p = torch.mul(u2, LOG_SERIES[0]).add_(LOG_SERIES[1])
     for c in LOG_SERIES[2:]:
         p.mul_(u2).add_(c)
     p.mul_(u).mul_(2.0)
-    return torch.mul(e, LN2).add_(p).to(F32)
+    return torch.mul(e, LN2).add_(p)
+
+
+def _log_special(x: torch.Tensor, out: torch.Tensor, zero_at: float) -> torch.Tensor:
+    """``out`` with IEEE log's special values where ``x`` (float32) leaves log_pos's domain:
+    -inf at ``zero_at``, NaN below it or for NaN, +inf at +inf."""
+    out = torch.where(x == zero_at, -math.inf, out)
+    out = torch.where(x < zero_at, math.nan, out)
+    out = torch.where(x == math.inf, math.inf, out)
+    return torch.where(torch.isnan(x), math.nan, out)
+
+
+def log(x: torch.Tensor) -> torch.Tensor:
+    """float32 natural log over its whole domain: ``log_pos`` (float64, rounded once; subnormal
+    inputs included), and IEEE's -inf at +-0, NaN below 0, +inf at +inf."""
+    inside = (x > 0) & (x < math.inf)
+    return _log_special(x, log_pos(torch.where(inside, x, 1.0)), 0.0)
+
+
+def log1p(x: torch.Tensor) -> torch.Tensor:
+    """float32 log(1 + x): u = 1 + x in float64 (rounded only when |x| < 2^-29), then
+    log(u) - ((u - 1) - x) / u, which restores what that rounding lost (u - 1 is exact), by the
+    same float64 series as ``log_pos``; rounded to float32 once. Specials as IEEE's log1p."""
+    x64 = torch.where((x > -1.0) & (x < math.inf), x, 0.0).to(F64)
+    u = torch.add(x64, 1.0)
+    mant, e = torch.frexp(u)
+    small = mant < SQRT_HALF
+    mant = torch.where(small, torch.mul(mant, 2.0), mant)
+    log_u = _log_series(mant, torch.where(small, e - 1, e).to(F64))
+    lost = torch.sub(u, 1.0).sub_(x64).div_(u)
+    return _log_special(x, log_u.sub_(lost).to(F32), -1.0)
 
 
 def tanh(x: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,10 @@ def log_pos(s: np.ndarray) -> np.ndarray:
     mant, e = np.frexp(s)
     small = mant < F32(0.7071067811865476)
     mant = np.where(small, mant * TWO, mant).astype(np.float64)
-    e = np.where(small, e - 1, e).astype(np.float64)
+    return _log_series(mant, np.where(small, e - 1, e).astype(np.float64)).astype(F32)
+
+
+def _log_series(mant: np.ndarray, e: np.ndarray) -> np.ndarray:
     u = (mant - 1.0) / (mant + 1.0)
     u2 = u * u
     coefficients = [1.0 / (2 * k + 1) for k in range(8, -1, -1)]
@@ -140,7 +143,29 @@ def log_pos(s: np.ndarray) -> np.ndarray:
     for c in coefficients[1:]:
         p = p * u2 + c
     p = p * u * 2.0
-    return (e * 0.6931471805599453 + p).astype(F32)
+    return e * 0.6931471805599453 + p
+
+
+def _log_special(x: np.ndarray, out: np.ndarray, zero_at: float) -> np.ndarray:
+    special = [x == zero_at, x < zero_at, x == np.inf, np.isnan(x)]
+    return np.select(special, [F32(-np.inf), F32(np.nan), F32(np.inf), F32(np.nan)], out)
+
+
+def log(x: np.ndarray) -> np.ndarray:
+    """log_pos inside (0, inf), IEEE's special values outside."""
+    inside = (x > 0) & (x < np.inf)
+    return _log_special(x, log_pos(np.where(inside, x, ONE)), 0.0).astype(F32)
+
+
+def log1p(x: np.ndarray) -> np.ndarray:
+    """log(u) - ((u - 1) - x) / u with u = 1 + x, all in float64, rounded to float32 once."""
+    x64 = np.where((x > -1) & (x < np.inf), x, F32(0.0)).astype(np.float64)
+    u = x64 + 1.0
+    mant, e = np.frexp(u)
+    small = mant < 0.7071067811865476
+    mant = np.where(small, mant * 2.0, mant)
+    log_u = _log_series(mant, np.where(small, e - 1, e).astype(np.float64))
+    return _log_special(x, (log_u - ((u - 1.0) - x64) / u).astype(F32), -1.0).astype(F32)
 
 
 def tanh(x: np.ndarray) -> np.ndarray:
