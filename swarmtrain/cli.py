@@ -542,9 +542,10 @@ def _main_export(args: argparse.Namespace) -> int:
 def _coordinator_config(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config) if args.config is not None else RunConfig()
     if args.rounds is not None:
-        config = config.replace(
-            run={"rounds": args.rounds}
-        )  # re-validated: --rounds 0 names run.rounds
+        try:
+            config = config.replace(run={"rounds": args.rounds})  # re-validated
+        except ConfigError as exc:
+            raise ConfigError(f"--rounds {args.rounds}: {exc}") from None
     return config
 
 

@@ -286,3 +286,69 @@ def test_every_command_says_what_it_does_and_its_exit_statuses() -> None:
         ), name
         # 3 (banned by a verified run's referee) is a node's alone.
         assert ("; 3 banned by the run's referee;" in epilog) == (name == "node"), name
+
+
+def test_a_bad_run_config_or_flag_names_the_key_or_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from swarmtrain.config import default_toml
+
+    config, key = tmp_path / "run.toml", str(tmp_path / "k")
+    default = default_toml()
+
+    def coordinator(*edits: tuple[str, str]) -> str:
+        text = default
+        for old, new in edits:
+            assert text.count(old) == 1, old
+            text = text.replace(old, new)
+        config.write_text(text)
+        return _fails(capsys, "coordinator", "--identity", key, "--config", str(config))
+
+    assert coordinator(("inner_steps = 20", "inner_step = 20")).startswith(
+        f"swarmtrain coordinator: {config}: unknown key training.inner_step (known: "
+        "training.inner_steps, training.batch_size, "
+    )  # ... and every other key of [training]
+    assert coordinator(("\nrounds = 5", "\nrounds = -2")) == (
+        f"swarmtrain coordinator: {config}: run.rounds must be a positive integer, got -2"
+    )
+    assert coordinator(("rate = 0.0", "rate = 0.5"), ("stages = 0", "stages = 2")) == (
+        f"swarmtrain coordinator: {config}: verify.rate (0.5) needs a DiLoCo run "
+        "(pipeline.stages = 0): pipeline stages are not verified"
+    )
+    assert coordinator(("rate = 0.0", "rate = 2")) == (
+        f"swarmtrain coordinator: {config}: verify.rate must be a number in [0, 1], got 2.0"
+    )
+    assert _fails(capsys, "coordinator", "--identity", key, "--rounds", "0") == (
+        "swarmtrain coordinator: --rounds 0: run.rounds must be a positive integer, got 0"
+    )
+    assert _fails(capsys, "local", "--verify-rate", "1.5", "--workdir", str(tmp_path / "a")) == (
+        "swarmtrain local: --verify-rate must be in [0, 1], got 1.5"
+    )
+    assert _run(["local", "--verify-rate", "0.5", "--pipeline-stages", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "swarmtrain local: --verify-rate needs a DiLoCo run (no --pipeline-stages)\n"
+    )
+    assert not (tmp_path / "a").exists()
+
+
+def test_version_and_the_help_of_identities_and_listen_addresses_say_what_is_used(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 22: no ``--version``; ``node --help`` gave ~/.local/share/... as the identity
+    default while a node uses <state-dir>/identity.key; ``id --identity`` and ``status
+    --listen`` had no help."""
+    import argparse
+
+    from swarmtrain.cli import build_parser
+
+    with pytest.raises(SystemExit) as exited:
+        _run(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("swarmtrain ")
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+
+    def shown(command: str) -> str:  # argparse wraps at spaces and after hyphens
+        return "".join(sub.choices[command].format_help().split())
+
+    assert "[<state-dir>/identity.key]" in shown("node")
+    assert "theEd25519keyfile" in shown("id")
+    assert "short-livedpeerlistenson" in shown("status")
