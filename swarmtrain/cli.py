@@ -22,7 +22,8 @@
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
 (exit status 130); SIGTERM (systemd, ``docker stop``) stops the same way, with the same cleanup
 and line, and exit status 143 (128 + 15, what a shell reports for a process SIGTERM ended). A
-failure prints one line that names its cause and exits with status 1.
+failure prints one line that names its cause and exits with status 1; a bad address or path
+option is refused before the command writes, imports or dials anything (``_run``).
 """
 
 from __future__ import annotations
