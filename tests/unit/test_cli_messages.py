@@ -352,3 +352,13 @@ def test_version_and_the_help_of_identities_and_listen_addresses_say_what_is_use
     assert "[<state-dir>/identity.key]" in shown("node")
     assert "theEd25519keyfile" in shown("id")
     assert "short-livedpeerlistenson" in shown("status")
+
+
+def test_verify_names_a_model_config_it_cannot_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.json"
+    assert _run(["verify", "--model-config", str(missing)]) == 2  # verify's bad-flag status
+    assert capsys.readouterr().err == (
+        f"swarmtrain verify: --model-config {missing}: cannot read it: no such file or directory\n"
+    )
