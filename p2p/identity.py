@@ -102,8 +102,14 @@ def _create(path: Path, work_bits: int = 0) -> KeyPair:
         return _write_new(path, work_bits)
     except OSError as exc:  # errno's words, on the key's name rather than its temporary file's
         # mkdir of a parent that is a file says "file exists"; opening below one, ENOTDIR.
-        folder_is_file = isinstance(exc, (FileExistsError, NotADirectoryError))
-        why = "a folder on the path is a file" if folder_is_file else (exc.strerror or "").lower()
+        # With its folders made first, "no such file" means the file system takes no new files
+        # there (/proc, /sys).
+        if isinstance(exc, (FileExistsError, NotADirectoryError)):
+            why = "a folder on the path is a file"
+        elif isinstance(exc, FileNotFoundError):
+            why = "nothing can be made there"
+        else:
+            why = (exc.strerror or "").lower()
         raise IdentityError(f"cannot create identity {path}: {why}") from None
 
 

@@ -22,7 +22,8 @@
 Progress and problems go to stderr as log lines; results go to stdout. Ctrl+C stops cleanly
 (exit status 130); SIGTERM (systemd, ``docker stop``) stops the same way, with the same cleanup
 and line, and exit status 143 (128 + 15, what a shell reports for a process SIGTERM ended). A
-failure prints one line that names its cause and exits with status 1.
+failure prints one line that names its cause and exits with status 1; a bad address or path
+option is refused before the command writes, imports or dials anything (``_run``).
 """
 
 from __future__ import annotations
@@ -66,19 +67,13 @@ from swarmtrain.commands.doctor import DoctorOptions, DoctorReport, format_repor
 from swarmtrain.commands.local import LocalFailed, LocalOptions, run_local
 from swarmtrain.commands.local_progress import LocalProgress
 from swarmtrain.commands.relay import RelayOptions, run_relay
-from swarmtrain.config import (
-    ConfigError,
-    RunConfig,
-    default_toml,
-    load_config,
-    plain_os_error,
-    with_base,
-)
+from swarmtrain.config import ConfigError, RunConfig, default_toml, load_config, with_base
 from swarmtrain.dashboard.options import add_dashboard_arguments
 from swarmtrain.dashboard.options import options_from as dashboard_options_from
 from swarmtrain.faults import Faults, parse_task_fault
 from swarmtrain.host_memory import release_large_blocks
 from swarmtrain.metrics import Metrics, add_metrics_arguments, options_from
+from swarmtrain.paths import Use, path_problem, plain_os_error
 from swarmtrain.pipeline import local as pipeline_local
 from swarmtrain.runspec import SpecRefused
 from swarmtrain.tracking import Tracker, open_trackers
@@ -470,19 +465,19 @@ def _cheat(text: str) -> tuple[int, int, int]:
 
 def _main_node(args: argparse.Namespace) -> int:
     _setup_logging(args.verbose)
-    # Before torch and the model allocate: a round's freed transients leave the RSS.
-    release_large_blocks()
-    log.info("starting: loading torch")  # seconds of silence otherwise
-    try:
-        # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
-        from swarmtrain.commands.node import NodeOptions, run_node
-        from swarmtrain.pipeline.node import PipelineHooks
-    except KeyboardInterrupt:
-        return 130
     state_dir = args.state_dir or _default_state_dir()
     metrics = None
     trackers: list[Tracker] = []
+    # One try from the first line on: Ctrl+C while torch loads or the node dials is a clean
+    # stop (130), not a KeyboardInterrupt traceback.
     try:
+        # Before torch and the model allocate: a round's freed transients leave the RSS.
+        release_large_blocks()
+        log.info("starting: loading torch")  # seconds of silence otherwise
+        # Imported here: torch takes seconds to import, and id/relay/doctor/local do not need it.
+        from swarmtrain.commands.node import NodeOptions, run_node
+        from swarmtrain.pipeline.node import PipelineHooks
+
         metrics = _start_metrics(args, "node")
         trackers = open_trackers(args.log_to, name=state_dir.name)
         options = NodeOptions(
@@ -540,9 +535,11 @@ def _main_init(args: argparse.Namespace) -> int:
         print(f"swarmtrain init: {path} exists (--force overwrites it)", file=sys.stderr)
         return 1
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(default_toml())
     except OSError as exc:
-        print(f"swarmtrain init: cannot write {path}: {plain_os_error(exc)}", file=sys.stderr)
+        why = plain_os_error(exc, making=True)
+        print(f"swarmtrain init: cannot write {path}: {why}", file=sys.stderr)
         return 1
     print(f"wrote {path}; start the run with: swarmtrain coordinator --config {path}")
     return 0
@@ -565,9 +562,10 @@ def _main_export(args: argparse.Namespace) -> int:
 def _coordinator_config(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config) if args.config is not None else RunConfig()
     if args.rounds is not None:
-        config = config.replace(
-            run={"rounds": args.rounds}
-        )  # re-validated: --rounds 0 names run.rounds
+        try:
+            config = config.replace(run={"rounds": args.rounds})  # re-validated
+        except ConfigError as exc:
+            raise ConfigError(f"--rounds {args.rounds}: {exc}") from None
     return config
 
 
@@ -747,6 +745,8 @@ def _one_line(exc: BaseException) -> str:
     """The cause in one line; an exception group (a failed trio nursery) names its first leaf."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
+    if isinstance(exc, OSError) and exc.strerror:  # not "[Errno 2] ...": the file, in words
+        return f"{exc.filename}: {plain_os_error(exc)}" if exc.filename else plain_os_error(exc)
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -798,8 +798,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     # SIGINT ``swarmtrain local`` sends its children, always means a clean stop.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     terminated = _stop_on_sigterm()
-    status = _run(argv)
+    try:
+        status = _run(argv)
+    except KeyboardInterrupt:  # a command with nothing to clean up (id, init, export, verify)
+        status = 130
     return 143 if status == 130 and terminated() else status
+
+
+def _path_options(args: argparse.Namespace) -> list[tuple[str, Path, Use]]:
+    """The command's paths (defaults included), each as its flag shows it and how it is used:
+    checked before the command writes, imports or dials anything."""
+    command = args.command
+    found: list[tuple[str, Path | None, Use]] = []
+    if command in ("id", "relay", "doctor", "coordinator"):
+        found.append(("--identity", args.identity or default_identity_path(), Use.FILE))
+    if command in ("coordinator", "local"):
+        found.append(("--config", args.config, Use.CONFIG))
+    if command == "node":
+        found += [("--identity", args.identity, Use.FILE),
+                  ("--state-dir", args.state_dir or _default_state_dir(), Use.FOLDER)]  # fmt: skip
+        found += [
+            (f"--log-to {spec}", Path(spec.partition(":")[2]), Use.FOLDER)
+            for spec in args.log_to
+            if spec.startswith("tensorboard:") and spec.partition(":")[2]
+        ]
+    if command == "export":
+        found += [("--state-dir", args.state_dir, Use.EXISTING_FOLDER),
+                  ("--out", args.out, Use.NEW_FOLDER)]  # fmt: skip
+    if command == "local":
+        found.append(("--workdir", args.workdir, Use.FOLDER))
+    if command in ("node", "export", "local"):
+        found.append(("--json", args.json, Use.FILE))
+    if command == "init":
+        found.append(("", args.path, Use.FILE))
+    return [
+        (f"{flag} {path}".strip() if not flag.startswith("--log-to") else flag, path, use)
+        for flag, path, use in found
+        if path is not None
+    ]
 
 
 def _run(argv: Sequence[str] | None) -> int:
@@ -812,6 +848,11 @@ def _run(argv: Sequence[str] | None) -> int:
             if problem is not None:
                 print(f"swarmtrain {args.command}: --{flag} {text}: {problem}", file=sys.stderr)
                 return 1
+    for shown, path, use in _path_options(args):
+        problem = path_problem(path, use)
+        if problem is not None:
+            print(f"swarmtrain {args.command}: {shown}: {problem}", file=sys.stderr)
+            return 1
     # node keeps its identity in its state directory (several nodes on one machine must differ);
     # local starts processes that each have their own.
     if args.command == "node":
@@ -848,7 +889,7 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         key_pair = load_or_create_identity(identity_path)
     except (IdentityError, OSError) as exc:
-        print(f"swarmtrain: identity: {exc}", file=sys.stderr)
+        print(f"swarmtrain {args.command}: --identity: {exc}", file=sys.stderr)
         return 1
     _setup_logging(args.verbose)
     try:

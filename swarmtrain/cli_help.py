@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 
-_ALWAYS = "130 stopped by Ctrl+C; 143 stopped by SIGTERM (systemd, docker stop), cleanly as Ctrl+C"
+_ALWAYS = (
+    "130 stopped by Ctrl+C (a node keeps its last finished round's checkpoint); 143 stopped by "
+    "SIGTERM (systemd, docker stop), cleanly as Ctrl+C"
+)
 
 DESCRIPTIONS = {
     "id": "Print the peer id of an Ed25519 identity, creating the key file (mode 0600) if it "
@@ -40,24 +43,24 @@ DESCRIPTIONS = {
 
 EXIT_STATUSES = {
     "id": "0 printed; 1 the key file cannot be read or made, or has less work than --work",
-    "relay": f"1 bad flag or the port is busy; {_ALWAYS}",
+    "relay": "1 bad flag or the port is busy",
     "doctor": "0 every check passed; 1 a check failed (the report says which) or a bad flag",
     "node": "0 the run's last round is done; 1 bad flag, spec refused, data or model not the "
-    f"spec's, cannot join (one line says why); 3 banned by the run's referee; {_ALWAYS} (the "
-    "last finished round's checkpoint is kept)",
+    "spec's, cannot join (one line says why); 3 banned by the run's referee",
     "export": "0 written; 1 no checkpoint, or the output cannot be written",
     "init": "0 written; 1 the file exists (--force) or cannot be written",
-    "coordinator": f"1 bad config or flag, or a port is busy; {_ALWAYS}",
+    "coordinator": "1 bad config or flag, or a port is busy",
     "status": "0 reported; 1 the coordinator cannot be reached or its spec is refused",
-    "local": f"0 every node finished and their states agree; 1 a node failed; {_ALWAYS}",
+    "local": "0 every node finished and their states agree; 1 a node failed",
     "verify": "0 the providers agreed, or the referee named the cheater; 1 no verdict; 2 bad "
     "flag, or a provider failed to start",
 }
 
 
 def describe(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Give every command in ``sub`` its description and exit statuses."""
+    """Give every command in ``sub`` its description and exit statuses (every command stops on
+    Ctrl+C and SIGTERM alike: ``swarmtrain.cli.main``)."""
     for name, parser in sub.choices.items():
         parser.description = DESCRIPTIONS.get(name, parser.description)
         if name in EXIT_STATUSES:
-            parser.epilog = f"exit status: {EXIT_STATUSES[name]}"
+            parser.epilog = f"exit status: {EXIT_STATUSES[name]}; {_ALWAYS}"

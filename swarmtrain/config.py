@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from swarmtrain.paths import plain_os_error
+
 
 class ConfigError(ValueError):
     """A run config value is missing, unknown or invalid; the message names the key."""
@@ -810,13 +812,6 @@ def config_from_mapping(data: Mapping[str, Any], *, source: str = "run config") 
         return RunConfig(**sections)  # type: ignore[arg-type]
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-
-
-def plain_os_error(exc: OSError) -> str:
-    """An OSError in words, without errno's number or the temporary file it happened on."""
-    if isinstance(exc, NotADirectoryError):
-        return "a folder on the path is a file"
-    return (exc.strerror or str(exc)).lower()
 
 
 def load_config(path: Path) -> RunConfig:

@@ -40,6 +40,7 @@ from swarmtrain.config import (
     VerifySection,
     default_toml,
 )
+from swarmtrain.paths import make_folder
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,7 @@ def work_directory(stack: ExitStack, given: Path | None, prefix: str) -> Path:
     """``given`` (created if absent), or a temporary folder removed when ``stack`` closes."""
     if given is None:
         return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
-    given.mkdir(parents=True, exist_ok=True)
+    make_folder(given, "--workdir")
     return given
 
 

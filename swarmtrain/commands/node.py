@@ -49,6 +49,7 @@ from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import admissions_key
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.metrics import Metrics, RoundSample
+from swarmtrain.paths import make_folder
 from swarmtrain.pipeline.model import check_allowed
 from swarmtrain.pipeline.node import ROLES, PipelineHooks, PipelineSummary, run_pipeline
 from swarmtrain.runspec import RunSpec
@@ -203,7 +204,7 @@ def run_node(options: NodeOptions, emit: Callable[[str], None]) -> NodeSummary |
         torch.set_num_threads(threads_per_rank(options.threads, nproc, torch.get_num_threads()))
     elif options.threads:
         torch.set_num_threads(options.threads)
-    options.state_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(options.state_dir, "--state-dir")
     key_pair = load_or_create_identity(options.identity or options.state_dir / "identity.key")
     coordinator = coordinator_of(options.join[0])
     node_config = NodeConfig(

@@ -51,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from swarmtrain.paths import plain_os_error
+
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 900.0
 CORPUS_BYTES = 1 << 20
@@ -105,7 +107,7 @@ def _model_config(path: str) -> dict[str, Any]:
     try:
         table = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise _Refused(f"--model-config: cannot read {path}: {exc.strerror}") from None
+        raise _Refused(f"--model-config {path}: cannot read it: {plain_os_error(exc)}") from None
     except ValueError as exc:
         raise _Refused(f"--model-config: {path} is not JSON: {exc}") from None
     if not isinstance(table, dict):

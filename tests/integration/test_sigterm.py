@@ -5,6 +5,7 @@ and exit status 143 (128 + 15) where Ctrl+C gives 130."""
 from __future__ import annotations
 
 import signal
+import socket
 from pathlib import Path
 
 from peerproc import SWARMTRAIN, PeerProcess
@@ -45,3 +46,24 @@ def test_sigterm_stops_a_relay_and_ctrl_c_still_gives_130(tmp_path: Path) -> Non
             assert relay.stderr.rstrip().endswith("swarmtrain: stopped"), relay.stderr
         finally:
             relay.stop()
+
+
+def test_ctrl_c_while_a_node_starts_up_stops_it_cleanly(tmp_path: Path) -> None:
+    """Issue 22: Ctrl+C in the seconds a node loads torch and dials printed a
+    KeyboardInterrupt traceback. The join peer accepts (the kernel's backlog does) and never
+    answers, so the node is still starting when the signal comes, even late on a loaded
+    machine: it loads torch (seconds), then dials until its timeout (about 10 s)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        peer = "12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZiYVZb"
+        volunteer = node(f"/ip4/127.0.0.1/tcp/{silent.getsockname()[1]}/p2p/{peer}", tmp_path)
+        try:
+            first = "swarmtrain: starting: loading torch"
+            assert first in volunteer.wait_stderr(first, timeout_s=30), volunteer.stderr
+            volunteer.proc.send_signal(signal.SIGINT)
+            assert wait_exit(volunteer, 20) == 130, volunteer.stderr[-3000:]
+        finally:
+            volunteer.stop()
+    assert "Traceback" not in volunteer.stderr, volunteer.stderr[-3000:]
+    assert volunteer.stderr.rstrip().endswith("swarmtrain: stopped"), volunteer.stderr
