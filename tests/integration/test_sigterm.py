@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import socket
+import sys
+import time
 from pathlib import Path
 
 from peerproc import SWARMTRAIN, PeerProcess
@@ -65,5 +67,26 @@ def test_ctrl_c_while_a_node_starts_up_stops_it_cleanly(tmp_path: Path) -> None:
             assert wait_exit(volunteer, 20) == 130, volunteer.stderr[-3000:]
         finally:
             volunteer.stop()
+    assert "Traceback" not in volunteer.stderr, volunteer.stderr[-3000:]
+    assert volunteer.stderr.rstrip().endswith("swarmtrain: stopped"), volunteer.stderr
+
+
+def test_ctrl_c_while_the_cli_is_still_importing_stops_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    """The console script's entry (``swarmtrain.launch``) imports the CLI (trio, libp2p, the
+    project: about a second) inside its own handler. The signal comes 0.3 s after the start:
+    in that import on this machine, and whenever it comes the answer must be the same."""
+    peer = "12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZiYVZb"
+    volunteer = PeerProcess(
+        [sys.executable, "-m", "swarmtrain.launch", "node", "--state-dir", str(tmp_path),
+         "--join", f"/ip4/127.0.0.1/tcp/9/p2p/{peer}"]
+    )  # fmt: skip
+    try:
+        time.sleep(0.3)
+        volunteer.proc.send_signal(signal.SIGINT)
+        assert wait_exit(volunteer, 20) == 130, volunteer.stderr[-3000:]
+    finally:
+        volunteer.stop()
     assert "Traceback" not in volunteer.stderr, volunteer.stderr[-3000:]
     assert volunteer.stderr.rstrip().endswith("swarmtrain: stopped"), volunteer.stderr
