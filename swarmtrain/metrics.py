@@ -1,4 +1,5 @@
 """Prometheus metrics of one long-running process (``--metrics-port``): node, coordinator, relay.
+A pipeline node's stage server or trainer adds its families (``swarmtrain.pipeline.observe``).
 
 Each process has its own ``CollectorRegistry`` (never the library's global one), served by
 ``prometheus_client.start_http_server`` on a thread of its own at ``/metrics``. Two feeds:
@@ -67,12 +68,15 @@ class HasCheater(Protocol):
 
 @dataclass(frozen=True)
 class RoundSample:
-    """One finished round as the node saw it (``swarmtrain.training.loop``)."""
+    """One finished round as the node saw it (``swarmtrain.training.loop``; a pipeline trainer's
+    round or a stage server's averaging round: ``swarmtrain.pipeline.observe``). ``loss`` and
+    ``tokens_per_s`` are None where the round had none (a server's averaging round, a trainer's
+    round with no microbatch done): their gauges are then absent."""
 
     round: int
     ok: bool
-    loss: float
-    tokens_per_s: float
+    loss: float | None
+    tokens_per_s: float | None
     peers: int = 0  # contributors of the round; 0 when it failed
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -323,9 +327,16 @@ class Metrics:
         """Sample ``node`` (a p2p ``Node``) at every scrape, in its loop: ``in_loop`` runs a
         function there (default: the trio loop this is called from). Also times its DHT
         requests."""
-        run = in_loop if in_loop is not None else _this_loop()
-        self._sources.append(lambda: run(lambda: list(node_families(node))))
+        self.watch(lambda: node_families(node), in_loop)
         node.dht.on_request = self.observe_dht_request
+
+    def watch(
+        self, families: Callable[[], Iterable[Metric]], in_loop: InLoop[list[Metric]] | None = None
+    ) -> None:
+        """Add ``families()`` to every scrape, called in a trio loop: ``in_loop`` runs a
+        function there (default: the loop this is called from)."""
+        run = in_loop if in_loop is not None else _this_loop()
+        self._sources.append(lambda: run(lambda: list(families())))
 
     def watch_referee(self, referee: Any) -> None:
         """A coordinator's ``RefereeService``: its verdicts at every scrape."""
@@ -363,13 +374,16 @@ class Metrics:
         yield GaugeMetricFamily(
             "swarmtrain_round", "The last round this node finished", value=last.round
         )
-        yield GaugeMetricFamily(
-            "swarmtrain_loss", "Mean inner loss of the last round's inner phase", value=last.loss
-        )
-        yield GaugeMetricFamily(
-            "swarmtrain_tokens_per_second", "Tokens per second of the last inner phase",
-            value=last.tokens_per_s,
-        )  # fmt: skip
+        if last.loss is not None:
+            yield GaugeMetricFamily(
+                "swarmtrain_loss", "Mean inner loss of the last round's inner phase",
+                value=last.loss,
+            )  # fmt: skip
+        if last.tokens_per_s is not None:
+            yield GaugeMetricFamily(
+                "swarmtrain_tokens_per_second", "Tokens per second of the last inner phase",
+                value=last.tokens_per_s,
+            )  # fmt: skip
         yield GaugeMetricFamily(
             "swarmtrain_round_peers", "Peers in the last round (0 when it failed)",
             value=last.peers,

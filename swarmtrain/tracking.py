@@ -4,7 +4,9 @@
 ``SummaryWriter`` (the ``tensorboard`` package must be installed; the README's test set-up
 installs it); ``wandb:PROJECT`` logs to Weights & Biases when ``wandb`` is installed and never
 requires it. Each finished round is one step: the same series ``--metrics-port`` serves (loss,
-tokens/s, peers, bytes, matchmaking and all-reduce seconds, state agreement).
+tokens/s, peers, bytes, matchmaking and all-reduce seconds, state agreement). A pipeline trainer's
+rounds are fed too (``swarmtrain.pipeline.observe``): its loss, tokens/s and the servers it went
+through as peers (a trainer averages nothing: no bytes, no seconds).
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ def series(sample: RoundSample) -> dict[str, float]:
     """A round's scalars by tag (absent ones, e.g. a failed round's seconds, left out)."""
     out = {
         "round/ok": float(sample.ok),
-        "round/loss": sample.loss,
-        "round/tokens_per_s": sample.tokens_per_s,
         "round/peers": float(sample.peers),
         "round/sent_bytes": float(sample.bytes_sent),
         "round/received_bytes": float(sample.bytes_received),
         "state/syncs": float(sample.syncs),
     }
+    if sample.loss is not None:
+        out["round/loss"] = sample.loss
+    if sample.tokens_per_s is not None:
+        out["round/tokens_per_s"] = sample.tokens_per_s
     if sample.matchmaking_s is not None:
         out["round/matchmaking_s"] = sample.matchmaking_s
     if sample.allreduce_s is not None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,7 +137,11 @@ class ServerStatistics:
     averaged_rounds: int = 0
     failed_rounds: int = 0
     moves: int = 0
-    # The latest events (serving, joined, averaged, moved), newest last; bounded for long runs.
+    # Requests served by (stage, kind: forward, backward, params); refusals by their code.
+    served: Counter[tuple[int, str]] = field(default_factory=Counter)
+    refusals_by_code: Counter[str] = field(default_factory=Counter)
+    # The latest events (serving, joined, averaged, average_failed, moved), newest last; bounded
+    # for long runs.
     events: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=256))
 
 
@@ -228,6 +232,10 @@ class StageServer:
     def throughput(self) -> float:
         """Samples/s through forward + backward, as measured (EMA) on real requests."""
         return 1.0 / self._seconds_per_sample if self._seconds_per_sample > 0 else 0.0
+
+    def queue_length(self) -> int:
+        """Requests waiting for the stage or computing on it now (what we announce)."""
+        return self._queue
 
     def _measure(self, seconds: float, samples: int) -> None:
         per_sample = seconds / max(1, samples)
@@ -326,6 +334,7 @@ class StageServer:
             active.contexts.popitem(last=False)
         self._measure_part(time.perf_counter() - started, x.shape[0], forward=True)
         self.statistics.forwards += 1
+        self.statistics.served[stage, "forward"] += 1
         return y.detach().float().numpy()
 
     def _backward(
@@ -354,6 +363,7 @@ class StageServer:
             self.statistics.optimizer_steps += 1
         self._measure_part(time.perf_counter() - started, x.shape[0], forward=False)
         self.statistics.backwards += 1
+        self.statistics.served[stage, "backward"] += 1
         return x.grad.numpy() if x.grad is not None else None
 
     def _measure_part(self, seconds: float, samples: int, *, forward: bool) -> None:
@@ -410,6 +420,7 @@ class StageServer:
                     [f[2] for f in fields],
                 )
             )
+            self.statistics.served[active.stage, "params"] += 1
 
         await self._guarded(stream, handle)
 
@@ -439,6 +450,7 @@ class StageServer:
             refusal = ("internal", f"{type(exc).__name__}")
         if refusal is not None:
             self.statistics.refusals += 1
+            self.statistics.refusals_by_code[refusal[0]] += 1
             with trio.move_on_after(1):
                 try:
                     await rpc.send(HopRefused(refusal[0], refusal[1][:1000]))
@@ -516,6 +528,7 @@ class StageServer:
                     log.info("stage %d round %d: averaging failed: %s", stage, round_number, exc)
             if result is None:
                 self.statistics.failed_rounds += 1
+                self._event("average_failed", stage=stage, round=round_number)
                 return False
             await trio.to_thread.run_sync(self._adopt, active, round_number, result.tensors)
         self.statistics.averaged_rounds += 1
@@ -525,6 +538,10 @@ class StageServer:
             round=round_number,
             digest=active.snapshot_hash.hex(),
             group=len(result.contributors),
+            matchmaking_s=result.matchmaking_s,
+            allreduce_s=result.allreduce_s,
+            bytes_sent=result.bytes_sent,
+            bytes_received=result.bytes_received,
         )
         try:
             await averager.publish_state_hash(round_number, active.snapshot_hash)

@@ -20,8 +20,9 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +50,24 @@ from swarm.pipeline.wire import call_backward, call_forward
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+# What a failed hop counts as (``TrainerStatistics.hop_failures``): our hop deadline passed, the
+# connection failed (unreachable, a broken stream, a malformed reply), or the server refused
+# with one of its codes (``swarm.pipeline.server.Refusal``; an unknown code counts as
+# ``refused``). A fixed set, so metrics can label by it.
+SERVER_REFUSALS = ("wrong-stage", "wrong-run", "unknown-microbatch", "bad-request", "timeout",
+                   "internal")  # fmt: skip
+HOP_FAILURE_KINDS = ("hop_timeout", "connection", "refused",
+                     *(code.replace("-", "_") for code in SERVER_REFUSALS))  # fmt: skip
+
+
+def hop_failure_kind(exc: BaseException) -> str:
+    """One of ``HOP_FAILURE_KINDS`` for what a hop raised (a P2PError or trio.TooSlowError)."""
+    if isinstance(exc, trio.TooSlowError):
+        return "hop_timeout"
+    if isinstance(exc, RemoteError):
+        return exc.code.replace("-", "_") if exc.code in SERVER_REFUSALS else "refused"
+    return "connection"
 
 
 class MicrobatchFailed(Exception):
@@ -83,6 +102,7 @@ class TrainerStatistics:
     failed_microbatches: int = 0
     failovers: int = 0
     hops: int = 0
+    hop_failures: Counter[str] = field(default_factory=Counter)  # by ``hop_failure_kind``
 
 
 class PipelineTrainer:
@@ -178,6 +198,7 @@ class PipelineTrainer:
                         isinstance(exc, RemoteError) and exc.code == "unknown-microbatch"
                     )
                     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    self.statistics.hop_failures[hop_failure_kind(exc)] += 1
                     log.info("hop %s failed on %s: %s", action, action.peer_id.hex()[-8:], reason)
                     event = HopFailed(action.stage, action.peer_id, reason, penalize)
                 else:

@@ -360,4 +360,6 @@ def _run_pipeline(
         emit=emit,
         allow_models=options.allow_models,
         hooks=options.pipeline_hooks,
+        metrics=options.metrics,
+        trackers=options.trackers,
     )

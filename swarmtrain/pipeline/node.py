@@ -50,8 +50,10 @@ import trio
 
 from p2p import Node, P2PError
 from swarmtrain.config import RunConfig
+from swarmtrain.metrics import Metrics
 from swarmtrain.pipeline.lines import LINES, describe, format_loss
 from swarmtrain.pipeline.model import check_allowed
+from swarmtrain.pipeline.observe import observer_for
 from swarmtrain.pipeline.progress import pipeline_status, servers_by_stage
 from swarmtrain.pipeline.roles import (
     ServerSettings,
@@ -63,6 +65,7 @@ from swarmtrain.pipeline.roles import (
     train,
 )
 from swarmtrain.runtime import PeerRuntime
+from swarmtrain.tracking import Tracker
 
 ROLES = ("server", "trainer")
 # A server's summary keeps its latest averaging rounds (the server keeps 256 events in all).
@@ -328,8 +331,12 @@ def run_pipeline(
     emit: Callable[[str], None],
     allow_models: Sequence[str] = (),
     hooks: PipelineHooks | None = None,
+    metrics: Metrics | None = None,
+    trackers: Sequence[Tracker] = (),
 ) -> PipelineSummary:
     """Run ``role`` on the runtime's node: a server until Ctrl+C, a trainer until its last round.
+    ``metrics`` (``--metrics-port``) and ``trackers`` (``--log-to``) are fed the role's rounds
+    and figures (``swarmtrain.pipeline.observe``).
 
     Returns the summary. On Ctrl+C once the role runs, the role is cancelled, the summary line
     is emitted and the summary returned with ``stopped`` set (the caller re-raises
@@ -345,10 +352,13 @@ def run_pipeline(
     done = threading.Event()
     box: dict[str, Any] = {}
     began = time.monotonic()
+    observer = observer_for(role, config.pipeline.stages, metrics, trackers, runtime.call_sync)
 
     def on_event(event: dict[str, Any]) -> None:
         if event.get("event") == "round":
             summary.rounds.append(event)
+        if observer is not None:  # before the line: a scrape after it shows the event
+            observer.on_event(event)
         line = describe(event)
         if line is not None:
             emit(line)
@@ -373,15 +383,20 @@ def run_pipeline(
             stage = pinned
             emit(f"stage server {node.host.peer_id} starting on stage {stage} (pinned)")
 
+        async def start_server(nursery: trio.Nursery, current: int) -> None:
+            box["server"] = await nursery.start(serve, node, settings, current, on_event)
+            if observer is not None:
+                observer.serving(box["server"])
+
         async def work() -> None:
             current = stage
             if pinned is not None:  # placed by the caller: it serves no empty stage here
                 async with trio.open_nursery() as nursery:
-                    box["server"] = await nursery.start(serve, node, settings, current, on_event)
+                    await start_server(nursery, current)
                 return
             while True:
                 async with trio.open_nursery() as nursery:
-                    box["server"] = await nursery.start(serve, node, settings, current, on_event)
+                    await start_server(nursery, current)
                     target = await wait_empty_stage(
                         node, config.run.id, settings.num_stages, current
                     )

@@ -342,8 +342,9 @@ class NoServers(RuntimeError):
 
 async def train(node: Node, settings: TrainerSettings, emit: Emit) -> dict[str, Any]:
     """Train, emitting ``ready``, a ``round`` event per round and ``microbatch_failed`` per failed
-    attempt. Returns ``{losses (mean per round, None for a round with none done), failovers,
-    failed, samples, seconds, stopped?}``. Raises NoServers, P2PError."""
+    attempt (both with the hop failures so far by kind: ``swarm.pipeline.trainer``'s
+    ``hop_failure_kind``). Returns ``{losses (mean per round, None for a round with none done),
+    failovers, failed, samples, seconds, stopped?}``. Raises NoServers, P2PError."""
     import torch
     from torch.nn import functional as F
 
@@ -389,7 +390,10 @@ async def _train_rounds(
     summary: dict[str, Any] = {"losses": [], "failovers": 0, "failed": 0, "samples": 0}
     me = node.host.peer_id.to_bytes()
 
-    async def one(batch: tuple[Any, Any], losses: list[float], limit: trio.Semaphore) -> None:
+    async def one(
+        batch: tuple[Any, Any], losses: list[float], paths: list[tuple[bytes, ...]],
+        limit: trio.Semaphore,
+    ) -> None:  # fmt: skip
         async with limit:
             for attempt in range(MICROBATCH_ATTEMPTS):
                 if "stopped" in summary:
@@ -398,7 +402,14 @@ async def _train_rounds(
                     result = await trainer.train_microbatch(*batch)
                 except MicrobatchFailed as exc:
                     summary["failed"] += 1
-                    emit({"event": "microbatch_failed", "attempt": attempt, "reason": str(exc)})
+                    emit(
+                        {
+                            "event": "microbatch_failed",
+                            "attempt": attempt,
+                            "reason": str(exc),
+                            "hop_failures": dict(trainer.statistics.hop_failures),
+                        }
+                    )
                     if settings.stop_on_failure:
                         summary["stopped"] = str(exc)
                         return
@@ -406,6 +417,7 @@ async def _train_rounds(
                     await trio.sleep(0.5 * (attempt + 1))
                     continue
                 losses.append(result.loss)
+                paths.append(result.path)
                 return
 
     began = time.monotonic()
@@ -426,10 +438,11 @@ async def _train_rounds(
             context=settings.sequence_length,
         )
         losses: list[float] = []
+        paths: list[tuple[bytes, ...]] = []  # each finished microbatch's server per stage
         limit = trio.Semaphore(settings.in_flight)
         async with trio.open_nursery() as round_nursery:
             for batch in batches:
-                round_nursery.start_soon(one, batch, losses, limit)
+                round_nursery.start_soon(one, batch, losses, paths, limit)
         seconds = time.monotonic() - started
         loss = sum(losses) / len(losses) if losses else None
         summary["losses"].append(loss)
@@ -437,6 +450,7 @@ async def _train_rounds(
         summary["samples"] += len(losses) * settings.batch_size
         summary["seconds"] = round(time.monotonic() - began, 3)
         samples_per_s = len(losses) * settings.batch_size / seconds
+        stats = trainer.statistics
         emit(
             {
                 "event": "round",
@@ -445,8 +459,16 @@ async def _train_rounds(
                 "microbatches": len(losses),
                 "seconds": round(seconds, 2),
                 "samples_per_s": round(samples_per_s, 2),
-                "failovers": trainer.statistics.failovers,
+                "tokens_per_s": samples_per_s * settings.sequence_length,
+                "failovers": stats.failovers,
                 "servers_per_stage": trainer.servers_per_stage(),
+                # How many servers this round's microbatches went through, per stage (those
+                # that did each stage's backward: after a failover, the one that took over).
+                "route_servers_per_stage": [
+                    len({path[k] for path in paths}) for k in range(settings.num_stages)
+                ],
+                "hops": stats.hops,
+                "hop_failures": dict(stats.hop_failures),
             }
         )
         progress = TrainerProgress(

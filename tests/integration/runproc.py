@@ -5,12 +5,38 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import urllib.request
 from pathlib import Path
 
 from peerproc import SWARMTRAIN, PeerProcess
+from prometheus_client.parser import text_string_to_metric_families
 
 ROUND_LINE = re.compile(r"^round (\d+) ")
 JOIN_COMMAND = "swarmtrain node --join "
+METRICS_URL = re.compile(r"serving Prometheus metrics at (http://127\.0\.0\.1:\d+/metrics)")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def metrics_url(peer: PeerProcess, timeout_s: float = 30) -> str:
+    """The URL a process started with ``--metrics-port 0`` logged."""
+    text = peer.wait_stderr("serving Prometheus metrics at", timeout_s=timeout_s)
+    found = METRICS_URL.search(text)
+    assert found, text[-2000:]
+    return found.group(1)
+
+
+def scrape(url: str) -> Samples:
+    """Every sample a metrics URL serves, parsed with ``prometheus_client``'s own parser, by
+    (name, sorted labels)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def start_coordinator(

@@ -10,36 +10,15 @@ import re
 import socket
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 from peerproc import SWARMTRAIN, PeerProcess
-from prometheus_client.parser import text_string_to_metric_families
-from runproc import node, round_lines, start_coordinator, wait_exit
+from runproc import metrics_url, node, round_lines, scrape, start_coordinator, wait_exit
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-URL = re.compile(r"serving Prometheus metrics at (http://127\.0\.0\.1:\d+/metrics)")
 ROUND = re.compile(
     r"^round (\d+) loss ([\d.]+) \d+ tok/s peers (\d+) sent ([\d.]+) MiB recv ([\d.]+) MiB"
 )
-
-
-def metrics_url(peer: PeerProcess, timeout_s: float = 30) -> str:
-    text = peer.wait_stderr("serving Prometheus metrics at", timeout_s=timeout_s)
-    found = URL.search(text)
-    assert found, text[-2000:]
-    return found.group(1)
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def wait_round_line(peer: PeerProcess, r: int, timeout_s: float = 10) -> str:

@@ -1,5 +1,7 @@
 """A SWARM pipeline run the product way: ``swarmtrain coordinator`` with ``[pipeline] stages = 2``,
-stage servers and a trainer started with the commands it prints, ``swarmtrain status``.
+stage servers and a trainer started with the commands it prints, ``swarmtrain status``; the
+servers and the trainer serve Prometheus metrics (``--metrics-port``), scraped over HTTP and
+checked against their lines, and the trainer logs its rounds to TensorBoard (``--log-to``).
 
 Real processes on 127.0.0.1 with a small model (2 blocks, d_model 64) so the run fits in about a
 minute on a 2-core machine. Every wait is keyed on a printed line and bounded.
@@ -16,7 +18,10 @@ from pathlib import Path
 
 import pytest
 from peerproc import SWARMTRAIN, PeerProcess
-from runproc import wait_exit
+from runproc import Samples, metrics_url, scrape, wait_exit
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from swarmtrain.pipeline.lines import read_line
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -24,6 +29,7 @@ ROUNDS = 4
 MICROBATCHES = 4
 SERVER_LINE = "swarmtrain node --join "
 ROUND_LINE = re.compile(r"^round (\d+) loss (\S+) microbatches (\d+) ")
+METRICS = ("--metrics-port", "0")
 
 
 def write_config(path: Path, *, stages: int, factory: str = "") -> None:
@@ -110,11 +116,19 @@ def test_coordinator_nodes_and_status_run_a_two_stage_pipeline(tmp_path: Path) -
             # All at once, as volunteers do: each takes the least served stage it reads, and if
             # they all read empty records and land on one stage, one of them moves to the empty
             # stage; the trainer waits until every stage has a server.
-            servers = [node(server_cmd, tmp_path / f"server{i}") for i in range(3)]
+            servers = [node([*server_cmd, *METRICS], tmp_path / f"server{i}") for i in range(3)]
             for server in servers:
                 server.wait_line(lambda s: s.startswith("serving stage"), timeout_s=60)
             assert all("this node: server" in s.lines[0] for s in servers)
-            trainer = node(trainer_cmd, tmp_path / "trainer")
+            server_urls = [metrics_url(s) for s in servers]
+            trainer = node(
+                [*trainer_cmd, *METRICS, "--log-to", f"tensorboard:{tmp_path / 'tb'}"],
+                tmp_path / "trainer",
+            )
+            # Scraped after its first round line (its figures are fed before the line is
+            # printed), while it trains its other rounds: it exits after its last.
+            trainer.wait_line(lambda s: s.startswith("round 0 "), timeout_s=60)
+            check_trainer_metrics(trainer, scrape(metrics_url(trainer)))
             assert wait_exit(trainer, 100) == 0, (trainer.lines[-5:], trainer.stderr[-3000:])
             rounds = [m.groups() for line in trainer.lines if (m := ROUND_LINE.match(line))]
             assert [int(r) for r, _, _ in rounds] == list(range(ROUNDS)), trainer.lines
@@ -124,6 +138,12 @@ def test_coordinator_nodes_and_status_run_a_two_stage_pipeline(tmp_path: Path) -
             assert trainer.lines[-1].startswith(f"done: trainer, {ROUNDS} rounds, loss ")
             summary = json.loads((tmp_path / "trainer" / "s.json").read_text())
             assert summary["role"] == "trainer" and summary["rounds"] == ROUNDS
+            logged = EventAccumulator(str(tmp_path / "tb"))
+            logged.Reload()
+            tb_losses = [(e.step, e.value) for e in logged.Scalars("round/loss")]
+            assert [step for step, _ in tb_losses] == list(range(ROUNDS)), tb_losses
+            for (_, value), loss in zip(tb_losses, losses, strict=True):
+                assert abs(value - loss) < 6e-4, (tb_losses, losses)  # float32 vs 3 decimals
 
             report = status(join, "--json")
             assert report.returncode == 0, report.stderr[-3000:]
@@ -135,6 +155,9 @@ def test_coordinator_nodes_and_status_run_a_two_stage_pipeline(tmp_path: Path) -
             text = status(join)
             assert text.returncode == 0, text.stderr[-3000:]
             assert "pipeline of 2 stages, 3 servers" in text.stdout, text.stdout
+            # The trainer is gone: no request reaches the servers after this scrape.
+            printed = [len(s.lines) for s in servers]  # lines fed before the scrape
+            served = [(s, scrape(url)) for s, url in zip(servers, server_urls, strict=True)]
         finally:
             for proc in [*servers, *([trainer] if trainer else [])]:
                 proc.stop()
@@ -150,6 +173,77 @@ def test_coordinator_nodes_and_status_run_a_two_stage_pipeline(tmp_path: Path) -
             if (m := re.search(r", (\d+) forwards,", line)) and line.startswith("stopped")
         ]
         assert sum(forwards) >= ROUNDS * MICROBATCHES, forwards
+        for (server, values), n, final_forwards in zip(served, printed, forwards, strict=True):
+            check_server_metrics(server, values, n, final_forwards)
+        # Every stage served the trainer's microbatches, each at least once per microbatch.
+        for stage in ("0", "1"):
+            total = sum(
+                v[("swarmtrain_pipeline_requests_total", (("kind", "forward"), ("stage", stage)))]
+                for _, v in served
+            )
+            assert total >= ROUNDS * MICROBATCHES, (stage, total)
+
+
+def check_trainer_metrics(trainer: PeerProcess, values: Samples) -> None:
+    """The trainer's scrape after round r: the figures of its round r line."""
+    r = int(values[("swarmtrain_round", ())])
+    line = read_line(trainer.wait_line(lambda s: s.startswith(f"round {r} "), timeout_s=30))
+    assert line is not None and line["event"] == "round", trainer.lines
+    assert abs(values[("swarmtrain_loss", ())] - line["loss"]) < 5e-4, (values, line)
+    # samples/s x the sequence length (32); the line rounds samples/s to 2 decimals
+    tokens_per_s = values[("swarmtrain_tokens_per_second", ())]
+    assert abs(tokens_per_s - 32 * line["samples_per_s"]) <= 32 * 0.005 + 1e-6, (values, line)
+    assert values[("swarmtrain_rounds_total", (("outcome", "ok"),))] == r + 1
+    assert values[("swarmtrain_pipeline_role", (("role", "trainer"),))] == 1
+    ok = values[("swarmtrain_pipeline_microbatches_total", (("outcome", "ok"),))]
+    assert ok == (r + 1) * MICROBATCHES, values
+    assert ("swarmtrain_pipeline_microbatches_total", (("outcome", "failed"),)) in values
+    hop_failures = {
+        labels[0][1]: v for (name, labels), v in values.items()
+        if name == "swarmtrain_pipeline_hop_failures_total"
+    }  # fmt: skip
+    assert "hop_timeout" in hop_failures and "connection" in hop_failures, hop_failures
+    # Two stages, a forward and a backward each: 4 hops per microbatch that finished.
+    assert values[("swarmtrain_pipeline_hops_total", ())] >= 4 * ok, values
+    assert values[("swarmtrain_pipeline_failovers_total", ())] == line["failovers"]
+    for stage, known in enumerate(line["servers_per_stage"]):
+        labels = (("stage", str(stage)),)
+        assert values[("swarmtrain_pipeline_stage_servers", labels)] == known, values
+        assert 1 <= values[("swarmtrain_pipeline_route_servers", labels)] <= 2, values
+    # the servers its round went through, all stages: its round's peers
+    assert values[("swarmtrain_round_peers", ())] == sum(
+        values[("swarmtrain_pipeline_route_servers", (("stage", s),))] for s in ("0", "1")
+    )
+
+
+def check_server_metrics(
+    server: PeerProcess, values: Samples, printed: int, final_forwards: int
+) -> None:
+    """A server's scrape once the trainer is gone: its stage is its last ``serving`` line's, its
+    forwards its ``stopped`` line's; its averaging rounds are at least those it printed before
+    the scrape (its first ``printed`` lines) and at most those it printed until it stopped."""
+    serving = [read_line(s) for s in server.lines if s.startswith("serving stage")]
+    stage = serving[-1]["stage"]  # type: ignore[index]
+    for k in (0, 1):
+        assert values[("swarmtrain_pipeline_stage", (("stage", str(k)),))] == (k == stage)
+    assert values[("swarmtrain_pipeline_role", (("role", "server"),))] == 1
+    forwards = {
+        labels: v for (name, labels), v in values.items()
+        if name == "swarmtrain_pipeline_requests_total" and ("kind", "forward") in labels
+    }  # fmt: skip
+    assert sum(forwards.values()) == final_forwards, (forwards, final_forwards)
+    assert values[("swarmtrain_pipeline_throughput_samples_per_second", ())] > 0
+    assert values[("swarmtrain_pipeline_queue_requests", ())] == 0  # nobody sends any more
+    assert values[("swarmtrain_pipeline_requests_refused_total", (("code", "internal"),))] == 0
+    averaged = [i for i, s in enumerate(server.lines) if ": averaged round " in s]
+    before = [read_line(server.lines[i]) for i in averaged if i < printed]
+    ok = values[("swarmtrain_rounds_total", (("outcome", "ok"),))]
+    assert len(before) <= ok <= len(averaged), (ok, server.lines)
+    assert values[("swarmtrain_allreduce_seconds_count", ())] == ok
+    if ok:
+        assert values[("swarmtrain_allreduce_sent_bytes_total", ())] > 0, values
+    if before:
+        assert values[("swarmtrain_round", ())] >= before[-1]["round"], (values, before)  # type: ignore[index]
 
 
 def test_role_on_a_diloco_run_is_refused_with_a_clear_message(tmp_path: Path) -> None:

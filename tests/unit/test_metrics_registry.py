@@ -185,3 +185,77 @@ def test_verdicts_and_bans_of_a_referee() -> None:
     assert values[("swarmtrain_verdicts_total", (("cheater", "named"),))] == 2
     assert values[("swarmtrain_verdicts_total", (("cheater", "none"),))] == 1
     assert values[("swarmtrain_banned_peers", ())] == 1
+
+
+def test_a_pipeline_trainers_and_servers_events_become_rounds_and_pipeline_families() -> None:
+    import trio
+
+    from p2p import PeerUnreachable, RemoteError
+    from swarm.pipeline.trainer import HOP_FAILURE_KINDS, hop_failure_kind
+    from swarmtrain.pipeline.observe import PipelineObserver
+
+    kinds = [
+        hop_failure_kind(e)
+        for e in (
+            trio.TooSlowError(),
+            RemoteError("wrong-stage", "serves 1"),
+            RemoteError("unknown-microbatch", "resend"),
+            RemoteError("no-such-code", "?"),
+            PeerUnreachable("gone"),
+        )
+    ]
+    assert kinds == ["hop_timeout", "wrong_stage", "unknown_microbatch", "refused", "connection"]
+    assert set(kinds) <= set(HOP_FAILURE_KINDS)
+
+    metrics = Metrics("node")
+    trainer = PipelineObserver("trainer", 2, metrics, in_loop=lambda fn: fn())
+    trainer.on_event({"event": "microbatch_failed", "hop_failures": {"hop_timeout": 1}})
+    round_event = {
+        "event": "round", "round": 0, "loss": 5.25, "microbatches": 4, "tokens_per_s": 640.0,
+        "failovers": 1, "servers_per_stage": [1, 2], "route_servers_per_stage": [1, 2],
+        "hops": 17, "hop_failures": {"hop_timeout": 1},
+    }  # fmt: skip
+    trainer.on_event(round_event)
+    values = scrape(metrics)
+    assert values[("swarmtrain_round", ())] == 0
+    assert values[("swarmtrain_loss", ())] == 5.25
+    assert values[("swarmtrain_tokens_per_second", ())] == 640.0
+    assert values[("swarmtrain_round_peers", ())] == 3  # the servers the round went through
+    assert values[("swarmtrain_pipeline_role", (("role", "trainer"),))] == 1
+    assert values[("swarmtrain_pipeline_microbatches_total", (("outcome", "ok"),))] == 4
+    assert values[("swarmtrain_pipeline_microbatches_total", (("outcome", "failed"),))] == 1
+    assert values[("swarmtrain_pipeline_hops_total", ())] == 17
+    failures = (("reason", "hop_timeout"),)
+    assert values[("swarmtrain_pipeline_hop_failures_total", failures)] == 1
+    assert values[("swarmtrain_pipeline_hop_failures_total", (("reason", "connection"),))] == 0
+    assert values[("swarmtrain_pipeline_failovers_total", ())] == 1
+    assert values[("swarmtrain_pipeline_stage_servers", (("stage", "1"),))] == 2
+    assert values[("swarmtrain_pipeline_route_servers", (("stage", "0"),))] == 1
+    # A round where no microbatch finished: a failed round, and no loss or tokens/s to show.
+    trainer.on_event({**round_event, "round": 1, "loss": None, "microbatches": 0})
+    values = scrape(metrics)
+    assert values[("swarmtrain_rounds_total", (("outcome", "failed"),))] == 1
+    assert values[("swarmtrain_round", ())] == 1
+    assert ("swarmtrain_loss", ()) not in values
+    assert ("swarmtrain_tokens_per_second", ()) not in values
+
+    # A server's averaging rounds (clock epochs): the all-reduce families, no loss; not serving
+    # yet, so no stage families.
+    metrics = Metrics("node")
+    server = PipelineObserver("server", 2, metrics, in_loop=lambda fn: fn())
+    server.on_event({"event": "joined", "stage": 1, "round": 7})
+    server.on_event(
+        {"event": "averaged", "stage": 1, "round": 9, "digest": "ab", "group": 2,
+         "matchmaking_s": 0.1, "allreduce_s": 0.3, "bytes_sent": 100, "bytes_received": 120}
+    )  # fmt: skip
+    server.on_event({"event": "average_failed", "stage": 1, "round": 10})
+    values = scrape(metrics)
+    assert values[("swarmtrain_round", ())] == 10
+    assert values[("swarmtrain_rounds_total", (("outcome", "ok"),))] == 1
+    assert values[("swarmtrain_rounds_total", (("outcome", "failed"),))] == 1
+    assert values[("swarmtrain_allreduce_seconds_sum", ())] == 0.3
+    assert values[("swarmtrain_allreduce_received_bytes_total", ())] == 120
+    assert values[("swarmtrain_state_syncs_total", ())] == 1
+    assert ("swarmtrain_loss", ()) not in values
+    assert values[("swarmtrain_pipeline_role", (("role", "server"),))] == 1
+    assert ("swarmtrain_pipeline_stage", (("stage", "1"),)) not in values
