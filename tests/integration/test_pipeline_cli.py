@@ -25,7 +25,9 @@ from swarmtrain.pipeline.lines import read_line
 
 pytestmark = pytest.mark.timeout(150)
 
-ROUNDS = 4
+# Enough rounds that the trainer is still training (its metrics served) when the test scrapes
+# it after its first round: 4 rounds left about 1.2 s between that scrape and its exit.
+ROUNDS = 12
 MICROBATCHES = 4
 SERVER_LINE = "swarmtrain node --join "
 ROUND_LINE = re.compile(r"^round (\d+) loss (\S+) microbatches (\d+) ")
