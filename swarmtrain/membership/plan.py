@@ -38,7 +38,11 @@ and downloads.
   the next newest state held by live peers is tried, so a dead holder never sends a joiner back
   to a fresh round 0 while another member of the run lives: when no agreed state has a live
   holder, the state a live member holds after a failed round is taken (every node serves its
-  state after each round, failed or not).
+  state after each round, failed or not), under the default quorum only a member's that
+  vouches for an agreed state (``states_best_first``).
+* **Quorum** (``[swarm] state_quorum``, ``candidates``): which states count as agreed at all.
+  ``"majority"`` (default): those more than half of their round's members vouch for
+  (``progress.majority_states``); N: those N distinct peers hold; 0: every state, ranked.
 
 This module imports no trio, libp2p, clock or randomness: ``now`` is passed in.
 """

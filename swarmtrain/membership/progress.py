@@ -16,13 +16,15 @@ group's. Groups are ranked by support, then holders, then the newer round, then 
 hold than another of its round (a minority that drifted) is never a candidate.
 
 Why not simply the newest round, as before (issue 19): one signed record claiming a later round
-with a made-up hash made every joiner adopt the liar's state. Now a liar's list either leaves
-it out (then it holds nothing) or is its own, which the honest members do not vouch for in a
-round far from theirs: it needs more identities than the state's honest members (what admission
-control is for). What is left: a liar naming honest peers on its list, for a round next to
-theirs, ties with an honest group of one holder at a membership change and may win it; the
-joiner's first round then disagrees with the majority and re-syncs (one round lost, for one
-joiner). ``[swarm] state_quorum`` (``min_holders`` in ``plan``) closes that for runs that want it.
+with a made-up hash made every joiner adopt the liar's state. ``agreed_states`` still counts
+support without checking it (``[swarm] state_quorum = 0``: a liar naming honest peers on its
+list for a round next to theirs gets their support, and a failed peer's state is a last
+resort). The default, ``"majority"``, is ``majority_states``: a member vouches for a state only
+with a record consistent with it (``_vouchers``), and the state needs more than half of its
+round's membership (``_round_size``), which the claim's own list does not set. A failed
+round's record carries the list of the round whose state its peer still holds (``b""`` when it
+holds none it was a member of): a member that failed every round since vouches with it, and a
+lone survivor's state is adoptable through it (``vouched_survivors``).
 Its holders are the sources a joiner downloads from, and the peers every member expects in the
 next round's matchmaking when a joiner is announced.
 
@@ -93,7 +95,7 @@ class ProgressRecord(Message):
     rounds_contributed: int
     published_at: float
     reach: str
-    members: bytes  # member_list of the round's contributors; b"" for a failed round
+    members: bytes  # member_list of the round's contributors; a failed round: of the held state's
 
     def __post_init__(self) -> None:
         counts = (self.round, self.peers, self.bytes_sent, self.bytes_received)
