@@ -67,6 +67,10 @@ def _non_negative(value: Any) -> bool:
     return value >= 0
 
 
+def _quorum_ok(value: Any) -> bool:
+    return value == "majority" if isinstance(value, str) else value >= 0
+
+
 def _factory_ok(value: Any) -> bool:
     return value == "" or (
         len(value) <= MAX_FACTORY_CHARS and re.fullmatch(FACTORY_PATTERN, value) is not None
@@ -120,6 +124,7 @@ _KINDS: dict[str, type | tuple[type, ...]] = {
     "str": str,
     "tuple[str, ...]": tuple,
     "str | dict[str, Any]": (str, dict),
+    "int | str": (int, str),
 }
 
 MODEL_KINDS = ("default", "transformers")
@@ -427,12 +432,13 @@ class SwarmSection(_Section):
         "# peer sending hostile values can do (bench.byzantine) and cap a declared weight at\n"
         "# the median weight; verified runs and pipeline runs use \"mean\"",
     )  # fmt: skip
-    state_quorum: int = _key(
-        0, _non_negative, "a non-negative integer",
-        "0: a joiner (or a node re-syncing) adopts the state most peers hold (a majority of\n"
-        "# its round's members breaks ties), so a liar needs more identities than the state's\n"
-        "# honest holders; N > 0: only a state at least N distinct peers hold is adopted\n"
-        "# (public runs; a joiner then waits for N holders rather than take a lone survivor's)",
+    state_quorum: int | str = _key(
+        "majority", _quorum_ok, 'a non-negative integer or "majority"',
+        '"majority": a joiner (or a node re-syncing) adopts only a state more than half of\n'
+        "# its round's members vouch for (the largest member list of its round and the next\n"
+        "# and previous ones), never one a minority or a stranger holds; 0: the state most\n"
+        "# peers hold, whoever they are (unsafe with liars); N > 0: only a state at least N\n"
+        "# distinct peers hold",
     )  # fmt: skip
     min_peers: int = _key(
         1, *_POSITIVE_INT,

@@ -52,21 +52,26 @@ from diloco import DiLoCo
 from p2p import PeerID
 from swarmtrain.keys import join_key, progress_key, starts_key
 from swarmtrain.membership.plan import (
+    Quorum,
     Rejoin,
     Verdict,
     after_failed_round,
     best_state,
+    candidates,
+    in_schedule,
     past_round,
     states_best_first,
     swarm_ahead,
     wait_budget_s,
 )
 from swarmtrain.membership.progress import (
+    MAJORITY,
     PROGRESS_TTL_S,
     AgreedState,
     Progress,
     Start,
     agreed_state,
+    agreed_states,
     announced_joiners,
     announcement,
     decode_all,
@@ -119,14 +124,14 @@ class Elastic:
         emit: Callable[[str], None],
         fetcher: Callable[[Any, str, bytes], Fetch] = node_fetcher,
         rounds: int = 2**31,  # the run's schedule: records of later rounds are ignored
-        min_holders: int = 0,  # [swarm] state_quorum: 0, or the fewest holders a state needs
+        quorum: Quorum = MAJORITY,  # [swarm] state_quorum: which states may be adopted
     ) -> None:
         self.runtime = runtime
         self._fetcher = fetcher  # how to fetch ranges from a source (injected by tests)
         self.server = server
         self.run_id = run_id
         self.rounds = rounds
-        self.min_holders = min_holders
+        self.quorum = quorum
         self.diloco = diloco
         self.emit = emit
         self.me = str(runtime.peer_id)
@@ -173,6 +178,13 @@ class Elastic:
 
         self.runtime.poll(read, bool, interval_s=POLL_S, timeout_s=timeout_s, wait_first=wait_first)
         return found[0] if found else None
+
+    def held_list(self, round_number: int) -> bytes:
+        """The member list a failed round ``round_number``'s record carries: that of the round
+        whose state we still hold (our record of the round before, successful or carrying it
+        on), so that a joiner counts us as a member of that round (``progress._vouchers``)."""
+        last = self._last_progress
+        return last.members if last is not None and last.round == round_number - 1 else b""
 
     def publish(self, progress: Progress) -> None:
         self._last_progress = progress
@@ -279,7 +291,7 @@ class Elastic:
         """Why our round ``round_number`` cannot meet anyone (others already averaged it), or
         None; ``SwarmAverage`` fails the round before matchmaking then, and ``after_round``
         adopts their state."""
-        ahead = swarm_ahead(self.records(), self.me, round_number, self.rounds, self.min_holders)
+        ahead = swarm_ahead(self.records(), self.me, round_number, self.rounds, self.quorum)
         if ahead is None:
             return None
         return f"the swarm already averaged round {ahead.round}; catching up"
@@ -309,9 +321,7 @@ class Elastic:
         # An agreed state to start from; the states of peers whose rounds failed are only a
         # fallback of ``_adopt_from_live`` (a peer alone waits for us instead: ``_outcome``).
         choices = [
-            s
-            for s in states_best_first(records, self.rounds, min_holders=self.min_holders)
-            if s.published
+            s for s in states_best_first(records, self.rounds, quorum=self.quorum) if s.published
         ]
         agreed = choices[0] if choices else None
         if agreed is None or not self._behind(agreed):
@@ -337,7 +347,7 @@ class Elastic:
         previous = agreed
 
         def boundary(records: list[Progress]) -> AgreedState | None:
-            newer = agreed_state(records)
+            newer = best_state(records, self.rounds, self.quorum)
             if newer is not None and newer.round > previous.round:
                 return newer
             # The swarm stopped while we waited (a survivor alone failed the round past the
@@ -381,9 +391,7 @@ class Elastic:
                 records = self.records()
                 choices = [
                     s
-                    for s in states_best_first(
-                        records, self.rounds, dead, self.me, self.min_holders
-                    )
+                    for s in states_best_first(records, self.rounds, dead, self.me, self.quorum)
                     if self._behind(s)
                 ]
                 if not choices:
@@ -408,7 +416,7 @@ class Elastic:
         """Our state is a minority's (a round ran as sub-groups and ours was the smaller): adopt
         the run's agreed state (``plan.best_state``: the one most members support) if it is not
         ours. A failed download is logged; the next round's checks try again."""
-        target = best_state(self.records(), self.rounds, self.min_holders)
+        target = best_state(self.records(), self.rounds, self.quorum)
         if target is None or target.state_hash.hex() == self.diloco.state_hash():
             return None
         report = self._adopt_from_live(target)
@@ -416,12 +424,20 @@ class Elastic:
             log.warning("could not re-sync to the majority's state from any live holder")
         return report
 
-    def after_round(self, round_number: int, ok: bool, wait_s: float = 0.0) -> SyncReport | None:
+    def after_round(
+        self, round_number: int, ok: bool, wait_s: float = 0.0, majority: str | None = None
+    ) -> SyncReport | None:
         """After our round ``round_number`` (failed, or its hash disagreed with the majority):
         adopt the majority's state if it differs from ours. For a failed round, wait up to
-        ``wait_s`` for the others' outcome (``_outcome``). Returns what was synced, or None. A
-        failed download is logged (the next round's check tries again)."""
-        agreed = self._settled(round_number) if ok else self._outcome(round_number, wait_s)
+        ``wait_s`` for the others' outcome (``_outcome``). ``majority``: the state hash (hex)
+        our round's own group agreed on (``StateAgreement``); only that state is adopted then,
+        whatever the records say (we were a member: the group's digests are our quorum).
+        Returns what was synced, or None. A failed download is logged (the next round's check
+        tries again)."""
+        if ok:
+            agreed = self._settled(round_number, majority)
+        else:
+            agreed = self._outcome(round_number, wait_s)
         if agreed is None or agreed.state_hash.hex() == self.diloco.state_hash():
             return None
         report = self._adopt_from_live(agreed)
@@ -520,7 +536,7 @@ class Elastic:
         def plan_of(records: list[Progress]) -> Rejoin:
             return after_failed_round(
                 records, self.me, round_number, self.rounds, time.time(), wait_s, starts,
-                self.min_holders,
+                self.quorum,
             )  # fmt: skip
 
         def decided(records: list[Progress]) -> Rejoin | None:
@@ -539,16 +555,26 @@ class Elastic:
             return None
         assert plan.target is not None
         if plan.target.round == round_number:
-            return self._settled(round_number)
+            return self._settled(round_number) or plan.target
         return plan.target
 
-    def _settled(self, round_number: int) -> AgreedState | None:
-        """The agreed state of ``round_number`` once its successful records stop arriving."""
-        seen = agreed_state(self.records(), round_number)
+    def _settled(self, round_number: int, majority: str | None = None) -> AgreedState | None:
+        """The agreed state of ``round_number`` once its successful records stop arriving: the
+        best the quorum accepts, or with ``majority`` (our group's agreed hash) the state of
+        that hash."""
+
+        def state_at(records: list[Progress]) -> AgreedState | None:
+            if majority is None:
+                found = candidates(records, self.rounds, self.quorum)
+                return next((s for s in found if s.round == round_number), None)
+            agreed = agreed_states(in_schedule(records, self.rounds), round_number)
+            return next((s for s in agreed if s.state_hash.hex() == majority), None)
+
+        seen = state_at(self.records())
 
         def stable(records: list[Progress]) -> AgreedState | None:
             nonlocal seen
-            now = agreed_state(records, round_number)
+            now = state_at(records)
             if seen is not None and now is not None and now.published == seen.published:
                 return now
             seen = now or seen

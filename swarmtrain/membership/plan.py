@@ -38,7 +38,11 @@ and downloads.
   the next newest state held by live peers is tried, so a dead holder never sends a joiner back
   to a fresh round 0 while another member of the run lives: when no agreed state has a live
   holder, the state a live member holds after a failed round is taken (every node serves its
-  state after each round, failed or not).
+  state after each round, failed or not), under the default quorum only a member's that
+  vouches for an agreed state (``states_best_first``).
+* **Quorum** (``[swarm] state_quorum``, ``candidates``): which states count as agreed at all.
+  ``"majority"`` (default): those more than half of their round's members vouch for
+  (``progress.majority_states``); N: those N distinct peers hold; 0: every state, ranked.
 
 This module imports no trio, libp2p, clock or randomness: ``now`` is passed in.
 """
@@ -51,12 +55,18 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from swarmtrain.membership.progress import (
+    MAJORITY,
     AgreedState,
     Progress,
     Start,
-    agreed_state,
     agreed_states,
+    majority_states,
+    vouched_survivors,
 )
+
+# ``[swarm] state_quorum``: MAJORITY (the default), 0 (the most-held state: unsafe with liars)
+# or N (only a state N distinct peers hold).
+Quorum = int | str
 
 
 class Verdict(enum.Enum):
@@ -77,24 +87,40 @@ def in_schedule(records: Iterable[Progress], rounds: int) -> list[Progress]:
     return [p for p in records if p.round < rounds]
 
 
+def candidates(
+    records: Iterable[Progress], rounds: int, quorum: Quorum = MAJORITY
+) -> list[AgreedState]:
+    """The states ``quorum`` accepts among the records the schedule allows, best first:
+    MAJORITY, those more than half their round's membership vouches for
+    (``progress.majority_states``); 0, every state ``progress.agreed_states`` ranks; N, those
+    of them N distinct peers hold."""
+    valid = in_schedule(records, rounds)
+    if quorum == MAJORITY:
+        return majority_states(valid)
+    return [s for s in agreed_states(valid) if len(s.holders) >= int(quorum)]
+
+
 def best_state(
-    records: Iterable[Progress], rounds: int, min_holders: int = 0
+    records: Iterable[Progress], rounds: int, quorum: Quorum = MAJORITY
 ) -> AgreedState | None:
-    """The run's agreed state (``progress.agreed_states``' first) among the records the
-    schedule allows, if at least ``min_holders`` distinct peers hold it."""
-    best = agreed_state(in_schedule(records, rounds))
-    return best if best is not None and len(best.holders) >= min_holders else None
+    """The run's agreed state: the first of ``candidates``, or None."""
+    found = candidates(records, rounds, quorum)
+    return found[0] if found else None
 
 
 def swarm_ahead(
-    records: Iterable[Progress], me: str, round_number: int, rounds: int, min_holders: int = 0
+    records: Iterable[Progress],
+    me: str,
+    round_number: int,
+    rounds: int,
+    quorum: Quorum = MAJORITY,
 ) -> AgreedState | None:
     """The run's agreed state when it is at round ``round_number`` or later and we do not hold
     it: the others averaged that round already, so our matchmaking for it could only meet stale
     declarations (a late starter's first round formed a "group" with peers long gone and failed
     8 s later). None when nobody is ahead of us. Our own record counts: one peer's claim of a
     later round does not outweigh the state we and others hold (issue 19)."""
-    best = best_state(records, rounds, min_holders)
+    best = best_state(records, rounds, quorum)
     if best is None or best.round < round_number or me in best.holders:
         return None
     return best
@@ -134,11 +160,11 @@ def after_failed_round(
     now: float,
     live_s: float,
     starts: Iterable[Start] = (),
-    min_holders: int = 0,
+    quorum: Quorum = MAJORITY,
 ) -> Rejoin:
     """What to do after our round ``round_number`` failed (see the module docstring)."""
     records = list(records)
-    target = best_state(records, rounds, min_holders)
+    target = best_state(records, rounds, quorum)
     if target is not None and target.round >= round_number:
         return Rejoin(Verdict.ADOPT, target, f"the swarm averaged round {target.round}")
     behind = sorted(
@@ -171,26 +197,36 @@ def states_best_first(
     rounds: int,
     dead: Collection[str] = (),
     me: str = "",
-    min_holders: int = 0,
+    quorum: Quorum = MAJORITY,
 ) -> list[AgreedState]:
     """The states a joiner may adopt, best first, each with only the holders not in ``dead``.
 
-    First the agreed states in ``progress.agreed_states``' order (most supporting members,
-    then holders, then the newest round), those held by fewer than ``min_holders`` distinct
-    peers left out; a state none of whose holders lives is left out. With ``min_holders`` > 0
-    nothing else is adopted. Then, as a last resort, the states live
-    members hold after a failed round (each peer's own, newest first): when the agreed state's
-    holders are all gone (the survivor of a pair failed its next round alone, so its newest
-    record is a failure), a joiner takes the survivor's state rather than a fresh round 0 of its
-    own and a second, diverging run (issue 16). Such a state has no round's members behind it;
-    it is only chosen while no agreed state has a live holder."""
+    First the states ``quorum`` accepts (``candidates``), a state none of whose holders lives
+    left out. Then, as a last resort, the states live members hold after a failed round, each
+    peer's own, newest first: when the agreed state's holders are all gone (the survivor of a
+    pair failed its next round alone, so its newest record is a failure), a joiner takes the
+    survivor's state rather than a fresh round 0 of its own and a second, diverging run
+    (issue 16). With MAJORITY only a survivor that vouches for an agreed state (its failed
+    record carries that round's list) and only while no agreed state of that round or later
+    has a live holder; with N > 0 none; with 0 any live peer's (a liar's too)."""
     valid = in_schedule(records, rounds)
+    agreed = candidates(valid, rounds, quorum)
     found: list[AgreedState] = []
-    for agreed in agreed_states(valid):
-        holders = tuple(h for h in agreed.holders if h not in dead)
-        if holders and len(agreed.holders) >= min_holders:
-            found.append(dataclasses.replace(agreed, holders=holders))
-    if min_holders > 0:
+    for state in agreed:
+        holders = tuple(h for h in state.holders if h not in dead)
+        if holders:
+            found.append(dataclasses.replace(state, holders=holders))
+    if quorum == MAJORITY:
+        live = list(found)
+        for p in vouched_survivors(valid, agreed):
+            if p.peer_id in dead or p.peer_id == me:
+                continue
+            vouched = [s for s in agreed if s.member_list == p.members and s.round < p.round]
+            newest = max(s.round for s in vouched)
+            if not any(s.round >= newest for s in live):
+                found.append(AgreedState(p.round, p.state_hash, (p.peer_id,), 0))
+        return found
+    if int(quorum) > 0:
         return found
     alone = [p for p in valid if not p.ok and p.peer_id not in dead and p.peer_id != me]
     for p in sorted(alone, key=lambda p: (-p.round, p.state_hash, p.peer_id)):

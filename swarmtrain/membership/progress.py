@@ -16,13 +16,15 @@ group's. Groups are ranked by support, then holders, then the newer round, then 
 hold than another of its round (a minority that drifted) is never a candidate.
 
 Why not simply the newest round, as before (issue 19): one signed record claiming a later round
-with a made-up hash made every joiner adopt the liar's state. Now a liar's list either leaves
-it out (then it holds nothing) or is its own, which the honest members do not vouch for in a
-round far from theirs: it needs more identities than the state's honest members (what admission
-control is for). What is left: a liar naming honest peers on its list, for a round next to
-theirs, ties with an honest group of one holder at a membership change and may win it; the
-joiner's first round then disagrees with the majority and re-syncs (one round lost, for one
-joiner). ``[swarm] state_quorum`` (``min_holders`` in ``plan``) closes that for runs that want it.
+with a made-up hash made every joiner adopt the liar's state. ``agreed_states`` still counts
+support without checking it (``[swarm] state_quorum = 0``: a liar naming honest peers on its
+list for a round next to theirs gets their support, and a failed peer's state is a last
+resort). The default, ``"majority"``, is ``majority_states``: a member vouches for a state only
+with a record consistent with it (``_vouchers``), and the state needs more than half of its
+round's membership (``_round_size``), which the claim's own list does not set. A failed
+round's record carries the list of the round whose state its peer still holds (``b""`` when it
+holds none it was a member of): a member that failed every round since vouches with it, and a
+lone survivor's state is adoptable through it (``vouched_survivors``).
 Its holders are the sources a joiner downloads from, and the peers every member expects in the
 next round's matchmaking when a joiner is announced.
 
@@ -58,6 +60,8 @@ log = logging.getLogger(__name__)
 MAX_PROGRESS_BYTES = 2048
 PROGRESS_TTL_S = 600.0
 MEMBER_TAG_BYTES = 8
+# ``[swarm] state_quorum``'s default: a state needs more than half its round's members' support.
+MAJORITY = "majority"
 # Members listed in a record; a larger round's records list none (then holders count unchecked).
 MAX_LISTED_MEMBERS = 128
 MAX_MEMBER_LIST_BYTES = MAX_LISTED_MEMBERS * MEMBER_TAG_BYTES
@@ -91,7 +95,7 @@ class ProgressRecord(Message):
     rounds_contributed: int
     published_at: float
     reach: str
-    members: bytes  # member_list of the round's contributors; b"" for a failed round
+    members: bytes  # member_list of the round's contributors; a failed round: of the held state's
 
     def __post_init__(self) -> None:
         counts = (self.round, self.peers, self.bytes_sent, self.bytes_received)
@@ -341,6 +345,116 @@ def agreed_states(
             seen.add((state.round, state.state_hash))
             unique.append(state)
     return unique
+
+
+def _round_size(records: list[Progress], rnd: int, holders: frozenset[bytes]) -> int:
+    """The membership a state of round ``rnd`` must win a majority of: the largest list (or
+    count, for a round too large to list) any record of rounds ``rnd - 1 .. rnd + 1`` gives
+    (a failed record's carried list too), not the state's own, which its holders chose. When
+    no record of ``rnd - 1`` exists (a claim rounds ahead of the swarm), the newest earlier
+    round's lists count as well, unless they list a holder (``holders``: their tags): the
+    state's holders were members there, and those others left, not outvoted them."""
+
+    def size(p: Progress) -> int:
+        return len(_tags(p.members)) if p.members else (p.peers if p.ok else 0)
+
+    listed = [p for p in records if _lists(p.members, p.peer_id) and (p.ok or p.members)]
+    found = max((size(p) for p in listed if abs(p.round - rnd) <= 1), default=0)
+    if not any(p.round == rnd - 1 for p in listed):
+        earlier = [p for p in listed if p.round < rnd - 1]
+        if earlier:
+            newest = max(p.round for p in earlier)
+            for p in earlier:
+                if p.round == newest and not (p.members and holders & _tags(p.members)):
+                    found = max(found, size(p))
+    return found
+
+
+def _vouchers(
+    records: list[Progress], rnd: int, state_hash: bytes, listed: bytes, holders: frozenset[bytes]
+) -> set[str]:
+    """The peers on ``listed`` (round ``rnd``'s members, as the state's holders list them)
+    whose own record vouches for the state: the same state of that round; a successful
+    record of the round before or after whose list names one of its holders (they were
+    members together); or a failed later round that carries this very list (a member that
+    failed every round since holds this round's state). An unlisted round: its holders."""
+    if not listed:
+        return {
+            p.peer_id for p in records if p.ok and p.round == rnd and p.state_hash == state_hash
+        }
+    tags = _tags(listed)
+
+    def vouches(q: Progress) -> bool:
+        if member_tag(q.peer_id) not in tags or not _lists(q.members, q.peer_id):
+            return False
+        if not q.ok:
+            return q.round > rnd and q.members == listed
+        if q.round == rnd:
+            return q.state_hash == state_hash
+        return abs(q.round - rnd) == 1 and bool(q.members) and bool(holders & _tags(q.members))
+
+    return {q.peer_id for q in records if vouches(q)}
+
+
+def majority_states(
+    records: Iterable[Progress], round_number: int | None = None
+) -> list[AgreedState]:
+    """The states (at ``round_number``, or any round) that more than half of their round's
+    membership vouches for (``[swarm] state_quorum = "majority"``), best first: by support,
+    then holders, then the newer round, then the larger hash. ``support`` is the number of
+    vouchers (``_vouchers``), more than half of the membership ``_round_size`` gives.
+
+    Holders of one (round, hash) count together whatever list each gives; the list that earns
+    the most support stands for them. A state fewer peers hold than another of its round is
+    never one (a minority that drifted), and neither is one its round's members do not vouch
+    for: a liar's own record, however far ahead, or naming whichever peers."""
+    records = list(records)
+    holding: dict[tuple[int, bytes], list[Progress]] = defaultdict(list)
+    published: dict[int, int] = defaultdict(int)
+    for p in records:
+        if p.ok:
+            published[p.round] += 1
+            if _lists(p.members, p.peer_id):
+                holding[(p.round, p.state_hash)].append(p)
+    most: dict[int, int] = defaultdict(int)
+    for (rnd, _), held in holding.items():
+        most[rnd] = max(most[rnd], len({p.peer_id for p in held}))
+    states = []
+    for (rnd, state_hash), held in holding.items():
+        holders = frozenset(p.peer_id for p in held)
+        if (round_number is not None and rnd != round_number) or len(holders) < most[rnd]:
+            continue
+        tags = frozenset(member_tag(h) for h in holders)
+        size = _round_size(records, rnd, tags)
+        best: tuple[int, bytes, int] | None = None
+        for listed, count in sorted({(p.members, p.peers) for p in held}):
+            support = len(_vouchers(records, rnd, state_hash, listed, tags))
+            if best is None or support > best[0]:
+                best = (support, listed, count)
+        assert best is not None
+        support, listed, count = best
+        if 2 * support > max(size, 1):
+            states.append(
+                AgreedState(
+                    rnd, state_hash, tuple(sorted(holders)), published[rnd], count, listed,
+                    support,
+                )
+            )  # fmt: skip
+    states.sort(key=lambda s: (s.support, len(s.holders), s.round, s.state_hash), reverse=True)
+    return states
+
+
+def vouched_survivors(records: Iterable[Progress], states: Iterable[AgreedState]) -> list[Progress]:
+    """The failed records whose owners vouch for one of ``states`` (``majority_states``) by
+    carrying its list: members of an agreed round that failed every round since, so they hold
+    its state (each node serves its state after a failed round too). Newest first."""
+    states = list(states)
+    found = [
+        p for p in records
+        if not p.ok and p.members and _lists(p.members, p.peer_id)
+        and any(p.members == s.member_list and p.round > s.round for s in states)
+    ]  # fmt: skip
+    return sorted(found, key=lambda p: (-p.round, p.state_hash, p.peer_id))
 
 
 def agreed_state(

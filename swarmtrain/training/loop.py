@@ -303,7 +303,7 @@ def train(
         ranks.share_scaler(diloco.grad_scaler)  # a resumed scale reaches every rank
     elastic = Elastic(
         runtime, server, config.run.id, diloco, emit, rounds=config.run.rounds,
-        min_holders=config.swarm.state_quorum,
+        quorum=config.swarm.state_quorum,
     )  # fmt: skip
     if verification is not None:
         verification.joiners = elastic.joiners
@@ -644,7 +644,8 @@ def _record_round(
             rounds_contributed=summary.rounds_contributed,
             published_at=time.time(),
             reach=_reach(elastic.runtime),
-            members=member_list(outcome.contributors) if ok else b"",
+            # A failed round carries the list of the round whose state we still hold.
+            members=member_list(outcome.contributors) if ok else elastic.held_list(r),
         )
     )
     if report is None and summary.on_round is not None:
@@ -688,7 +689,7 @@ def _record_round(
     )
     drifted = agreement is not None and not agreement.agrees and agreement.majority is not None
     # Our state drifted from the majority's: adopt theirs before contributing again.
-    if drifted and elastic.after_round(r, ok=True) is not None:
+    if drifted and elastic.after_round(r, ok=True, majority=agreement.majority) is not None:
         summary.agree = True
         elastic.suspect_round = None
         return

@@ -12,6 +12,7 @@ from p2p import decode
 from swarmtrain.membership.plan import (
     Verdict,
     after_failed_round,
+    best_state,
     positions,
     states_best_first,
     swarm_ahead,
@@ -119,11 +120,19 @@ def test_wait_budget_grows_with_the_gap_and_is_capped() -> None:
 
 
 def test_the_state_most_peers_hold_comes_first_and_a_dead_holder_hands_on_the_choice() -> None:
-    records = [rec("b", 4, h=B), rec("c", 3), rec("d", 3)]
-    assert [s.round for s in states_best_first(records, ROUNDS)] == [3, 4]
+    # A round boundary: b published round 4 of {b, c, d}, c and d not yet. Both rounds' states
+    # are vouched for by all three (c and d were b's fellow members in round 4; b in round 3).
+    records = [honest("b", 4, h=B), honest("c", 3), honest("d", 3)]
+    choices = states_best_first(records, ROUNDS)
+    assert [(s.round, s.support) for s in choices] == [(3, 3), (4, 3)]
     live = states_best_first(records, ROUNDS, dead={"c", "d"})
     assert [(s.round, s.holders) for s in live] == [(4, ("b",))]
     assert states_best_first(records, ROUNDS, dead={"b", "c", "d"}) == []
+    # Unlisted records (a round of more than 128) vouch only as holders: b alone of 2 is not
+    # a majority, c and d are; with quorum 0 (the old rule) b's is the second choice.
+    flat = [rec("b", 4, h=B), rec("c", 3), rec("d", 3)]
+    assert [s.round for s in states_best_first(flat, ROUNDS)] == [3]
+    assert [s.round for s in states_best_first(flat, ROUNDS, quorum=0)] == [3, 4]
 
 
 def honest(
@@ -148,9 +157,14 @@ def test_a_forged_later_round_never_outweighs_the_state_the_rounds_members_hold(
     best = agreed_state(records)
     assert best is not None and (best.round, best.state_hash) == (3, A)
     assert len(best.holders) > best.members // 2  # a quorum of its round's members
-    assert [s.state_hash for s in states_best_first(records, ROUNDS)] == [A, FORGED]
-    assert states_best_first(records, ROUNDS, min_holders=2)[0].state_hash == A
-    assert [s.state_hash for s in states_best_first(records, ROUNDS, min_holders=2)] == [A]
+    assert [s.state_hash for s in states_best_first(records, ROUNDS)] == [A]
+    # ... also when the honest holders fail to serve: no state rather than the liar's.
+    assert states_best_first(records, ROUNDS, dead={"b", "c", "d"}, me="me") == []
+    assert best_state([liar], ROUNDS) is not None  # alone it would be "the swarm's" state,
+    assert best_state([liar, honest("b", 3)], ROUNDS) is None  # not next to one member's record
+    # The old rule (state_quorum = 0) kept it as a second choice: unsafe with liars.
+    assert [s.state_hash for s in states_best_first(records, ROUNDS, quorum=0)] == [A, FORGED]
+    assert [s.state_hash for s in states_best_first(records, ROUNDS, quorum=2)] == [A]
     # A member about to run round 4 is not "behind" the liar; one that failed round 4 waits
     # or trains on, it never adopts the forged state.
     assert swarm_ahead([*records, honest("me", 3)], "me", 4, ROUNDS) is None
@@ -172,26 +186,106 @@ def test_a_minority_state_of_a_round_is_never_a_choice() -> None:
     assert [s.state_hash for s in states_best_first([*records, outsider], ROUNDS)] == [A]
 
 
-def test_with_a_state_quorum_a_lone_holder_is_never_adopted() -> None:
-    # b survived a round of three and holds its state alone; a failed-round survivor too.
+def test_a_lone_holder_of_a_larger_round_or_a_strangers_failed_state_is_never_adopted() -> None:
+    # b holds round 3's state of {b, c, d} alone (c and d are gone, or never said so); a, on
+    # no list, failed round 4. Neither is a majority's: the default adopts neither.
     records = [honest("b", 3), rec("a", 4, ok=False, h=B)]
-    assert [s.holders for s in states_best_first(records, ROUNDS, me="me")] == [("b",), ("a",)]
-    assert states_best_first(records, ROUNDS, me="me", min_holders=2) == []
-    assert after_failed_round(records, "me", 3, ROUNDS, NOW, 30.0).verdict is Verdict.ADOPT
-    plan = after_failed_round(records, "me", 3, ROUNDS, NOW, 30.0, min_holders=2)
-    assert plan.verdict is not Verdict.ADOPT
-    assert swarm_ahead(records, "me", 3, ROUNDS, min_holders=2) is None
+    for quorum in ("majority", 2):
+        assert states_best_first(records, ROUNDS, me="me", quorum=quorum) == []
+        plan = after_failed_round(records, "me", 3, ROUNDS, NOW, 30.0, quorum=quorum)
+        assert plan.verdict is not Verdict.ADOPT
+        assert swarm_ahead(records, "me", 3, ROUNDS, quorum=quorum) is None
+    # state_quorum = 0 (the old rule) took both.
+    choices = states_best_first(records, ROUNDS, me="me", quorum=0)
+    assert [s.holders for s in choices] == [("b",), ("a",)]
+    assert after_failed_round(records, "me", 3, ROUNDS, NOW, 30.0, quorum=0).verdict is (
+        Verdict.ADOPT
+    )
+
+
+def failed(peer: str, rnd: int, h: bytes, members: tuple[str, ...]) -> Progress:
+    """A failed round's record, carrying the list of the round whose state its peer holds."""
+    return dataclasses.replace(rec(peer, rnd, ok=False, h=h), members=member_list(members))
 
 
 def test_with_every_agreed_holder_dead_a_live_members_own_state_is_the_last_resort() -> None:
     # Issue 16's NAT-lab run: a and b averaged round 1; b died; a's round 2 failed alone, so
-    # the only record of round 1's agreed state is b's. A joiner takes a's state, not round 0.
-    records = [rec("b", 1, h=B), rec("a", 2, ok=False, h=A), rec("me", 0, ok=False)]
+    # the only record of round 1's agreed state is b's (1 holder of 2). a's failed record
+    # carries round 1's list: it vouches for b's state (2 of 2) and a joiner takes a's, not
+    # a fresh round 0; a's state is taken only while no agreed state of round 1 on lives.
+    pair = ("a", "b")
+    records = [honest("b", 1, h=B, members=pair), failed("a", 2, A, pair), rec("me", 0, ok=False)]
     choices = states_best_first(records, ROUNDS, me="me")
-    assert [(s.round, s.holders, s.published) for s in choices] == [(1, ("b",), 1), (2, ("a",), 0)]
+    assert [(s.round, s.holders, s.support) for s in choices] == [(1, ("b",), 2)]
     (survivor,) = states_best_first(records, ROUNDS, dead={"b"}, me="me")
     assert (survivor.round, survivor.state_hash, survivor.holders) == (2, A, ("a",))
     assert states_best_first(records, ROUNDS, dead={"a", "b"}, me="me") == []
+    # a failed round 3 too (it trained on alone): it still carries round 1's list.
+    later = [records[0], failed("a", 3, A, pair)]
+    assert [s.holders for s in states_best_first(later, ROUNDS, dead={"b"})] == [("a",)]
+    # Old records (no list on a failed round) vouch for nothing: no state at all, then.
+    assert states_best_first([records[0], rec("a", 2, ok=False)], ROUNDS, dead={"b"}) == []
+    # A liar's record naming both for round 1 changes nothing: it is no majority's (a's list
+    # is not its list, b's hash not its hash), and b's state keeps its support.
+    liar = honest("liar", 1, h=FORGED, members=("a", "b", "liar"))
+    with_liar = [*records, liar]
+    assert [s.state_hash for s in states_best_first(with_liar, ROUNDS, me="me")] == [B]
+    (survivor,) = states_best_first(with_liar, ROUNDS, dead={"b"}, me="me")
+    assert survivor.holders == ("a",)
+    assert all(
+        s.state_hash != FORGED for s in states_best_first(with_liar, ROUNDS, dead={"b", "a"})
+    )
+
+
+def test_a_liar_naming_the_honest_members_never_gets_their_support() -> None:
+    # Round 3's members b, c, d hold A. A liar claims round 4 (nobody published it yet) of
+    # {b, c, d, liar}; another claims round 3 itself. Neither is vouched for: b, c and d's
+    # lists do not name the liar, and a state of round 3 with another hash contradicts theirs.
+    swarm = [honest("b", 3), honest("c", 3), honest("d", 3)]
+    named = ("b", "c", "d", "liar")
+    ahead = honest("liar", 4, h=FORGED, members=named)
+    beside = honest("liar2", 3, h=FORGED, members=("b", "c", "d", "liar2"))
+    for lie in (ahead, beside):
+        records = [*swarm, lie]
+        choices = states_best_first(records, ROUNDS, dead={"b", "c", "d"})
+        assert choices == [], lie
+        best = best_state(records, ROUNDS)
+        assert best is not None and best.state_hash == A and best.support == 3
+    # With the old rule the liar of the next round was a choice (and first once b, c, d died).
+    old = states_best_first([*swarm, ahead], ROUNDS, dead={"b", "c", "d"}, quorum=0)
+    assert [s.state_hash for s in old] == [FORGED]
+
+
+def test_at_a_round_boundary_both_rounds_states_stay_adoptable() -> None:
+    # Five members; two already published round 6, three still show round 5, and one of them
+    # failed round 6 (it holds round 5's state). Neither round has a majority of holders, but
+    # each has a majority of its members vouching: a joiner finds a state all along.
+    five, four = ("a", "b", "c", "d", "e"), ("a", "b", "c", "d")
+    records = [
+        honest("a", 6, h=B, members=four), honest("b", 6, h=B, members=four),
+        honest("c", 5, members=five), honest("d", 5, members=five),
+        failed("e", 6, bytes([3]) * 32, five),
+    ]  # fmt: skip
+    choices = states_best_first(records, ROUNDS, me="me")
+    # Round 6's: a, b hold it, c and d ran it (their round 5 lists name a): 4 of 5 (the
+    # largest list of rounds 5-7). Round 5's: c, d, and a, b (round 6 lists name c), e.
+    assert [(s.round, len(s.holders), s.support) for s in choices] == [(5, 2, 5), (6, 2, 4)]
+    # A late starter is behind; c, about to publish round 6, is not pulled back.
+    ahead = swarm_ahead(records, "me", 0, ROUNDS)
+    assert ahead is not None and ahead.round == 5
+    assert swarm_ahead(records, "c", 6, ROUNDS) is None
+
+
+def test_divergent_states_of_one_round_are_no_majority_s_until_the_round_says_so() -> None:
+    # Two live peers met in round 4 with different states (they started apart): each holds
+    # its own, vouched for by itself alone. No joiner adopts either from the records; the
+    # members' own hash check (StateAgreement's tie-break) picks one, ``Elastic.after_round``.
+    pair = ("a", "b")
+    records = [honest("a", 4, h=A, members=pair), honest("b", 4, h=B, members=pair)]
+    assert states_best_first(records, ROUNDS) == []
+    # Once the one off the tie-break adopted the other's state and said so, it is the state.
+    settled = [honest("a", 4, h=B, members=pair), honest("b", 4, h=B, members=pair)]
+    assert [s.state_hash for s in states_best_first(settled, ROUNDS)] == [B]
 
 
 records_st = st.lists(

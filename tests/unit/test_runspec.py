@@ -89,6 +89,12 @@ def test_outer_momentum_warmup_is_a_run_setting() -> None:
         (f'[model]\nfactory = "a:{"b" * 200}"\n', "at most 200 characters"),
         ('[swarm]\naggregation = "median"\n', "swarm.aggregation must be one of mean, centered"),
         (
+            '[swarm]\nstate_quorum = "most"\n',
+            "swarm.state_quorum must be a non-negative integer or \"majority\", got 'most'",
+        ),
+        ("[swarm]\nstate_quorum = -1\n", "swarm.state_quorum must be a non-negative integer or"),
+        ("[swarm]\nstate_quorum = true\n", "swarm.state_quorum must be a non-negative integer or"),
+        (
             '[swarm]\naggregation = "trimmed_mean"\n[verify]\nrate = 0.5\n',
             'swarm.aggregation = "trimmed_mean": verified runs',
         ),
@@ -408,3 +414,19 @@ def test_bad_expected_peers_are_refused_in_one_line(mapping: dict, message: str)
     with pytest.raises(ConfigError, match=message) as info:
         config_from_mapping(mapping)
     assert "\n" not in str(info.value)
+
+
+def test_the_state_quorum_is_signed_and_defaults_to_a_majority() -> None:
+    assert RunConfig().swarm.state_quorum == "majority"
+    assert 'state_quorum = "majority"' in default_toml()
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    for quorum in ("majority", 0, 3):
+        config = RunConfig(run=RunSection(id="q"), swarm=SwarmSection(state_quorum=quorum))
+        data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
+        assert verify_spec(data, signature, coordinator).config.swarm.state_quorum == quorum
+    obj = msgpack.unpackb(data, raw=False)
+    changed = [[k, 0 if k == "swarm.state_quorum" else v] for k, v in obj[1]]
+    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    with pytest.raises(SpecRefused, match="tampered with"):
+        verify_spec(tampered, signature, coordinator)

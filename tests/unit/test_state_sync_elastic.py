@@ -3,6 +3,7 @@ majority re-sync after a failed or drifted round, catching up at start, the expe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -18,7 +19,7 @@ from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
 from p2p import PeerID
 from swarmtrain.keys import join_key, progress_key
 from swarmtrain.membership.elastic import Elastic
-from swarmtrain.membership.progress import Progress, announcement
+from swarmtrain.membership.progress import Progress, announcement, member_list
 from swarmtrain.membership.state_sync import StateServer
 from swarmtrain.membership.state_sync_plan import Piece
 
@@ -65,11 +66,21 @@ def _diloco() -> DiLoCo:
 
 
 def _record(
-    peer: PeerID, round_number: int, ok: bool, state_hash: bytes, at: float | None = None
+    peer: PeerID,
+    round_number: int,
+    ok: bool,
+    state_hash: bytes,
+    at: float | None = None,
+    members: list[PeerID] | None = None,
 ) -> bytes:
-    """A record published ``at`` (wall clock; default now: a live peer's)."""
+    """A record published ``at`` (wall clock; default now: a live peer's). ``members``: its
+    list (a successful round's contributors; a failed one carries the list of the round whose
+    state it holds); without it unlisted, of 3 peers (holders then count unchecked)."""
     at = time.time() if at is None else at
-    return Progress(str(peer), round_number, ok, state_hash, 3.0, 100.0, 3, 0, 0, 1, at).to_bytes()
+    listed = member_list(str(p) for p in members) if members else b""
+    count = len(members) if members and ok else 3
+    return Progress(str(peer), round_number, ok, state_hash, 3.0, 100.0, count, 0, 0, 1, at,
+                    "public", listed).to_bytes()  # fmt: skip
 
 
 def _world(round_number: int) -> tuple[bytes, bytes]:
@@ -156,8 +167,9 @@ def test_a_node_behind_a_failing_swarm_syncs_at_once_instead_of_waiting() -> Non
     data, majority = _world(4)
     dht = {
         progress_key(RUN): {
-            str(b): _record(b, 4, True, majority),
-            str(c): _record(c, 6, False, bytes(32)),  # the swarm's newest round failed
+            str(b): _record(b, 4, True, majority, members=[b, c]),
+            # the swarm's newest round failed; c still holds round 4's state (its list)
+            str(c): _record(c, 6, False, bytes(32), members=[b, c]),
         }
     }
     asked: list[Hashable] = []
@@ -288,8 +300,9 @@ def test_with_the_only_holder_dead_a_joiner_takes_the_survivors_state_after_its_
     survivors, survivors_hash = _world(2)
     dht = {
         progress_key(RUN): {
-            str(b): _record(b, 1, True, agreed_hash),
-            str(a): _record(a, 2, False, survivors_hash),
+            str(b): _record(b, 1, True, agreed_hash, members=[a, b]),
+            # a's failed round carries round 1's list: it vouches for b's state, 2 of 2
+            str(a): _record(a, 2, False, survivors_hash, members=[a, b]),
         }
     }
     asked: list[Hashable] = []
@@ -305,7 +318,7 @@ def test_the_last_rounds_holders_linger_for_a_joiner_until_it_holds_the_final_st
     # A late joiner waited for the last boundary; the holders must not exit before it downloads.
     me, joiner = _peer(), _peer()
     data, final = _world(4)
-    dht = {progress_key(RUN): {str(me): _record(me, 4, True, final)}}
+    dht = {progress_key(RUN): {str(me): _record(me, 4, True, final, members=[me])}}
     asked: list[Hashable] = []
     holder = _elastic(me, dht, b"", [])
     holder.diloco.load_state(data)
@@ -331,8 +344,6 @@ def test_a_peer_whose_sub_group_was_the_smaller_rejoins_the_majoritys_state() ->
     """bench.churn's split: a round ran as two sub-groups ({me, x} and {a, b, c}) with two
     results; each heard only its own digests. ``rejoin_majority`` takes the state most members
     support, and does nothing for a peer of the larger sub-group."""
-    from swarmtrain.membership.progress import member_list
-
     me, x, a, b, c = (_peer() for _ in range(5))
     data, majority = _world(6)
     _, ours = _world(7)  # any other state
@@ -358,3 +369,69 @@ def test_a_peer_whose_sub_group_was_the_smaller_rejoins_the_majoritys_state() ->
     member = _elastic(a, dht, data, [])
     member.diloco.load_state(data)
     assert member.rejoin_majority() is None
+
+
+def test_a_joiner_never_adopts_a_forged_or_minority_state_even_when_the_holders_are_silent() -> (
+    None
+):
+    """Issue 19 point 1: b, c and d hold round 3's state; a liar claims round 8 with a state
+    of its own (naming them on its list) and serves it; x, on nobody's list, holds a third
+    state of round 3. The holders do not answer: the joiner trains on its own state rather
+    than download the liar's or the outsider's (with state_quorum = 0 it took the liar's)."""
+    me, b, c, d, liar, x = (_peer() for _ in range(6))
+    _, honest_hash = _world(3)
+    forged, forged_hash = _world(8)
+    members = [b, c, d]
+    dht = {
+        progress_key(RUN): {
+            **{str(p): _record(p, 3, True, honest_hash, members=members) for p in members},
+            str(liar): _record(liar, 8, True, forged_hash, members=[*members, liar]),
+            str(x): _record(x, 3, True, bytes(32), members=[x]),
+        }
+    }
+    asked: list[Hashable] = []
+    joiner = _elastic(me, dht, b"", [])
+    joiner._fetcher = _dead_holder_fetcher({b, c, d}, forged, asked)
+    assert joiner.catch_up(wait_s=0.0, rounds=10) is None
+    assert joiner.diloco.round == 0 and set(asked) == {b, c, d}
+    # The old rule: the liar's state is the next choice once the holders fail.
+    old = _elastic(me, dht, b"", [])
+    old.quorum = 0
+    old._fetcher = _dead_holder_fetcher({b, c, d}, forged, [])
+    report = old.catch_up(wait_s=0.0, rounds=10)
+    assert report is not None and old.diloco.state_hash() == forged_hash.hex()
+
+
+def test_two_members_that_diverged_converge_on_their_rounds_agreed_hash_only() -> None:
+    """Two live peers met in round 5 with different states: the records show one holder each
+    (no majority's), so the one off the group's agreed hash (StateAgreement's tie-break) adopts
+    that hash, and only that one: a liar's record of the round naming both is ignored."""
+    me, b, liar = _peer(), _peer(), _peer()
+    theirs, their_hash = _world(5)
+    _, ours = _world(6)  # any other state
+    forged = bytes([0xFF]) * 32  # the largest hash: first in any tie-break
+    dht = {
+        progress_key(RUN): {
+            str(me): _record(me, 5, True, ours, members=[me, b]),
+            str(b): _record(b, 5, True, their_hash, members=[me, b]),
+            str(liar): _record(liar, 5, True, forged, members=[me, b, liar]),
+        }
+    }
+    asked: list[Hashable] = []
+    elastic = _elastic(me, dht, theirs, asked)
+    assert elastic.rejoin_majority() is None and not asked  # no majority's state in the records
+    report = elastic.after_round(5, ok=True, majority=their_hash.hex())
+    assert report is not None and elastic.diloco.state_hash() == their_hash.hex()
+    assert set(asked) == {b}
+
+
+def test_a_failed_round_carries_the_list_of_the_round_whose_state_it_holds() -> None:
+    me, b = _peer(), _peer()
+    elastic = _elastic(me, {}, b"", [])
+    assert elastic.held_list(3) == b""  # nothing published yet (a joiner's first round)
+    listed = member_list([str(me), str(b)])
+    ok = Progress(str(me), 2, True, bytes(32), 3.0, 1.0, 2, 0, 0, 1, time.time(), "public", listed)
+    elastic.publish(ok)
+    assert elastic.held_list(3) == listed and elastic.held_list(4) == b""
+    elastic.publish(dataclasses.replace(ok, round=3, ok=False, peers=0, members=listed))
+    assert elastic.held_list(4) == listed  # carried on while every round fails
