@@ -222,11 +222,23 @@ class Dht:
 
     async def serve(self) -> None:
         """Become a Kad server (a peer found publicly reachable): serve ``/ipfs/kad/1.0.0`` and
-        tell connected peers (identify push), so that they admit us to their tables."""
+        tell connected peers (identify push), so that they admit us to their tables.
+
+        The push runs in the background, bounded by ``request_timeout_s``: it waits on every
+        connected peer, and one that never answers (a frozen process, a connection whose host
+        is gone: the dial-back probe's, before it closed its connection) held the node's start
+        for that whole timeout. A peer that gets our Kad stream before the push looks again
+        for ``ADMIT_WAIT_S`` (``_admit``)."""
         if self.is_server:
             return
         self._kad.mode = DHTMode.SERVER
         self._host.set_handler(str(PROTOCOL_ID), self._serve_kad)
+        if self._nursery is not None:
+            self._nursery.start_soon(self._push_identify)
+        else:
+            await self._push_identify()
+
+    async def _push_identify(self) -> None:
         with trio.move_on_after(self.config.request_timeout_s):
             await push_identify_to_peers(self._libp2p)
 

@@ -13,9 +13,13 @@ from collections.abc import Iterator
 
 import pytest
 import trio
+from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import PeerInfo
 
 from p2p import HostConfig, NodeConfig, open_node
+from p2p.dht.kademlia import Dht
+from p2p.host import open_host
 from p2p.nat.dialback import ask_for_dialbacks
 from p2p.nat.reachability import Reachability, decide_reachability
 from p2p.node import join_addr
@@ -101,3 +105,21 @@ async def test_a_failed_dial_back_says_what_was_dialed_and_why(
     assert "seen at 127.0.0.1: asked for 2 address(es)" in line, line
     assert re.search(f"/ip4/127.0.0.1/tcp/{closed_port} .*refused", line, re.IGNORECASE), line
     assert "198.51.100.7" not in line, line
+
+
+async def test_a_silent_connected_peer_does_not_hold_a_node_becoming_a_kad_server() -> None:
+    # A host that stopped without closing its connection (the dial-back probe did until it
+    # closed it): we count it connected and its identify push waits for an answer that never
+    # comes. Becoming a Kad server waited out that push, 3 s at every public node's start.
+    with trio.fail_after(30):
+        async with open_host(HostConfig(create_new_key_pair())) as host, trio.open_nursery() as n:
+            dht = Dht(host, server=False)
+            await n.start(dht.run)
+            gone = new_host(key_pair=create_new_key_pair())
+            async with gone.run([]):
+                await gone.connect(PeerInfo(host.peer_id, host.addrs()))
+            assert gone.get_id() in host.connected_peers()
+            start = trio.current_time()
+            await dht.serve()
+            assert dht.is_server and trio.current_time() - start < 1.0
+            n.cancel_scope.cancel()
