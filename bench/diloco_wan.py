@@ -2,8 +2,9 @@
 
     sudo .venv/bin/python -m bench.diloco_wan [--peers 4] [--rate 100mbit] [--uplink RATE]
         [--delay 25] [--budget-s 150] [--inner-steps 125] [--batch 8] [--context 128]
-        [--inner-lr 2e-3] [--outer-lr 0.7] [--outer-momentum 0.9]
+        [--inner-lr 2e-3] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-momentum-warmup 0]
         [--compression int8|none|sparse] [--overlap] [bench.diloco's --sparse-* options]
+        [--sparse-outer-momentum-warmup 12]
         [--log-dir DIR] [-v]
 
 Issue 4's "equal wall-clock over a real slow link": both methods train the embedded default
@@ -33,7 +34,8 @@ worker one start time and the budget; all share this machine's clock.
   (``bench.diloco``'s codec as ``compress``), ``--compression none`` for float32.
 - Sparse DiLoCo (``--compression sparse``, issue 20; int8 DiLoCo runs beside it in the same
   sitting): ``bench.diloco.sparse_codec`` of the ``--sparse-*`` options (bench.diloco's tuned
-  defaults: 1.46% of each part at 2 bits, outer lr 2.0) on the wire, error feedback from what
+  defaults: 1.46% of each part at 2 bits, outer lr 2.0, and like there the outer momentum ramped
+  up over ``--sparse-outer-momentum-warmup`` 12 rounds) on the wire, error feedback from what
   the peers decoded, as a node with ``compression = "sparse"`` runs it. ``--overlap``: the
   method ``--compression`` names runs ``DiLoCo(overlap=True)`` (the outer step one round late,
   the averaging behind the next inner phase); with ``sparse`` the int8 run beside it stays
@@ -97,7 +99,7 @@ from bench.allreduce_netlab import (
     stop_on_signals,
 )
 from bench.common import git_sha
-from bench.diloco import add_sparse_options, sparse_codec
+from bench.diloco import OUTER_MOMENTUM_WARMUP, add_sparse_options, sparse_codec
 from bench.progress import BenchProgress
 
 MATCHMAKING_TIMEOUT_S = 30.0
@@ -153,6 +155,8 @@ def run_method(
                     "--context", str(args.context), "--inner-lr", str(args.inner_lr),
                     "--outer-lr", str(args.outer_lr),
                     "--outer-momentum", str(args.outer_momentum),
+                    "--outer-momentum-warmup", str(args.outer_momentum_warmup),
+                    "--sparse-outer-momentum-warmup", str(args.sparse_outer_momentum_warmup),
                     "--rate-bps", str(args.uplink),
                     "--matchmaking-timeout", str(MATCHMAKING_TIMEOUT_S),
                     "--allreduce-timeout", str(ALLREDUCE_TIMEOUT_S)]  # fmt: skip
@@ -351,6 +355,8 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
             "inner_lr": args.inner_lr,
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
+            "outer_momentum_warmup": args.outer_momentum_warmup,
+            "sparse_outer_momentum_warmup": args.sparse_outer_momentum_warmup,
             "compression": args.compression,
             "overlap": args.overlap,
             "sparse": args.sparse_name,
@@ -371,6 +377,13 @@ def main() -> int:
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="AdamW, both methods")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument(
+        "--outer-momentum-warmup", type=int, default=0, help="rounds (int8/none DiLoCo)"
+    )
+    parser.add_argument(
+        "--sparse-outer-momentum-warmup", type=int, default=OUTER_MOMENTUM_WARMUP,
+        help="rounds (sparse DiLoCo; bench.diloco's, under which its settings were chosen)",
+    )  # fmt: skip
     parser.add_argument(
         "--uplink", type=parse_rate, help="the peers' upload rate (default --rate): a home line"
     )

@@ -2,7 +2,8 @@
 
     python -m bench.diloco_wan_worker --method dp|diloco --join MULTIADDR --ip IP --rank K
         --peers N [--inner-steps 125] [--batch 8] [--context 128] [--inner-lr 2e-3]
-        [--outer-lr 0.7] [--outer-momentum 0.9] [--compression int8|none|sparse] [--overlap]
+        [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-momentum-warmup 0]
+        [--compression int8|none|sparse] [--overlap] [--sparse-outer-momentum-warmup 12]
         [bench.diloco's --sparse-* options] [-v]
 
 Built like ``swarmtrain node``: a p2p node with the swarm ``Averager`` in the trio loop of a
@@ -15,8 +16,11 @@ DiLoCo's codec: ``int8`` (``bench.diloco._codec`` as ``compress``, int8 on the w
 or ``sparse``: ``bench.diloco.sparse_codec`` of the ``--sparse-*`` options on the wire (the
 averager's codec, as a node with ``compression = "sparse"`` runs it) with error feedback from
 what the peers decoded (``error_feedback=True``), and sparse DiLoCo's outer lr, momentum and
-residual decay (``--sparse-outer-lr`` ...). ``--overlap``: ``DiLoCo(overlap=True)``, the
-one-round-delayed outer step, the averaging running behind the next inner phase.
+residual decay (``--sparse-outer-lr`` ...), its outer momentum ramped up over ``--sparse-outer-
+momentum-warmup`` rounds (bench.diloco's 12, under which those were chosen; without it, momentum
+0.9 from round 0 at outer lr 2.0 diverged after five rounds). ``--overlap``:
+``DiLoCo(overlap=True)``, the one-round-delayed outer step, the averaging running behind the
+next inner phase.
 
 Talks JSON lines with the driver: prints ``{"ready": peer id hex, ...}`` once the node is up, then
 reads commands: ``{"cmd": "tcp_rtt", "ip", "port"}`` (one plain TCP connect time, for the lab
@@ -77,6 +81,7 @@ import torch
 
 import swarm
 from bench.diloco import (
+    OUTER_MOMENTUM_WARMUP,
     _batches,
     _codec,
     _sparse_lr,
@@ -354,6 +359,9 @@ def train_diloco(
         inner_steps=args.inner_steps,
         outer_lr=_sparse_lr(args) if sparse else args.outer_lr,
         outer_momentum=_sparse_momentum(args) if sparse else args.outer_momentum,
+        outer_momentum_warmup=(
+            args.sparse_outer_momentum_warmup if sparse else args.outer_momentum_warmup
+        ),
         # Sparse: the averager's codec, its round trip (``sent``) as the residual's reference.
         compress=_codec(swarm.Compression.INT8) if args.compression == "int8" else None,
         error_feedback=sparse,
@@ -519,6 +527,10 @@ def main() -> int:
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--compression", choices=["int8", "none", "sparse"], default="int8")
     parser.add_argument("--overlap", action="store_true", help="DiLoCo's delayed outer step")
+    parser.add_argument("--outer-momentum-warmup", type=int, default=0, help="rounds")
+    parser.add_argument(
+        "--sparse-outer-momentum-warmup", type=int, default=OUTER_MOMENTUM_WARMUP, help="rounds"
+    )
     add_sparse_options(parser)
     parser.add_argument("--rate-bps", type=float, default=None)
     parser.add_argument("--matchmaking-timeout", type=float, default=30.0)
