@@ -16,9 +16,9 @@ DiLoCo's codec: ``int8`` (``bench.diloco._codec`` as ``compress``, int8 on the w
 or ``sparse``: ``bench.diloco.sparse_codec`` of the ``--sparse-*`` options on the wire (the
 averager's codec, as a node with ``compression = "sparse"`` runs it) with error feedback from
 what the peers decoded (``error_feedback=True``), and sparse DiLoCo's outer lr, momentum and
-residual decay (``--sparse-outer-lr`` ...), its outer momentum ramped up over ``--sparse-outer-
-momentum-warmup`` rounds (bench.diloco's 12, under which those were chosen; without it, momentum
-0.9 from round 0 at outer lr 2.0 diverged after five rounds). ``--overlap``:
+residual decay (``--sparse-outer-lr`` ...), its outer momentum ramped up over
+``--sparse-outer-momentum-warmup`` rounds (bench.diloco's 12, under which those were chosen;
+without it, momentum 0.9 from round 0 at outer lr 2.0 diverged after five rounds). ``--overlap``:
 ``DiLoCo(overlap=True)``, the one-round-delayed outer step, the averaging running behind the
 next inner phase.
 
