@@ -52,7 +52,9 @@ When the votes are read:
   round r's votes (the same on all); on "stop" none starts another phase: each waits for round
   r+1 (sent at T_{r+1} by all, since all read round r's verdict only then) and applies it. So
   all peers end on the same global state after round r+1, at the first boundary predicted at
-  or past the budget plus that last round's averaging (counted as exposed, below).
+  or past the budget plus that last round's averaging (counted as exposed, below). The
+  prediction is one phase long: when phases vary (a shared machine) the run can end a phase
+  before the budget or one after the first boundary past it, the same for every peer.
 
 A round that does not hold every peer's contribution is treated as failed by all who got it (no
 step, no outer update), so a partial round cannot split the parameters; after a failed round a
