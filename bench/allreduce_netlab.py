@@ -168,13 +168,24 @@ class Proc:
 
 
 class Lab:
-    """The star of namespaces (see the module docstring). ``down`` is idempotent."""
+    """The star of namespaces (see the module docstring). ``down`` is idempotent.
+    ``up_rate_bps``: the peers' upload rate when it differs from the download's ``rate_bps``
+    (a home line's slow uplink), with a queue of ``max(150 KB, queue_bytes * up / down)``."""
 
-    def __init__(self, prefix: str, peers: int, rate_bps: float, queue_bytes: int) -> None:
+    def __init__(
+        self,
+        prefix: str,
+        peers: int,
+        rate_bps: float,
+        queue_bytes: int,
+        up_rate_bps: float | None = None,
+    ) -> None:
         self.prefix = prefix
         self.peers = peers
         self.rate_bps = rate_bps
         self.queue_bytes = queue_bytes
+        self.up_rate_bps = rate_bps if up_rate_bps is None else up_rate_bps
+        self.up_queue_bytes = max(150_000, int(queue_bytes * self.up_rate_bps / rate_bps))
         self.inet = prefix + "inet"
         self.boot = prefix + "boot"
         self.peer_ns = [f"{prefix}p{k}" for k in range(peers)]
@@ -202,14 +213,15 @@ class Lab:
             sh("ip", "-n", ns, "link", "set", "eth0", "up")
             sh("ip", "-n", ns, "route", "add", "default", "via", f"{NET}.{index}.1")
             if index != BOOT:
-                self._shape(ns, "eth0")  # upload
-                self._shape(self.inet, outer)  # download
+                self._shape(ns, "eth0", self.up_rate_bps, self.up_queue_bytes)  # upload
+                self._shape(self.inet, outer, self.rate_bps, self.queue_bytes)  # download
 
-    def _shape(self, ns: str, dev: str) -> None:
+    @staticmethod
+    def _shape(ns: str, dev: str, rate_bps: float, queue_bytes: int) -> None:
         # burst 64 KB: tbf passes TCP's GSO packets whole; at 100 Mbit/s that is 5 ms of credit.
         sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-           "rate", f"{int(self.rate_bps)}bit", "burst", "64kb",
-           "limit", str(self.queue_bytes))  # fmt: skip
+           "rate", f"{int(rate_bps)}bit", "burst", "64kb",
+           "limit", str(queue_bytes))  # fmt: skip
 
     def route_through_delay(self, dev: str) -> None:
         """Send every packet that enters the internet from a link through TUN ``dev`` first."""

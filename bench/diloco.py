@@ -107,6 +107,9 @@ from swarm.averaging.payload import Codec, Layout
 from swarm.averaging.sparse_codec import SELECTIONS, SparseCodec
 
 RUN_SEED = 0
+# Rounds over which the outer momentum ramps up from 0: this bench's default, under which the
+# sparse defaults were chosen (``bench.diloco_wan`` gives its sparse run the same).
+OUTER_MOMENTUM_WARMUP = 12
 # Held-out batches by split: "validation" (tuned on) and "heldout" (the test half, reported).
 Evals = dict[str, list[Any]]
 
@@ -364,12 +367,28 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--final-lr", type=float, default=0.1, help="end of the decay (cosine)")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--outer-momentum-warmup", type=int, default=12, help="rounds")
+    parser.add_argument(
+        "--outer-momentum-warmup", type=int, default=OUTER_MOMENTUM_WARMUP, help="rounds"
+    )
     parser.add_argument(
         "--compression", default="int8", choices=["int8", "none", "sparse"],
         help="sparse: int8 DiLoCo and sparse DiLoCo side by side",
     )  # fmt: skip
-    # The sparse defaults: the best on the validation half (docs/diloco_tuning.md).
+    add_sparse_options(parser)
+    parser.add_argument(
+        "--fragments", type=int, default=1,
+        help="streaming DiLoCo: round r averages fragment r mod F of the model only",
+    )  # fmt: skip
+    parser.add_argument("--eval-batches", type=int, default=8, help="of each held-out half")
+    parser.add_argument(
+        "--split-seed", type=int, default=0,
+        help="deals the held-out files into the validation and the test half",
+    )  # fmt: skip
+
+
+def add_sparse_options(parser: argparse.ArgumentParser) -> None:
+    """The sparse codec's and sparse DiLoCo's options (``bench.diloco_wan`` takes them too)."""
+    # The defaults: the best on the validation half (docs/diloco_tuning.md).
     parser.add_argument("--sparse-density", type=float, default=0.0146, help="60 of 4096")
     parser.add_argument("--sparse-bits", type=int, default=2)
     parser.add_argument("--sparse-chunk", type=int, default=4096)
@@ -389,15 +408,18 @@ def add_training_options(parser: argparse.ArgumentParser) -> None:
         "--sparse-error-decay", type=float, default=1.0,
         help="sparse DiLoCo's error feedback: the residual scaled by this before it is added",
     )  # fmt: skip
-    parser.add_argument(
-        "--fragments", type=int, default=1,
-        help="streaming DiLoCo: round r averages fragment r mod F of the model only",
-    )  # fmt: skip
-    parser.add_argument("--eval-batches", type=int, default=8, help="of each held-out half")
-    parser.add_argument(
-        "--split-seed", type=int, default=0,
-        help="deals the held-out files into the validation and the test half",
-    )  # fmt: skip
+
+
+def sparse_codec(args: argparse.Namespace) -> SparseCodec:
+    """The codec ``add_sparse_options``' values name. Raises ValueError (naming the option) on
+    a bad density, bits or chunk, or an outer lr or error decay out of range."""
+    if not 0 <= args.sparse_error_decay <= 1:
+        raise ValueError(f"--sparse-error-decay {args.sparse_error_decay}: expected 0 to 1")
+    if not args.sparse_outer_lr > 0:
+        raise ValueError(f"--sparse-outer-lr {args.sparse_outer_lr}: expected a positive number")
+    return SparseCodec.from_density(
+        args.sparse_density, args.sparse_bits, args.sparse_chunk, args.sparse_select
+    )
 
 
 def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -410,9 +432,7 @@ def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
         parser.error(f"--sparse-outer-lr {args.sparse_outer_lr}: expected a positive number")
     if args.compression == "sparse":
         try:
-            args.sparse = SparseCodec.from_density(
-                args.sparse_density, args.sparse_bits, args.sparse_chunk, args.sparse_select
-            )
+            args.sparse = sparse_codec(args)
         except ValueError as error:
             parser.error(str(error))
         args.compression = "int8"

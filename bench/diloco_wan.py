@@ -1,8 +1,11 @@
 """DiLoCo against data parallel at equal wall-clock, on the real swarm over shaped slow links.
 
-    sudo .venv/bin/python -m bench.diloco_wan [--peers 4] [--rate 100mbit] [--delay 25]
-        [--budget-s 150] [--inner-steps 125] [--batch 8] [--context 128] [--inner-lr 2e-3]
-        [--outer-lr 0.7] [--outer-momentum 0.9] [--compression int8|none] [--log-dir DIR] [-v]
+    sudo .venv/bin/python -m bench.diloco_wan [--peers 4] [--rate 100mbit] [--uplink RATE]
+        [--delay 25] [--budget-s 150] [--inner-steps 125] [--batch 8] [--context 128]
+        [--inner-lr 2e-3] [--outer-lr 0.7] [--outer-momentum 0.9] [--outer-momentum-warmup 0]
+        [--compression int8|none|sparse] [--overlap] [bench.diloco's --sparse-* options]
+        [--sparse-outer-momentum-warmup 12]
+        [--log-dir DIR] [-v]
 
 Issue 4's "equal wall-clock over a real slow link": both methods train the embedded default
 model on the swarm itself (real libp2p nodes, the real ``swarm.Averager`` matchmaking and
@@ -29,32 +32,53 @@ worker one start time and the budget; all share this machine's clock.
   ``--outer-lr``/``--outer-momentum``, pseudo-gradients averaged through
   ``swarmtrain.training.swarm_average.SwarmAverage`` with int8 on the wire and error feedback
   (``bench.diloco``'s codec as ``compress``), ``--compression none`` for float32.
+- Sparse DiLoCo (``--compression sparse``, issue 20; int8 DiLoCo runs beside it in the same
+  sitting): ``bench.diloco.sparse_codec`` of the ``--sparse-*`` options (bench.diloco's tuned
+  defaults: 1.46% of each part at 2 bits, outer lr 2.0, and like there the outer momentum ramped
+  up over ``--sparse-outer-momentum-warmup`` 12 rounds) on the wire, error feedback from what
+  the peers decoded, as a node with ``compression = "sparse"`` runs it. ``--overlap``: the
+  method ``--compression`` names runs ``DiLoCo(overlap=True)`` (the outer step one round late,
+  the averaging behind the next inner phase); with ``sparse`` the int8 run beside it stays
+  synchronous, the baseline of the earlier figures.
 
-Equal wall clock: DiLoCo runs first and stops at the first round boundary at or past
-``--budget-s``, which may be up to a round later; data parallel then runs for exactly the wall
-clock DiLoCo took (it stops at the first step that ends at or past it: a second or two). Every
-averaged vector carries each peer's vote (its time is up or not), so all peers read the same
-verdict and stop at the same step or round; a round missing a peer's contribution is applied by
-nobody (see the worker's docstring). Each worker then reports its steps and rounds, bytes sent,
-time spent in averaging calls (waiting for slower peers included; matchmaking and all-reduce
-separately), and the held-out loss (``eval_batches(corpus, batches=8)``, nats/byte) of the
-parameters after its last successful round (DiLoCo's global parameters) with their sha256: all
-peers must agree. It also reports the same for the last step or round that completed by
-``--budget-s`` ("within the budget": what each method had when the nominal budget ran out).
+``--uplink RATE``: the peers' upload shaped to RATE instead of ``--rate`` (which then shapes
+the downloads only): a home line, e.g. ``--uplink 20mbit``. The averaging's traffic is
+symmetric (each peer sends as much as it receives), so the slower side bounds it either way.
+
+Equal wall clock: the DiLoCo runs go first, each stopping at the first round boundary at or past
+``--budget-s``, which may be up to a round later; data parallel then runs for the longest wall
+clock a DiLoCo run took (it stops at the first step that ends at or past it: a second or two).
+Every averaging carries each peer's vote (its time is up or not), so all peers read the same
+verdict and stop at the same step or round (with overlap the vote is about the next boundary,
+read a round late: the worker's docstring); a round missing a peer's contribution is applied by
+nobody. Each worker then reports its steps and rounds, bytes sent, time spent in averaging calls
+(waiting for slower peers included; matchmaking and all-reduce separately), the part of it the
+training thread waited (``exposed``), and the held-out loss (``eval_batches(corpus,
+batches=8)``, nats/byte) of the parameters after its last successful round (DiLoCo's global
+parameters) with their sha256: all peers must agree. It also reports the same for the last step
+or round that every worker had applied by ``--budget-s`` ("within the budget": what each method
+had when the nominal budget ran out; with overlap peers apply a round seconds apart, so each keeps
+its last two and the driver takes the latest all of them reached).
 
 ``wan_loss_ratio`` = DiLoCo held-out loss / data-parallel held-out loss at the end of the
 matched wall clock (each the median over workers, all equal when the hashes agree);
 ``wan_loss_ratio_within_budget`` is the same ratio for the parameters each method had at
 ``--budget-s`` (strict: DiLoCo's unfinished last round counts for nothing). Target:
-``wan_loss_ratio`` at most 0.9. The last stdout line is one JSON object with both ratios, the
-losses, the budget and the settings. ``-v``: INFO logging in the workers (their stderr files are
-in ``--log-dir``, else a temporary folder kept on failure).
+``wan_loss_ratio`` at most 0.9. With ``--compression sparse``: ``wan_loss_ratio_sparse`` (and
+``_within_budget``), sparse DiLoCo's loss over data parallel's, target at most 0.75 at 100
+Mbit/s, and ``averaging_exposed_fraction``: the share of the wall clock a worker's training
+thread spent waiting on averaging (median over workers; the last round's wait after the budget
+included), for the method ``--compression`` names; target at most 0.02. The last stdout line is
+one JSON object with the ratios, the losses, the budget and the settings. ``-v``: INFO logging
+in the workers (their stderr files are in ``--log-dir``, else a temporary folder kept on
+failure).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -75,12 +99,36 @@ from bench.allreduce_netlab import (
     stop_on_signals,
 )
 from bench.common import git_sha
+from bench.diloco import OUTER_MOMENTUM_WARMUP, add_sparse_options, sparse_codec
 from bench.progress import BenchProgress
 
 MATCHMAKING_TIMEOUT_S = 30.0
 ALLREDUCE_TIMEOUT_S = 60.0
 START_DELAY_S = 3.0  # from the start command to the common start time
-METHODS = {"dp": "data parallel", "diloco": "DiLoCo"}
+METHODS = {"dp": "data parallel", "diloco": "DiLoCo", "diloco_sparse": "sparse DiLoCo"}
+LABELS = {"dp": "data_parallel", "diloco": "diloco", "diloco_sparse": "diloco_sparse"}
+SPARSE_OPTIONS = (
+    "sparse_density", "sparse_bits", "sparse_chunk", "sparse_select", "sparse_outer_lr",
+    "sparse_error_decay",
+)  # fmt: skip
+
+
+def worker_options(method: str, args: argparse.Namespace) -> list[str]:
+    """The worker's options for ``method``: the codec and mode of that run."""
+    if method == "dp":
+        return ["--method", "dp"]
+    compression = "sparse" if method == "diloco_sparse" else args.compression
+    if compression == "sparse":
+        compression = "int8" if method == "diloco" else "sparse"
+    out = ["--method", "diloco", "--compression", compression]
+    # --overlap is the named method's: with sparse the int8 run beside it stays synchronous.
+    if args.overlap and (method == "diloco_sparse" or args.compression != "sparse"):
+        out.append("--overlap")
+    for name in SPARSE_OPTIONS:
+        out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if args.sparse_outer_momentum is not None:
+        out += ["--sparse-outer-momentum", str(args.sparse_outer_momentum)]
+    return out
 
 
 def run_method(
@@ -100,13 +148,16 @@ def run_method(
     workers: list[Proc] = []
     try:
         for k, ns in enumerate(lab.peer_ns):
-            argv = [py, "-m", "bench.diloco_wan_worker", "--method", method, "--join", join,
+            argv = [py, "-m", "bench.diloco_wan_worker", *worker_options(method, args),
+                    "--join", join,
                     "--ip", lab.ip(k), "--rank", str(k), "--peers", str(args.peers),
                     "--inner-steps", str(args.inner_steps), "--batch", str(args.batch),
                     "--context", str(args.context), "--inner-lr", str(args.inner_lr),
                     "--outer-lr", str(args.outer_lr),
                     "--outer-momentum", str(args.outer_momentum),
-                    "--compression", args.compression, "--rate-bps", str(args.rate),
+                    "--outer-momentum-warmup", str(args.outer_momentum_warmup),
+                    "--sparse-outer-momentum-warmup", str(args.sparse_outer_momentum_warmup),
+                    "--rate-bps", str(args.uplink),
                     "--matchmaking-timeout", str(MATCHMAKING_TIMEOUT_S),
                     "--allreduce-timeout", str(ALLREDUCE_TIMEOUT_S)]  # fmt: skip
             if args.verbose:
@@ -123,7 +174,8 @@ def run_method(
             workers[0].send({"cmd": "tcp_rtt", "ip": addrs[1][2], "port": int(addrs[1][4])})
             lab_info["rtt_ms"] = workers[0].json(60)["rtt_ms"]
             print(
-                f"lab: {args.peers} peers, {args.rate / 1e6:g} Mbit/s each way per access link, "
+                f"lab: {args.peers} peers, {args.uplink / 1e6:g} Mbit/s up and "
+                f"{args.rate / 1e6:g} Mbit/s down per access link, "
                 f"{args.delay:g} ms one-way, tbf queue {lab.queue_bytes / 1e3:.0f} KB; "
                 f"RTT peer0->peer1 {lab_info['rtt_ms']:.1f} ms (TCP connect)",
                 flush=True,
@@ -156,9 +208,18 @@ def run_method(
     return summarize(method, replies, up_bytes)
 
 
+def within_budget(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each worker's entry for the latest round every worker had applied by the nominal budget
+    (the worker's ``Tally.within``), in worker order; an empty entry where one lacks it."""
+    common = min(max(w["round"] for w in r["within"]) for r in replies)
+    return [next((w for w in r["within"] if w["round"] == common), {}) for r in replies]
+
+
 def summarize(method: str, replies: list[dict[str, Any]], up_bytes: list[int]) -> dict[str, Any]:
     def median(key: str) -> float:
         return float(statistics.median(r[key] for r in replies))
+
+    within = within_budget(replies)
 
     return {
         "steps": [r["steps"] for r in replies],
@@ -168,14 +229,15 @@ def summarize(method: str, replies: list[dict[str, Any]], up_bytes: list[int]) -
         "loss": median("loss"),
         "losses": [round(r["loss"], 5) for r in replies],
         "params_agree": len({r["param_hash"] for r in replies}) == 1,
-        "steps_within": [r["steps_within"] for r in replies],
-        "rounds_within": [r["rounds_within"] for r in replies],
-        "loss_within": median("loss_within"),
-        "params_within_agree": len({r["hash_within"] for r in replies}) == 1,
+        "steps_within": [w.get("steps", -1) for w in within],
+        "rounds_within": [w.get("rounds", -1) for w in within],
+        "loss_within": float(statistics.median(w.get("loss", math.nan) for w in within)),
+        "params_within_agree": len({w.get("hash") for w in within}) == 1,
         "elapsed_s": max(r["elapsed_s"] for r in replies),
         "mb_sent_per_peer": median("bytes_sent") / 1e6,
         "tbf_upload_mb_per_peer": statistics.median(up_bytes) / 1e6,
         "comm_fraction": statistics.median(r["comm_s"] / r["elapsed_s"] for r in replies),
+        "exposed_fraction": statistics.median(r["exposed_s"] / r["elapsed_s"] for r in replies),
         "matchmaking_s_per_round": median("matchmaking_s") / max(1, median("rounds")),
         "allreduce_s_per_round": median("allreduce_s") / max(1, median("rounds")),
         "errors": [e for r in replies for e in r["errors"]][:8],
@@ -197,16 +259,18 @@ def describe(method: str, s: dict[str, Any], budget_s: float) -> str:
         f"{s['elapsed_s']:.1f} s; held-out {s['loss']:.4f} nats/byte ({s['loss_within']:.4f} "
         f"after the {within} done by {budget_s:g} s); {s['mb_sent_per_peer']:.1f} MB sent per "
         f"peer (tbf upload {s['tbf_upload_mb_per_peer']:.1f} MB); communicating "
-        f"{100 * s['comm_fraction']:.0f}% of the wall time (per round: matchmaking "
+        f"{100 * s['comm_fraction']:.0f}% of the wall time, training waiting on it "
+        f"{100 * s['exposed_fraction']:.1f}% (per round: matchmaking "
         f"{s['matchmaking_s_per_round']:.2f} s, all-reduce {s['allreduce_s_per_round']:.2f} s); "
-        f"params agree {'yes' if s['params_agree'] and s['params_within_agree'] else 'NO'}"
+        f"params agree {'yes' if s['params_agree'] else 'NO'} (within the budget "
+        f"{'yes' if s['params_within_agree'] else 'NO'})"
     )
 
 
 def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dict[str, Any]:
     rtt_s = 2 * args.delay / 1000
     queue_bytes = max(150_000, int(args.rate / 8 * rtt_s))
-    lab = Lab(f"sdw{os.getpid()}-", args.peers, args.rate, queue_bytes)
+    lab = Lab(f"sdw{os.getpid()}-", args.peers, args.rate, queue_bytes, args.uplink)
     procs: list[Proc] = []
     py = sys.executable
     lab_info: dict[str, Any] = {}
@@ -228,17 +292,19 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
         procs.append(relay)
         join = relay.line(START_TIMEOUT_S).strip()
         print(f"bootstrap {join}", flush=True)
-        # DiLoCo first: it stops at the first round boundary at or past the budget, up to a
-        # round later; data parallel then gets exactly the wall clock DiLoCo took.
-        budget_s = args.budget_s
-        for method in ("diloco", "dp"):
+        # DiLoCo first: each run stops at the first round boundary at or past the budget, up
+        # to a round later; data parallel then gets the longest wall clock a DiLoCo run took.
+        methods = ("diloco_sparse", "diloco") if args.compression == "sparse" else ("diloco",)
+        dp_budget_s = args.budget_s
+        for method in (*methods, "dp"):
+            budget_s = dp_budget_s if method == "dp" else args.budget_s
             results[method] = run_method(
                 method, args, lab, join, log_dir, lab_info, budget_s, progress
             )
             print(describe(method, results[method], args.budget_s), flush=True)
             for error in results[method]["errors"]:
                 print(f"  {method} worker error: {error}")
-            budget_s = max(budget_s, results[method]["elapsed_s"])
+            dp_budget_s = max(dp_budget_s, results[method]["elapsed_s"])
     finally:
         for proc in reversed(procs):
             proc.request_stop()
@@ -246,35 +312,34 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
             proc.stop()
         lab.down()
     dp, dl = results["dp"], results["diloco"]
-    return {
+    named = results["diloco_sparse" if args.compression == "sparse" else "diloco"]
+
+    def each(key: str, digits: int) -> dict[str, Any]:
+        return {LABELS[m]: round(r[key], digits) for m, r in results.items()}
+
+    out: dict[str, Any] = {
         "wan_loss_ratio": round(dl["loss"] / dp["loss"], 4),
         "wan_loss_ratio_within_budget": round(dl["loss_within"] / dp["loss_within"], 4),
-        "loss": {"data_parallel": round(dp["loss"], 4), "diloco": round(dl["loss"], 4)},
-        "loss_within_budget": {
-            "data_parallel": round(dp["loss_within"], 4),
-            "diloco": round(dl["loss_within"], 4),
-        },
+    }
+    if "diloco_sparse" in results:
+        sp = results["diloco_sparse"]
+        out["wan_loss_ratio_sparse"] = round(sp["loss"] / dp["loss"], 4)
+        out["wan_loss_ratio_sparse_within_budget"] = round(sp["loss_within"] / dp["loss_within"], 4)
+    return {
+        **out,
+        "averaging_exposed_fraction": round(named["exposed_fraction"], 4),
+        "exposed_fraction": each("exposed_fraction", 4),
+        "loss": each("loss", 4),
+        "loss_within_budget": each("loss_within", 4),
         "budget_s": args.budget_s,
-        "matched_wall_clock_s": dl["elapsed_s"],
-        "elapsed_s": {"data_parallel": dp["elapsed_s"], "diloco": dl["elapsed_s"]},
-        "steps_per_peer": {"data_parallel": dp["steps"][0], "diloco": dl["steps"][0]},
-        "rounds": {"data_parallel": dp["rounds"][0], "diloco": dl["rounds"][0]},
-        "rounds_failed": {
-            "data_parallel": max(dp["rounds_failed"]),
-            "diloco": max(dl["rounds_failed"]),
-        },
-        "tokens_per_peer": {
-            "data_parallel": dp["tokens_per_peer"],
-            "diloco": dl["tokens_per_peer"],
-        },
-        "mb_sent_per_peer": {
-            "data_parallel": round(dp["mb_sent_per_peer"], 2),
-            "diloco": round(dl["mb_sent_per_peer"], 2),
-        },
-        "comm_fraction": {
-            "data_parallel": round(dp["comm_fraction"], 3),
-            "diloco": round(dl["comm_fraction"], 3),
-        },
+        "matched_wall_clock_s": dp["elapsed_s"],
+        "elapsed_s": {LABELS[m]: r["elapsed_s"] for m, r in results.items()},
+        "steps_per_peer": {LABELS[m]: r["steps"][0] for m, r in results.items()},
+        "rounds": {LABELS[m]: r["rounds"][0] for m, r in results.items()},
+        "rounds_failed": {LABELS[m]: max(r["rounds_failed"]) for m, r in results.items()},
+        "tokens_per_peer": {LABELS[m]: r["tokens_per_peer"] for m, r in results.items()},
+        "mb_sent_per_peer": each("mb_sent_per_peer", 3),
+        "comm_fraction": each("comm_fraction", 3),
         "params_agree": all(
             r["params_agree"] and r["params_within_agree"] for r in results.values()
         ),
@@ -282,6 +347,7 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
         "config": {
             "peers": args.peers,
             "rate_mbit": args.rate / 1e6,
+            "uplink_mbit": args.uplink / 1e6,
             "delay_ms": args.delay,
             "inner_steps": args.inner_steps,
             "batch": args.batch,
@@ -289,7 +355,11 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
             "inner_lr": args.inner_lr,
             "outer_lr": args.outer_lr,
             "outer_momentum": args.outer_momentum,
+            "outer_momentum_warmup": args.outer_momentum_warmup,
+            "sparse_outer_momentum_warmup": args.sparse_outer_momentum_warmup,
             "compression": args.compression,
+            "overlap": args.overlap,
+            "sparse": args.sparse_name,
             "cores": os.cpu_count(),
         },
     }
@@ -307,12 +377,35 @@ def main() -> int:
     parser.add_argument("--inner-lr", type=float, default=2e-3, help="AdamW, both methods")
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--compression", default="int8", choices=["int8", "none"])
+    parser.add_argument(
+        "--outer-momentum-warmup", type=int, default=0, help="rounds (int8/none DiLoCo)"
+    )
+    parser.add_argument(
+        "--sparse-outer-momentum-warmup", type=int, default=OUTER_MOMENTUM_WARMUP,
+        help="rounds (sparse DiLoCo; bench.diloco's, under which its settings were chosen)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--uplink", type=parse_rate, help="the peers' upload rate (default --rate): a home line"
+    )
+    parser.add_argument(
+        "--compression", default="int8", choices=["int8", "none", "sparse"],
+        help="sparse: sparse DiLoCo and int8 DiLoCo side by side",
+    )  # fmt: skip
+    parser.add_argument(
+        "--overlap", action="store_true",
+        help="the named method's DiLoCo with the one-round-delayed outer step",
+    )  # fmt: skip
+    add_sparse_options(parser)
     parser.add_argument("--log-dir", type=Path, help="keep worker logs here")
     parser.add_argument("-v", "--verbose", action="store_true", help="INFO logs in the workers")
     args = parser.parse_args()
     if not 2 <= args.peers <= 64 or args.delay < 0 or args.budget_s <= 0 or args.inner_steps < 1:
         parser.error("need 2 <= --peers <= 64, --delay >= 0, --budget-s > 0, --inner-steps >= 1")
+    args.uplink = args.rate if args.uplink is None else args.uplink
+    try:
+        args.sparse_name = sparse_codec(args).name if args.compression == "sparse" else None
+    except ValueError as error:
+        parser.error(str(error))
     unavailable = lab_unavailable("diloco_wan")
     if unavailable:
         print(unavailable, file=sys.stderr)
@@ -327,8 +420,10 @@ def main() -> int:
         f"=== DiLoCo vs data parallel at equal wall-clock ({sha}): {args.peers} peers, "
         f"{args.budget_s:g} s each, H={args.inner_steps}, batch {args.batch}x{args.context}, "
         f"AdamW {args.inner_lr}, outer Nesterov lr {args.outer_lr} momentum "
-        f"{args.outer_momentum}, {args.compression} pseudo-gradients; {os.cpu_count()} cores, "
-        f"load average {load_before:.1f} before the run ===",
+        f"{args.outer_momentum}, {args.compression} pseudo-gradients"
+        + (f" ({args.sparse_name}, outer lr {args.sparse_outer_lr})" if args.sparse_name else "")
+        + (" with overlap" if args.overlap else "")
+        + f"; {os.cpu_count()} cores, load average {load_before:.1f} before the run ===",
         flush=True,
     )
     try:
@@ -343,11 +438,18 @@ def main() -> int:
     if not keep:
         shutil.rmtree(log_dir, ignore_errors=True)
     result["load_before"] = round(load_before, 2)
+    result["load_after"] = round(os.getloadavg()[0], 2)
     result["git_sha"] = sha
     print(
         f"wan_loss_ratio {result['wan_loss_ratio']:.3f} (target <= 0.9); within the budget "
         f"{result['wan_loss_ratio_within_budget']:.3f}; params agree {result['params_agree']}"
     )
+    if "wan_loss_ratio_sparse" in result:
+        print(
+            f"wan_loss_ratio_sparse {result['wan_loss_ratio_sparse']:.3f} (target <= 0.75 at "
+            f"100 Mbit/s); within the budget {result['wan_loss_ratio_sparse_within_budget']:.3f}"
+        )
+    print(f"averaging_exposed_fraction {result['averaging_exposed_fraction']:.4f} (target <= 0.02)")
     print(json.dumps(result))
     return 0 if result["params_agree"] else 1
 

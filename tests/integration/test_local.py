@@ -58,7 +58,8 @@ def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Pa
     """``[training] overlap`` and ``error_feedback`` with ``[swarm] compression = "int8"``,
     streaming two fragments: each round's averaging (of one fragment, the other training on)
     runs behind the next inner phase, every tensor travels as int8 and what the codec dropped
-    is carried into the next round; the peers still end each round bit-identical, the loss
+    is carried into the next round; the three peers still end each round bit-identical (issue
+    20's "overlap and fragments in a real 3-peer run with agreeing state hashes"), the loss
     falls, and each round line says how long training waited for its averaging."""
     run_toml = tmp_path / "run.toml"
     run_toml.write_text(
@@ -67,7 +68,7 @@ def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Pa
     )
     summary_path = tmp_path / "local.json"
     command = [
-        *SWARMTRAIN, "local", "--config", str(run_toml), "--peers", "2", "--rounds", "3",
+        *SWARMTRAIN, "local", "--config", str(run_toml), "--peers", "3", "--rounds", "3",
         "--inner-steps", INNER_STEPS, "--json", str(summary_path),
     ]  # fmt: skip
     result = subprocess.run(
@@ -81,11 +82,11 @@ def test_overlapped_int8_rounds_with_error_feedback_train_and_agree(tmp_path: Pa
     summary = json.loads(summary_path.read_text())
     assert summary["state_hashes_agree"] is True
     assert summary["loss_last"] < summary["loss_first"], summary
-    for index in range(2):
+    for index in range(3):
         lines = [line for line in result.stdout.splitlines() if line.startswith(f"[{index}] round")]
         # Round r's averaging is reported at the end of phase r + 1 (the last one after it).
         assert "averaging while round 1 trains" in lines[0], lines
-        averaged = [line for line in lines if "agree yes (2/2)" in line]
+        averaged = [line for line in lines if "agree yes (3/3)" in line]
         assert [line.split()[2] for line in averaged] == ["0", "1", "2"], lines
         assert all("averaging exposed" in line for line in averaged), lines
 
