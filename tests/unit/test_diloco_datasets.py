@@ -221,6 +221,10 @@ def test_the_fingerprint_is_stable_and_follows_the_data_and_settings(tmp_path: P
          "data.dtype: .*odd.bin has 3 bytes"),
         ("wide.npy", lambda d: load_token_corpus((str(d / "wide.npy"),), dtype="uint16"),
          "data.dtype: .*wide.npy holds a 1-d uint32 array"),
+        ("empty.bin", lambda d: load_token_corpus((str(d / "empty.bin"),), dtype="uint16"),
+         r"data.paths: .*empty.bin is empty$"),
+        ("empty.npy", lambda d: load_token_corpus((str(d / "empty.npy"),), dtype="uint16"),
+         r"data.paths: .*empty.npy is empty$"),
         ("a.jsonl", lambda d: load_token_corpus((str(d / "a.jsonl"),), dtype="uint16"),
          "data.paths: .*a.jsonl is not one of .bin, .npy"),
     ],
@@ -232,6 +236,8 @@ def test_bad_data_is_refused_in_one_line_naming_the_key_and_file(
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     (tmp_path / "odd.bin").write_bytes(b"abc")
     np.save(tmp_path / "wide.npy", np.arange(10, dtype="<u4"))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype="<u2"))
     with pytest.raises(DataError, match=message) as caught:
         call(tmp_path)  # type: ignore[operator]
     assert "\n" not in str(caught.value)
