@@ -32,13 +32,13 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from swarm.pipeline import wire
 from swarmtrain.metrics import InLoop, Metrics, RoundSample
 from swarmtrain.tracking import Tracker
 
 REQUEST_KINDS = ("forward", "backward", "params")
-# ``swarm.pipeline.server.Refusal`` codes, as label values; anything else counts as "other".
-REFUSAL_CODES = ("wrong_stage", "wrong_run", "unknown_microbatch", "bad_request", "timeout",
-                 "internal")  # fmt: skip
+# A server's refusal codes as label values; anything else counts as "other".
+REFUSAL_CODES = tuple(code.replace("-", "_") for code in wire.REFUSAL_CODES)
 
 
 def trainer_round_sample(event: dict[str, Any]) -> RoundSample:

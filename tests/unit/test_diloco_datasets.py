@@ -145,8 +145,8 @@ def test_token_ids_beyond_the_models_vocabulary_are_refused_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Exactly: one id of 300 among bytes is refused for the default model (vocabulary 256) by
-    the coordinator when it signs the spec and by a node when it builds the model, one line
-    naming the data key and both numbers; ``swarmtrain coordinator`` exits 1 with it."""
+    the coordinator when it signs the spec, one line naming the data key and both numbers
+    (``swarmtrain coordinator`` exits 1 with it), and by a node when it builds the model."""
     ids = np.zeros(3 * 2**20, dtype="<u2")
     ids[12345] = 300  # far from the fingerprint's sampled positions
     ids.tofile(tmp_path / "big.bin")
@@ -159,7 +159,10 @@ def test_token_ids_beyond_the_models_vocabulary_are_refused_before_training(
     with pytest.raises(WorkloadError, match=re.escape(message)):
         with_local_hashes(config, tmp_path)
     signed = with_data_fingerprint(with_base(config, tmp_path))
-    with pytest.raises(WorkloadError, match=re.escape(message)):
+    with pytest.raises(WorkloadError, match=re.escape(
+        'model.kind "default" reads bytes (vocabulary 256); the data\'s vocabulary is 301: use '
+        'model.kind "transformers" or byte data'
+    )):  # fmt: skip
         build_model(signed, load_data(signed).vocab_size)  # a node's check
     factory = signed.replace(model={"factory": "pipeline_user_model:build"})
     with pytest.raises(WorkloadError, match=re.escape(
