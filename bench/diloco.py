@@ -425,16 +425,12 @@ def sparse_codec(args: argparse.Namespace) -> SparseCodec:
 def parse_schedule(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Turn the parsed options into what ``run_diloco`` reads: the codec (``--compression
     sparse``: int8, and the sparse codec as ``args.sparse``), H of every round."""
-    args.sparse = None
-    if not 0 <= args.sparse_error_decay <= 1:
-        parser.error(f"--sparse-error-decay {args.sparse_error_decay}: expected 0 to 1")
-    if not args.sparse_outer_lr > 0:
-        parser.error(f"--sparse-outer-lr {args.sparse_outer_lr}: expected a positive number")
+    try:  # every sparse option checked, also where unused: a mistyped one is refused anyway
+        codec = sparse_codec(args)
+    except ValueError as error:
+        parser.error(str(error))
+    args.sparse = codec if args.compression == "sparse" else None
     if args.compression == "sparse":
-        try:
-            args.sparse = sparse_codec(args)
-        except ValueError as error:
-            parser.error(str(error))
         args.compression = "int8"
     args.compression = Compression[args.compression.upper()]
     try:

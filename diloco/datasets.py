@@ -223,6 +223,8 @@ def _token_array(path: Path, dtype: str) -> np.ndarray:
             raise DataError(
                 f"data.dtype: {path} holds a {array.ndim}-d {array.dtype} array, not 1-d {dtype}"
             )
+        if array.size == 0:
+            raise DataError(f"data.paths: {path} is empty")
         return array
     size = path.stat().st_size
     if size % want.itemsize:

@@ -805,9 +805,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 143 if status == 130 and terminated() else status
 
 
-def _path_options(args: argparse.Namespace) -> list[tuple[str, Path, Use]]:
-    """The command's paths (defaults included), each as its flag shows it and how it is used:
-    checked before the command writes, imports or dials anything."""
+# What to give instead of a folder a command reads that is not one (Use.EXISTING_FOLDER).
+FOLDER_FIXES = {
+    ("node", "--data-dir"): "give the folder the run's data and weights lie under (as they "
+    "lie beside the coordinator's run.toml)",
+    ("export", "--data-dir"): "give the node's --data-dir",
+    ("export", "--state-dir"): "give the node's --state-dir",
+}
+
+
+def _path_options(args: argparse.Namespace) -> list[tuple[str, Path, Use, str]]:
+    """The command's paths (defaults included), each as its flag shows it, how it is used and,
+    for a folder it reads, what to give instead: checked before the command writes, imports or
+    dials anything."""
     command = args.command
     found: list[tuple[str, Path | None, Use]] = []
     if command in ("id", "relay", "doctor", "coordinator"):
@@ -816,7 +826,8 @@ def _path_options(args: argparse.Namespace) -> list[tuple[str, Path, Use]]:
         found.append(("--config", args.config, Use.CONFIG))
     if command == "node":
         found += [("--identity", args.identity, Use.FILE),
-                  ("--state-dir", args.state_dir or _default_state_dir(), Use.FOLDER)]  # fmt: skip
+                  ("--state-dir", args.state_dir or _default_state_dir(), Use.FOLDER),
+                  ("--data-dir", args.data_dir, Use.EXISTING_FOLDER)]  # fmt: skip
         found += [
             (f"--log-to {spec}", Path(spec.partition(":")[2]), Use.FOLDER)
             for spec in args.log_to
@@ -824,6 +835,7 @@ def _path_options(args: argparse.Namespace) -> list[tuple[str, Path, Use]]:
         ]
     if command == "export":
         found += [("--state-dir", args.state_dir, Use.EXISTING_FOLDER),
+                  ("--data-dir", args.data_dir, Use.EXISTING_FOLDER),
                   ("--out", args.out, Use.NEW_FOLDER)]  # fmt: skip
     if command == "local":
         found.append(("--workdir", args.workdir, Use.FOLDER))
@@ -832,7 +844,12 @@ def _path_options(args: argparse.Namespace) -> list[tuple[str, Path, Use]]:
     if command == "init":
         found.append(("", args.path, Use.FILE))
     return [
-        (f"{flag} {path}".strip() if not flag.startswith("--log-to") else flag, path, use)
+        (
+            f"{flag} {path}".strip() if not flag.startswith("--log-to") else flag,
+            path,
+            use,
+            FOLDER_FIXES.get((command, flag), ""),
+        )
         for flag, path, use in found
         if path is not None
     ]
@@ -848,8 +865,8 @@ def _run(argv: Sequence[str] | None) -> int:
             if problem is not None:
                 print(f"swarmtrain {args.command}: --{flag} {text}: {problem}", file=sys.stderr)
                 return 1
-    for shown, path, use in _path_options(args):
-        problem = path_problem(path, use)
+    for shown, path, use, fix in _path_options(args):
+        problem = path_problem(path, use, fix)
         if problem is not None:
             print(f"swarmtrain {args.command}: {shown}: {problem}", file=sys.stderr)
             return 1

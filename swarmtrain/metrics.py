@@ -14,6 +14,12 @@ Each process has its own ``CollectorRegistry`` (never the library's global one),
   loop's token from ``trio.from_thread``), so it reads the node's tables while nothing else
   changes them; a loop that has ended yields none of those families.
 
+One scrape shows one round: ``observe_round`` and the read of every round family (the round's
+gauges and the round counters and histograms) hold one lock, so a round that ends mid-scrape is
+either all in it or not at all. A source whose families also follow the rounds (a pipeline
+role's, ``watch(..., with_round=True)``, whose rounds are observed in its loop) reads the round
+families in the same call in that loop, so its figures and the round's agree.
+
 DHT requests are timed through the p2p ``Dht``'s ``on_request`` hook (p2p imports nothing of
 ours: it calls whatever we set). Label values come from small fixed sets: a dropped peer's
 free-text reason is mapped to one of ``DROP_KINDS``.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -246,12 +253,18 @@ class _Live(Collector):
         self._metrics = metrics
 
     def collect(self) -> Iterable[Metric]:
-        out: list[Metric] = list(self._metrics._round_families())
-        for sample in list(self._metrics._sources):
+        metrics = self._metrics
+        out: list[Metric] = [metrics._info]
+        rounds_read = False
+        for sample, with_round in list(metrics._sources):
             try:
                 out.extend(sample())
             except (trio.RunFinishedError, RuntimeError) as exc:
                 log.debug("metrics source gone: %s", exc)
+            else:
+                rounds_read = rounds_read or with_round
+        if not rounds_read:  # no source read them (or its loop has ended: nothing changes them)
+            out.extend(metrics.round_families())
         return out
 
 
@@ -262,14 +275,18 @@ class Metrics:
 
     def __init__(self, role: str) -> None:
         self.registry = CollectorRegistry()
-        self._sources: list[Callable[[], list[Metric]]] = []
+        # (sample, whether it reads the round families too)
+        self._sources: list[tuple[Callable[[], list[Metric]], bool]] = []
+        self._lock = threading.Lock()  # observe_round against round_families
         self._last: RoundSample | None = None
         self._server: Any = None
         self.url = ""
-        r = self.registry
         info = GaugeMetricFamily("swarmtrain_info", "This process's role", labels=["role"])
         info.add_metric([role], 1)
         self._info = info
+        # The round counters and histograms: not served by themselves, but read with the last
+        # round under the lock (round_families).
+        r = self._rounds_registry = CollectorRegistry()
         self.rounds = Counter(
             "swarmtrain_rounds", "Rounds finished, by outcome", ["outcome"], registry=r
         )
@@ -299,25 +316,26 @@ class Metrics:
         self.dht_requests = Histogram(
             "swarmtrain_dht_request_seconds",
             "Seconds of this peer's DHT requests (one peer, one request), by outcome",
-            ["outcome"], buckets=DHT_SECONDS_BUCKETS, registry=r,
+            ["outcome"], buckets=DHT_SECONDS_BUCKETS, registry=self.registry,
         )  # fmt: skip
-        r.register(_Live(self))
+        self.registry.register(_Live(self))
 
     # -- feeds -----------------------------------------------------------------------------------
 
     def observe_round(self, sample: RoundSample) -> None:
         """A finished round (the training loop's ``on_round``)."""
-        self.rounds.labels("ok" if sample.ok else "failed").inc()
-        if sample.ok:
-            self.sent.inc(sample.bytes_sent)
-            self.received.inc(sample.bytes_received)
-            if sample.allreduce_s is not None:
-                self.allreduce.observe(sample.allreduce_s)
-            if sample.matchmaking_s is not None:
-                self.matchmaking.observe(sample.matchmaking_s)
-            for reason in sample.dropped:
-                self.dropped.labels(drop_kind(reason)).inc()
-        self._last = sample
+        with self._lock:
+            self.rounds.labels("ok" if sample.ok else "failed").inc()
+            if sample.ok:
+                self.sent.inc(sample.bytes_sent)
+                self.received.inc(sample.bytes_received)
+                if sample.allreduce_s is not None:
+                    self.allreduce.observe(sample.allreduce_s)
+                if sample.matchmaking_s is not None:
+                    self.matchmaking.observe(sample.matchmaking_s)
+                for reason in sample.dropped:
+                    self.dropped.labels(drop_kind(reason)).inc()
+            self._last = sample
 
     def observe_dht_request(self, seconds: float, ok: bool) -> None:
         """One DHT request (the p2p ``Dht``'s ``on_request`` hook)."""
@@ -331,16 +349,25 @@ class Metrics:
         node.dht.on_request = self.observe_dht_request
 
     def watch(
-        self, families: Callable[[], Iterable[Metric]], in_loop: InLoop[list[Metric]] | None = None
+        self,
+        families: Callable[[], Iterable[Metric]],
+        in_loop: InLoop[list[Metric]] | None = None,
+        *,
+        with_round: bool = False,
     ) -> None:
         """Add ``families()`` to every scrape, called in a trio loop: ``in_loop`` runs a
-        function there (default: the loop this is called from)."""
+        function there (default: the loop this is called from). ``with_round``: its families
+        follow the rounds, observed in that loop: the round families are read in the same call,
+        so a scrape cannot show one round's figures with another's."""
         run = in_loop if in_loop is not None else _this_loop()
-        self._sources.append(lambda: run(lambda: list(families())))
+        if with_round:
+            self._sources.append((lambda: run(lambda: [*self.round_families(), *families()]), True))
+        else:
+            self._sources.append((lambda: run(lambda: list(families())), False))
 
     def watch_referee(self, referee: Any) -> None:
         """A coordinator's ``RefereeService``: its verdicts at every scrape."""
-        self._sources.append(lambda: list(verdict_families(list(referee.verdicts))))
+        self._sources.append((lambda: list(verdict_families(list(referee.verdicts))), False))
 
     # -- serving ---------------------------------------------------------------------------------
 
@@ -366,40 +393,44 @@ class Metrics:
             self._server.server_close()
             self._server = None
 
-    def _round_families(self) -> Iterator[Metric]:
-        yield self._info
-        last = self._last
-        if last is None:
-            return
+    def round_families(self) -> list[Metric]:
+        """The last round's gauges and the round counters and histograms, read at one moment."""
+        with self._lock:
+            return [*_last_round_families(self._last), *self._rounds_registry.collect()]
+
+
+def _last_round_families(last: RoundSample | None) -> Iterator[Metric]:
+    if last is None:
+        return
+    yield GaugeMetricFamily(
+        "swarmtrain_round", "The last round this node finished", value=last.round
+    )
+    if last.loss is not None:
         yield GaugeMetricFamily(
-            "swarmtrain_round", "The last round this node finished", value=last.round
+            "swarmtrain_loss", "Mean inner loss of the last round's inner phase",
+            value=last.loss,
+        )  # fmt: skip
+    if last.tokens_per_s is not None:
+        yield GaugeMetricFamily(
+            "swarmtrain_tokens_per_second", "Tokens per second of the last inner phase",
+            value=last.tokens_per_s,
+        )  # fmt: skip
+    yield GaugeMetricFamily(
+        "swarmtrain_round_peers", "Peers in the last round (0 when it failed)",
+        value=last.peers,
+    )  # fmt: skip
+    if last.agree is not None:
+        yield GaugeMetricFamily(
+            "swarmtrain_state_agreement",
+            "1 when the last round's state hash equals the majority's, else 0",
+            value=1.0 if last.agree else 0.0,
         )
-        if last.loss is not None:
-            yield GaugeMetricFamily(
-                "swarmtrain_loss", "Mean inner loss of the last round's inner phase",
-                value=last.loss,
-            )  # fmt: skip
-        if last.tokens_per_s is not None:
-            yield GaugeMetricFamily(
-                "swarmtrain_tokens_per_second", "Tokens per second of the last inner phase",
-                value=last.tokens_per_s,
-            )  # fmt: skip
-        yield GaugeMetricFamily(
-            "swarmtrain_round_peers", "Peers in the last round (0 when it failed)",
-            value=last.peers,
-        )  # fmt: skip
-        if last.agree is not None:
-            yield GaugeMetricFamily(
-                "swarmtrain_state_agreement",
-                "1 when the last round's state hash equals the majority's, else 0",
-                value=1.0 if last.agree else 0.0,
-            )
-        yield CounterMetricFamily(
-            "swarmtrain_state_syncs", "States downloaded from peers (join, catch-up, re-sync)",
-            value=last.syncs,
-        )  # fmt: skip
-        if last.verdicts:
-            yield from verdict_families(last.verdicts)
+    yield CounterMetricFamily(
+        "swarmtrain_state_syncs", "States downloaded from peers (join, catch-up, re-sync)",
+        value=last.syncs,
+    )  # fmt: skip
+    if last.verdicts:
+        yield from verdict_families(last.verdicts)
 
 
 def _this_loop() -> InLoop[Any]:

@@ -25,7 +25,7 @@ class Use(enum.Enum):
     NEW_FOLDER = "new folder"  # made, or an empty one filled (export --out)
     FILE = "file"  # written, its folders made if absent (--identity, --json, init's PATH)
     CONFIG = "config"  # a run.toml to read (--config)
-    EXISTING_FOLDER = "existing folder"  # read (export --state-dir)
+    EXISTING_FOLDER = "existing folder"  # read (--data-dir, export --state-dir)
 
 
 def plain_os_error(exc: OSError, *, making: bool = False) -> str:
@@ -49,13 +49,15 @@ def make_folder(path: Path, flag: str) -> None:
         raise PathError(f"{flag} {path}: cannot make it: {why}") from None
 
 
-def path_problem(path: Path, use: Use) -> str | None:
+def path_problem(path: Path, use: Use, fix: str = "") -> str | None:
     """What stops ``path`` from serving as ``use``, with the fix, in words; None when nothing
-    visible does."""
+    visible does. ``fix``: which folder to give instead, for an ``EXISTING_FOLDER`` (only the
+    caller knows what the folder holds)."""
     if use is Use.EXISTING_FOLDER:
-        if not path.exists():
-            return "no such folder; give the node's --state-dir"
-        return None if path.is_dir() else "a file, not a folder; give the node's --state-dir"
+        if path.is_dir():
+            return None
+        problem = "a file, not a folder" if path.exists() else "no such folder"
+        return f"{problem}; {fix}" if fix else problem
     if use is Use.CONFIG:
         if path.is_dir():
             return "a folder, not a file; give a run.toml"

@@ -45,7 +45,7 @@ from swarm.pipeline.routing import (
     RoutingConfig,
     Start,
 )
-from swarm.pipeline.wire import call_backward, call_forward
+from swarm.pipeline.wire import REFUSAL_CODES, call_backward, call_forward
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,10 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 # What a failed hop counts as (``TrainerStatistics.hop_failures``): our hop deadline passed, the
 # connection failed (unreachable, a broken stream, a malformed reply), or the server refused
-# with one of its codes (``swarm.pipeline.server.Refusal``; an unknown code counts as
+# with one of its codes (``swarm.pipeline.wire.REFUSAL_CODES``; an unknown code counts as
 # ``refused``). A fixed set, so metrics can label by it.
-SERVER_REFUSALS = ("wrong-stage", "wrong-run", "unknown-microbatch", "bad-request", "timeout",
-                   "internal")  # fmt: skip
 HOP_FAILURE_KINDS = ("hop_timeout", "connection", "refused",
-                     *(code.replace("-", "_") for code in SERVER_REFUSALS))  # fmt: skip
+                     *(code.replace("-", "_") for code in REFUSAL_CODES))  # fmt: skip
 
 
 def hop_failure_kind(exc: BaseException) -> str:
@@ -66,7 +64,7 @@ def hop_failure_kind(exc: BaseException) -> str:
     if isinstance(exc, trio.TooSlowError):
         return "hop_timeout"
     if isinstance(exc, RemoteError):
-        return exc.code.replace("-", "_") if exc.code in SERVER_REFUSALS else "refused"
+        return exc.code.replace("-", "_") if exc.code in REFUSAL_CODES else "refused"
     return "connection"
 
 

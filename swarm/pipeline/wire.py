@@ -9,7 +9,7 @@ microbatch of a stage's output), so they ride the libp2p stream rather than the 
 whose negotiation would cost more than the bytes.
 
 Every call raises ``P2PError`` subclasses only: ``RemoteError`` (the server refused; ``code`` says
-why: ``wrong-stage``, ``unknown-microbatch``, ``bad-request``, ``busy``, ``internal``),
+why, one of ``REFUSAL_CODES``),
 ``RemoteProtocolError`` (a bad reply), ``PeerUnreachable``. The caller sets the deadline.
 """
 
@@ -129,6 +129,12 @@ class BackwardReply(Message):
 
     def __post_init__(self) -> None:
         _check_tensor(self.dtype, self.shape, self.data, optional=True)
+
+
+# The codes a server's ``HopRefused`` carries (``swarm.pipeline.server.Refusal``): a fixed set,
+# so a trainer's failed hops and a server's refusals can be counted by code.
+REFUSAL_CODES = ("wrong-stage", "wrong-run", "unknown-microbatch", "bad-request", "timeout",
+                 "internal")  # fmt: skip
 
 
 @message(114, max_bytes=4096)

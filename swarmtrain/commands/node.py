@@ -96,7 +96,8 @@ class NodeOptions:
     # ``--log-to``: experiment trackers fed the same rounds (``swarmtrain.tracking``).
     trackers: tuple[Tracker, ...] = ()
     # ``--data-dir``: the folder the spec's relative paths (data files, tokenizer, pretrained
-    # weights) are read from, this node's copy of the run.toml's folder (``config.with_base``).
+    # weights) are read from, this node's copy of the run.toml's folder (``config.with_base``);
+    # the command line checked it is a folder (``swarmtrain.cli._path_options``).
     data_dir: Path = Path(".")
 
     def __post_init__(self) -> None:
@@ -113,11 +114,6 @@ class NodeOptions:
             raise ValueError(
                 "--fsdp shards the model across the node's local ranks: it needs "
                 f"--nproc-per-node 2 or more, got {self.nproc_per_node}"
-            )
-        if not self.data_dir.is_dir():
-            raise ValueError(
-                f"--data-dir {self.data_dir}: no such folder (the folder the run's data and "
-                "weights lie under, as beside the coordinator's run.toml)"
             )
 
 

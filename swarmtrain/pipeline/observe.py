@@ -4,7 +4,9 @@
 .roles``) to ``PipelineObserver.on_event``, in the role's trio loop, and tells it each
 ``StageServer`` it starts (``serving``); the observer's families are computed in that loop at
 every scrape (``Metrics.watch``), so they read the server's statistics while nothing changes
-them. Two kinds of values:
+them; the round families are read in the same call (``with_round``), so a scrape shows one
+round: the trainer's round number, microbatches and failovers of the same round. Two kinds of
+values:
 
 * ``swarmtrain.metrics``' round families where they mean the same thing. A trainer's round is a
   round: its mean loss, its tokens/s, the servers its microbatches went through as its peers; it
@@ -30,13 +32,13 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from swarm.pipeline import wire
 from swarmtrain.metrics import InLoop, Metrics, RoundSample
 from swarmtrain.tracking import Tracker
 
 REQUEST_KINDS = ("forward", "backward", "params")
-# ``swarm.pipeline.server.Refusal`` codes, as label values; anything else counts as "other".
-REFUSAL_CODES = ("wrong_stage", "wrong_run", "unknown_microbatch", "bad_request", "timeout",
-                 "internal")  # fmt: skip
+# A server's refusal codes as label values; anything else counts as "other".
+REFUSAL_CODES = tuple(code.replace("-", "_") for code in wire.REFUSAL_CODES)
 
 
 def trainer_round_sample(event: dict[str, Any]) -> RoundSample:
@@ -108,7 +110,8 @@ class PipelineObserver:
         self._microbatches_done = 0
         self._microbatches_failed = 0
         if metrics is not None:
-            metrics.watch(self.families, in_loop)
+            # Its rounds are observed in the role's loop, like its families read there.
+            metrics.watch(self.families, in_loop, with_round=True)
 
     def serving(self, server: Any) -> None:
         """A ``StageServer`` now serves for this process (a restart replaces the previous)."""

@@ -145,14 +145,14 @@ def check_token_ids(config: RunConfig, data_vocab: int, model_vocab: int, named:
 def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = True) -> nn.Module:
     """The model ``[model]`` names with its round-0 parameters: from the run seed (equal on every
     peer), or the ``pretrained`` weights once their files hash as the spec says (``weights``
-    False: the seeded ones, for a caller that loads others). ``vocab_size``: the data's (checked
-    against a ``transformers`` model's). The model has ``loss(inputs, targets)``. Raises
+    False: the seeded ones, for a caller that loads others). ``vocab_size``: the data's, checked
+    against the model's once (a coordinator refused token ids beyond the vocabulary the spec
+    names when it signed: ``check_token_ids``). The model has ``loss(inputs, targets)``. Raises
     ModelError or WorkloadError naming the key and the file."""
     seed = run_seed_of(config.run.id)
     if config.model.kind == "transformers":
         assert isinstance(config.model.config, dict), "RunConfig checks the table"
         model = build_causal_lm(config.model.config, seed=seed)
-        check_token_ids(config, vocab_size, model.vocab_size, "model.config.vocab_size")
         check_fits(model, sequence_length=config.training.sequence_length, vocab_size=vocab_size)
         if config.model.pretrained and weights:
             _check_weights(config)
@@ -160,7 +160,6 @@ def build_model(config: RunConfig, vocab_size: int = 256, *, weights: bool = Tru
         return model
     if config.model.factory:
         return factory_model(config, vocab_size)
-    check_token_ids(config, vocab_size, 256, 'model.kind "default", which reads bytes')
     if vocab_size > 256:
         raise WorkloadError(
             f'model.kind "default" reads bytes (vocabulary 256); the data\'s vocabulary is '

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from peerproc import SWARMTRAIN, PeerProcess
@@ -41,6 +42,23 @@ def scrape(url: str) -> Samples:
     }
 
 
+def run_toml(
+    settings: Mapping[str, object] | None = None, edits: tuple[tuple[str, str], ...] = ()
+) -> str:
+    """What ``swarmtrain init`` writes (test_cli runs the command), without its process (a Python
+    start and the CLI's imports cost 1-3 s before every test's coordinator), edited: each of
+    ``settings``' keys, which must occur once in the file, set to its TOML value; ``edits``: (a
+    line of the file, exactly once there, its replacement), for a key several sections have."""
+    text = default_toml()
+    for key, value in (settings or {}).items():
+        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert count == 1, key
+    for line, replacement in edits:
+        text, count = re.subn(rf"(?m)^{re.escape(line)}$", replacement, text)
+        assert count == 1, line
+    return text
+
+
 def start_coordinator(
     tmp_path: Path,
     rounds: int,
@@ -56,22 +74,9 @@ def start_coordinator(
     the file, exactly once there, its replacement), for a key several sections have;
     ``extra``: more coordinator flags."""
     config = tmp_path / "run.toml"
-    # What ``swarmtrain init`` writes (test_cli runs the command), without its process: a
-    # Python start and the CLI's imports cost 1-3 s before every test's coordinator.
-    text = default_toml()
-    text = re.sub(r"(?m)^rounds = \d+$", f"rounds = {rounds}", text)
-    text = re.sub(r"(?m)^inner_steps = \d+$", f"inner_steps = {inner_steps}", text)
-    text = re.sub(
-        r"(?m)^matchmaking_timeout_s = .*$",
-        f"matchmaking_timeout_s = {matchmaking_timeout_s}",
-        text,
-    )
-    for key, value in (settings or {}).items():
-        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert count == 1, key
-    for line, replacement in edits:
-        text, count = re.subn(rf"(?m)^{re.escape(line)}$", replacement, text)
-        assert count == 1, line
+    base = {"rounds": rounds, "inner_steps": inner_steps,
+            "matchmaking_timeout_s": matchmaking_timeout_s}  # fmt: skip
+    text = run_toml({**base, **(settings or {})}, edits)
     config.write_text(text)
     coordinator = PeerProcess(
         [

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 from peerproc import SWARMTRAIN, PeerProcess
-from runproc import Samples, metrics_url, scrape, wait_exit
+from runproc import Samples, metrics_url, run_toml, scrape, wait_exit
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from swarmtrain.config import default_toml
 from swarmtrain.pipeline.lines import read_line
 
 pytestmark = pytest.mark.timeout(150)
@@ -36,27 +35,27 @@ METRICS = ("--metrics-port", "0")
 
 
 def write_config(path: Path, *, stages: int, factory: str = "") -> None:
-    text = default_toml()  # ``swarmtrain init``'s file, without a process start (test_cli runs it)
-    for key, value in {
-        "rounds": ROUNDS,
-        "d_model": 64,
-        "n_layers": 2,
-        "context": 32,
-        "sequence_length": 32,
-        # The default rate: at 0.006, the two servers of stage 0 train apart for the whole 1-s
-        # run (no averaging epoch falls inside it) and the last round's loss went above the
-        # first's in 1 of 7 runs, and once in CI (6.0, 6.96): stage 1 cannot follow two
-        # diverging replicas (docs/pipelines.md, Limits).
-        "inner_lr": 0.003,
-        "stages": stages,
-        "microbatches": MICROBATCHES,
-        "average_every_s": 3.0,
-        "rebalance_every_s": 0.0,
-        "factory": f'"{factory}"',
-    }.items():
-        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert count == 1, key
-    path.write_text(text)
+    path.write_text(
+        run_toml(
+            {
+                "rounds": ROUNDS,
+                "d_model": 64,
+                "n_layers": 2,
+                "context": 32,
+                "sequence_length": 32,
+                # The default rate: at 0.006, the two servers of stage 0 train apart for the
+                # whole 1-s run (no averaging epoch falls inside it) and the last round's loss
+                # went above the first's in 1 of 7 runs, and once in CI (6.0, 6.96): stage 1
+                # cannot follow two diverging replicas (docs/pipelines.md, Limits).
+                "inner_lr": 0.003,
+                "stages": stages,
+                "microbatches": MICROBATCHES,
+                "average_every_s": 3.0,
+                "rebalance_every_s": 0.0,
+                "factory": f'"{factory}"',
+            }
+        )
+    )
 
 
 @contextmanager

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from swarmtrain.config import default_toml
+# tests/ is on the path (pyproject's pythonpath): its folders are namespace packages.
+from integration.runproc import run_toml
 
 if TYPE_CHECKING:
     from tests.natlab.conftest import LabProcess
@@ -74,14 +75,9 @@ class Lines:
 def _spec(tmp_path: Path) -> Path:
     """``swarmtrain init``'s run.toml, shortened: 8 rounds of 5 steps of a smaller model."""
     config = tmp_path / "run.toml"
-    text = default_toml()  # ``swarmtrain init``'s file, without a process start (test_cli runs it)
-    for key, value in {
-        "rounds": ROUNDS, "inner_steps": 5, "d_model": 64, "n_layers": 2,
-        "matchmaking_timeout_s": 4.0,
-    }.items():  # fmt: skip
-        text, count = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
-        assert count == 1, key
-    config.write_text(text)
+    shorter = {"rounds": ROUNDS, "inner_steps": 5, "d_model": 64, "n_layers": 2,
+               "matchmaking_timeout_s": 4.0}  # fmt: skip
+    config.write_text(run_toml(shorter))
     return config
 
 

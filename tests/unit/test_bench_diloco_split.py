@@ -63,10 +63,12 @@ def test_bad_sparse_settings_are_refused_with_one_line(
     value: str,
     message: str,
 ) -> None:
-    with pytest.raises(SystemExit) as exit:
-        _run(monkeypatch, capsys, "--compression", "sparse", option, value)
-    assert exit.value.code == 2
-    assert message in capsys.readouterr().err
+    # With the sparse codec on, and off (a mistyped option is refused where it is unused too).
+    for compression in ("sparse", "int8"):
+        with pytest.raises(SystemExit) as exit:
+            _run(monkeypatch, capsys, "--compression", compression, option, value)
+        assert exit.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_the_one_round_script_parses_its_codecs() -> None:

@@ -67,6 +67,17 @@ JOIN = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRiHhC2akhj4ztNdh9sAEKzZrN87JfzokqDmDZzZ
          "folder's path (it is made if absent)"),
         (("export", "--state-dir", "D", "--out", "o", "--json", "F/r.json"), "--json F/r.json: "
          "F is a file, not a folder; give a path under a folder"),
+        # --data-dir is read, never made: refused before torch, the metrics port or a tracker.
+        (("node", "--join", JOIN, "--state-dir", "D", "--data-dir", "nope", "--metrics-port",
+          "0", "--log-to", "tensorboard:tb"), "--data-dir nope: no such folder; give the folder "
+         "the run's data and weights lie under (as they lie beside the coordinator's run.toml)"),
+        (("node", "--join", JOIN, "--state-dir", "D", "--data-dir", "F"), "--data-dir F: a "
+         "file, not a folder; give the folder the run's data and weights lie under (as they lie "
+         "beside the coordinator's run.toml)"),
+        (("export", "--state-dir", "D", "--data-dir", "nope", "--out", "o"), "--data-dir nope: "
+         "no such folder; give the node's --data-dir"),
+        (("export", "--state-dir", "D", "--data-dir", "F", "--out", "o"), "--data-dir F: a "
+         "file, not a folder; give the node's --data-dir"),
     ]
     + [
         ((command, "--identity", "F/k"), "--identity F/k: F is a file, not a folder; give a "

@@ -145,8 +145,8 @@ def test_token_ids_beyond_the_models_vocabulary_are_refused_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Exactly: one id of 300 among bytes is refused for the default model (vocabulary 256) by
-    the coordinator when it signs the spec and by a node when it builds the model, one line
-    naming the data key and both numbers; ``swarmtrain coordinator`` exits 1 with it."""
+    the coordinator when it signs the spec, one line naming the data key and both numbers
+    (``swarmtrain coordinator`` exits 1 with it), and by a node when it builds the model."""
     ids = np.zeros(3 * 2**20, dtype="<u2")
     ids[12345] = 300  # far from the fingerprint's sampled positions
     ids.tofile(tmp_path / "big.bin")
@@ -159,7 +159,10 @@ def test_token_ids_beyond_the_models_vocabulary_are_refused_before_training(
     with pytest.raises(WorkloadError, match=re.escape(message)):
         with_local_hashes(config, tmp_path)
     signed = with_data_fingerprint(with_base(config, tmp_path))
-    with pytest.raises(WorkloadError, match=re.escape(message)):
+    with pytest.raises(WorkloadError, match=re.escape(
+        'model.kind "default" reads bytes (vocabulary 256); the data\'s vocabulary is 301: use '
+        'model.kind "transformers" or byte data'
+    )):  # fmt: skip
         build_model(signed, load_data(signed).vocab_size)  # a node's check
     factory = signed.replace(model={"factory": "pipeline_user_model:build"})
     with pytest.raises(WorkloadError, match=re.escape(
@@ -221,6 +224,10 @@ def test_the_fingerprint_is_stable_and_follows_the_data_and_settings(tmp_path: P
          "data.dtype: .*odd.bin has 3 bytes"),
         ("wide.npy", lambda d: load_token_corpus((str(d / "wide.npy"),), dtype="uint16"),
          "data.dtype: .*wide.npy holds a 1-d uint32 array"),
+        ("empty.bin", lambda d: load_token_corpus((str(d / "empty.bin"),), dtype="uint16"),
+         r"data.paths: .*empty.bin is empty$"),
+        ("empty.npy", lambda d: load_token_corpus((str(d / "empty.npy"),), dtype="uint16"),
+         r"data.paths: .*empty.npy is empty$"),
         ("a.jsonl", lambda d: load_token_corpus((str(d / "a.jsonl"),), dtype="uint16"),
          "data.paths: .*a.jsonl is not one of .bin, .npy"),
     ],
@@ -232,6 +239,8 @@ def test_bad_data_is_refused_in_one_line_naming_the_key_and_file(
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     (tmp_path / "odd.bin").write_bytes(b"abc")
     np.save(tmp_path / "wide.npy", np.arange(10, dtype="<u4"))
+    (tmp_path / "empty.bin").write_bytes(b"")
+    np.save(tmp_path / "empty.npy", np.zeros(0, dtype="<u2"))
     with pytest.raises(DataError, match=message) as caught:
         call(tmp_path)  # type: ignore[operator]
     assert "\n" not in str(caught.value)

@@ -259,3 +259,33 @@ def test_a_pipeline_trainers_and_servers_events_become_rounds_and_pipeline_famil
     assert ("swarmtrain_loss", ()) not in values
     assert values[("swarmtrain_pipeline_role", (("role", "server"),))] == 1
     assert ("swarmtrain_pipeline_stage", (("stage", "1"),)) not in values
+
+
+def test_a_round_that_ends_mid_scrape_is_all_in_it_or_not_at_all() -> None:
+    """A pipeline trainer's round ends while a scrape waits for the role's loop: the scrape's
+    round number, round counters and the observer's figures are all of the new round."""
+    from swarmtrain.pipeline.observe import PipelineObserver
+
+    def round_event(r: int) -> dict[str, object]:
+        return {
+            "event": "round", "round": r, "loss": 5.0, "microbatches": 4, "tokens_per_s": 1.0,
+            "failovers": r, "servers_per_stage": [1, 1], "route_servers_per_stage": [1, 1],
+            "hops": 16 * (r + 1), "hop_failures": {},
+        }  # fmt: skip
+
+    pending = [round_event(1)]
+
+    def in_loop(fn):  # the loop runs the round's event before it gets to the scrape's call
+        while pending:
+            trainer.on_event(pending.pop())
+        return fn()
+
+    metrics = Metrics("node")
+    trainer = PipelineObserver("trainer", 2, metrics, in_loop=in_loop)
+    trainer.on_event(round_event(0))
+    values = scrape(metrics)
+    r = values[("swarmtrain_round", ())]
+    assert r == 1, values
+    assert values[("swarmtrain_rounds_total", (("outcome", "ok"),))] == r + 1
+    assert values[("swarmtrain_pipeline_microbatches_total", (("outcome", "ok"),))] == 4 * (r + 1)
+    assert values[("swarmtrain_pipeline_failovers_total", ())] == r

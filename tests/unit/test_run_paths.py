@@ -112,12 +112,3 @@ def test_absolute_paths_and_the_default_run_are_kept(tmp_path: Path) -> None:
         str(tmp_path / "x[[]1]" / "b" / "*.bin"),  # the folder's name taken literally
     )
     assert with_base(RunConfig(), tmp_path) == RunConfig()
-
-
-def test_a_node_refuses_a_data_dir_that_is_not_a_folder(tmp_path: Path) -> None:
-    from swarmtrain.commands.node import NodeOptions
-
-    with pytest.raises(ValueError, match=re.escape(f"--data-dir {tmp_path / 'absent'}: no such")):
-        NodeOptions(
-            join=("/ip4/127.0.0.1/tcp/1",), state_dir=tmp_path, data_dir=tmp_path / "absent"
-        )
