@@ -292,6 +292,11 @@ def _lists(members: bytes, peer_id: str) -> bool:
     return not members or member_tag(peer_id) in _tags(members)
 
 
+def on_list(members: bytes, peer_id: str) -> bool:
+    """``peer_id`` is on the (non-empty) member list."""
+    return bool(members) and member_tag(peer_id) in _tags(members)
+
+
 @dataclass(frozen=True)
 class AgreedState:
     """A state the successful records of a round claim, and who holds it."""
@@ -353,10 +358,20 @@ def _round_size(records: list[Progress], rnd: int, holders: frozenset[bytes]) ->
     (a failed record's carried list too), not the state's own, which its holders chose. When
     no record of ``rnd - 1`` exists (a claim rounds ahead of the swarm), the newest earlier
     round's lists count as well, unless they list a holder (``holders``: their tags): the
-    state's holders were members there, and those others left, not outvoted them."""
+    state's holders were members there, and those others left, not outvoted them.
+
+    A list counts only its members that have their own record of a round within one of the
+    list's round, and a count (``peers``) at most the records of those rounds: one record
+    with 128 made-up tags, or ``peers = 10**9``, would otherwise make no state adoptable."""
+    owners: dict[int, set[bytes]] = defaultdict(set)  # round -> tags of its records' owners
+    for p in records:
+        owners[p.round].add(member_tag(p.peer_id))
 
     def size(p: Progress) -> int:
-        return len(_tags(p.members)) if p.members else (p.peers if p.ok else 0)
+        near = owners[p.round - 1] | owners[p.round] | owners[p.round + 1]
+        if p.members:
+            return len(_tags(p.members) & near)
+        return min(p.peers, len(near)) if p.ok else 0
 
     listed = [p for p in records if _lists(p.members, p.peer_id) and (p.ok or p.members)]
     found = max((size(p) for p in listed if abs(p.round - rnd) <= 1), default=0)
