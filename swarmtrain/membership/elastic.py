@@ -14,7 +14,9 @@ thread):
   and contribute from the next round, announced under ``join_key`` (while waiting and before
   the download, so that round expects us however soon it opens).
 * **Re-sync after a round**: when our round failed while the majority's succeeded, or our hash
-  differs from the majority's, download the agreed state the same way and announce again.
+  differs from the majority of our round's contributors' digests (nobody else's count: the
+  digest key is run-wide), download the agreed state the same way and announce again (after a
+  drifted round: only the contributors' hash, from contributors that hold it).
 * **Meet again** (``swarmtrain.membership.plan``): a round that cannot meet anyone because the
   others already averaged it is failed before matchmaking and their state adopted at once
   (``behind``); after a failed round, a peer ahead of live members waits for them (bounded by

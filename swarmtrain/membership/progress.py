@@ -21,7 +21,9 @@ support without checking it (``[swarm] state_quorum = 0``: a liar naming honest 
 list for a round next to theirs gets their support, and a failed peer's state is a last
 resort). The default, ``"majority"``, is ``majority_states``: a member vouches for a state only
 with a record consistent with it (``_vouchers``), and the state needs more than half of its
-round's membership (``_round_size``), which the claim's own list does not set. A failed
+round's membership (``_round_size``), which the claim's own list does not set, and in which
+only members that have a record of their own count (one record of made-up members cannot make
+every state unadoptable). A failed
 round's record carries the list of the round whose state its peer still holds (``b""`` when it
 holds none it was a member of): a member that failed every round since vouches with it, and a
 lone survivor's state is adoptable through it (``vouched_survivors``).
