@@ -216,13 +216,43 @@ class AveragingResult:
 
 @dataclass(frozen=True)
 class StateAgreement:
-    """Digests peers published for a round: ``agrees`` is ours equal to the majority's."""
+    """Digests peers published for a round: ``agrees`` is ours equal to the majority's.
+
+    The round's key is run-wide: in an open run any identity can publish a digest there, so a
+    decision that only a round's members may sway reads ``among(its contributors)``."""
 
     round: int
     ours: str | None
     majority: str | None
     peers: int
     agreeing: int
+    digests: dict[bytes, str] = field(default_factory=dict, compare=False, repr=False)
+    me: bytes = field(default=b"", compare=False, repr=False)
+
+    @classmethod
+    def of(cls, round_number: int, digests: dict[bytes, str], me: bytes) -> StateAgreement:
+        """The agreement of ``digests`` (owner -> digest hex); ``me`` names ours."""
+        counts = Counter(digests.values())
+        majority = None
+        if counts:
+            # ties break on the digest itself, so every peer names the same majority
+            majority = max(counts, key=lambda d: (counts[d], d))
+        return cls(
+            round_number,
+            digests.get(me),
+            majority,
+            len(digests),
+            counts[majority] if majority else 0,
+            digests,
+            me,
+        )
+
+    def among(self, peers: Iterable[bytes]) -> StateAgreement:
+        """The agreement of only ``peers``' digests (a round's contributors)."""
+        wanted = set(peers)
+        return StateAgreement.of(
+            self.round, {p: d for p, d in self.digests.items() if p in wanted}, self.me
+        )
 
     @property
     def agrees(self) -> bool:
@@ -583,15 +613,7 @@ class Averager:
             for r in records.values()
             if len(r.value) <= 64 and admit(r.owner)
         }
-        counts = Counter(digests.values())
-        majority = None
-        if counts:
-            # ties break on the digest itself, so every peer names the same majority
-            majority = max(counts, key=lambda d: (counts[d], d))
-        ours = digests.get(self.me)
-        return StateAgreement(
-            round_number, ours, majority, len(digests), counts[majority] if majority else 0
-        )
+        return StateAgreement.of(round_number, digests, self.me)
 
     # -- internals -------------------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ thread):
   and contribute from the next round, announced under ``join_key`` (while waiting and before
   the download, so that round expects us however soon it opens).
 * **Re-sync after a round**: when our round failed while the majority's succeeded, or our hash
-  differs from the majority's, download the agreed state the same way and announce again.
+  differs from the majority of our round's contributors' digests (nobody else's count: the
+  digest key is run-wide), download the agreed state the same way and announce again (after a
+  drifted round: only the contributors' hash, from contributors that hold it).
 * **Meet again** (``swarmtrain.membership.plan``): a round that cannot meet anyone because the
   others already averaged it is failed before matchmaking and their state adopted at once
   (``behind``); after a failed round, a peer ahead of live members waits for them (bounded by
@@ -42,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -76,6 +78,7 @@ from swarmtrain.membership.progress import (
     announcement,
     decode_all,
     decode_starts,
+    on_list,
 )
 from swarmtrain.membership.state_sync import (
     Downloaded,
@@ -142,6 +145,9 @@ class Elastic:
         # training loop looks at its state digests again after the next round (``rejoin_majority``).
         self.suspect_round: int | None = None
         self._last_progress: Progress | None = None
+        # The round whose state we hold and its member list, as a failed record carries it on.
+        self._held: tuple[int, bytes] | None = None
+        self._adopted: AgreedState | None = None  # the state the last download adopted
         self._state_bytes = diloco.state_size()
 
     # -- records -------------------------------------------------------------------------------
@@ -182,12 +188,15 @@ class Elastic:
     def held_list(self, round_number: int) -> bytes:
         """The member list a failed round ``round_number``'s record carries: that of the round
         whose state we still hold (our record of the round before, successful or carrying it
-        on), so that a joiner counts us as a member of that round (``progress._vouchers``)."""
-        last = self._last_progress
-        return last.members if last is not None and last.round == round_number - 1 else b""
+        on), so that a joiner counts us as a member of that round (``progress._vouchers``).
+        After an adoption, the adopted state's list when we are on it, else none (``_adopt``):
+        never the list of a state we no longer hold."""
+        held = self._held
+        return held[1] if held is not None and held[0] == round_number - 1 else b""
 
     def publish(self, progress: Progress) -> None:
         self._last_progress = progress
+        self._held = (progress.round, progress.members)
         try:
             self.runtime.store(
                 progress_key(self.run_id),
@@ -425,17 +434,23 @@ class Elastic:
         return report
 
     def after_round(
-        self, round_number: int, ok: bool, wait_s: float = 0.0, majority: str | None = None
+        self,
+        round_number: int,
+        ok: bool,
+        wait_s: float = 0.0,
+        majority: str | None = None,
+        contributors: Collection[str] = (),
     ) -> SyncReport | None:
         """After our round ``round_number`` (failed, or its hash disagreed with the majority):
         adopt the majority's state if it differs from ours. For a failed round, wait up to
         ``wait_s`` for the others' outcome (``_outcome``). ``majority``: the state hash (hex)
-        our round's own group agreed on (``StateAgreement``); only that state is adopted then,
-        whatever the records say (we were a member: the group's digests are our quorum).
-        Returns what was synced, or None. A failed download is logged (the next round's check
-        tries again)."""
+        most of our round's ``contributors`` (peer ids, us included) published
+        (``StateAgreement.among``); only that state of that round, as those contributors'
+        records hold it, is adopted then (we were a member: the round's contributors are our
+        quorum, and nobody else's record or digest counts). Returns what was synced, or None.
+        A failed download is logged (the next round's check tries again)."""
         if ok:
-            agreed = self._settled(round_number, majority)
+            agreed = self._settled(round_number, majority, frozenset(contributors))
         else:
             agreed = self._outcome(round_number, wait_s)
         if agreed is None or agreed.state_hash.hex() == self.diloco.state_hash():
@@ -444,8 +459,10 @@ class Elastic:
         if report is None:
             log.warning("round %d: could not re-sync from any live holder", round_number)
             return None
+        # A fallback may have adopted another state than ``agreed`` (its holders failed us).
+        agreed = self._adopted or agreed
         last = self._last_progress
-        if last is not None and last.round == round_number == agreed.round:
+        if last is not None and last.round == round_number == agreed.round and agreed.published:
             # We now hold the round's agreed state: say so, so that we count as a holder (a
             # joiner's source) and the peers lingering after the last round can leave.
             self.publish(
@@ -558,16 +575,20 @@ class Elastic:
             return self._settled(round_number) or plan.target
         return plan.target
 
-    def _settled(self, round_number: int, majority: str | None = None) -> AgreedState | None:
+    def _settled(
+        self, round_number: int, majority: str | None = None, group: frozenset[str] = frozenset()
+    ) -> AgreedState | None:
         """The agreed state of ``round_number`` once its successful records stop arriving: the
-        best the quorum accepts, or with ``majority`` (our group's agreed hash) the state of
-        that hash."""
+        best the quorum accepts, or with ``majority`` (our round's contributors' agreed hash)
+        the state of that hash as the records of ``group`` (those contributors) hold it: its
+        holders, the download's sources, are contributors of the round, never a stranger."""
 
         def state_at(records: list[Progress]) -> AgreedState | None:
             if majority is None:
                 found = candidates(records, self.rounds, self.quorum)
                 return next((s for s in found if s.round == round_number), None)
-            agreed = agreed_states(in_schedule(records, self.rounds), round_number)
+            ours = [p for p in in_schedule(records, self.rounds) if p.peer_id in group]
+            agreed = agreed_states(ours, round_number)
             return next((s for s in agreed if s.state_hash.hex() == majority), None)
 
         seen = state_at(self.records())
@@ -605,6 +626,11 @@ class Elastic:
         data = got.data
         self.diloco.load_state(data)
         seconds = time.monotonic() - started
+        # We hold this state now: a failed round's record carries its list only when we are on
+        # it (the round we held before, and its list, are gone).
+        self._adopted = agreed
+        listed = agreed.member_list if on_list(agreed.member_list, self.me) else b""
+        self._held = (agreed.round, listed)
         self.fresh = True
         self.syncs += 1
         self.serve_current()

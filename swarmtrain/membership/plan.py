@@ -23,8 +23,9 @@ and downloads.
   - else ``WAIT`` while a live member is behind us (its newest record is older than r): it will
     publish round r in at most a round's time, and then we either adopt its agreed state or, if
     its round failed as well, both of us open round r + 1 within a poll of each other and meet
-    in its matchmaking. Their states may differ then; the round's hash check makes the one off
-    the majority (a tie breaks on the hash, the same on every peer) adopt the other's, so two
+    in its matchmaking. Their states may differ then; the round's hash check (its contributors'
+    digests only) makes the one off the majority (a tie breaks on the hash, the same on every
+    contributor) adopt the other's, so two
     live peers converge within two rounds of meeting. Only the peer ahead waits, never the one
     behind, so two peers never wait for each other.
   A peer that has started but not finished a round yet has no record; its start announcement

@@ -665,11 +665,13 @@ def _record_round(
             summary.agree = True
         return
     average.publish_state(r, state_hash)
-    # A group formed larger than the peers that averaged: members were lost, or peers that read
-    # other expected sets formed other groups and the round ran as sub-groups (bench.churn saw
-    # it persist: each sub-group heard only its own digests). Hear from the whole group.
-    heard = max(report.peers, report.group_size)
-    agreement = average.agreement(r, heard, AGREEMENT_TIMEOUT_S)
+    # Only our round's contributors' digests count: the round's key is run-wide, and in an open
+    # run anyone may publish there (a liar's digest, larger than a divergent pair's, won the
+    # tie-break and both members downloaded the liar's state). A round that ran as sub-groups
+    # (its group formed larger than the peers that averaged) is looked at again a round later,
+    # against the quorum (``suspect_round``, ``rejoin_majority``).
+    group = [PeerID.from_base58(p).to_bytes() for p in outcome.contributors]
+    agreement = average.agreement(r, len(group), AGREEMENT_TIMEOUT_S, among=group)
     summary.agree = agreement.agrees if agreement is not None else None
     agree = (
         "unknown"
@@ -689,7 +691,11 @@ def _record_round(
     )
     drifted = agreement is not None and not agreement.agrees and agreement.majority is not None
     # Our state drifted from the majority's: adopt theirs before contributing again.
-    if drifted and elastic.after_round(r, ok=True, majority=agreement.majority) is not None:
+    synced = None
+    if drifted and agreement is not None:
+        ids = outcome.contributors
+        synced = elastic.after_round(r, ok=True, majority=agreement.majority, contributors=ids)
+    if synced is not None:
         summary.agree = True
         elastic.suspect_round = None
         return

@@ -171,18 +171,23 @@ class SwarmAverage:
         except Exception as exc:
             log.warning("round %d: could not publish the state hash: %s", round, exc)
 
-    def agreement(self, round: int, peers: int, timeout_s: float) -> swarm.StateAgreement | None:
+    def agreement(
+        self, round: int, peers: int, timeout_s: float, among: Iterable[bytes] | None = None
+    ) -> swarm.StateAgreement | None:
         """The published digests of ``round`` once ``peers`` of them are visible, or what is
         visible after ``timeout_s`` (the round's peers publish within milliseconds of each other,
-        so waiting is short; a peer that died after the all-reduce never publishes). None when
-        the DHT could not be read at all."""
+        so waiting is short; a peer that died after the all-reduce never publishes). ``among``:
+        only those owners' digests count (the round's contributors; anyone may publish under
+        the run-wide key). None when the DHT could not be read at all."""
         averager = self._averager
         seen: swarm.StateAgreement | None = None
+        only = None if among is None else frozenset(among)
 
         async def read() -> swarm.StateAgreement | None:
             nonlocal seen
             try:
-                seen = await averager.state_agreement(round)
+                found = await averager.state_agreement(round)
+                seen = found if only is None else found.among(only)
             except Exception as exc:
                 log.warning("round %d: could not read the state hashes: %s", round, exc)
             return seen

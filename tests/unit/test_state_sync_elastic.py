@@ -17,6 +17,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 import p2p
 from diloco import ByteTransformer, ByteTransformerConfig, DiLoCo, GlobalState
 from p2p import PeerID
+from swarm import StateAgreement
 from swarmtrain.keys import join_key, progress_key
 from swarmtrain.membership.elastic import Elastic
 from swarmtrain.membership.progress import Progress, announcement, member_list
@@ -362,9 +363,14 @@ def test_a_peer_whose_sub_group_was_the_smaller_rejoins_the_majoritys_state() ->
     }
     asked: list[Hashable] = []
     elastic = _elastic(me, dht, data, asked)
+    elastic.publish(Progress.from_bytes(str(me), dht[progress_key(RUN)][str(me)]))  # type: ignore[arg-type]
+    assert elastic.held_list(7) == member_list(str(p) for p in small)
     report = elastic.rejoin_majority()
     assert report is not None and elastic.diloco.state_hash() == majority.hex()
     assert set(asked) <= {a, b, c}
+    # A failed round 7 carries no list now: we hold the larger sub-group's state, whose list
+    # does not name us, not the state our own sub-group's list stands for.
+    assert elastic.held_list(7) == b""
     # A peer of the larger sub-group already holds it.
     member = _elastic(a, dht, data, [])
     member.diloco.load_state(data)
@@ -402,27 +408,75 @@ def test_a_joiner_never_adopts_a_forged_or_minority_state_even_when_the_holders_
     assert report is not None and old.diloco.state_hash() == forged_hash.hex()
 
 
-def test_two_members_that_diverged_converge_on_their_rounds_agreed_hash_only() -> None:
+def _states(round_number: int, count: int) -> list[tuple[bytes, bytes]]:
+    """``count`` different states after ``round_number`` (bytes and hash), by hash."""
+    base = _diloco().global_state
+    found = []
+    for k in range(count):
+        state = GlobalState(round_number + 1, base.params + k / 8, base.momentum, base.layout)
+        data = state.to_bytes()
+        found.append((data, data[-32:]))
+    return sorted(found, key=lambda s: s[1])
+
+
+def _per_source_fetcher(
+    served: dict[PeerID, bytes], asked: list[Hashable]
+) -> Callable[[Any, str, bytes], Callable[[Hashable, Piece], Any]]:
+    """Each source serves its own state's bytes."""
+
+    def fetcher(node: Any, run_id: str, state_hash: bytes) -> Callable[[Hashable, Piece], Any]:
+        async def fetch(source: Hashable, piece: Piece) -> bytes:
+            asked.append(source)
+            return served[source][piece.offset : piece.end]  # type: ignore[index]
+
+        return fetch
+
+    return fetcher
+
+
+def test_two_members_that_diverged_converge_on_their_contributors_hash_never_a_liars() -> None:
     """Two live peers met in round 5 with different states: the records show one holder each
-    (no majority's), so the one off the group's agreed hash (StateAgreement's tie-break) adopts
-    that hash, and only that one: a liar's record of the round naming both is ignored."""
+    (no majority's). A liar publishes, under the round's run-wide digest key, the digest of a
+    state of its own, larger than both, and a progress record of round 5 holding it (and
+    serves it): it won the tie-break, and both members downloaded its state. Only the round's
+    contributors' digests decide the drift and the majority, and only their records the
+    state's holders: the one off their tie-break adopts the other's, from it alone."""
     me, b, liar = _peer(), _peer(), _peer()
-    theirs, their_hash = _world(5)
-    _, ours = _world(6)  # any other state
-    forged = bytes([0xFF]) * 32  # the largest hash: first in any tie-break
+    (ours, ours_hash), (theirs, their_hash), *_, (forged, forged_hash) = _states(5, 4)
+    pair = [me, b]
     dht = {
         progress_key(RUN): {
-            str(me): _record(me, 5, True, ours, members=[me, b]),
-            str(b): _record(b, 5, True, their_hash, members=[me, b]),
-            str(liar): _record(liar, 5, True, forged, members=[me, b, liar]),
+            str(me): _record(me, 5, True, ours_hash, members=pair),
+            str(b): _record(b, 5, True, their_hash, members=pair),
+            str(liar): _record(liar, 5, True, forged_hash, members=[*pair, liar]),
         }
     }
+    digests = {me.to_bytes(): ours_hash.hex(), b.to_bytes(): their_hash.hex(),
+               liar.to_bytes(): forged_hash.hex()}  # fmt: skip
+    everyone = StateAgreement.of(5, digests, me.to_bytes())
+    assert everyone.majority == forged_hash.hex()  # the run-wide key: the liar's tie-break
+    group = everyone.among(p.to_bytes() for p in pair)
+    assert (group.ours, group.majority, group.peers) == (ours_hash.hex(), their_hash.hex(), 2)
+    assert not group.agrees and everyone.among([b.to_bytes()]).ours is None
     asked: list[Hashable] = []
-    elastic = _elastic(me, dht, theirs, asked)
+    elastic = _elastic(me, dht, b"", asked)
+    elastic._fetcher = _per_source_fetcher({b: theirs, liar: forged}, asked)
+    elastic.diloco.load_state(ours)
+    elastic.publish(Progress.from_bytes(str(me), dht[progress_key(RUN)][str(me)]))  # type: ignore[arg-type]
     assert elastic.rejoin_majority() is None and not asked  # no majority's state in the records
-    report = elastic.after_round(5, ok=True, majority=their_hash.hex())
+    contributors = [str(p) for p in pair]
+    # The liar's hash, even named as the majority, is no contributor's state.
+    assert elastic.after_round(5, True, majority=forged_hash.hex(), contributors=contributors) is (
+        None
+    )
+    assert not asked and elastic.diloco.state_hash() == ours_hash.hex()
+    report = elastic.after_round(5, ok=True, majority=group.majority, contributors=contributors)
     assert report is not None and elastic.diloco.state_hash() == their_hash.hex()
     assert set(asked) == {b}
+    # We say we hold it now, on our round's list: a failed next round carries that list.
+    mine = Progress.from_bytes(str(me), dht[progress_key(RUN)][str(me)])
+    assert mine is not None and mine.state_hash == their_hash
+    assert elastic.held_list(6) == member_list(contributors)
 
 
 def test_a_failed_round_carries_the_list_of_the_round_whose_state_it_holds() -> None:
