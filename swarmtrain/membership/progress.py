@@ -21,10 +21,9 @@ support without checking it (``[swarm] state_quorum = 0``: a liar naming honest 
 list for a round next to theirs gets their support, and a failed peer's state is a last
 resort). The default, ``"majority"``, is ``majority_states``: a member vouches for a state only
 with a record consistent with it (``_vouchers``), and the state needs more than half of its
-round's membership (``_round_size``), which the claim's own list does not set, and in which
-only members that have a record of their own count (one record of made-up members cannot make
-every state unadoptable). A failed
-round's record carries the list of the round whose state its peer still holds (``b""`` when it
+round's membership (``_round_size``), which the claim's own list does not set (so a record
+listing made-up members inflates it: every state unadoptable, a stall, not a poisoning). A
+failed round's record carries the list of the round whose state its peer still holds (``b""`` when it
 holds none it was a member of): a member that failed every round since vouches with it, and a
 lone survivor's state is adoptable through it (``vouched_survivors``).
 Its holders are the sources a joiner downloads from, and the peers every member expects in the
@@ -360,20 +359,10 @@ def _round_size(records: list[Progress], rnd: int, holders: frozenset[bytes]) ->
     (a failed record's carried list too), not the state's own, which its holders chose. When
     no record of ``rnd - 1`` exists (a claim rounds ahead of the swarm), the newest earlier
     round's lists count as well, unless they list a holder (``holders``: their tags): the
-    state's holders were members there, and those others left, not outvoted them.
-
-    A list counts only its members that have their own record of a round within one of the
-    list's round, and a count (``peers``) at most the records of those rounds: one record
-    with 128 made-up tags, or ``peers = 10**9``, would otherwise make no state adoptable."""
-    owners: dict[int, set[bytes]] = defaultdict(set)  # round -> tags of its records' owners
-    for p in records:
-        owners[p.round].add(member_tag(p.peer_id))
+    state's holders were members there, and those others left, not outvoted them."""
 
     def size(p: Progress) -> int:
-        near = owners[p.round - 1] | owners[p.round] | owners[p.round + 1]
-        if p.members:
-            return len(_tags(p.members) & near)
-        return min(p.peers, len(near)) if p.ok else 0
+        return len(_tags(p.members)) if p.members else (p.peers if p.ok else 0)
 
     listed = [p for p in records if _lists(p.members, p.peer_id) and (p.ok or p.members)]
     found = max((size(p) for p in listed if abs(p.round - rnd) <= 1), default=0)
