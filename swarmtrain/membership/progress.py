@@ -23,9 +23,9 @@ resort). The default, ``"majority"``, is ``majority_states``: a member vouches f
 with a record consistent with it (``_vouchers``), and the state needs more than half of its
 round's membership (``_round_size``), which the claim's own list does not set (so a record
 listing made-up members inflates it: every state unadoptable, a stall, not a poisoning). A
-failed round's record carries the list of the round whose state its peer still holds (``b""`` when it
-holds none it was a member of): a member that failed every round since vouches with it, and a
-lone survivor's state is adoptable through it (``vouched_survivors``).
+failed round's record carries the list of the round whose state its peer still holds
+(``b""`` when it holds none it was a member of): a member that failed every round since
+vouches with it, and a lone survivor's state is adoptable through it (``vouched_survivors``).
 Its holders are the sources a joiner downloads from, and the peers every member expects in the
 next round's matchmaking when a joiner is announced.
 
