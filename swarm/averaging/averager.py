@@ -65,6 +65,8 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
+from swarm.averaging.grid import uses_grid
+from swarm.averaging.grid_session import GridSession
 from swarm.averaging.matchmaking import (
     Declaration,
     Group,
@@ -153,6 +155,13 @@ class AveragerConfig:
     # ``matchmaking.shard_count``): every peer of a run must use the same two.
     schedule: RoundSchedule | None = None
     matchmaking_shards: int = 1
+    # The hierarchical all-reduce (``swarm.averaging.grid``, ``hierarchical``): a round of
+    # more members than this runs on a grid of rows of at most ``row_size`` peers (``O(row)``
+    # streams per peer instead of ``O(n)``), and matchmaking forms one group of every declarer
+    # (``MatchmakingConfig.one_group``): one round, one average. Only for a plain mean
+    # (``compression`` NONE, ``aggregation`` "mean", no audit); otherwise, or None, the flat
+    # butterfly over groups of at most ``max_group_size``. Every peer of a run must use the same.
+    row_size: int | None = 32
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -166,6 +175,8 @@ class AveragerConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
         if self.matchmaking_shards > 1 and self.schedule is None:
             raise ValueError("matchmaking_shards > 1 needs a schedule (RoundSchedule)")
+        if self.row_size is not None and self.row_size < 2:
+            raise ValueError(f"row_size must be >= 2 or None: {self.row_size}")
         if self.audit and self.aggregation != "mean":
             raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
         if isinstance(self.compression, SparseCodec) and self.aggregation != "mean":
@@ -206,6 +217,8 @@ class AveragingResult:
     # when peers with other expected sets formed other groups of the round (then the round ran
     # as sub-groups with different results: the caller's agreement check must hear from all).
     group_size: int = 0
+    # Rows of the hierarchical layout the round ran on (``AveragerConfig.row_size``); 1: flat.
+    rows: int = 1
 
     @functools.cached_property
     def digest(self) -> str:
@@ -341,8 +354,9 @@ class Averager:
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
             shards=config.matchmaking_shards,
             schedule=config.schedule,
+            one_group=self._hierarchical,
         )
-        self._sessions: dict[bytes, Session] = {}
+        self._sessions: dict[bytes, Session | GridSession] = {}
         # Each pair's data channel, kept between rounds (``swarm.averaging.channel_pool``).
         self._channels = ChannelPool()
         self._buffers = BufferPool(config.buffer_pool_bytes)
@@ -356,6 +370,18 @@ class Averager:
         self._nursery: trio.Nursery | None = None
         # (round, group id) -> the values we contributed (as the wire carried them), for audits
         self._contributed: dict[tuple[int, bytes], np.ndarray] = {}
+
+    @property
+    def _hierarchical(self) -> bool:
+        """Whether this run's rounds are one group laid out on a grid when large (the config's
+        part of ``uses_grid``; a verified run's ``check_slice`` is the round's)."""
+        config = self.config
+        return (
+            config.row_size is not None
+            and config.compression is Compression.NONE
+            and config.aggregation == "mean"
+            and not config.audit
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -485,31 +511,47 @@ class Averager:
             # outer step alone and drift from everyone else's state.
             self._survivors = None
             raise AveragingFailed(f"round {r}: no other peer declared in time")
-        session = Session(
-            self.node,
-            self.config.run_id,
-            group,
-            vector,
-            weight,
-            layout,
-            SessionConfig(
-                timeout_s=self.config.allreduce_timeout_s,
-                peer_timeout_s=self.config.peer_timeout_s,
-                heartbeat_s=self.config.heartbeat_s,
-                bulk=self.config.bulk,
-                tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
-                weight_bounds=self.config.weight_bounds,
-                check_slice=None
-                if self.check_slice is None
-                else functools.partial(self.check_slice, r),
-                pace_bps=self.config.bandwidth_bps if self.config.pace else None,
-                sign=self.node.dht.signer.sign_message if self.config.audit else None,
-                aggregation=self.config.aggregation,
-            ),
-            channels=self._channels,
-            buffers=self._buffers,
-            result_in_local=overwrite,
+        session_config = SessionConfig(
+            timeout_s=self.config.allreduce_timeout_s,
+            peer_timeout_s=self.config.peer_timeout_s,
+            heartbeat_s=self.config.heartbeat_s,
+            bulk=self.config.bulk,
+            tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
+            weight_bounds=self.config.weight_bounds,
+            check_slice=None
+            if self.check_slice is None
+            else functools.partial(self.check_slice, r),
+            pace_bps=self.config.bandwidth_bps if self.config.pace else None,
+            sign=self.node.dht.signer.sign_message if self.config.audit else None,
+            aggregation=self.config.aggregation,
         )
+        session: Session | GridSession
+        tampered = session_config.tamper_reduced is not None
+        plain_mean = self._hierarchical and self.check_slice is None and not tampered
+        if uses_grid(len(group.members), self.config.row_size, plain_mean=plain_mean):
+            assert self.config.row_size is not None
+            session = GridSession(
+                self.node,
+                self.config.run_id,
+                group,
+                vector,
+                layout,
+                session_config,
+                self.config.row_size,
+            )
+        else:
+            session = Session(
+                self.node,
+                self.config.run_id,
+                group,
+                vector,
+                weight,
+                layout,
+                session_config,
+                channels=self._channels,
+                buffers=self._buffers,
+                result_in_local=overwrite,
+            )
         self._sessions[group.group_id] = session
         self._notify()
         self._nursery.start_soon(self._run_session, session)
@@ -535,6 +577,7 @@ class Averager:
         mine: list[bytes] = []
         refused: list[SliceDispute] = []
         if self.config.audit:
+            assert isinstance(session, Session)  # an audited round is never a grid
             proofs, digests = await session.audit_evidence()
             audits = await trio.to_thread.run_sync(audits_of, session.machine, proofs, digests)
             mine = [digests[(p, self.me)] for p in range(len(session.parts))]
@@ -562,10 +605,11 @@ class Averager:
             upload_bps=session.upload_bps,
             audits=tuple(audits),
             parts=tuple((start, stop) for _, start, stop in session.parts),
-            reducers=tuple(session.machine.reducer_of),
+            reducers=tuple(session.machine.reducer_of) if isinstance(session, Session) else (),
             slice_hashes=tuple(mine),
             refused=tuple(refused),
             sent=await trio.to_thread.run_sync(session.sent) if want_sent else None,
+            rows=session.machine.plan.rows if isinstance(session, GridSession) else 1,
         )
 
     async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:

@@ -487,3 +487,39 @@ def test_state_hashes_show_who_agrees(swarm: Swarm) -> None:
     answers = [p.reply() for p in peers]
     assert [a["agrees"] for a in answers] == [True, True, False], answers
     assert all(a["peers"] == 3 and a["agreeing"] == 2 and a["majority"] == digest for a in answers)
+
+
+def ranked(peers: list[Peer]) -> list[Peer]:
+    """``peers`` in sorted id order: the grid's order (``grid_plan``), rows being runs of it."""
+    return sorted(peers, key=lambda p: bytes.fromhex(p.id))
+
+
+def test_sixteen_peers_on_a_grid_of_rows_of_four_agree_on_the_exact_mean(swarm: Swarm) -> None:
+    """Issue 21: a group larger than the row size runs the hierarchical all-reduce over the
+    real wire (4 rows of 4: scatter in rows, float64 chains of partial sums, gather), matched
+    as one group of all 16; every peer holds the same bytes, the exact weighted mean."""
+    peers = swarm.start(16, None, "--run-id", "grid16", "--row-size", "4")
+    started = time.monotonic()
+    swarm.average(peers, 0)
+    replies = [p.reply(timeout_s=60) for p in peers]
+    swarm.check(replies, peers)
+    assert {(r["group_size"], r["rows"]) for r in replies} == {(16, 4)}, replies
+    assert time.monotonic() - started < 45
+
+
+def test_a_grid_head_killed_mid_chain_leaves_survivors_agreeing(swarm: Swarm) -> None:
+    """16 peers in rows of 4; a peer of row 1 is SIGKILLed as it sends its first partial sum
+    down its column's chain (it holds row 0's sum and its row's slices): its successor takes
+    its column over, and the 15 survivors agree bit for bit on the exact mean over the
+    contributors they report (the victim among them iff its slices reached its row's heads)."""
+    peers = swarm.start(16, None, "--run-id", "grid16-kill", "--row-size", "4")
+    victim = ranked(peers)[5]
+    survivors = [p for p in peers if p is not victim]
+    started = time.monotonic()
+    swarm.average(peers, 0, **{victim.id: {"kill_at": "ACCUMULATED"}})
+    replies = [p.reply(timeout_s=60) for p in survivors]
+    assert all("contributors" in r for r in replies), replies
+    in_result = victim.id in replies[0]["contributors"]
+    swarm.check(replies, peers if in_result else survivors)
+    assert victim.process.proc.wait(5) == -signal.SIGKILL
+    assert time.monotonic() - started < 45
