@@ -185,6 +185,18 @@ class AveragerConfig:
             raise ValueError(f'sparse compression needs aggregation="mean", not {self.aggregation}')
 
 
+def hierarchical(config: AveragerConfig) -> bool:
+    """Whether a run's rounds are one group of every declarer, laid out on a grid when larger
+    than ``row_size``: the config's part of ``grid.uses_grid`` (a round's own part: no slice
+    check, no tampering)."""
+    return (
+        config.row_size is not None
+        and config.compression is Compression.NONE
+        and config.aggregation == "mean"
+        and not config.audit
+    )
+
+
 @dataclass(frozen=True)
 class AveragingResult:
     """One round's outcome on this peer. ``tensors`` match the inputs' types, shapes, dtypes
@@ -354,7 +366,7 @@ class Averager:
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
             shards=config.matchmaking_shards,
             schedule=config.schedule,
-            one_group=self._hierarchical,
+            one_group=hierarchical(config),
         )
         self._sessions: dict[bytes, Session | GridSession] = {}
         # Each pair's data channel, kept between rounds (``swarm.averaging.channel_pool``).
@@ -370,18 +382,6 @@ class Averager:
         self._nursery: trio.Nursery | None = None
         # (round, group id) -> the values we contributed (as the wire carried them), for audits
         self._contributed: dict[tuple[int, bytes], np.ndarray] = {}
-
-    @property
-    def _hierarchical(self) -> bool:
-        """Whether this run's rounds are one group laid out on a grid when large (the config's
-        part of ``uses_grid``; a verified run's ``check_slice`` is the round's)."""
-        config = self.config
-        return (
-            config.row_size is not None
-            and config.compression is Compression.NONE
-            and config.aggregation == "mean"
-            and not config.audit
-        )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -527,7 +527,7 @@ class Averager:
         )
         session: Session | GridSession
         tampered = session_config.tamper_reduced is not None
-        plain_mean = self._hierarchical and self.check_slice is None and not tampered
+        plain_mean = hierarchical(self.config) and self.check_slice is None and not tampered
         if uses_grid(len(group.members), self.config.row_size, plain_mean=plain_mean):
             assert self.config.row_size is not None
             session = GridSession(

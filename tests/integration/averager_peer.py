@@ -55,9 +55,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, NodeConfig, PeerID, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression, SparseCodec
-from swarm.averaging import grid_session
+from swarm.averaging import grid_session, session_wire
 from swarm.averaging import session as session_module
-from swarm.averaging import session_wire
 from swarm.averaging.allreduce import SendPart, SendReduced
 from swarm.averaging.matchmaking import RoundSchedule
 

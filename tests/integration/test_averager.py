@@ -507,16 +507,18 @@ def test_sixteen_peers_on_a_grid_of_rows_of_four_agree_on_the_exact_mean(swarm: 
     assert time.monotonic() - started < 45
 
 
-def test_a_grid_head_killed_mid_chain_leaves_survivors_agreeing(swarm: Swarm) -> None:
+@pytest.mark.parametrize("kind", ["ACCUMULATED", "REDUCED"])
+def test_a_grid_head_killed_mid_round_leaves_survivors_agreeing(swarm: Swarm, kind: str) -> None:
     """16 peers in rows of 4; a peer of row 1 is SIGKILLed as it sends its first partial sum
-    down its column's chain (it holds row 0's sum and its row's slices): its successor takes
-    its column over, and the 15 survivors agree bit for bit on the exact mean over the
-    contributors they report (the victim among them iff its slices reached its row's heads)."""
-    peers = swarm.start(16, None, "--run-id", "grid16-kill", "--row-size", "4")
+    down its column's chain (it holds row 0's sum and its row's slices), or its first reduced
+    sub-part back up: its successor takes its column over, and the 15 survivors agree bit for
+    bit on the exact mean over the contributors they report (the victim among them iff its
+    slices reached its row's heads, or its sum went down the chain)."""
+    peers = swarm.start(16, None, "--run-id", f"grid16-kill-{kind}", "--row-size", "4")
     victim = ranked(peers)[5]
     survivors = [p for p in peers if p is not victim]
     started = time.monotonic()
-    swarm.average(peers, 0, **{victim.id: {"kill_at": "ACCUMULATED"}})
+    swarm.average(peers, 0, **{victim.id: {"kill_at": kind}})
     replies = [p.reply(timeout_s=60) for p in survivors]
     assert all("contributors" in r for r in replies), replies
     in_result = victim.id in replies[0]["contributors"]
