@@ -446,5 +446,5 @@ def test_the_row_size_is_a_signed_key_that_reaches_the_averager() -> None:
     data, signature = sign_spec(RunSpec(grid, str(coordinator), 2.0), key_pair)
     assert verify_spec(data, signature, coordinator).config.swarm.row_size == 4
     for bad in (1, -3, 2.5):
-        with pytest.raises(ConfigError, match="swarm.row_size must be 0 or an integer >= 2"):
+        with pytest.raises(ConfigError, match=r"swarm\.row_size must be 0 or an integer >= 2"):
             config_from_mapping({"swarm": {"row_size": bad}})
