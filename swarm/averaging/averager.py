@@ -12,7 +12,9 @@ forms as soon as every expected peer declared (the previous round's survivors pl
 declared when the round opened), else at the matchmaking deadline. The first round has no history,
 so it waits for the deadline unless the caller names the expected peers.
 2. All-reduce (``swarm.averaging.session``): butterfly over the group, bit-identical on every
-   survivor, by the round's deadline.
+   survivor, by the round's deadline; a group larger than ``AveragerConfig.row_size`` runs the
+   hierarchical all-reduce instead (``swarm.averaging.grid_session``: the same bytes, each peer
+   talking to its row and the rows above and below it; matchmaking then forms one group).
 
 A failed or cancelled round raises; the next call starts a new round at once. Sessions outlive
 the call that started them until every peer is done (they may still owe a forward).
