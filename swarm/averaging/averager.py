@@ -81,7 +81,7 @@ from swarm.averaging.matchmaking import (
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import Session, SessionConfig
-from swarm.averaging.session_wire import PROTOCOL, Hello
+from swarm.averaging.session_wire import PROTOCOL, Hello, hello_refusal
 from swarm.averaging.sparse_codec import SparseCodec
 from swarm.errors import AveragingFailed
 
@@ -160,9 +160,10 @@ class AveragerConfig:
     # The hierarchical all-reduce (``swarm.averaging.grid``, ``hierarchical``): a round of
     # more members than this runs on a grid of rows of at most ``row_size`` peers (``O(row)``
     # streams per peer instead of ``O(n)``), and matchmaking forms one group of every declarer
-    # (``MatchmakingConfig.one_group``): one round, one average. Only for a plain mean
-    # (``compression`` NONE, ``aggregation`` "mean", no audit); otherwise, or None, the flat
-    # butterfly over groups of at most ``max_group_size``. Every peer of a run must use the same.
+    # (``MatchmakingConfig.one_group``): one round, one average. Only for a weighted mean under
+    # a dense codec (``hierarchical`` says why: no sparse codec, robust aggregation or audit);
+    # otherwise, or None, the flat butterfly over groups of at most ``max_group_size``. Every
+    # peer of a run must use the same (Hellos carry it: ``hello_refusal``).
     row_size: int | None = 32
 
     def __post_init__(self) -> None:
@@ -190,10 +191,20 @@ class AveragerConfig:
 def hierarchical(config: AveragerConfig) -> bool:
     """Whether a run's rounds are one group of every declarer, laid out on a grid when larger
     than ``row_size``: the config's part of ``grid.uses_grid`` (a round's own part: no slice
-    check, no tampering)."""
+    check, no tampering).
+
+    Any dense codec (none, fp16, bf16, int8, or "auto" per tensor) runs on the grid: a head
+    decodes its row's slices as a flat reducer does, and the reduced columns travel as the
+    bytes encoded once where they were divided (``hierarchical``: "Codecs"). Three kinds of
+    round stay flat, where the grid's float64 chain of partial sums cannot compute what they
+    need: a sparse codec's reduced part is its contributors' slices, recombined by every
+    receiver (a column would carry every member's slice, ``n`` times the bytes); a robust
+    aggregation (median, trimmed mean) needs every slice of a part at one reducer, not a sum
+    of row sums; and an audited round's referee recomputes one reducer's sum from the slices
+    its senders signed, where on a grid each sum is split over a column's heads."""
     return (
         config.row_size is not None
-        and config.compression is Compression.NONE
+        and not isinstance(config.compression, SparseCodec)
         and config.aggregation == "mean"
         and not config.audit
     )
@@ -526,12 +537,12 @@ class Averager:
             pace_bps=self.config.bandwidth_bps if self.config.pace else None,
             sign=self.node.dht.signer.sign_message if self.config.audit else None,
             aggregation=self.config.aggregation,
+            row_size=self.config.row_size,
         )
         session: Session | GridSession
         tampered = session_config.tamper_reduced is not None
         plain_mean = hierarchical(self.config) and self.check_slice is None and not tampered
         if uses_grid(len(group.members), self.config.row_size, plain_mean=plain_mean):
-            assert self.config.row_size is not None
             session = GridSession(
                 self.node,
                 self.config.run_id,
@@ -539,7 +550,7 @@ class Averager:
                 vector,
                 layout,
                 session_config,
-                self.config.row_size,
+                result_in_local=overwrite,
             )
         else:
             session = Session(
@@ -611,7 +622,7 @@ class Averager:
             slice_hashes=tuple(mine),
             refused=tuple(refused),
             sent=await trio.to_thread.run_sync(session.sent) if want_sent else None,
-            rows=session.machine.plan.rows if isinstance(session, GridSession) else 1,
+            rows=session.plan.rows if isinstance(session, GridSession) else 1,
         )
 
     async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:
@@ -730,7 +741,7 @@ class Averager:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def _session_for(self, group_id: bytes) -> Session:
+    async def _session_for(self, group_id: bytes) -> Session | GridSession:
         """Our session for ``group_id``, waiting a while: a peer may form the group before us.
         Raises RemoteProtocolError saying why there is none."""
         waited = self.config.matchmaking_timeout_s + 5.0
@@ -757,8 +768,11 @@ class Averager:
             session = await self._session_for(hello.group_id)
             if hello.run_id != self.config.run_id or peer not in session.peers:
                 raise RemoteProtocolError("not a member of this round's group")
-            if hello.layout != session.layout.digest:
-                raise RemoteProtocolError("tensor layout or codecs differ from ours")
+            why = hello_refusal(hello, session.layout.digest, self.config.row_size)
+            if why is not None:
+                # a run's config differing between peers: the result says why it lost this one
+                session.dropped.setdefault(peer, f"refused its stream: {why}")
+                raise RemoteProtocolError(why)
             await session.serve_incoming(peer, rpc, hello)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.info("refused an all-reduce stream from %s: %s", str(rpc.peer_id)[-8:], exc)

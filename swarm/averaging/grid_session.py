@@ -47,7 +47,14 @@ from p2p import (
 )
 from swarm.averaging.allreduce import DeadlineReached, DropPeer, Fail, Finish, PeerLost
 from swarm.averaging.grid import grid_plan
-from swarm.averaging.grid_wire import GridItem, from_wire, payload_bytes, to_wire
+from swarm.averaging.grid_wire import (
+    GridItem,
+    encode_slices,
+    finalizer,
+    from_wire,
+    payload_bytes,
+    to_wire,
+)
 from swarm.averaging.hierarchical import GridAllReduce, ItemReceived, SendItem
 from swarm.averaging.liveness import CONNECT_WAIT_S, Liveness, LivenessConfig
 from swarm.averaging.matchmaking import Group
@@ -74,8 +81,13 @@ class GridSession:
         local: np.ndarray,
         layout: Layout,
         config: SessionConfig,
-        row_size: int,
+        *,
+        result_in_local: bool = False,
     ) -> None:
+        """``config.row_size``: the grid's largest row. ``result_in_local``: ``local`` is the
+        round's to overwrite; with a lossy codec our contribution as the others decode it goes
+        there (no vector of its own)."""
+        assert config.row_size is not None
         self.node, self.run_id, self.group, self.layout, self.config = (
             node, run_id, group, layout, config,
         )  # fmt: skip
@@ -85,10 +97,17 @@ class GridSession:
         low, high = config.weight_bounds
         members = [m for m in group.members if math.isfinite(m.weight) and low <= m.weight <= high]
         self.peers = tuple(m.peer_id for m in members)
-        plan = grid_plan(self.peers, [m.weight for m in members], len(local), row_size)
+        plan = self.plan = grid_plan(
+            self.peers, [m.weight for m in members], len(local), config.row_size
+        )
         self._t0 = trio.current_time()
-        self.machine = GridAllReduce(self.me, plan, local, self._t0 + config.timeout_s)
-        rows = range(max(0, self.machine.my_row - 1), min(plan.rows, self.machine.my_row + 2))
+        self._deadline = self._t0 + config.timeout_s
+        self._local = local
+        self._in_place = result_in_local
+        # Set by ``run`` (a lossy round encodes our vector first, in a worker thread).
+        self.machine: GridAllReduce
+        my_row = plan.row_of(plan.peers.index(self.me))
+        rows = range(max(0, my_row - 1), min(plan.rows, my_row + 2))
         self.near = frozenset(plan.peers[i] for k in rows for i in plan.row(k)) - {self.me}
         self.parts = [(self.me, *plan.part(c)) for c in range(plan.columns)]
         self._big = len(local) >= THREAD_MIN_NUMEL
@@ -133,8 +152,13 @@ class GridSession:
     def lost(self) -> frozenset[bytes]:
         return frozenset(self._live.lost)
 
-    def sent(self) -> None:
-        return None  # lossless: what we gave
+    def sent(self) -> np.ndarray | None:
+        """Our contribution as every peer decodes it (a lossy codec's round trip); None when
+        the codec is lossless (what we gave)."""
+        if self.layout.lossless():
+            return None
+        values = self.machine.local
+        return values if self._in_place else values.copy()
 
     async def result(self) -> RoundResult:
         """Wait for this peer's outcome; raises ``AveragingFailed``."""
@@ -150,8 +174,9 @@ class GridSession:
         """Drive the round until the near peers are done, it fails, or the deadline passes."""
         try:
             with self._scope:
-                self._scope.deadline = self.machine.deadline + self.config.peer_timeout_s
+                self._scope.deadline = self._deadline + self.config.peer_timeout_s
                 self._live.start(self._t0)
+                self.machine = await self._thread(self._machine)
                 await self._connect_near()
                 async with trio.open_nursery() as senders:
                     self._senders = senders
@@ -200,6 +225,22 @@ class GridSession:
                 self._handler_scopes.discard(scope)
 
     # -- the machine -----------------------------------------------------------------------------
+
+    def _machine(self) -> GridAllReduce:
+        """The round's machine; in a lossy round over our vector as the others decode it,
+        with its wire bytes (``grid_wire.encode_slices``)."""
+        if self.layout.lossless():
+            return GridAllReduce(self.me, self.plan, self._local, self._deadline)
+        values = self._local if self._in_place else np.empty_like(self._local)
+        payloads = encode_slices(self._local, self.plan, self.layout, values)
+        return GridAllReduce(
+            self.me,
+            self.plan,
+            values,
+            self._deadline,
+            payloads=payloads,
+            finalize=finalizer(self.layout),
+        )
 
     async def _drive(self) -> None:
         await self._apply(await self._call(self.machine.start))
@@ -292,7 +333,10 @@ class GridSession:
             rpc = RpcStream(stream)
             direct = stream_kind(stream) == "direct"
             channel: BulkChannel | None = None
-            await rpc.send(Hello(self.run_id, self.group_id, self.layout.digest))
+            hello = Hello(
+                self.run_id, self.group_id, self.layout.digest, row_size=self.config.row_size or 0
+            )
+            await rpc.send(hello)
             async for item in outbox:
                 if isinstance(item, Done):
                     await rpc.send(item)
@@ -337,7 +381,7 @@ class GridSession:
                 self._live.said_done(peer)
                 await self._post(Wake())
                 continue
-            expected = payload_bytes(msg, self.machine.plan)
+            expected = payload_bytes(msg, self.plan, self.layout)
             data: bytes | bytearray = msg.inline
             if expected > INLINE_MAX_BYTES and not msg.inline:
                 data = bytearray(expected)
@@ -356,7 +400,11 @@ class GridSession:
                     self._live.transfer_ended(peer)
                 self._live.heard(peer, trio.current_time())
             self.bytes_received += len(data)
-            await self._post(ItemReceived(peer, from_wire(msg, data)))
+            if self.layout.lossless():
+                item = from_wire(msg, data, self.plan, self.layout)
+            else:  # decoding a column costs as much as a flat reducer's
+                item = await self._thread(from_wire, msg, data, self.plan, self.layout)
+            await self._post(ItemReceived(peer, item))
         raise RemoteProtocolError(f"more than {self._item_limit} items in one round")
 
     # -- time and losses -------------------------------------------------------------------------
