@@ -19,6 +19,11 @@ barrier, the column chains' neighbours for partial sums and takeovers), so it ho
   takeovers) until every near peer still counted alive said ``Done`` or the deadline passes:
   only near peers can still need anything from us (``hierarchical``: "Finish").
 
+* A lossy codec (``hierarchical``, "Codecs"): before the machine starts, our slice of each
+  column is encoded once (``grid_wire.encode_slices``, in a worker thread, into ``local`` when
+  the round may overwrite it); received slices and columns are decoded in a worker thread, and
+  what we pass on goes as the bytes that came.
+
 No data channel is kept between rounds (a grid round's pairs change with the group's layout).
 """
 
