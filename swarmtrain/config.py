@@ -447,6 +447,14 @@ class SwarmSection(_Section):
         "# Nodes whose start-ups differ by more than matchmaking_timeout_s no longer miss\n"
         "# round 0",
     )  # fmt: skip
+    row_size: int = _key(
+        32, lambda v: v == 0 or v >= 2, "0 or an integer >= 2",
+        "a round of more peers than this runs as the hierarchical all-reduce: one group of\n"
+        "# everyone, in rows of at most row_size peers (each peer talks to its row and the rows\n"
+        "# above and below it, not to all); for aggregation \"mean\" under any compression but\n"
+        "# \"sparse\", not verified; otherwise, or 0, groups of at most 64. Every peer must use\n"
+        "# the same (a peer with another is refused)",
+    )  # fmt: skip
     expected_peers: int = _key(
         0, _non_negative, "a non-negative integer",
         "0: a round's matchmaking waits for the peers it expects by name, at most\n"

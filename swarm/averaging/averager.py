@@ -12,7 +12,9 @@ forms as soon as every expected peer declared (the previous round's survivors pl
 declared when the round opened), else at the matchmaking deadline. The first round has no history,
 so it waits for the deadline unless the caller names the expected peers.
 2. All-reduce (``swarm.averaging.session``): butterfly over the group, bit-identical on every
-   survivor, by the round's deadline.
+   survivor, by the round's deadline; a group larger than ``AveragerConfig.row_size`` runs the
+   hierarchical all-reduce instead (``swarm.averaging.grid_session``: the same bytes, each peer
+   talking to its row and the rows above and below it; matchmaking then forms one group).
 
 A failed or cancelled round raises; the next call starts a new round at once. Sessions outlive
 the call that started them until every peer is done (they may still owe a forward).
@@ -65,6 +67,8 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
+from swarm.averaging.grid import uses_grid
+from swarm.averaging.grid_session import GridSession
 from swarm.averaging.matchmaking import (
     Declaration,
     Group,
@@ -77,7 +81,7 @@ from swarm.averaging.matchmaking import (
 from swarm.averaging.matchmaking_driver import MatchmakingFailed, form_group, read_declarations
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import Session, SessionConfig
-from swarm.averaging.session_wire import PROTOCOL, Hello
+from swarm.averaging.session_wire import PROTOCOL, Hello, hello_refusal
 from swarm.averaging.sparse_codec import SparseCodec
 from swarm.errors import AveragingFailed
 
@@ -153,6 +157,14 @@ class AveragerConfig:
     # ``matchmaking.shard_count``): every peer of a run must use the same two.
     schedule: RoundSchedule | None = None
     matchmaking_shards: int = 1
+    # The hierarchical all-reduce (``swarm.averaging.grid``, ``hierarchical``): a round of
+    # more members than this runs on a grid of rows of at most ``row_size`` peers (``O(row)``
+    # streams per peer instead of ``O(n)``), and matchmaking forms one group of every declarer
+    # (``MatchmakingConfig.one_group``): one round, one average. Only for a weighted mean under
+    # a dense codec (``hierarchical`` says why: no sparse codec, robust aggregation or audit);
+    # otherwise, or None, the flat butterfly over groups of at most ``max_group_size``. Every
+    # peer of a run must use the same (Hellos carry it: ``hello_refusal``).
+    row_size: int | None = 32
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -166,12 +178,36 @@ class AveragerConfig:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS}: {self.aggregation!r}")
         if self.matchmaking_shards > 1 and self.schedule is None:
             raise ValueError("matchmaking_shards > 1 needs a schedule (RoundSchedule)")
+        if self.row_size is not None and self.row_size < 2:
+            raise ValueError(f"row_size must be >= 2 or None: {self.row_size}")
         if self.audit and self.aggregation != "mean":
             raise ValueError('audit needs aggregation="mean" (a referee recomputes the sum)')
         if isinstance(self.compression, SparseCodec) and self.aggregation != "mean":
             # Receivers recompute each part's mean from the slices (``payload.Layout.gathers``);
             # a robust rule's median of mostly-zero sparse coordinates would be zero anyway.
             raise ValueError(f'sparse compression needs aggregation="mean", not {self.aggregation}')
+
+
+def hierarchical(config: AveragerConfig) -> bool:
+    """Whether a run's rounds are one group of every declarer, laid out on a grid when larger
+    than ``row_size``: the config's part of ``grid.uses_grid`` (a round's own part: no slice
+    check, no tampering).
+
+    Any dense codec (none, fp16, bf16, int8, or "auto" per tensor) runs on the grid: a head
+    decodes its row's slices as a flat reducer does, and the reduced columns travel as the
+    bytes encoded once where they were divided (``hierarchical``: "Codecs"). Three kinds of
+    round stay flat, where the grid's float64 chain of partial sums cannot compute what they
+    need: a sparse codec's reduced part is its contributors' slices, recombined by every
+    receiver (a column would carry every member's slice, ``n`` times the bytes); a robust
+    aggregation (median, trimmed mean) needs every slice of a part at one reducer, not a sum
+    of row sums; and an audited round's referee recomputes one reducer's sum from the slices
+    its senders signed, where on a grid each sum is split over a column's heads."""
+    return (
+        config.row_size is not None
+        and not isinstance(config.compression, SparseCodec)
+        and config.aggregation == "mean"
+        and not config.audit
+    )
 
 
 @dataclass(frozen=True)
@@ -206,6 +242,8 @@ class AveragingResult:
     # when peers with other expected sets formed other groups of the round (then the round ran
     # as sub-groups with different results: the caller's agreement check must hear from all).
     group_size: int = 0
+    # Rows of the hierarchical layout the round ran on (``AveragerConfig.row_size``); 1: flat.
+    rows: int = 1
 
     @functools.cached_property
     def digest(self) -> str:
@@ -341,8 +379,9 @@ class Averager:
             run_seed=hashlib.sha256(b"swarmtrain/run/" + config.run_id.encode()).digest(),
             shards=config.matchmaking_shards,
             schedule=config.schedule,
+            one_group=hierarchical(config),
         )
-        self._sessions: dict[bytes, Session] = {}
+        self._sessions: dict[bytes, Session | GridSession] = {}
         # Each pair's data channel, kept between rounds (``swarm.averaging.channel_pool``).
         self._channels = ChannelPool()
         self._buffers = BufferPool(config.buffer_pool_bytes)
@@ -485,31 +524,47 @@ class Averager:
             # outer step alone and drift from everyone else's state.
             self._survivors = None
             raise AveragingFailed(f"round {r}: no other peer declared in time")
-        session = Session(
-            self.node,
-            self.config.run_id,
-            group,
-            vector,
-            weight,
-            layout,
-            SessionConfig(
-                timeout_s=self.config.allreduce_timeout_s,
-                peer_timeout_s=self.config.peer_timeout_s,
-                heartbeat_s=self.config.heartbeat_s,
-                bulk=self.config.bulk,
-                tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
-                weight_bounds=self.config.weight_bounds,
-                check_slice=None
-                if self.check_slice is None
-                else functools.partial(self.check_slice, r),
-                pace_bps=self.config.bandwidth_bps if self.config.pace else None,
-                sign=self.node.dht.signer.sign_message if self.config.audit else None,
-                aggregation=self.config.aggregation,
-            ),
-            channels=self._channels,
-            buffers=self._buffers,
-            result_in_local=overwrite,
+        session_config = SessionConfig(
+            timeout_s=self.config.allreduce_timeout_s,
+            peer_timeout_s=self.config.peer_timeout_s,
+            heartbeat_s=self.config.heartbeat_s,
+            bulk=self.config.bulk,
+            tamper_reduced=self.faults.tamper_reduced(r) if self.faults else None,
+            weight_bounds=self.config.weight_bounds,
+            check_slice=None
+            if self.check_slice is None
+            else functools.partial(self.check_slice, r),
+            pace_bps=self.config.bandwidth_bps if self.config.pace else None,
+            sign=self.node.dht.signer.sign_message if self.config.audit else None,
+            aggregation=self.config.aggregation,
+            row_size=self.config.row_size,
         )
+        session: Session | GridSession
+        tampered = session_config.tamper_reduced is not None
+        plain_mean = hierarchical(self.config) and self.check_slice is None and not tampered
+        if uses_grid(len(group.members), self.config.row_size, plain_mean=plain_mean):
+            session = GridSession(
+                self.node,
+                self.config.run_id,
+                group,
+                vector,
+                layout,
+                session_config,
+                result_in_local=overwrite,
+            )
+        else:
+            session = Session(
+                self.node,
+                self.config.run_id,
+                group,
+                vector,
+                weight,
+                layout,
+                session_config,
+                channels=self._channels,
+                buffers=self._buffers,
+                result_in_local=overwrite,
+            )
         self._sessions[group.group_id] = session
         self._notify()
         self._nursery.start_soon(self._run_session, session)
@@ -535,6 +590,7 @@ class Averager:
         mine: list[bytes] = []
         refused: list[SliceDispute] = []
         if self.config.audit:
+            assert isinstance(session, Session)  # an audited round is never a grid
             proofs, digests = await session.audit_evidence()
             audits = await trio.to_thread.run_sync(audits_of, session.machine, proofs, digests)
             mine = [digests[(p, self.me)] for p in range(len(session.parts))]
@@ -562,10 +618,11 @@ class Averager:
             upload_bps=session.upload_bps,
             audits=tuple(audits),
             parts=tuple((start, stop) for _, start, stop in session.parts),
-            reducers=tuple(session.machine.reducer_of),
+            reducers=tuple(session.machine.reducer_of) if isinstance(session, Session) else (),
             slice_hashes=tuple(mine),
             refused=tuple(refused),
             sent=await trio.to_thread.run_sync(session.sent) if want_sent else None,
+            rows=session.plan.rows if isinstance(session, GridSession) else 1,
         )
 
     async def _serve_slice(self, peer: PeerID, request: SliceRequest) -> AsyncIterator[np.ndarray]:
@@ -684,7 +741,7 @@ class Averager:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def _session_for(self, group_id: bytes) -> Session:
+    async def _session_for(self, group_id: bytes) -> Session | GridSession:
         """Our session for ``group_id``, waiting a while: a peer may form the group before us.
         Raises RemoteProtocolError saying why there is none."""
         waited = self.config.matchmaking_timeout_s + 5.0
@@ -711,8 +768,11 @@ class Averager:
             session = await self._session_for(hello.group_id)
             if hello.run_id != self.config.run_id or peer not in session.peers:
                 raise RemoteProtocolError("not a member of this round's group")
-            if hello.layout != session.layout.digest:
-                raise RemoteProtocolError("tensor layout or codecs differ from ours")
+            why = hello_refusal(hello, session.layout.digest, self.config.row_size)
+            if why is not None:
+                # a run's config differing between peers: the result says why it lost this one
+                session.dropped.setdefault(peer, f"refused its stream: {why}")
+                raise RemoteProtocolError(why)
             await session.serve_incoming(peer, rpc, hello)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.info("refused an all-reduce stream from %s: %s", str(rpc.peer_id)[-8:], exc)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from p2p import LocalProtocolError
 
-__all__ = ["GridPlan", "grid_plan"]
+__all__ = ["GridPlan", "grid_plan", "uses_grid"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +77,14 @@ def grid_plan(
         columns=n // rows,
         numel=numel,
     )
+
+
+def uses_grid(group_size: int, row_size: int | None, *, plain_mean: bool) -> bool:
+    """Whether a round of ``group_size`` members runs hierarchically (rows of at most
+    ``row_size``) rather than as one flat butterfly: a pure function of the group and the run's
+    config, so every member of the round drives the same machine. ``row_size`` None: never.
+    ``plain_mean``: the round is an unaudited, unchecked weighted mean under a dense codec, the
+    only one the hierarchical machine computes (its chain carries float64 sums of the decoded
+    slices; a sparse codec, a robust rule, an audit or a slice check needs the flat machine:
+    ``averager.hierarchical``)."""
+    return row_size is not None and plain_mean and group_size > row_size

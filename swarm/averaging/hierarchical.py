@@ -25,11 +25,21 @@ inside one row).
    does not send a second whole broadcast (that made the busiest peer send 3-7x the vector
    under churn).
 
+*Codecs.* In a lossy round (the run's int8 or fp16 ``compression``) ``local`` is our vector as
+the others decode it, and each slice travels as the bytes it was decoded from
+(``RawPart.payload``): a head sums, in float64 as above, exactly what the flat reducer would
+have decoded. The chain stays float64. The last row's head encodes each reduced sub-part once,
+as it divides it (``finalize``, as the flat reducer's), and keeps the decoding as its values;
+the sub-parts go up the chain and the columns out to the rows as those very bytes
+(``Reduced.payload``, ``Gathered.payloads``), never encoded again (an int8 encoding of decoded
+values need not give the same bytes), so every survivor decodes the same bytes into the same
+values.
+
 Per peer: connections to its row and to the column chain's two neighbours, ``O(row)``; bytes
-sent about ``2 (row - 1) / row`` of the vector plus ``8 / (columns x bytes per value)`` of it for
-the float64 chain, plus ``1 / columns`` for the successor's copy of the head's own slice; a
-column taken over adds its chain share and ``sqrt(row) / columns`` (its relays), a relay
-``sqrt(row) / columns`` (its run).
+sent about ``2 (row - 1) / row`` of the (coded) vector plus ``8 / (columns x bytes per value)``
+of it for the float64 chain (int8: ``8 / columns`` of the int8 vector), plus ``1 / columns`` for
+the successor's copy of the head's own slice; a column taken over adds its chain share and
+``sqrt(row) / columns`` (its relays), a relay ``sqrt(row) / columns`` (its run).
 
 Losses (every rule from facts the peer sees; nothing is negotiated):
 
@@ -76,7 +86,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -112,11 +122,13 @@ Tag = frozenset[bytes]
 
 @dataclass(frozen=True, slots=True)
 class RawPart:
-    """A peer's own slice of ``column`` (float32) and its weight: to its row's head."""
+    """A peer's own slice of ``column`` (float32, as its head decodes it) and its weight: to its
+    row's head. ``payload``: its wire bytes under the round's codec (None: lossless)."""
 
     column: int
     data: np.ndarray
     weight: float
+    payload: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,23 +145,28 @@ class Accumulated:
 
 @dataclass(frozen=True, slots=True)
 class Reduced:
-    """Sub-part ``(column, sub)`` of the result (float32) over everyone but ``excluded``."""
+    """Sub-part ``(column, sub)`` of the result (float32) over everyone but ``excluded``;
+    ``payload``: the bytes the last row's head encoded it as (``data`` is their decoding), or
+    None in a lossless round."""
 
     column: int
     sub: int
     excluded: Tag
     data: np.ndarray
+    payload: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Gathered:
     """Column ``column`` of the result (float32) over everyone but ``excluded``; the receiver
-    sends the same bytes on to each row mate in ``forward`` (a relay: ``_gather``)."""
+    sends the same bytes on to each row mate in ``forward`` (a relay: ``_gather``).
+    ``payloads``: its sub-parts' ``Reduced.payload`` bytes, one per row (None: lossless)."""
 
     column: int
     excluded: Tag
     data: np.ndarray
     forward: tuple[bytes, ...] = ()
+    payloads: tuple[bytes, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +226,27 @@ class GridAllReduce:
     """One peer's view of one hierarchical round (module docstring). ``start(now)``, then
     ``handle(event, now)``; both return actions."""
 
-    def __init__(self, me: bytes, plan: GridPlan, local: np.ndarray, deadline: float) -> None:
+    def __init__(
+        self,
+        me: bytes,
+        plan: GridPlan,
+        local: np.ndarray,
+        deadline: float,
+        *,
+        payloads: Sequence[bytes] | None = None,
+        finalize: Callable[[np.ndarray, int], tuple[np.ndarray, bytes]] | None = None,
+    ) -> None:
+        """``local``: our vector as the others decode it. A lossy round (module docstring,
+        "Codecs") also gives ``payloads``, our slice of each column as wire bytes (``local``'s
+        columns are their decoding), and ``finalize(values, start)``, which encodes a reduced
+        sub-part starting at ``start`` and returns its decoding and its bytes: a pure function,
+        the same on every peer."""
         if me not in plan.peers:
             raise LocalProtocolError("me must be in the plan")
+        if (payloads is None) != (finalize is None) or (
+            payloads is not None and len(payloads) != plan.columns
+        ):
+            raise LocalProtocolError("a lossy round needs payloads (one per column) and finalize")
         if (
             not isinstance(local, np.ndarray)
             or local.dtype != np.float32
@@ -220,6 +255,8 @@ class GridAllReduce:
         ):
             raise LocalProtocolError("local vector must be 1-D finite float32 of plan.numel")
         self.me, self.plan, self.local, self.deadline = me, plan, local, deadline
+        self.payloads = None if payloads is None else tuple(payloads)
+        self._finalize = finalize
         self.index = {peer: i for i, peer in enumerate(plan.peers)}
         self.row_index = {peer: plan.row_of(i) for i, peer in enumerate(plan.peers)}
         self.my_row = self.row_index[me]
@@ -231,8 +268,9 @@ class GridAllReduce:
         self.raw: dict[int, dict[bytes, np.ndarray]] = {}  # column -> row member -> slice
         self.acc_in: dict[tuple[int, int], tuple[Tag, np.ndarray]] = {}  # from the row above
         self.acc_out: dict[tuple[int, int], tuple[Tag, np.ndarray]] = {}  # ours, or handed over
-        self.reduced: dict[tuple[int, int], tuple[Tag, np.ndarray]] = {}
-        self.gathered: dict[int, tuple[Tag, np.ndarray]] = {}
+        # with their wire bytes in a lossy round (``Reduced.payload``, ``Gathered.payloads``)
+        self.reduced: dict[tuple[int, int], tuple[Tag, np.ndarray, bytes | None]] = {}
+        self.gathered: dict[int, tuple[Tag, np.ndarray, tuple[bytes, ...] | None]] = {}
         self.sent: dict[tuple[object, ...], tuple[bytes, Tag | None]] = {}
         self.awaiting: dict[int, set[bytes]] = {}  # column taken over -> Handover still due from
         # last row: column -> (exclusions, head) of the last Ready for it (``_barrier``)
@@ -351,8 +389,8 @@ class GridAllReduce:
                 actions += self._take_over(c)
             elif k == self.my_row and c in self.gathered:
                 # forward the column first (FIFO): the new head reuses it before deciding
-                tag, data = self.gathered[c]
-                actions.append(SendItem(new, Gathered(c, tag, data)))
+                tag, data, payloads = self.gathered[c]
+                actions.append(SendItem(new, Gathered(c, tag, data, (), payloads)))
         for c, due in self.awaiting.items():
             for peer in list(due):
                 if peer not in self.alive:
@@ -365,7 +403,8 @@ class GridAllReduce:
                 if relayed_tag == tag and held is not None and held[0] == tag:
                     for peer in targets:
                         if peer in self.alive:
-                            actions.append(SendItem(peer, Gathered(c, tag, held[1])))
+                            relayed = Gathered(c, tag, held[1], (), held[2])
+                            actions.append(SendItem(peer, relayed))
         self.mine = self._my_columns()
         return actions
 
@@ -422,7 +461,7 @@ class GridAllReduce:
             return spread + self._drop(sender, why)
         if isinstance(item, Gathered) and item.forward:  # relayed: the exact bytes we got
             spread += [
-                SendItem(p, Gathered(item.column, item.excluded, item.data))
+                SendItem(p, Gathered(item.column, item.excluded, item.data, (), item.payloads))
                 for p in item.forward
                 if p in self.alive
             ]
@@ -451,9 +490,11 @@ class GridAllReduce:
                 return "sub-part outside the grid"
             start, stop = plan.sub(c, j)
             if isinstance(item, Reduced):
-                why = _check(item.data, stop - start, np.float32)
+                why = _check(item.data, stop - start, np.float32) or self._check_payload(
+                    item.payload is not None
+                )
                 if not why and item.excluded == self.excluded:
-                    self.reduced[(c, j)] = (item.excluded, item.data)
+                    self.reduced[(c, j)] = (item.excluded, item.data, item.payload)
                 return why
             why = _check(item.data, stop - start, np.float64)
             if why:
@@ -475,12 +516,20 @@ class GridAllReduce:
             ):
                 return "relay to peers outside our row"
             start, stop = plan.part(c)
-            why = _check(item.data, stop - start, np.float32)
+            payloads = item.payloads
+            why = _check(item.data, stop - start, np.float32) or self._check_payload(
+                payloads is not None and len(payloads) == plan.rows
+            )
             if not why and item.excluded == self.excluded:
-                self.gathered[c] = (item.excluded, item.data)
+                self.gathered[c] = (item.excluded, item.data, payloads)
                 for j in range(plan.rows):  # its sub-parts, for the chain's gather
                     a, b = plan.sub(c, j)
-                    self.reduced[(c, j)] = (item.excluded, item.data[a - start : b - start])
+                    payload = None if payloads is None else payloads[j]
+                    self.reduced[(c, j)] = (
+                        item.excluded,
+                        item.data[a - start : b - start],
+                        payload,
+                    )
             return why
         if isinstance(item, Ready):
             c = item.column
@@ -512,8 +561,8 @@ class GridAllReduce:
             if item.row == self.my_row + 1:  # it is below us: the reduced sub-parts came from it
                 for j in range(self.plan.rows):
                     if (c, j) in self.reduced:
-                        tag, data = self.reduced[(c, j)]
-                        actions.append(SendItem(sender, Reduced(c, j, tag, data)))
+                        tag, data, payload = self.reduced[(c, j)]
+                        actions.append(SendItem(sender, Reduced(c, j, tag, data, payload)))
             else:  # it is above us: its accumulators came to us
                 for j in range(self.plan.rows):
                     if (c, j) in self.acc_in:
@@ -539,7 +588,7 @@ class GridAllReduce:
                 if head is not None and head != self.me and self._owe(("raw", c), head, None):
                     start, stop = plan.part(c)
                     piece = self.local[start:stop]
-                    actions.append(SendItem(head, RawPart(c, piece, self.weight)))
+                    actions.append(SendItem(head, RawPart(c, piece, self.weight, self._own(c))))
             # Our own slice of each column we head, to the peer that heads it if we are lost:
             # a head lost before its sum went down is then still a contributor (no exclusion,
             # so no column is summed and gathered a second time).
@@ -548,7 +597,8 @@ class GridAllReduce:
                 if successor is not None and self._owe(("backup", c), successor, None):
                     start, stop = plan.part(c)
                     piece = self.local[start:stop]
-                    actions.append(SendItem(successor, RawPart(c, piece, self.weight)))
+                    raw = RawPart(c, piece, self.weight, self._own(c))
+                    actions.append(SendItem(successor, raw))
         # In the last row a column's division waits for every column's Ready (``_column``); a
         # second pass divides the columns seen before the last one became ready.
         was_open = self._open(frozenset(self.excluded))
@@ -612,19 +662,28 @@ class GridAllReduce:
                 entry = self.reduced.get((c, j))
                 owed = above is not None and entry is not None and entry[0] == tag
                 if owed and self._owe(("red", c, j), above, tag):  # type: ignore[arg-type]
-                    actions.append(SendItem(above, Reduced(c, j, tag, entry[1])))
+                    _, values, payload = entry  # type: ignore[misc]
+                    actions.append(SendItem(above, Reduced(c, j, tag, values, payload)))
         part = self._column_result(c)
         if part is not None:
+            payloads = self.gathered[c][2]
             targets = [
                 peer
                 for peer in (plan.peers[i] for i in plan.row(k))
                 if peer != self.me and peer in self.alive and self._owe(("col", c, peer), peer, tag)
             ]
             if targets:
-                actions += self._gather(c, tag, part, targets)
+                actions += self._gather(c, tag, part, payloads, targets)
         return None
 
-    def _gather(self, c: int, tag: Tag, part: np.ndarray, targets: list[bytes]) -> list[object]:
+    def _gather(
+        self,
+        c: int,
+        tag: Tag,
+        part: np.ndarray,
+        payloads: tuple[bytes, ...] | None,
+        targets: list[bytes],
+    ) -> list[object]:
         """Column ``c`` to ``targets`` (row mates). The column our place in the row gives us goes
         to each directly; one we head because its head was lost goes through relays: about
         sqrt(n) row mates, each forwarding it to its run of the others. A successor heading a
@@ -633,7 +692,7 @@ class GridAllReduce:
         forwarded is replaced by us sending its run directly (``_lost``)."""
         members = self.plan.row(self.my_row)
         if c == self.index[self.me] - members.start or len(targets) < 4:
-            return [SendItem(peer, Gathered(c, tag, part)) for peer in targets]
+            return [SendItem(peer, Gathered(c, tag, part, (), payloads)) for peer in targets]
         runs = math.isqrt(len(targets) - 1) + 1  # ceil(sqrt(n))
         actions: list[object] = []
         for r in range(runs):
@@ -641,7 +700,7 @@ class GridAllReduce:
             relay, rest = run[0], tuple(run[1:])
             if rest:
                 self._relayed.setdefault(relay, []).append((c, tag, rest))
-            actions.append(SendItem(relay, Gathered(c, tag, part, rest)))
+            actions.append(SendItem(relay, Gathered(c, tag, part, rest, payloads)))
         return actions
 
     def _barrier(self, c: int, tag: Tag, actions: list[object]) -> None:
@@ -696,7 +755,11 @@ class GridAllReduce:
             if self.reduced.get((c, j), (None,))[0] != tag:
                 out = self.acc_out.get((c, j))
                 if out is not None and out[0] == tag:
-                    self.reduced[(c, j)] = (tag, (out[1] / total).astype(np.float32))
+                    values = (out[1] / total).astype(np.float32)
+                    payload = None
+                    if self._finalize is not None:  # encoded once, here (module docstring)
+                        values, payload = self._finalize(values, plan.sub(c, j)[0])
+                    self.reduced[(c, j)] = (tag, values, payload)
 
     def _open(self, tag: Tag) -> bool:
         """Whether every column is Ready under ``tag`` from its head as we know it (a lost
@@ -764,9 +827,20 @@ class GridAllReduce:
         pieces = [self.reduced.get((c, j)) for j in range(self.plan.rows)]
         if all(p is not None and p[0] == tag for p in pieces):
             part = np.concatenate([p[1] for p in pieces])  # type: ignore[index]
-            self.gathered[c] = (tag, part)
+            payloads = None if self._finalize is None else tuple(p[2] for p in pieces)  # type: ignore[index,misc]
+            self.gathered[c] = (tag, part, payloads)
             return part
         return None
+
+    def _own(self, c: int) -> bytes | None:
+        """Our slice of column ``c`` as wire bytes (None: lossless)."""
+        return None if self.payloads is None else self.payloads[c]
+
+    def _check_payload(self, has: bool) -> str | None:
+        """Why a reduced item's wire bytes do not fit the round (a lossy round's carry them)."""
+        if has == (self._finalize is not None):
+            return None
+        return "wire bytes where the round has none" if has else "no wire bytes in a lossy round"
 
     def _owe(self, key: tuple[object, ...], peer: bytes, tag: Tag | None) -> bool:
         """Whether ``key`` is still to be sent to ``peer`` under ``tag`` (and mark it sent)."""

@@ -108,6 +108,8 @@ class SessionConfig:
     sign: Callable[[bytes], bytes] | None = None
     # The rule each part we reduce is computed with (``swarm.averaging.aggregation``).
     aggregation: str = "mean"
+    # The run's ``AveragerConfig.row_size``, which our Hellos carry (``hello_refusal``).
+    row_size: int | None = None
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,9 @@ class PeerLinks:
             rpc = RpcStream(stream)
             direct = stream_kind(stream) == "direct"
             kept = await self._pool.lend_out(peer) if self._pool is not None else None
-            hello = Hello(self.run_id, self.group_id, self.layout.digest)
+            hello = Hello(
+                self.run_id, self.group_id, self.layout.digest, row_size=self.config.row_size or 0
+            )
             if kept is not None:
                 self._kept.propose(peer, kept)
                 hello = replace(hello, channel=kept.channel_id, channel_payloads=kept.payloads_sent)

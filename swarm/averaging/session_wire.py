@@ -4,7 +4,7 @@ in place: ``settle_landings``).
 
 Wire, per ordered pair of group members (sender -> receiver), one libp2p stream on ``PROTOCOL``:
 
-    Hello(run_id, group_id, layout digest, kept channel id, its payloads sent)
+    Hello(run_id, group_id, layout digest, kept channel id, its payloads sent, row size)
                                  <- Resumed(ok)   only when the Hello named a kept channel
     ( Item(kind, part, weight, contributors, nbytes, inline, proof)  [payload, bulk plane] )*
     Done()                       -- the sender finished; it may still forward parts after this
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "/swarmtrain/allreduce/2"  # 2: kept data channels (Hello, Resumed)
+PROTOCOL = "/swarmtrain/allreduce/3"  # 2: kept data channels (Hello, Resumed); 3: row_size
 KIND_SLICE, KIND_REDUCED = 0, 1
 INLINE_MAX_BYTES = 256 * 1024
 # Below this many elements work stays on the event loop: a thread hop costs more.
@@ -73,10 +73,28 @@ class Hello(Message):
     # how many payloads it sent on it: the receiver uses it only if it counted as many.
     channel: bytes = b""
     channel_payloads: int = 0
+    # The sender's ``AveragerConfig.row_size`` (0: None): it decides, with the group's size,
+    # whether a round is flat or a grid and the grid's rows, so peers must agree on it.
+    row_size: int = 0
 
     def __post_init__(self) -> None:
         if len(self.channel) > 64 or self.channel_payloads < 0:
             raise ValueError("bad kept-channel fields")
+        if self.row_size < 0:
+            raise ValueError(f"row_size {self.row_size} is negative")
+
+
+def hello_refusal(hello: Hello, layout: bytes, row_size: int | None) -> str | None:
+    """Why a round whose layout digest is ``layout``, under our ``row_size``, refuses
+    ``hello`` (None: it does not). A differing row size would make the two peers drive different
+    machines (flat or grid) or grids: their items would read as garbage, so it is refused here,
+    naming both values."""
+    if hello.layout != layout:
+        return "tensor layout or codecs differ from ours"
+    ours = row_size or 0
+    if hello.row_size != ours:
+        return f"its row_size {hello.row_size or None} differs from ours ({ours or None})"
+    return None
 
 
 @message(101, max_bytes=INLINE_MAX_BYTES + 64 * 1024)

@@ -159,6 +159,7 @@ def averager_config(config: RunConfig, coordinator: PeerID | None = None) -> swa
         buffer_pool_bytes=NODE_BUFFER_POOL_BYTES,
         schedule=round_schedule(config),
         matchmaking_shards=swarm.shard_count(config.swarm.expected_peers),
+        row_size=config.swarm.row_size or None,
     )
 
 

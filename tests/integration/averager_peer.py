@@ -6,11 +6,14 @@ Start: ``python averager_peer.py --join ADDR [options]``. When it serves it prin
     {"cmd": "average", "round": R, "numel": N, "seed": S, "weight": W,
      "expected": [hex, ...] | null, "cancel_after": seconds after the group formed | null,
      "stall": seconds to block the event loop once the group formed | null,
-     "scale": factor our vector is multiplied by (an outlier's) | null}
+     "scale": factor our vector is multiplied by (an outlier's) | null,
+     "kill_at": SIGKILL ourselves as a hierarchical round sends its first item of this kind
+                (``grid_wire.GridKind`` name, e.g. "ACCUMULATED") | null}
         -> {"ok": true, "digest": hex, "contributors": {hex: w}, "dropped": {hex: why},
             "allreduce_s": .., "matchmaking_s": .., "bytes_sent": .., "regions": [12 short
             digests, one per twelfth of the vector], "parts": [[start, stop], ...],
-            "max_abs": largest |value| of the result}  or {"ok": false, "error": ..}
+            "max_abs": largest |value| of the result, "group_size": .., "rows": rows of the
+            hierarchical layout (1: flat)}  or {"ok": false, "error": ..}
     {"cmd": "publish_hash", "round": R, "digest": hex}  -> {"stored": n}
     {"cmd": "agreement", "round": R}                    -> {"agrees": .., "peers": .., ...}
     {"cmd": "channels"}  -> {"opened": n, "reused": n, "idle": n, "closed": n}  (data channels)
@@ -40,6 +43,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -51,8 +55,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, NodeConfig, PeerID, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression, SparseCodec
+from swarm.averaging import grid_session, session_wire
 from swarm.averaging import session as session_module
-from swarm.averaging import session_wire
 from swarm.averaging.allreduce import SendPart, SendReduced
 from swarm.averaging.matchmaking import RoundSchedule
 
@@ -161,6 +165,20 @@ def _after_group_forms(averager: Averager, then: Callable[[], None]) -> None:
     averager._form_group = form_then  # type: ignore[method-assign]
 
 
+def _kill_at(kind: str) -> None:
+    """SIGKILL this process as its hierarchical round is about to send its first item of
+    ``kind`` (a ``grid_wire.GridKind`` name): a death at a precise step of the real round."""
+    to_wire = grid_session.to_wire
+
+    def kill_first(item: Any) -> Any:
+        message, payload = to_wire(item)
+        if message.kind.name == kind:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return message, payload
+
+    grid_session.to_wire = kill_first  # type: ignore[assignment]
+
+
 # ``--fault inflate:W``: every round declares this weight.
 INFLATED_WEIGHT: float | None = None
 
@@ -182,6 +200,9 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
                         scope.deadline = trio.current_time() + seconds
 
                     _after_group_forms(averager, arm)
+                kill_at = request.get("kill_at")
+                if kill_at is not None:
+                    _kill_at(kill_at)
                 stall = request.get("stall")
                 if stall is not None:
                     # Blocks the event loop: a stall (a long GC pause, a blocking call, no CPU)
@@ -235,6 +256,8 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
             # the mean is the given vector itself (``overwrite`` with a lossy codec)
             "in_place": bool(np.shares_memory(result.vector, given)),
             "max_abs": float(np.max(np.abs(result.vector))),
+            "group_size": result.group_size,
+            "rows": result.rows,
         }
     if cmd == "disconnect":  # close every libp2p connection we have
         network = averager.node.host.libp2p.get_network()
@@ -309,6 +332,7 @@ async def main(args: argparse.Namespace) -> None:
                 if args.schedule
                 else None,
                 matchmaking_shards=args.shards,
+                row_size=args.row_size or None,
             ),
         )
         await nursery.start(averager.run)
@@ -335,6 +359,7 @@ if __name__ == "__main__":
     parser.add_argument("--aggregation", default="mean", help="AveragerConfig.aggregation")
     parser.add_argument("--schedule", type=int, default=0, help="scheduled rounds: expected")
     parser.add_argument("--shards", type=int, default=1, help="round keys (needs --schedule)")
+    parser.add_argument("--row-size", type=int, default=32, help="AveragerConfig.row_size; 0: None")
     parser.add_argument("-v", action="store_true")
     arguments = parser.parse_args()
     logging.basicConfig(

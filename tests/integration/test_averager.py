@@ -25,6 +25,8 @@ from peerproc import PeerProcess, start_relay
 
 from swarm import SparseCodec, reduce_part
 from swarm.averaging.aggregation import aggregate
+from swarm.averaging.codec import Compression
+from swarm.averaging.grid import grid_plan
 from swarm.averaging.payload import Layout
 
 SCRIPT = Path(__file__).with_name("averager_peer.py")
@@ -487,3 +489,93 @@ def test_state_hashes_show_who_agrees(swarm: Swarm) -> None:
     answers = [p.reply() for p in peers]
     assert [a["agrees"] for a in answers] == [True, True, False], answers
     assert all(a["peers"] == 3 and a["agreeing"] == 2 and a["majority"] == digest for a in answers)
+
+
+def ranked(peers: list[Peer]) -> list[Peer]:
+    """``peers`` in sorted id order: the grid's order (``grid_plan``), rows being runs of it."""
+    return sorted(peers, key=lambda p: bytes.fromhex(p.id))
+
+
+def check_grid(swarm: Swarm, replies: list[dict], contributors: list[Peer], codec: str) -> None:
+    """``Swarm.check`` for a grid round: lossless, the exact mean; int8, what the codec's rules
+    give over the reported contributors (each slice of a column as its head decodes it, the
+    exact mean of each sub-part over those, encoded once and decoded: ``test_grid_wire``'s
+    ``reference``), the same bytes on every peer."""
+    if codec == "none":
+        swarm.check(replies, contributors)
+        return
+    assert all(r["ok"] for r in replies), replies
+    assert len({r["digest"] for r in replies}) == 1, replies
+    first = replies[0]
+    assert set(first["contributors"]) == {p.id for p in contributors}, first
+    weights = {p.id: 1.0 + p.seed % 3 for p in swarm.peers}  # ``Swarm.average``'s
+    plan = grid_plan([bytes.fromhex(p) for p in weights], list(weights.values()), NUMEL, 4)
+    layout = Layout.for_sizes([NUMEL], Compression[codec.upper()])
+    vectors = {bytes.fromhex(p): vector(swarm.seeds[p]) for p in first["contributors"]}
+    given = {bytes.fromhex(p): w for p, w in first["contributors"].items()}
+    mean = np.empty(NUMEL, np.float32)
+    for c in range(plan.columns):
+        start, stop = plan.part(c)
+        seen = {p: layout.round_trip(v[start:stop], start) for p, v in vectors.items()}
+        for j in range(plan.rows):
+            a, b = plan.sub(c, j)
+            part = reduce_part({p: (seen[p][a - start : b - start], w) for p, w in given.items()})
+            mean[a:b] = layout.round_trip(part, a)
+    assert first["digest"] == digest(mean)
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_sixteen_peers_on_a_grid_of_rows_of_four_agree_on_the_mean(
+    swarm: Swarm, codec: str
+) -> None:
+    """Issue 21: a group larger than the row size runs the hierarchical all-reduce over the
+    real wire (4 rows of 4: scatter in rows, float64 chains of partial sums, gather), matched
+    as one group of all 16; every peer holds the same bytes: the exact weighted mean, or under
+    int8 the codec's (``check_grid``). Bytes sent per peer: the scatter and gather of the
+    (coded) vector, 2 x 3/4 of it, a head's copy of its own slice to its successor and its
+    reduced sub-parts up the chain, 1/4 each, plus its float64 partial sums down the chain, 8
+    bytes a value of a quarter of the vector (``hierarchical``: per peer), which no codec
+    shrinks: at rows of 4 it is half of an int8 round's bytes (at most 3.0 MB sent under
+    none, 1.2 MB under int8, 0.6 MB of either the chain)."""
+    peers = swarm.start(16, None, "--run-id", f"grid16-{codec}", "--row-size", "4",
+                        "--compression", codec)  # fmt: skip
+    started = time.monotonic()
+    swarm.average(peers, 0)
+    replies = [p.reply(timeout_s=60) for p in peers]
+    check_grid(swarm, replies, peers, codec)
+    assert {(r["group_size"], r["rows"]) for r in replies} == {(16, 4)}, replies
+    coded = Layout.for_sizes([NUMEL], Compression[codec.upper()]).wire_bytes(0, NUMEL)
+    chain = 8 * NUMEL / 4
+    sent = [r["bytes_sent"] for r in replies]
+    assert max(sent) <= 2.2 * coded + chain, (coded, sorted(sent))
+    if codec == "int8":  # all but the chain at about a quarter of the float32 bytes
+        assert max(sent) - chain <= 0.26 * 2 * 4 * NUMEL + 4096, sorted(sent)
+    print(f"{codec}: vector {coded} B coded; sent per peer {min(sent)}..{max(sent)} B")
+    assert time.monotonic() - started < 45
+
+
+@pytest.mark.parametrize(
+    ("kind", "codec"),
+    [("ACCUMULATED", "none"), ("REDUCED", "none"), ("REDUCED", "int8")],
+)
+def test_a_grid_head_killed_mid_round_leaves_survivors_agreeing(
+    swarm: Swarm, kind: str, codec: str
+) -> None:
+    """16 peers in rows of 4; a peer of row 1 is SIGKILLed as it sends its first partial sum
+    down its column's chain (it holds row 0's sum and its row's slices), or its first reduced
+    sub-part back up (under int8: bytes it encoded, which its row's new head and the rows above
+    must pass on as they are): its successor takes its column over, and the 15 survivors agree
+    bit for bit on the mean over the contributors they report (the victim among them iff its
+    slices reached its row's heads, or its sum went down the chain)."""
+    peers = swarm.start(16, None, "--run-id", f"grid16-kill-{kind}-{codec}", "--row-size", "4",
+                        "--compression", codec)  # fmt: skip
+    victim = ranked(peers)[5]
+    survivors = [p for p in peers if p is not victim]
+    started = time.monotonic()
+    swarm.average(peers, 0, **{victim.id: {"kill_at": kind}})
+    replies = [p.reply(timeout_s=60) for p in survivors]
+    assert all("contributors" in r for r in replies), replies
+    in_result = victim.id in replies[0]["contributors"]
+    check_grid(swarm, replies, peers if in_result else survivors, codec)
+    assert victim.process.proc.wait(5) == -signal.SIGKILL
+    assert time.monotonic() - started < 45

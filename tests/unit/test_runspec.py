@@ -430,3 +430,21 @@ def test_the_state_quorum_is_signed_and_defaults_to_a_majority() -> None:
     tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
     with pytest.raises(SpecRefused, match="tampered with"):
         verify_spec(tampered, signature, coordinator)
+
+
+def test_the_row_size_is_a_signed_key_that_reaches_the_averager() -> None:
+    from swarmtrain.training.loop import averager_config
+
+    assert RunConfig().swarm.row_size == 32 and "row_size = 32" in default_toml()
+    assert averager_config(RunConfig(run=RunSection(id="r"))).row_size == 32
+    grid = RunConfig(run=RunSection(id="r"), swarm=SwarmSection(row_size=4))
+    assert averager_config(grid).row_size == 4
+    flat = RunConfig(run=RunSection(id="r"), swarm=SwarmSection(row_size=0))
+    assert averager_config(flat).row_size is None
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, signature = sign_spec(RunSpec(grid, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config.swarm.row_size == 4
+    for bad in (1, -3, 2.5):
+        with pytest.raises(ConfigError, match=r"swarm\.row_size must be 0 or an integer >= 2"):
+            config_from_mapping({"swarm": {"row_size": bad}})
