@@ -139,8 +139,16 @@ class SliceDispute(Message):
 def misbound(record: AuditRecord, peer: bytes, expected: np.ndarray) -> list[SliceDispute]:
     """The inputs from ``peer`` that ``record``'s claims list with another hash than that of
     ``expected``'s range (the whole vector ``peer`` owes the round), as disputes carrying the
-    claim's signed evidence: the slices ``peer`` signed that are not what it owes."""
-    out = []
+    claim's signed evidence: the slices ``peer`` signed that are not what it owes; and the
+    slices of ``peer``'s that ``record``'s reducer refused (its ``slice_disputes``: they did not
+    match what ``peer`` committed) and that are not what it owes."""
+    out = [
+        d
+        for d in record.slice_disputes
+        if d.peer == peer
+        and d.stop <= len(expected)
+        and d.digest != slice_hash(expected[d.start : d.stop])
+    ]
     for audit in record.audits:
         if audit.stop > len(expected):
             continue  # another layout than ours: nothing we can say about it

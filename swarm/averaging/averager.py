@@ -27,6 +27,11 @@ also lists what this peer reduced (``swarm.averaging.audit.PartAudit``: each inp
 weight and signature, the output's hash), and the peer keeps its contribution of the last rounds
 to serve its slices (``/swarmtrain/slice/1``, to ``config.auditor`` only) to a referee
 rechecking a part.
+
+Committed contributions (issue 19, ``slice_root``; ``swarm.averaging.commitment``): a sender that
+committed the leaf digests of its contribution before the round has every slice checked against
+them by the reducer that receives it, so a slice other than the committed one never enters any
+survivor's mean: its sender is dropped in the round.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
+from swarm.averaging.commitment import contribution_leaves
 from swarm.averaging.matchmaking import (
     Declaration,
     Group,
@@ -333,6 +339,11 @@ class Averager:
         # A verified run's binding of slices to tasks (set by the volunteer once it exists):
         # (round, sender, start, values) -> why the slice is refused, or None.
         self.check_slice: Callable[[int, bytes, int, np.ndarray], str | None] | None = None
+        # Committed contributions (issue 19): (round, sender) -> the root the sender committed
+        # its contribution to before the round, or None. Set, every round's parts are cut on
+        # the commitment's leaves, our Hellos carry our leaves, and every reducer refuses a
+        # bound sender's slice that differs (every member of a group must set it alike).
+        self.slice_root: Callable[[int, bytes], bytes | None] | None = None
         self.me = node.host.peer_id.to_bytes()
         self.next_round = 0
         self._bandwidth = BandwidthEstimate()
@@ -485,6 +496,9 @@ class Averager:
             # outer step alone and drift from everyone else's state.
             self._survivors = None
             raise AveragingFailed(f"round {r}: no other peer declared in time")
+        leaves = b""
+        if self.slice_root is not None:
+            leaves = await trio.to_thread.run_sync(contribution_leaves, vector)
         session = Session(
             self.node,
             self.config.run_id,
@@ -505,6 +519,8 @@ class Averager:
                 pace_bps=self.config.bandwidth_bps if self.config.pace else None,
                 sign=self.node.dht.signer.sign_message if self.config.audit else None,
                 aggregation=self.config.aggregation,
+                bound=None if self.slice_root is None else functools.partial(self.slice_root, r),
+                leaves=leaves,
             ),
             channels=self._channels,
             buffers=self._buffers,
@@ -713,6 +729,8 @@ class Averager:
                 raise RemoteProtocolError("not a member of this round's group")
             if hello.layout != session.layout.digest:
                 raise RemoteProtocolError("tensor layout or codecs differ from ours")
+            if hello.align != session.align:
+                raise RemoteProtocolError("part alignment differs from ours (a committed round?)")
             await session.serve_incoming(peer, rpc, hello)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.info("refused an all-reduce stream from %s: %s", str(rpc.peer_id)[-8:], exc)
