@@ -254,7 +254,8 @@ class AuditRecord(Message):
     reducers: tuple[bytes, ...]
     audits: tuple[PartAudit, ...]
     disputed: tuple[int, ...] = ()
-    # Slices that a member (a verifier of their sender's task) says are not what they owe.
+    # Slices that a member says are not what they owe: as their sender's task's verifier, or as
+    # a reducer that refused them against their sender's committed contribution (issue 19).
     slice_disputes: tuple[SliceDispute, ...] = ()
 
     def __post_init__(self) -> None:
