@@ -46,6 +46,11 @@ MAX_PARTS = 256
 # each of its own parts' inputs (~150 bytes each, a signature included): under 15.5 KiB with 64
 # members.
 MAX_AUDITED_PARTS = 64
+# Values a member publishes for one round's record (``audit_values``): one per claim at most
+# (``split_record``), and a member claims only parts it reduced, so an audited round needs at
+# most MAX_AUDITED_PARTS. The DHT holds no more of one owner under a round's audit key
+# (``p2p.dht.store.MULTI_ENTRY_KEY_FAMILIES``): a few identities cannot fill its 1,024 subkeys.
+MAX_AUDIT_VALUES = MAX_AUDITED_PARTS
 MAX_INPUTS = 256
 _SLICE_TAG = b"swarmtrain/slice/1"
 _PROOF_TAG = b"swarmtrain/slice-proof/1"
@@ -290,6 +295,20 @@ def split_record(record: AuditRecord) -> list[bytes]:
         *split_record(replace(record, audits=record.audits[:half])),
         *split_record(replace(record, audits=record.audits[half:])),
     ]
+
+
+def audit_values(record: AuditRecord) -> list[bytes]:
+    """What a member publishes of ``record``: ``split_record``'s values, at most
+    ``MAX_AUDIT_VALUES`` (the DHT keeps no more of one owner). Only a round of more than
+    ``MAX_AUDITED_PARTS`` parts, where no part is drawn, can need more: its later claims are
+    left out. Raises ValueError only if a single claim is too big."""
+    values = split_record(record)
+    if len(values) > MAX_AUDIT_VALUES:
+        log.info(
+            "round %d: %d audit values, publishing the first %d (the later claims left out)",
+            record.round, len(values), MAX_AUDIT_VALUES,
+        )  # fmt: skip
+    return values[:MAX_AUDIT_VALUES]
 
 
 def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:

@@ -454,7 +454,7 @@ class Verification:
     def _publish_audits(self, record: swarm.AuditRecord) -> None:
         key = aggregate_key(self.config.run.id, record.round)
         try:
-            for i, data in enumerate(swarm.split_record(record)):
+            for i, data in enumerate(swarm.audit_values(record)):
                 self.runtime.store(key, data, CLAIMS_TTL_S, tag=b"a%d" % i)
         except Exception as exc:  # the referee then rules on our parts without our claims
             log.warning("round %d: could not publish what we reduced: %s", record.round, exc)
