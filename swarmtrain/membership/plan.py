@@ -44,6 +44,8 @@ and downloads.
 * **Quorum** (``[swarm] state_quorum``, ``candidates``): which states count as agreed at all.
   ``"majority"`` (default): those more than half of their round's members vouch for
   (``progress.majority_states``); N: those N distinct peers hold; 0: every state, ranked.
+  ``swarmtrain status``, the dashboard and the coordinator's log name the run's round by the
+  same function, and list the newer rounds only records claim (``unagreed_claims``).
 
 This module imports no trio, libp2p, clock or randomness: ``now`` is passed in.
 """
