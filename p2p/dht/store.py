@@ -42,11 +42,13 @@ KEY_PREFIX = f"/{NAMESPACE}/".encode()
 # other key holds one entry per owner: each run key but one is written once per peer, under its
 # own subkey (declarations, progress, state hashes, joins, starts, claims, verdicts, stage and
 # trainer announcements, addresses). The exception is a round's aggregation audit records: a
-# member splits its record over tagged values, one per claim at most, and a record holds at most
-# 256 claims (``swarm.averaging.audit.split_record``, ``MAX_PARTS``). The table is plain data
-# here (p2p imports nothing above it) because every storing peer must apply the same caps,
-# whatever program runs it; tests/unit/test_records.py checks it against the run keys.
-MULTI_ENTRY_KEY_FAMILIES: tuple[tuple[str, int], ...] = (("run/*/aggregate/*", 256),)
+# member splits its record over tagged values, one per claim at most, and it claims only the
+# parts it reduced, of a round audited only up to 64 parts (``swarm.averaging.audit``,
+# ``MAX_AUDIT_VALUES``): what an honest reducer writes for one round. (It was 256, a record's
+# claims at most: 4 identities aged in advance filled a round's 1,024 subkeys.) The table is
+# plain data here (p2p imports nothing above it) because every storing peer must apply the same
+# caps, whatever program runs it; tests/unit/test_records.py checks it against the run keys.
+MULTI_ENTRY_KEY_FAMILIES: tuple[tuple[str, int], ...] = (("run/*/aggregate/*", 64),)
 
 
 @dataclass(frozen=True)

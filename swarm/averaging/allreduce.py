@@ -89,7 +89,11 @@ Contributors = tuple[tuple[bytes, float], ...]
 
 
 def partition(
-    numel: int, peers_sorted: Sequence[bytes], bandwidths: Sequence[int], chunks: int = 1
+    numel: int,
+    peers_sorted: Sequence[bytes],
+    bandwidths: Sequence[int],
+    chunks: int = 1,
+    align: int = 1,
 ) -> list[tuple[bytes, int, int]]:
     """Cut ``range(numel)`` into contiguous parts proportional to integer bandwidths.
 
@@ -97,8 +101,10 @@ def partition(
     computes the same boundaries. Each range is cut again into ``chunks`` near-equal parts, so a
     reducer can reduce and send its first chunk while later ones still arrive. Returns
     ``[(peer, start, stop), ...]``: peer i's chunks are parts ``i * chunks ... i * chunks +
-    chunks - 1``, in ``peers_sorted`` order; parts may be empty. Raises ``LocalProtocolError`` on
-    unsorted/duplicate peers, non-positive bandwidths or chunks.
+    chunks - 1``, in ``peers_sorted`` order; parts may be empty. ``align``: every boundary is
+    rounded down to a multiple of it (the vector's end excepted), so each part is whole leaves of
+    a committed contribution (``swarm.averaging.commitment``). Raises ``LocalProtocolError`` on
+    unsorted/duplicate peers, non-positive bandwidths, chunks or align.
     """
     if numel < 0 or len(peers_sorted) == 0 or len(peers_sorted) != len(bandwidths):
         raise LocalProtocolError("partition needs numel >= 0 and one bandwidth per peer")
@@ -108,17 +114,23 @@ def partition(
         raise LocalProtocolError("bandwidths must be positive integers")
     if not isinstance(chunks, int) or chunks < 1:
         raise LocalProtocolError("chunks must be a positive integer")
+    if not isinstance(align, int) or align < 1:
+        raise LocalProtocolError("align must be a positive integer")
+
+    def aligned(at: int) -> int:
+        return at if at == numel else at // align * align
+
     total = sum(bandwidths)
     parts, cumulative, start = [], 0, 0
     for peer, bandwidth in zip(peers_sorted, bandwidths, strict=True):
         cumulative += bandwidth
-        stop = numel * cumulative // total
+        stop = aligned(numel * cumulative // total)
         for k in range(chunks):
             parts.append(
                 (
                     peer,
-                    start + (stop - start) * k // chunks,
-                    start + (stop - start) * (k + 1) // chunks,
+                    aligned(start + (stop - start) * k // chunks),
+                    aligned(start + (stop - start) * (k + 1) // chunks),
                 )
             )
         start = stop
@@ -313,6 +325,7 @@ class AllReduce:
     ``check_slice(sender, start, values)``, if given, may refuse a peer's raw slice with a reason
     (a pure function of its arguments): a verified run's verifier knows, bit for bit, what the
     owner of a task it re-executed must send, and drops an owner that sends anything else.
+    ``align``: part boundaries on its multiples (``partition``; every peer must use the same).
     ``aggregation``: the rule each part this peer reduces is computed with (one of
     ``swarm.averaging.aggregation.AGGREGATIONS``; every peer of the group must use the same).
 
@@ -352,6 +365,7 @@ class AllReduce:
         aggregation: str = "mean",
         own: Callable[[int], np.ndarray] | None = None,
         decode: Callable[[bytes, int, int], np.ndarray] | None = None,
+        align: int = 1,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise LocalProtocolError(f"aggregation must be one of {AGGREGATIONS}: {aggregation!r}")
@@ -368,7 +382,9 @@ class AllReduce:
             raise LocalProtocolError(f"weight must be positive, finite and in {weight_bounds}")
         order = sorted(range(len(peers)), key=lambda i: peers[i])
         self.chunks = chunks
-        self.parts = partition(len(local), self.peers, [bandwidths[i] for i in order], chunks)
+        self.parts = partition(
+            len(local), self.peers, [bandwidths[i] for i in order], chunks, align
+        )
         self.me = me
         self.local = local
         self.weight = float(weight)

@@ -46,6 +46,11 @@ MAX_PARTS = 256
 # each of its own parts' inputs (~150 bytes each, a signature included): under 15.5 KiB with 64
 # members.
 MAX_AUDITED_PARTS = 64
+# Values a member publishes for one round's record (``audit_values``): one per claim at most
+# (``split_record``), and a member claims only parts it reduced, so an audited round needs at
+# most MAX_AUDITED_PARTS. The DHT holds no more of one owner under a round's audit key
+# (``p2p.dht.store.MULTI_ENTRY_KEY_FAMILIES``): a few identities cannot fill its 1,024 subkeys.
+MAX_AUDIT_VALUES = MAX_AUDITED_PARTS
 MAX_INPUTS = 256
 _SLICE_TAG = b"swarmtrain/slice/1"
 _PROOF_TAG = b"swarmtrain/slice-proof/1"
@@ -139,8 +144,16 @@ class SliceDispute(Message):
 def misbound(record: AuditRecord, peer: bytes, expected: np.ndarray) -> list[SliceDispute]:
     """The inputs from ``peer`` that ``record``'s claims list with another hash than that of
     ``expected``'s range (the whole vector ``peer`` owes the round), as disputes carrying the
-    claim's signed evidence: the slices ``peer`` signed that are not what it owes."""
-    out = []
+    claim's signed evidence: the slices ``peer`` signed that are not what it owes; and the
+    slices of ``peer``'s that ``record``'s reducer refused (its ``slice_disputes``: they did not
+    match what ``peer`` committed) and that are not what it owes."""
+    out = [
+        d
+        for d in record.slice_disputes
+        if d.peer == peer
+        and d.stop <= len(expected)
+        and d.digest != slice_hash(expected[d.start : d.stop])
+    ]
     for audit in record.audits:
         if audit.stop > len(expected):
             continue  # another layout than ours: nothing we can say about it
@@ -246,7 +259,8 @@ class AuditRecord(Message):
     reducers: tuple[bytes, ...]
     audits: tuple[PartAudit, ...]
     disputed: tuple[int, ...] = ()
-    # Slices that a member (a verifier of their sender's task) says are not what they owe.
+    # Slices that a member says are not what they owe: as their sender's task's verifier, or as
+    # a reducer that refused them against their sender's committed contribution (issue 19).
     slice_disputes: tuple[SliceDispute, ...] = ()
 
     def __post_init__(self) -> None:
@@ -281,6 +295,20 @@ def split_record(record: AuditRecord) -> list[bytes]:
         *split_record(replace(record, audits=record.audits[:half])),
         *split_record(replace(record, audits=record.audits[half:])),
     ]
+
+
+def audit_values(record: AuditRecord) -> list[bytes]:
+    """What a member publishes of ``record``: ``split_record``'s values, at most
+    ``MAX_AUDIT_VALUES`` (the DHT keeps no more of one owner). Only a round of more than
+    ``MAX_AUDITED_PARTS`` parts, where no part is drawn, can need more: its later claims are
+    left out. Raises ValueError only if a single claim is too big."""
+    values = split_record(record)
+    if len(values) > MAX_AUDIT_VALUES:
+        log.info(
+            "round %d: %d audit values, publishing the first %d (the later claims left out)",
+            record.round, len(values), MAX_AUDIT_VALUES,
+        )  # fmt: skip
+    return values[:MAX_AUDIT_VALUES]
 
 
 def merge_records(records: Sequence[AuditRecord]) -> AuditRecord | None:

@@ -29,6 +29,11 @@ also lists what this peer reduced (``swarm.averaging.audit.PartAudit``: each inp
 weight and signature, the output's hash), and the peer keeps its contribution of the last rounds
 to serve its slices (``/swarmtrain/slice/1``, to ``config.auditor`` only) to a referee
 rechecking a part.
+
+Committed contributions (issue 19, ``slice_root``; ``swarm.averaging.commitment``): a sender that
+committed the leaf digests of its contribution before the round has every slice checked against
+them by the reducer that receives it, so a slice other than the committed one never enters any
+survivor's mean: its sender is dropped in the round.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool, PoolStatistics
 from swarm.averaging.codec import Compression
+from swarm.averaging.commitment import contribution_leaves
 from swarm.averaging.grid import uses_grid
 from swarm.averaging.grid_session import GridSession
 from swarm.averaging.matchmaking import (
@@ -371,6 +377,11 @@ class Averager:
         # A verified run's binding of slices to tasks (set by the volunteer once it exists):
         # (round, sender, start, values) -> why the slice is refused, or None.
         self.check_slice: Callable[[int, bytes, int, np.ndarray], str | None] | None = None
+        # Committed contributions (issue 19): (round, sender) -> the root the sender committed
+        # its contribution to before the round, or None. Set, every round's parts are cut on
+        # the commitment's leaves, our Hellos carry our leaves, and every reducer refuses a
+        # bound sender's slice that differs (every member of a group must set it alike).
+        self.slice_root: Callable[[int, bytes], bytes | None] | None = None
         self.me = node.host.peer_id.to_bytes()
         self.next_round = 0
         self._bandwidth = BandwidthEstimate()
@@ -524,6 +535,9 @@ class Averager:
             # outer step alone and drift from everyone else's state.
             self._survivors = None
             raise AveragingFailed(f"round {r}: no other peer declared in time")
+        leaves = b""
+        if self.slice_root is not None:
+            leaves = await trio.to_thread.run_sync(contribution_leaves, vector)
         session_config = SessionConfig(
             timeout_s=self.config.allreduce_timeout_s,
             peer_timeout_s=self.config.peer_timeout_s,
@@ -538,10 +552,17 @@ class Averager:
             sign=self.node.dht.signer.sign_message if self.config.audit else None,
             aggregation=self.config.aggregation,
             row_size=self.config.row_size,
+            bound=None if self.slice_root is None else functools.partial(self.slice_root, r),
+            leaves=leaves,
         )
         session: Session | GridSession
         tampered = session_config.tamper_reduced is not None
-        plain_mean = hierarchical(self.config) and self.check_slice is None and not tampered
+        plain_mean = (
+            hierarchical(self.config)
+            and self.check_slice is None
+            and self.slice_root is None
+            and not tampered
+        )
         if uses_grid(len(group.members), self.config.row_size, plain_mean=plain_mean):
             session = GridSession(
                 self.node,
@@ -768,7 +789,7 @@ class Averager:
             session = await self._session_for(hello.group_id)
             if hello.run_id != self.config.run_id or peer not in session.peers:
                 raise RemoteProtocolError("not a member of this round's group")
-            why = hello_refusal(hello, session.layout.digest, self.config.row_size)
+            why = hello_refusal(hello, session.layout.digest, self.config.row_size, session.align)
             if why is not None:
                 # a run's config differing between peers: the result says why it lost this one
                 session.dropped.setdefault(peer, f"refused its stream: {why}")

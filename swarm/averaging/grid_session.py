@@ -96,6 +96,9 @@ class GridSession:
         self.node, self.run_id, self.group, self.layout, self.config = (
             node, run_id, group, layout, config,
         )  # fmt: skip
+        # Grid rounds never carry committed contributions (``Averager``: committed rounds are
+        # flat), so their parts are never leaf-aligned.
+        self.align = 1
         self.me = node.host.peer_id.to_bytes()
         # A declared weight outside the run's bounds leaves its peer out of the grid, as every
         # reducer drops it in a flat round: the layout is then over the others, on every peer.

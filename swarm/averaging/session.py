@@ -63,6 +63,7 @@ from swarm.averaging.bandwidth import share_weights
 from swarm.averaging.buffers import BufferPool
 from swarm.averaging.channel_pool import ChannelPool
 from swarm.averaging.channels import KeptChannels
+from swarm.averaging.commitment import check_contribution, leaf_size
 from swarm.averaging.liveness import Liveness, LivenessConfig
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.payload import Layout
@@ -110,6 +111,11 @@ class SessionConfig:
     aggregation: str = "mean"
     # The run's ``AveragerConfig.row_size``, which our Hellos carry (``hello_refusal``).
     row_size: int | None = None
+    # A round of committed contributions (issue 19; ``swarm.averaging.commitment``): a sender's
+    # committed root (None: it committed nothing), and our contribution's leaf digests. Parts
+    # are then cut on leaf boundaries and a bound sender's slice is refused unless it matches.
+    bound: Callable[[bytes], bytes | None] | None = None
+    leaves: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,8 @@ class Session(PeerLinks):
         self._values = RoundValues(run_id, group, self.me, layout, local, config.sign)
         slowest = min(m.bandwidth_bps for m in group.members)
         self.chunks = chunks_for(len(local), len(self.peers), slowest)
+        self.align = 1 if config.bound is None else leaf_size(len(local))
+        self._leaves: dict[bytes, bytes] = {}  # each sender's contribution leaves (its Hello)
         # The result vector. Reduced parts that travel raw are received straight into their
         # place in it (the first copy of each part only: a later one may replace a part the
         # machine holds, and one arriving while we reduce the part ourselves must not race our
@@ -189,13 +197,16 @@ class Session(PeerLinks):
             out=self._out,
             allocate=self._buffers.take,
             weight_bounds=config.weight_bounds,
-            check_slice=config.check_slice,
+            check_slice=None
+            if config.check_slice is None and config.bound is None
+            else self._check_slice,
             aggregation=config.aggregation,
             # Our values in a part we reduce, one part at a time (a lossy codec's round trip).
             own=None if self.layout.lossless() else self._values.own_values,
             # Others' slices kept as their wire bytes while the round lasts (int8: a quarter
             # of the values), decoded when reduced (``_receive_item`` checked that they do).
             decode=self.layout.decode if self._keeps_encoded else None,
+            align=self.align,
         )
         self.parts = self._values.parts = self.machine.parts
         if in_local:
@@ -308,9 +319,24 @@ class Session(PeerLinks):
                 )
                 self._finished.set()
 
+    def _check_slice(self, sender: bytes, start: int, values: np.ndarray) -> str | None:
+        """The machine's check of a raw slice: the caller's (``SessionConfig.check_slice``),
+        then, for a sender that committed its contribution, its leaves (from its Hello, which
+        its stream carried before any item) against that commitment."""
+        if self.config.check_slice is not None:
+            why = self.config.check_slice(sender, start, values)
+            if why:
+                return why
+        root = None if self.config.bound is None else self.config.bound(sender)
+        if root is None:
+            return None
+        leaves = self._leaves.get(sender, b"")
+        return check_contribution(root, leaves, len(self.machine.local), start, values)
+
     async def serve_incoming(self, peer: bytes, rpc: RpcStream, hello: Hello) -> None:
         """Answer ``peer``'s ``hello`` (if it names a kept channel), then read its items from its
         stream until it ends or we close."""
+        self._leaves[peer] = hello.leaves
         with trio.CancelScope() as scope:
             self._handler_scopes.add(scope)
             self._receiving.add(peer)

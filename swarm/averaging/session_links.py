@@ -120,6 +120,7 @@ class PeerLinks:
     me: bytes
     peers: tuple[bytes, ...]
     parts: list[tuple[bytes, int, int]]
+    align: int
     machine: AllReduce
     alive: frozenset[bytes]
     dropped: dict[bytes, str]
@@ -195,7 +196,12 @@ class PeerLinks:
             direct = stream_kind(stream) == "direct"
             kept = await self._pool.lend_out(peer) if self._pool is not None else None
             hello = Hello(
-                self.run_id, self.group_id, self.layout.digest, row_size=self.config.row_size or 0
+                self.run_id,
+                self.group_id,
+                self.layout.digest,
+                row_size=self.config.row_size or 0,
+                align=self.align,
+                leaves=self.config.leaves,
             )
             if kept is not None:
                 self._kept.propose(peer, kept)

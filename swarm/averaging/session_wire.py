@@ -34,6 +34,7 @@ import trio
 from p2p import Message, RemoteProtocolError, message, verify_peer_signature
 from swarm.averaging.allreduce import SendPart, SendReduced, is_view_at, partition
 from swarm.averaging.audit import MAX_PROOF_BYTES, proof_message, slice_hash
+from swarm.averaging.commitment import LEAF_DIGEST_BYTES, MAX_LEAVES
 from swarm.averaging.payload import Layout
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ def chunks_for(numel: int, group_size: int, slowest_bps: float) -> int:
     return max(1, min(MAX_CHUNKS, math.ceil(4 * numel / group_size / chunk)))
 
 
-@message(100, max_bytes=1024)
+@message(100, max_bytes=1024 + MAX_LEAVES * LEAF_DIGEST_BYTES)
 class Hello(Message):
     run_id: str
     group_id: bytes
@@ -76,24 +77,33 @@ class Hello(Message):
     # The sender's ``AveragerConfig.row_size`` (0: None): it decides, with the group's size,
     # whether a round is flat or a grid and the grid's rows, so peers must agree on it.
     row_size: int = 0
+    # A round whose contributions are committed (``SessionConfig.bound``): the parts' boundary
+    # multiple, which every member must share, and the sender's contribution's leaf digests
+    # (``swarm.averaging.commitment``), which its receivers check its slices against.
+    align: int = 1
+    leaves: bytes = b""
 
     def __post_init__(self) -> None:
         if len(self.channel) > 64 or self.channel_payloads < 0:
             raise ValueError("bad kept-channel fields")
         if self.row_size < 0:
             raise ValueError(f"row_size {self.row_size} is negative")
+        if self.align < 1 or len(self.leaves) % LEAF_DIGEST_BYTES:
+            raise ValueError("bad contribution fields")
 
 
-def hello_refusal(hello: Hello, layout: bytes, row_size: int | None) -> str | None:
-    """Why a round whose layout digest is ``layout``, under our ``row_size``, refuses
-    ``hello`` (None: it does not). A differing row size would make the two peers drive different
-    machines (flat or grid) or grids: their items would read as garbage, so it is refused here,
-    naming both values."""
+def hello_refusal(hello: Hello, layout: bytes, row_size: int | None, align: int = 1) -> str | None:
+    """Why a round whose layout digest is ``layout``, under our ``row_size`` and part alignment
+    ``align``, refuses ``hello`` (None: it does not). A differing row size would make the two
+    peers drive different machines (flat or grid) or grids: their items would read as garbage,
+    so it is refused here, naming both values."""
     if hello.layout != layout:
         return "tensor layout or codecs differ from ours"
     ours = row_size or 0
     if hello.row_size != ours:
         return f"its row_size {hello.row_size or None} differs from ours ({ours or None})"
+    if hello.align != align:
+        return "part alignment differs from ours (a committed round?)"
     return None
 
 
@@ -224,7 +234,8 @@ class RoundValues:
             for part, (_, start, stop) in enumerate(self.parts):
                 out[start:stop] = self.own_values(part)
             return out
-        for _, start, stop in partition(len(self.local), peers, bandwidths, chunks):
+        # The machine's parts (aligned in a committed round), as ``partition`` cut them.
+        for _, start, stop in self.parts or partition(len(self.local), peers, bandwidths, chunks):
             out[start:stop] = self.layout.round_trip(self.local[start:stop], start)
         return out
 

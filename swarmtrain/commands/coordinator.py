@@ -51,7 +51,8 @@ from swarmtrain.dashboard.history import Reading, RunHistory, RunInfo
 from swarmtrain.dashboard.options import DashboardListener
 from swarmtrain.dashboard.server import Dashboard
 from swarmtrain.keys import progress_key
-from swarmtrain.membership.progress import Progress, agreed_state, decode_all
+from swarmtrain.membership.plan import best_state
+from swarmtrain.membership.progress import Progress, decode_all
 from swarmtrain.pipeline.progress import pipeline_status, trainer_progress
 from swarmtrain.runspec import MAX_SIGNATURE_BYTES, MAX_SPEC_BYTES, RunSpec, sign_spec, verify_spec
 from swarmtrain.verified.referee import RefereeService
@@ -189,6 +190,7 @@ async def run_coordinator(
                     config.run.rounds,
                     config.pipeline.stages,
                     config.verify.rate,
+                    config.swarm.state_quorum,
                 )
                 dashboard = Dashboard(
                     RunHistory(info), lambda: read_run(node, config, referee), options.dashboard
@@ -203,7 +205,7 @@ async def run_coordinator(
             if config.is_pipeline:
                 nursery.start_soon(_log_stages, node, config, PROGRESS_LOG_S)
             else:
-                nursery.start_soon(_log_progress, node, config.run.id, PROGRESS_LOG_S)
+                nursery.start_soon(_log_progress, node, config, PROGRESS_LOG_S)
             if referee is not None:
                 nursery.start_soon(referee.run)
 
@@ -287,8 +289,10 @@ async def _log_stages(node: Node, config: RunConfig, interval_s: float) -> None:
         )
 
 
-async def _log_progress(node: Node, run_id: str, interval_s: float) -> None:
-    """The coordinator's view of its run, in its log: round, peers, loss (what status shows)."""
+async def _log_progress(node: Node, config: RunConfig, interval_s: float) -> None:
+    """The coordinator's view of its run, in its log: round, peers, loss (what status shows:
+    the state a joiner would adopt, ``plan.best_state``)."""
+    run_id = config.run.id
     last = None
     while True:
         await trio.sleep(interval_s)
@@ -297,11 +301,13 @@ async def _log_progress(node: Node, run_id: str, interval_s: float) -> None:
         except P2PError as exc:
             log.info("could not read the run's progress: %s", exc)
             continue
-        agreed = agreed_state(progress)
+        agreed = best_state(progress, config.run.rounds, config.swarm.state_quorum)
         if agreed is None or agreed.round == last:
             continue
         last = agreed.round
-        losses = [p.loss for p in progress if p.round == agreed.round]
+        losses = [
+            p.loss for p in progress if p.round == agreed.round and p.peer_id in agreed.holders
+        ]
         log.info(
             "run %s: round %d agreed by %d peers (state %s), mean loss %.3f",
             run_id,

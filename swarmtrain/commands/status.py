@@ -27,7 +27,8 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2p import HostConfig, Node, NodeConfig, P2PError, PeerID, open_node, subkey_values
 from swarmtrain.commands.coordinator import coordinator_of, fetch_spec, read_progress
 from swarmtrain.keys import verdicts_key
-from swarmtrain.membership.progress import SHOWN_REACH, SILENT_AFTER_S, Progress, agreed_state
+from swarmtrain.membership.plan import Claim, candidates, unagreed_claims
+from swarmtrain.membership.progress import SHOWN_REACH, SILENT_AFTER_S, AgreedState, Progress
 from swarmtrain.pipeline.progress import TrainerProgress, pipeline_status, trainer_progress
 from swarmtrain.runspec import RunSpec
 from swarmtrain.verified.plan import AGGREGATION, Verdict, banned, decode_verdicts
@@ -56,25 +57,33 @@ class StatusReport:
     def active(self) -> list[Progress]:
         return [p for p in self.records if self.now - p.published_at < SILENT_AFTER_S]
 
-    def latest_round(self) -> int | None:
-        return max((p.round for p in self.records), default=None)
+    def agreed(self) -> tuple[AgreedState | None, list[Claim]]:
+        """The run's state as a joiner adopts it (``plan.candidates``: the run's schedule and
+        ``[swarm] state_quorum``), and the newer rounds records claim that nobody adopts."""
+        config = self.spec.config
+        accepted = candidates(self.records, config.run.rounds, config.swarm.state_quorum)
+        return (accepted[0] if accepted else None), unagreed_claims(self.records, accepted)
 
     def to_json(self) -> dict[str, object]:
         if self.spec.config.is_pipeline:
             return self._pipeline_json()
-        latest = self.latest_round()
-        at_latest = [p for p in self.records if p.round == latest]
-        agreed = agreed_state(self.records)
+        agreed, unagreed = self.agreed()
+        # The figures of the agreed state's holders: a claim nobody adopts is not the run's.
+        holding = [
+            p for p in self.records
+            if agreed is not None and p.round == agreed.round and p.peer_id in agreed.holders
+        ]  # fmt: skip
         return {
             "run_id": self.spec.config.run.id,
             "coordinator": self.spec.coordinator,
             "rounds": self.spec.config.run.rounds,
-            "round": latest,
+            "round": agreed.round if agreed else None,
             "peers": len(self.active()),
-            "loss": _mean([p.loss for p in at_latest]),
-            "tokens_per_s": round(sum(p.tokens_per_s for p in at_latest), 1),
+            "loss": _mean([p.loss for p in holding]),
+            "tokens_per_s": round(sum(p.tokens_per_s for p in holding), 1),
             "state_hash": agreed.state_hash.hex() if agreed else None,
             "state_holders": len(agreed.holders) if agreed else 0,
+            "unagreed": [{"round": c.round, "peers": c.peers} for c in unagreed],
             "verify_rate": self.spec.config.verify.rate,
             "verdicts": [v.to_json() for v in self.verdicts],
             "banned": sorted(str(PeerID(p)) for p in banned(self.verdicts)),
@@ -164,6 +173,11 @@ class StatusReport:
                 f"{str(PeerID(v.verifier))[-12:]}"
             )
             lines.append(f"verdict: {v.describe()}: {what}: {cheater} ({v.reason})")
+        for claim in self.agreed()[1]:
+            lines.append(
+                f"a claim of round {claim.round} by {claim.peers} peer(s) is not agreed "
+                "(no joiner adopts it)"
+            )
         if not self.records:
             lines.append("no node has finished a round yet")
             return "\n".join(lines)

@@ -8,8 +8,11 @@ Why a history at all: a peer's DHT record holds only its latest round, so the lo
 curves exist only if someone remembers the earlier ones. Each read adds every peer's current round
 to ``round -> peer -> PeerRound``; a round that started and ended between two reads is missing from
 the curves (a gap, not a wrong point). ``max_rounds`` bounds the memory: past it the lowest rounds
-are dropped. Like ``swarmtrain status``, every figure is only what the peer that signed the
-record claims.
+are dropped; records of rounds past the run's schedule never enter it. Like ``swarmtrain
+status``, every figure is only what the peer that signed the record claims, except the run's
+round and agreed state: those are the state a joiner would adopt (``plan.candidates``, under
+``[swarm] state_quorum``), so one forged record far ahead is listed under ``unagreed``, not
+shown as the run's round.
 
 A record's byte counts add up every round the peer contributed to since it started. A round's
 bytes are the difference to the same peer's record of its previous contribution, so they are
@@ -24,12 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p import PeerID
+from swarmtrain.membership.plan import Quorum, candidates, unagreed_claims
 from swarmtrain.membership.progress import (
+    MAJORITY,
     SHOWN_REACH,
     SILENT_AFTER_S,
     AgreedState,
     Progress,
-    agreed_state,
 )
 from swarmtrain.pipeline.progress import TrainerProgress
 from swarmtrain.verified.plan import Verdict, banned
@@ -49,6 +53,7 @@ class RunInfo:
     rounds: int
     pipeline_stages: int = 0  # > 0: a SWARM pipeline run
     verify_rate: float = 0.0  # > 0: a verified run
+    state_quorum: Quorum = MAJORITY  # [swarm] state_quorum: which state is the run's
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,8 @@ class RunHistory:
         """Record a read: each peer's latest round joins the history (replacing what the same
         peer said earlier about the same round)."""
         for p in reading.progress:
+            if p.round >= self.info.rounds:
+                continue  # past the schedule: no curve point (a forged round would evict real ones)
             figures = PeerRound(
                 p.loss,
                 p.tokens_per_s,
@@ -153,12 +160,18 @@ class RunHistory:
         reading = self.last or Reading(at=0.0)
         pipeline = info.pipeline_stages > 0
         cheaters = set(_banned_ids(reading.verdicts))
+        # The run's state and round as a joiner adopts it (``plan.candidates``), never a
+        # claim nobody adopts (a forged record far ahead): those are listed as unagreed.
+        accepted = [] if pipeline else candidates(reading.progress, info.rounds, info.state_quorum)
+        agreed = accepted[0] if accepted else None
         if pipeline:
             peers = [_trainer_json(peer, t, now) for peer, t in reading.trainers.items()]
+            active = [p["round"] for p in peers if not p["silent"]]
+            run_round = max(active, default=None)
         else:
-            peers = _peers_json(reading, now, cheaters)
-        active = [p["round"] for p in peers if not p["silent"]]
-        agreed = None if pipeline else agreed_state(reading.progress)
+            peers = _peers_json(reading, now, cheaters, accepted)
+            run_round = agreed.round if agreed is not None else None
+        unagreed = unagreed_claims(reading.progress, accepted)
         return {
             "version": JSON_VERSION,
             "run_id": info.run_id,
@@ -166,12 +179,13 @@ class RunHistory:
             "coordinator": info.coordinator,
             "kind": "pipeline" if pipeline else "diloco",
             "rounds": info.rounds,
-            "round": max(active, default=None),
+            "round": run_round,
             "verify_rate": info.verify_rate,
             "now": now,
             "updated_at": self.last.at if self.last is not None else None,
             "error": self.error,
             "agreed": _agreed_json(agreed),
+            "unagreed": [{"round": c.round, "peers": c.peers} for c in unagreed],
             "throughput_unit": "samples/s" if pipeline else "tokens/s",
             "peers": peers,
             "series": self.series(),
@@ -213,15 +227,18 @@ def _agreed_json(agreed: AgreedState | None) -> dict[str, Any] | None:
     }
 
 
-def _peers_json(reading: Reading, now: float, cheaters: set[str]) -> list[dict[str, Any]]:
-    """A row per DiLoCo peer; ``agrees``: its state hash is the agreed one of its round (None
-    when its round has no agreed state, e.g. it failed)."""
-    agreed_at: dict[int, AgreedState | None] = {}
+def _peers_json(
+    reading: Reading, now: float, cheaters: set[str], accepted: list[AgreedState]
+) -> list[dict[str, Any]]:
+    """A row per DiLoCo peer; ``agrees``: its state hash is the agreed one of its round, the
+    best of ``accepted`` (``plan.candidates``, best first) there (None when its round has none:
+    it failed, or nobody vouches for the round, as for a forged one)."""
+    agreed_at: dict[int, AgreedState] = {}
+    for state in accepted:
+        agreed_at.setdefault(state.round, state)
     rows = []
     for p in reading.progress:
-        if p.round not in agreed_at:
-            agreed_at[p.round] = agreed_state(reading.progress, p.round)
-        agreed = agreed_at[p.round]
+        agreed = agreed_at.get(p.round)
         last_seen_s = max(0.0, now - p.published_at)
         rows.append(
             {

@@ -27,10 +27,11 @@ thread):
   first (``announce_start``), so that a peer whose round fails before any record of ours exists
   waits for us instead of running ahead alone (``plan.positions``).
 * **Expected peers**: when a round has announced joiners (or we just joined), every member passes
-  the same expected set to matchmaking: the holders of the previous round's agreed state plus the
-  announced joiners. Everyone derives it from the same DHT records, so everyone forms the same
-  group and the joiner contributes in its first round; without joiners the averager's own rule
-  (the previous round's survivors) applies unchanged.
+  the same expected set to matchmaking: the holders of the previous round's agreed state (the
+  quorum's, ``plan.best_state``, as a joiner adopts it) plus the announced joiners. Everyone
+  derives it from the same DHT records, so everyone forms the same group and the joiner
+  contributes in its first round; without joiners the averager's own rule (the previous
+  round's survivors) applies unchanged.
 
 A joiner never trains on bytes that do not match the published majority hash
 (``download_state`` verifies; ``DiLoCo.load_state`` verifies again). Whatever a peer sends, the
@@ -72,7 +73,6 @@ from swarmtrain.membership.progress import (
     AgreedState,
     Progress,
     Start,
-    agreed_state,
     agreed_states,
     announced_joiners,
     announcement,
@@ -283,7 +283,9 @@ class Elastic:
         joiners = self._announced(round_number)
         if not joiners and not self.fresh:
             return None
-        agreed = agreed_state(self.records(), round_number - 1)
+        # The quorum's state, as a joiner adopts it: a forged record of round r - 1 (or one
+        # claiming its state with other members) never makes its owner expected by everyone.
+        agreed = best_state(self.records(), self.rounds, self.quorum, round_number - 1)
         if agreed is None:
             # No agreed previous round (round 0, or it failed everywhere): each member would
             # expect only itself and the joiners, a different set on each, and rule 1 would

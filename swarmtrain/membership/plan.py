@@ -44,6 +44,8 @@ and downloads.
 * **Quorum** (``[swarm] state_quorum``, ``candidates``): which states count as agreed at all.
   ``"majority"`` (default): those more than half of their round's members vouch for
   (``progress.majority_states``); N: those N distinct peers hold; 0: every state, ranked.
+  ``swarmtrain status``, the dashboard and the coordinator's log name the run's round by the
+  same function, and list the newer rounds only records claim (``unagreed_claims``).
 
 This module imports no trio, libp2p, clock or randomness: ``now`` is passed in.
 """
@@ -89,24 +91,57 @@ def in_schedule(records: Iterable[Progress], rounds: int) -> list[Progress]:
 
 
 def candidates(
-    records: Iterable[Progress], rounds: int, quorum: Quorum = MAJORITY
+    records: Iterable[Progress],
+    rounds: int,
+    quorum: Quorum = MAJORITY,
+    round_number: int | None = None,
 ) -> list[AgreedState]:
-    """The states ``quorum`` accepts among the records the schedule allows, best first:
-    MAJORITY, those more than half their round's membership vouches for
-    (``progress.majority_states``); 0, every state ``progress.agreed_states`` ranks; N, those
-    of them N distinct peers hold."""
+    """The states ``quorum`` accepts among the records the schedule allows (of ``round_number``
+    only, or any round), best first: MAJORITY, those more than half their round's membership
+    vouches for (``progress.majority_states``); 0, every state ``progress.agreed_states`` ranks;
+    N, those of them N distinct peers hold.
+
+    This is the one rule for "the run's state": joiners and re-syncing nodes adopt by it, the
+    expected set of a joiner's first round is its holders, and ``swarmtrain status``, the
+    dashboard and the coordinator's log show it, so a claim no joiner would adopt (a forged
+    record far ahead) is never shown as the run's round either."""
     valid = in_schedule(records, rounds)
     if quorum == MAJORITY:
-        return majority_states(valid)
-    return [s for s in agreed_states(valid) if len(s.holders) >= int(quorum)]
+        return majority_states(valid, round_number)
+    return [s for s in agreed_states(valid, round_number) if len(s.holders) >= int(quorum)]
 
 
 def best_state(
-    records: Iterable[Progress], rounds: int, quorum: Quorum = MAJORITY
+    records: Iterable[Progress],
+    rounds: int,
+    quorum: Quorum = MAJORITY,
+    round_number: int | None = None,
 ) -> AgreedState | None:
-    """The run's agreed state: the first of ``candidates``, or None."""
-    found = candidates(records, rounds, quorum)
+    """The run's agreed state (of ``round_number``, or any round): the first of
+    ``candidates``, or None."""
+    found = candidates(records, rounds, quorum, round_number)
     return found[0] if found else None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """Successful records of a round that no state the quorum accepts is of."""
+
+    round: int
+    peers: int  # how many records claim it
+
+
+def unagreed_claims(records: Iterable[Progress], accepted: Iterable[AgreedState]) -> list[Claim]:
+    """The rounds newer than every state of ``accepted`` (``candidates``) that successful
+    records claim, newest first, rounds past the schedule too: what an operator should know
+    no joiner adopts (a forged record far ahead, or a round whose records are still arriving).
+    """
+    newest = max((s.round for s in accepted), default=-1)
+    peers: dict[int, set[str]] = {}
+    for p in records:
+        if p.ok and p.round > newest:
+            peers.setdefault(p.round, set()).add(p.peer_id)
+    return [Claim(rnd, len(peers[rnd])) for rnd in sorted(peers, reverse=True)]
 
 
 def swarm_ahead(

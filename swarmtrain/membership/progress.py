@@ -27,7 +27,10 @@ failed round's record carries the list of the round whose state its peer still h
 (``b""`` when it holds none it was a member of): a member that failed every round since
 vouches with it, and a lone survivor's state is adoptable through it (``vouched_survivors``).
 Its holders are the sources a joiner downloads from, and the peers every member expects in the
-next round's matchmaking when a joiner is announced.
+next round's matchmaking when a joiner is announced. Which of these rules applies is
+``[swarm] state_quorum``, and ``swarmtrain.membership.plan.candidates`` is the one place that
+applies it: joiners, re-syncing nodes, the expected set, ``swarmtrain status``, the dashboard and
+the coordinator's log all name the run's state (and round) through it.
 
 A joiner announces itself under ``run/<id>/join/<r>`` (``join_key``) once it holds the agreed
 state, naming the first round it will contribute to.
@@ -461,12 +464,3 @@ def vouched_survivors(records: Iterable[Progress], states: Iterable[AgreedState]
         and any(p.members == s.member_list and p.round > s.round for s in states)
     ]  # fmt: skip
     return sorted(found, key=lambda p: (-p.round, p.state_hash, p.peer_id))
-
-
-def agreed_state(
-    records: Iterable[Progress], round_number: int | None = None
-) -> AgreedState | None:
-    """The best state of ``agreed_states`` (at ``round_number``, or any round), or None when
-    no successful record exists there."""
-    states = agreed_states(records, round_number)
-    return states[0] if states else None

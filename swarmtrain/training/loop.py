@@ -282,6 +282,7 @@ def train(
             model=model,
         )
         averager.check_slice = verification.check_slice
+        averager.slice_root = verification.slice_root
         emit(
             f"verified run: {config.verify.rate:.0%} of tasks re-executed by a second peer; "
             "inner phases run under RepOps"

@@ -14,7 +14,9 @@ parameters with a fresh optimizer state, on that peer's data shard of that round
 * ``RoundClaims``: what a peer publishes under ``run/<id>/verify/<r>`` (its own signed subkey):
   the hash of the RepOps start state it computed from, and a ``verify.commit.Commitment``
   (steps, task root, final state hash) for every task it executed (its own, when selected, and
-  those it verifies).
+  those it verifies), each with the root of the contribution the task owes the round
+  (``swarm.averaging.commitment``: digests of global minus final parameters per fixed leaf),
+  which binds the slices its owner sends to the task (issue 19).
 * ``Verdict``: what the coordinator publishes under ``run/<id>/verdicts`` after refereeing a
   difference; ``banned`` reads the cheaters off them.
 * ``decide``: a peer's decision about one assignment before the round's averaging: accept the
@@ -35,7 +37,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from p2p import LocalProtocolError, Message, PeerID, RemoteProtocolError, decode, encode, message
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 HASH_BYTES = 32
 MAX_CLAIMS = 16  # tasks one peer may claim in a round: its own and those it verifies
-MAX_CLAIMS_BYTES = 4096
+MAX_CLAIMS_BYTES = 8192
 MAX_VERDICTS = 64  # the verdict list keeps the newest; older cheaters stay banned by id
 MAX_VERDICTS_BYTES = 14 * 1024  # under p2p's 16 KiB record value limit
 MAX_REASON_CHARS = 200
@@ -56,6 +58,8 @@ AGGREGATION = "aggregation"  # a Verdict's op_name when it names a reducer (op: 
 # owner signed a slice that is not its task's pseudo-gradient, or its verifier said so falsely.
 SLICE = "slice"
 AGREE = "commitments agree"  # decide's reason when the owner's and verifier's claims are equal
+# decide's reason when the commitments agree and the contribution roots do not
+CONTRIBUTION_DIFFERS = "commitments agree, the contributions they owe differ"
 VERDICTS_TTL_S = 7 * 24 * 3600.0
 
 
@@ -146,10 +150,17 @@ class ClaimsRecord(Message):
 
     start_state_hash: bytes
     claims: tuple[TaskClaim, ...]
+    # (owner, contribution root) for the claims whose task's contribution we computed
+    contributions: tuple[tuple[bytes, bytes], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.claims) > MAX_CLAIMS:
             raise ValueError(f"{len(self.claims)} claims are over the limit of {MAX_CLAIMS}")
+        if len(self.contributions) > MAX_CLAIMS:
+            raise ValueError(f"{len(self.contributions)} contribution roots are over the limit")
+        for owner, root in self.contributions:
+            if not (0 < len(owner) <= PEER_ID_MAX_BYTES and _is_hash(root)):
+                raise ValueError("a contribution root needs an owner of 1..64 bytes and a hash")
         if not _is_hash(self.start_state_hash):
             raise ValueError(f"the start state hash must be {HASH_BYTES} bytes")
         for owner, steps, root, final in self.claims:
@@ -163,10 +174,13 @@ class ClaimsRecord(Message):
 class RoundClaims:
     """One peer's record for a round: the start state hash its tasks began from (every task of
     a round starts from the global state) and its commitment per task (by owner). Two
-    commitments to a task that started elsewhere differ in their roots already."""
+    commitments to a task that started elsewhere differ in their roots already.
+    ``contributions``: per task (by owner), the root of what its owner owes the round
+    (``swarm.averaging.commitment.contribution_root`` of global minus final parameters)."""
 
     start_state_hash: bytes
     claims: Mapping[bytes, Commitment]
+    contributions: Mapping[bytes, bytes] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         """The DHT value. Raises ValueError for what no reader would accept (too many claims)."""
@@ -174,7 +188,8 @@ class RoundClaims:
             (owner, c.steps, c.task_root, c.final_state_hash)
             for owner, c in sorted(self.claims.items())
         )
-        return encode(ClaimsRecord(self.start_state_hash, body))
+        roots = tuple(sorted(self.contributions.items()))
+        return encode(ClaimsRecord(self.start_state_hash, body, roots))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> RoundClaims | None:
@@ -187,7 +202,7 @@ class RoundClaims:
         claims = {
             owner: Commitment(steps, root, final) for owner, steps, root, final in record.claims
         }
-        return cls(record.start_state_hash, claims)
+        return cls(record.start_state_hash, claims, dict(record.contributions))
 
 
 def _is_hash(value: object) -> bool:
@@ -325,10 +340,12 @@ def decide(
     ``records`` maps a peer to its published ``RoundClaims`` for the round. A verdict on this
     task settles it (the owner's contribution counts only if the verifier was the cheater).
     Otherwise the owner's and the verifier's claims must both be visible and equal; a difference
-    waits for the verdict. At ``timed_out``: a missing or disputed owner is left out (its
-    contribution is unverified), a missing verifier lets the owner in (the owner cannot be
-    blamed for it) unless the owner is a ``newcomer``: its first contribution counts only
-    verified.
+    waits for the verdict. Equal claims with contribution roots that differ (or an owner's
+    missing one) leave the owner out at once: no dispute game rules on them, and a root its
+    verifier did not compute would let it send other values than its task's (issue 19). At
+    ``timed_out``: a missing or disputed owner is left out (its contribution is unverified), a
+    missing verifier lets the owner in (the owner cannot be blamed for it) unless the owner is
+    a ``newcomer``: its first contribution counts only verified.
     """
     owner, verifier = assignment.owner, assignment.verifier
     for v in verdicts:
@@ -342,6 +359,11 @@ def decide(
     theirs = check.claims.get(owner) if check is not None else None
     if mine is not None and theirs is not None:
         if mine == theirs:
+            # The same task, so the same contribution: a root the owner committed that its
+            # verifier did not compute (or none) would bind its slices to other values.
+            root = None if own is None else own.contributions.get(owner)
+            if root is None or check is None or root != check.contributions.get(owner):
+                return Decision.EXCLUDE, CONTRIBUTION_DIFFERS
             return Decision.ACCEPT, AGREE
         if timed_out:
             return Decision.EXCLUDE, "commitments differ and no verdict came in time"

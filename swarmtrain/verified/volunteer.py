@@ -36,6 +36,7 @@ from torch import nn
 import swarm
 from diloco import AveragingFailed, Corpus
 from p2p import Message, PeerID, RemoteProtocolError, serve_unary
+from swarm.averaging.commitment import contribution_root
 from swarmtrain.config import RunConfig
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
@@ -145,6 +146,8 @@ class Verification:
         # (round, owner) -> what the owner of a task we re-executed must send: the round's
         # global parameters minus the task's final ones, flat float32 (``check_slice``).
         self._expected: dict[tuple[int, bytes], np.ndarray] = {}
+        # round -> owner -> the contribution root its accepted claim committed (``slice_root``)
+        self._bound: dict[int, dict[bytes, bytes]] = {}
         node = runtime.node
         assert node is not None
         runtime.call_sync(serve_provider, node.host, self, None, self._is_referee)
@@ -193,6 +196,8 @@ class Verification:
             del self._excluded[old]
         for old in [r for r in self._allowed if r <= round_number]:
             del self._allowed[old]
+        for old in [r for r in self._bound if r <= round_number]:
+            del self._bound[old]
 
     def _plan(
         self, round_number: int, records: Mapping[bytes, RoundClaims] | None = None
@@ -222,15 +227,18 @@ class Verification:
         claims: dict[bytes, Commitment] = {}
         tamper = self.faults.tamper_task(r)
         new_here = r > 0 and not self._members.get(r)
+        roots: dict[bytes, bytes] = {}
         if new_here or selected(self.config.run.id, r, self.me, rate):
             provider = run_traced(own, tamper)
             self._keep(r, provider)
             claims[self.me] = provider.commitment
             final = provider.final_state
+            # What we owe the round, committed with the task: our slices are checked against it.
+            roots[self.me] = contribution_root(_pseudo_gradient(params, final))
         else:
             final = run_fast(own)
         self._expected = {k: v for k, v in self._expected.items() if k[0] >= r}
-        self._round = _OwnClaims(r, params, own.spec.start_state_hash, claims)
+        self._round = _OwnClaims(r, params, own.spec.start_state_hash, claims, roots)
         for a in self._plan(r):
             if a.verifier == self.me:
                 self._verify(a.owner)
@@ -244,12 +252,14 @@ class Verification:
         provider = run_traced(self._task(mine.round, owner, mine.params))
         self._keep(mine.round, provider)
         mine.claims[owner] = provider.commitment
-        self._expected[(mine.round, owner)] = _pseudo_gradient(mine.params, provider.final_state)
+        owed = _pseudo_gradient(mine.params, provider.final_state)
+        self._expected[(mine.round, owner)] = owed
+        mine.roots[owner] = contribution_root(owed)
 
     def _publish_claims(self) -> None:
         mine = self._round
         assert mine is not None
-        record = RoundClaims(mine.start_state_hash, dict(mine.claims))
+        record = RoundClaims(mine.start_state_hash, dict(mine.claims), dict(mine.roots))
         key = verify_key(self.config.run.id, mine.round)
         try:
             self.runtime.store(key, record.to_bytes(), CLAIMS_TTL_S)
@@ -271,6 +281,13 @@ class Verification:
             return "its slice is not the pseudo-gradient of the task it committed"
         return None
 
+    def slice_root(self, round_number: int, sender: bytes) -> bytes | None:
+        """The contribution root ``sender`` committed for ``round_number`` with a task the gate
+        accepted (``swarm.Averager.slice_root``): every reducer refuses its slices unless they
+        match it, so a peer whose task passed cannot send other values in any part (issue 19).
+        None: its task was not drawn, it binds nothing."""
+        return self._bound.get(round_number, {}).get(sender)
+
     def _task(self, r: int, owner: bytes, params: dict[str, np.ndarray]) -> Task:
         return make_task(self.config, self.corpus, self.run_seed, r, owner, params, self._model)
 
@@ -284,7 +301,10 @@ class Verification:
         awaited = set(self.joiners(r)) - members - {self.me} if members else set()
         deadline = time.monotonic() + self.config.verify.timeout_s
 
+        records: dict[bytes, RoundClaims] = {}
+
         def look() -> tuple[list[tuple[Assignment, Decision, str]], set[bytes]]:
+            nonlocal records
             self._read_verdicts()
             mine = banned(self.verdicts).get(self.me)
             if mine is not None:
@@ -318,6 +338,12 @@ class Verification:
         )
         plan = [a for a, _, _ in decisions]
         left_out = {a.owner for a, d, _ in decisions if d is Decision.EXCLUDE}
+        bound = {}
+        for a, d, _ in decisions:
+            root = records[a.owner].contributions.get(a.owner) if a.owner in records else None
+            if d is Decision.ACCEPT and root is not None:
+                bound[a.owner] = root
+        self._bound[r] = bound
         joined = {a.owner for a in plan if a.owner not in members}
         if members:
             self._allowed[r] = frozenset(members | (joined - left_out) | {self.me})
@@ -346,12 +372,15 @@ class Verification:
         r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify.rate
         owed = {owner: v for (k, owner), v in self._expected.items() if k == r}
         misbound = {(d.part, d.peer): d for d in result.refused if d.peer in owed}
+        # Every slice we refused, its sender's signature with it: a refusal against a
+        # sender's committed contribution is evidence its task's verifier takes to the referee.
+        refused = list(result.refused)
         record = swarm.AuditRecord(
             r,
             gid,
             result.reducers,
             result.audits,
-            slice_disputes=swarm.slice_disputes(misbound.values()),
+            slice_disputes=swarm.slice_disputes([*refused, *misbound.values()]),
         )
         self._report_misbound(r, misbound.values())
         self._publish_audits(record)
@@ -384,7 +413,7 @@ class Verification:
                     record = replace(
                         record,
                         disputed=tuple(sorted(disputed)),
-                        slice_disputes=swarm.slice_disputes(misbound.values()),
+                        slice_disputes=swarm.slice_disputes([*refused, *misbound.values()]),
                     )
                     self._publish_audits(record)
             awaited = drawn | disputed
@@ -425,7 +454,7 @@ class Verification:
     def _publish_audits(self, record: swarm.AuditRecord) -> None:
         key = aggregate_key(self.config.run.id, record.round)
         try:
-            for i, data in enumerate(swarm.split_record(record)):
+            for i, data in enumerate(swarm.audit_values(record)):
                 self.runtime.store(key, data, CLAIMS_TTL_S, tag=b"a%d" % i)
         except Exception as exc:  # the referee then rules on our parts without our claims
             log.warning("round %d: could not publish what we reduced: %s", record.round, exc)
@@ -516,6 +545,7 @@ class _OwnClaims:
     params: dict[str, np.ndarray]
     start_state_hash: bytes
     claims: dict[bytes, Commitment]
+    roots: dict[bytes, bytes]  # by owner: the contribution root of each task we executed
 
 
 def _pseudo_gradient(start: dict[str, np.ndarray], final: Mapping[str, np.ndarray]) -> np.ndarray:

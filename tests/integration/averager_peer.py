@@ -28,9 +28,13 @@ or stalls for real; nothing is simulated on the other peers):
     exit-while-reducing  exit when our reduced part is ready, before it is sent
     slow-sending:S       sleep S seconds before sending each slice
     slow-reducing:S      stall the round driver S seconds before sending our reduced part
-    garbage:KIND         send a bad slice (KIND: nan, short, index) instead of the first real one
+    garbage:KIND         send a bad slice (KIND: nan, short, index) instead of the first real one;
+                         ``commit``: its first value off by one, well-formed (with ``--bind``,
+                         a slice other than the contribution committed before the round)
     inflate:W            declare weight W, ignoring ``--max-weight`` (a liar claiming work)
 ``--max-weight X``: the run's weight bounds are (0, X] (``AveragerConfig.weight_bounds``).
+``--bind``: committed contributions (``Averager.slice_root``, issue 19): each ``average`` command
+then carries ``"bound": {hex: root hex}``, the roots the peers committed to before the round.
 """
 
 from __future__ import annotations
@@ -116,6 +120,8 @@ def install_fault(spec: str | None) -> None:
             index = order.part_index
             if arg == "nan":
                 values[:1] = np.nan
+            elif arg == "commit":
+                values[:1] += np.float32(1.0)
             elif arg == "short":
                 values = values[:-1]
             elif arg == "index":
@@ -124,6 +130,8 @@ def install_fault(spec: str | None) -> None:
             inline = payload if len(payload) <= session_wire.INLINE_MAX_BYTES else b""
             # "proof": the right bytes under a signature that is not ours (an audited round)
             proof = b"\x01" * 64 if arg == "proof" else b""
+            if arg == "commit" and self.config.sign is not None:  # signed as it is: a liar's own
+                proof = await self._values.own_proof(index, values, self.machine.weight)
             item = session_wire.Item(
                 session_wire.KIND_SLICE,
                 index,
@@ -181,6 +189,7 @@ def _kill_at(kind: str) -> None:
 
 # ``--fault inflate:W``: every round declares this weight.
 INFLATED_WEIGHT: float | None = None
+BIND = False  # ``--bind``
 
 
 async def command(averager: Averager, line: str) -> dict[str, Any]:
@@ -191,6 +200,9 @@ async def command(averager: Averager, line: str) -> dict[str, Any]:
         if request.get("scale") is not None:
             local *= np.float32(request["scale"])
         expected = request.get("expected")
+        if BIND:
+            roots = {bytes.fromhex(p): bytes.fromhex(h) for p, h in request["bound"].items()}
+            averager.slice_root = lambda r, sender: roots.get(sender)
         try:
             with trio.CancelScope() as scope:
                 cancel_after = request.get("cancel_after")
@@ -294,7 +306,8 @@ def _hex(peer_id_text: str) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    global INFLATED_WEIGHT
+    global INFLATED_WEIGHT, BIND
+    BIND = args.bind
     inflated = (args.fault or "").startswith("inflate:")
     if inflated:
         INFLATED_WEIGHT = float(args.fault.split(":", 1)[1])
@@ -348,6 +361,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--join", required=True)
     parser.add_argument("--run-id", default="test")
+    parser.add_argument("--bind", action="store_true")
     parser.add_argument("--compression", default="none")
     parser.add_argument("--matchmaking-timeout", type=float, default=3.0)
     parser.add_argument("--allreduce-timeout", type=float, default=30.0)

@@ -26,6 +26,7 @@ from peerproc import PeerProcess, start_relay
 from swarm import SparseCodec, reduce_part
 from swarm.averaging.aggregation import aggregate
 from swarm.averaging.codec import Compression
+from swarm.averaging.commitment import contribution_root
 from swarm.averaging.grid import grid_plan
 from swarm.averaging.payload import Layout
 
@@ -458,6 +459,27 @@ def test_an_inflated_weight_drops_the_sender_and_the_others_agree(swarm: Swarm) 
     swarm.check(replies, honest)
     reasons = [r["dropped"].get(liar.id, "") for r in replies]
     assert any("outside the run's bounds [0, 10]" in why for why in reasons), reasons
+    assert not liar.reply()["ok"]
+
+
+@pytest.mark.parametrize("audit", [False, True])
+def test_a_slice_other_than_the_committed_contribution_drops_its_sender_in_the_round(
+    swarm: Swarm, audit: bool
+) -> None:
+    """Issue 19 point 2: peers committed their contributions (leaf digests, as a verified run's
+    claims do) before the round; the liar then sends one value off in its first slice, to a
+    reducer that is no verifier of anything. That reducer refuses it against the commitment,
+    and every survivor drops the liar in the round: the honest peers' exact mean, bit for bit."""
+    options = ["--run-id", f"committed-{audit}", "--bind", *(["--audit"] if audit else [])]
+    peers = swarm.start(4, {3: "garbage:commit"}, *options)
+    liar, honest = peers[3], peers[:3]
+    roots = {p.id: contribution_root(vector(p.seed)).hex() for p in peers}
+    swarm.average(peers, 0, **{p.id: {"bound": roots} for p in peers})
+    replies = [p.reply() for p in honest]
+    swarm.check(replies, honest)
+    reasons = [r["dropped"].get(liar.id, "") for r in replies]
+    assert any("does not match its commitment" in why for why in reasons), reasons
+    assert all(len(r["parts"]) > 1 for r in replies)
     assert not liar.reply()["ok"]
 
 

@@ -107,6 +107,26 @@ def test_each_peer_says_whether_its_state_is_its_rounds_agreed_one() -> None:
     assert failed.to_json(1000.0)["peers"][0]["agrees"] is None  # no agreed state at round 3
 
 
+def test_a_forged_record_far_ahead_is_an_unagreed_claim_not_the_runs_round() -> None:
+    """Issue 19: the run's round was the newest any live record claimed; one forged record
+    made it the liar's. Now it is the state a joiner adopts (``plan.candidates``)."""
+    liar = str(PeerID.from_pubkey(create_new_key_pair().public_key))
+    members = (A, B, C)
+    honest = [_record(p, 4, members=members) for p in members]
+    ahead = _record(liar, INFO.rounds - 1, state=b"forged", members=(liar,))
+    far = _record(liar, 10**6, state=b"forged", members=(liar,))
+    history = RunHistory(INFO)
+    history.observe(Reading(1000.0, progress=(*honest, ahead)))
+    history.observe(Reading(1001.0, progress=(*honest, far)))
+    doc = history.to_json(1001.0)
+    assert doc["round"] == 4 and doc["agreed"]["round"] == 4 and doc["agreed"]["holders"] == 3
+    assert doc["unagreed"] == [{"round": 10**6, "peers": 1}]
+    rows = {row["peer_id"]: row for row in doc["peers"]}
+    assert rows[liar]["agrees"] is None and rows[A]["agrees"] is True
+    # A round past the schedule never enters the curves (nor evicts real rounds from them).
+    assert [row["round"] for row in doc["series"]] == [4, INFO.rounds - 1]
+
+
 def test_bytes_of_a_round_are_known_only_from_the_same_peers_previous_contribution() -> None:
     history = RunHistory(INFO)
     history.observe(Reading(1.0, progress=(_record(A, 0), _record(B, 3))))  # B: seen late

@@ -357,6 +357,6 @@ def test_a_hello_with_another_row_size_is_refused_naming_both() -> None:
     other = Layout.for_sizes([10], Compression.INT8).digest
     assert hello_refusal(hello, other, 4) == "tensor layout or codecs differ from ours"
     envelope = msgpack.unpackb(encode(hello))
-    envelope[2][-1] = -1
+    envelope[2][-3] = -1  # row_size, before align and leaves
     with pytest.raises(RemoteProtocolError, match="row_size -1 is negative"):
         decode(msgpack.packb(envelope), Hello)

@@ -10,19 +10,21 @@ from hypothesis import strategies as st
 
 from p2p import decode
 from swarmtrain.membership.plan import (
+    Claim,
     Verdict,
     after_failed_round,
     best_state,
+    candidates,
     positions,
     states_best_first,
     swarm_ahead,
+    unagreed_claims,
     wait_budget_s,
 )
 from swarmtrain.membership.progress import (
     Progress,
     Start,
     StartAnnouncement,
-    agreed_state,
     decode_starts,
     member_list,
 )
@@ -154,8 +156,9 @@ def test_a_forged_later_round_never_outweighs_the_state_the_rounds_members_hold(
     liar = Progress("liar", ROUNDS - 1, True, FORGED, 0.1, 1.0, 1, 0, 0, 1, NOW, "public",
                     member_list(["liar"]))  # fmt: skip
     records = [*swarm, liar]
-    best = agreed_state(records)
+    best = best_state(records, ROUNDS)
     assert best is not None and (best.round, best.state_hash) == (3, A)
+    assert best_state(records, ROUNDS, quorum=0) == best
     assert len(best.holders) > best.members // 2  # a quorum of its round's members
     assert [s.state_hash for s in states_best_first(records, ROUNDS)] == [A]
     # ... also when the honest holders fail to serve: no state rather than the liar's.
@@ -172,7 +175,49 @@ def test_a_forged_later_round_never_outweighs_the_state_the_rounds_members_hold(
     assert plan.verdict is not Verdict.ADOPT
     # Two liars (or two forged records) against three holders: still the holders'.
     second = dataclasses.replace(liar, peer_id="liar2")
-    assert agreed_state([*records, second]).state_hash == A  # type: ignore[union-attr]
+    for quorum in ("majority", 0):
+        two = best_state([*records, second], ROUNDS, quorum)
+        assert two is not None and two.state_hash == A
+
+
+def test_what_status_and_the_dashboard_show_is_the_joiners_state_and_a_forgery_a_claim() -> None:
+    """Issue 19: ``swarmtrain status``, the dashboard and the coordinator's log named the
+    newest round any record claimed as the run's. They now name ``best_state`` (the state a
+    joiner adopts) and list the newer claims nobody adopts (``unagreed_claims``)."""
+    swarm = [honest("b", 3), honest("c", 3), honest("d", 3)]
+    ahead = Progress("liar", ROUNDS - 1, True, FORGED, 0.1, 1.0, 1, 0, 0, 1, NOW, "public",
+                     member_list(["liar"]))  # fmt: skip
+    far = dataclasses.replace(ahead, peer_id="liar2", round=10**6)  # past the schedule
+    records = [*swarm, ahead, far]
+    accepted = candidates(records, ROUNDS)
+    assert [(s.round, s.state_hash) for s in accepted] == [(3, A)]
+    assert best_state(records, ROUNDS) == accepted[0]
+    assert unagreed_claims(records, accepted) == [Claim(10**6, 1), Claim(ROUNDS - 1, 1)]
+    # Of one round: the expected set of a joiner's first round asks for round r - 1's state.
+    assert best_state(records, ROUNDS, round_number=3) == accepted[0]
+    assert best_state(records, ROUNDS, round_number=ROUNDS - 1) is None
+    # A round whose honest records are arriving is agreed as soon as its members vouch (c and
+    # d's round 3 lists name b): no claim to note, and the newer round's state is a candidate.
+    moving = [honest("b", 4, h=B), honest("c", 3), honest("d", 3)]
+    accepted = candidates(moving, ROUNDS)
+    assert {s.round for s in accepted} == {3, 4} and unagreed_claims(moving, accepted) == []
+    # No state at all: every successful record's round is a bare claim.
+    assert unagreed_claims([ahead], candidates([ahead, honest("b", 3)], ROUNDS)) == [
+        Claim(ROUNDS - 1, 1)
+    ]
+
+
+def test_the_previous_rounds_state_of_a_joiners_first_round_is_the_quorums() -> None:
+    # b holds round 3's state; c and d, its other members, still show round 2. A liar claims
+    # round 3 listing b, c, d and itself: the old ranking gave it their support (4 > 3), so
+    # every member expected the liar, not b, in round 4 with a joiner (``Elastic``).
+    bcd = ("b", "c", "d")
+    records = [honest("b", 3), honest("c", 2, members=bcd), honest("d", 2, members=bcd)]
+    liar = honest("liar", 3, h=FORGED, members=("b", "c", "d", "liar"))
+    old = best_state([*records, liar], ROUNDS, quorum=0, round_number=3)
+    assert old is not None and old.holders == ("liar",)
+    new = best_state([*records, liar], ROUNDS, round_number=3)
+    assert new is not None and new.holders == ("b",)
 
 
 def test_a_minority_state_of_a_round_is_never_a_choice() -> None:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from p2p.dht.records import (
     MAX_RECORD_SET_BYTES,
+    MAX_SUBKEYS,
     MAX_VALUE_BYTES,
     RecordRejected,
     RecordSigner,
@@ -338,7 +339,6 @@ def test_a_full_key_keeps_its_oldest_owners_and_a_flood_of_fresh_identities_cann
     met last are the ones left out."""
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
-    from p2p.dht.records import MAX_SUBKEYS
     from p2p.dht.store import MergingValueStore
 
     store = MergingValueStore(host=None, local_peer_id=None)  # type: ignore[arg-type]
@@ -397,12 +397,21 @@ def test_one_owner_holds_at_most_its_cap_of_a_key_and_later_owners_still_fit() -
     held = store.records(key, time.time())
     assert sorted(held) == sorted([attacker.peer_id, *(s.peer_id for s in honest)])
     assert store.usage(attacker.peer_id)[0] == 1
-    # Audit records: a member splits its record over up to 256 tagged values.
+    # Audit records: a member splits its record over up to 64 tagged values (one per part it
+    # reduced, of a round audited up to 64 parts). At 256 each, 4 identities aged in advance
+    # filled a round's audit key; now 4 of them leave room for every member of the round.
     audits = b"/swarmtrain/run/r/aggregate/7"
-    put(audits, [attacker.sign(audits, b"a", soon, tag=b"a%d" % i) for i in range(300)])
+    aged = [attacker, *(RecordSigner(bytes([0xB0 + i]) * 32) for i in range(3))]
+    for signer in aged:
+        put(audits, [signer.sign(audits, b"a", soon, tag=b"a%d" % i) for i in range(300)])
     kept = store.records(audits, time.time())
-    assert sorted(kept) == sorted(attacker.subkey(b"a%d" % i) for i in range(300))[:256]
-    assert store.over_key_cap == 1024 + 300 - 256
+    written = {attacker.subkey(b"a%d" % i) for i in range(300)}
+    assert sorted(s for s in kept if s in written) == sorted(written)[:64]
+    assert len(kept) == 4 * 64 and store.over_key_cap == 1024 + 4 * (300 - 64)
+    members = [RecordSigner(bytes([0xC0 + i]) * 32) for i in range(12)]
+    for signer in members:  # a verified group's members, each its record's 64 values
+        put(audits, [signer.sign(audits, b"a", soon, tag=b"a%d" % i) for i in range(64)])
+    assert len(store.records(audits, time.time())) == 16 * 64 == MAX_SUBKEYS
     # A reader caps what a replica answers the same way, preferring what it holds itself.
     answer = {
         r.subkey: r for r in (attacker.sign(key, b"x", soon, tag=b"%d" % i) for i in range(5))
@@ -418,7 +427,14 @@ def test_every_run_key_takes_one_entry_per_owner_but_the_audit_records_a_split_r
 
     from p2p.dht.kademlia import dht_key
     from p2p.dht.store import StorageLimits
-    from swarm.averaging.audit import MAX_PARTS, AuditRecord, PartAudit, split_record
+    from swarm.averaging.audit import (
+        MAX_AUDIT_VALUES,
+        MAX_AUDITED_PARTS,
+        AuditRecord,
+        PartAudit,
+        audit_values,
+        split_record,
+    )
     from swarmtrain import keys
 
     limits = StorageLimits()
@@ -438,10 +454,16 @@ def test_every_run_key_takes_one_entry_per_owner_but_the_audit_records_a_split_r
         "addrs/12D3KooW",
     ]
     assert [limits.entries_per_owner(dht_key(k)) for k in single] == [1] * len(single)
-    assert limits.entries_per_owner(dht_key(keys.aggregate_key("r", 3))) == MAX_PARTS
-    # Each value holds at least one claim: a record of MAX_PARTS claims too big to pair up
-    # takes one value each, the most a writer can need.
+    assert limits.entries_per_owner(dht_key(keys.aggregate_key("r", 3))) == MAX_AUDIT_VALUES
+    # Each value holds at least one claim: a member that reduced every part of an audited round
+    # (MAX_AUDITED_PARTS), claims too big to pair up, takes one value each, the most an honest
+    # writer needs; all of them are published.
     inputs = tuple((bytes([i]) * 38, 1.0, bytes(32), bytes(64)) for i in range(60))
     claim = PartAudit(0, 0, 1, inputs, bytes(32))
-    record = AuditRecord(1, b"g", (), tuple(dc.replace(claim, part=p) for p in range(MAX_PARTS)))
-    assert len(split_record(record)) == MAX_PARTS
+    parts = tuple(dc.replace(claim, part=p) for p in range(MAX_AUDITED_PARTS))
+    record = AuditRecord(1, b"g", (), parts)
+    assert len(split_record(record)) == len(audit_values(record)) == MAX_AUDITED_PARTS
+    # A round past the audit's parts (none drawn) publishes only what the DHT keeps.
+    more = tuple(dc.replace(claim, part=p) for p in range(2 * MAX_AUDITED_PARTS))
+    values = audit_values(dc.replace(record, audits=more))
+    assert values == split_record(dc.replace(record, audits=more))[:MAX_AUDIT_VALUES]

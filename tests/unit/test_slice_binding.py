@@ -154,6 +154,18 @@ def test_misbound_finds_only_the_parts_whose_claimed_hash_differs(task) -> None:
     assert misbound(record, other, owed)[0].part == 0  # another peer's input, checked alike
 
 
+def test_a_reducer_refusing_a_slice_gives_the_verifier_its_evidence(task) -> None:  # type: ignore[no-untyped-def]
+    """Issue 19: a reducer that is no verifier refused an owner's slice against its committed
+    contribution and published it signed; the task's verifier takes it up (``misbound``) only
+    when it is not what the task owes, so the referee rules with the verifier as accuser."""
+    owed = task[3]
+    lied = _dispute(owed, 100, 700, owed[100:700] * np.float32(1.5))
+    honest = replace(_dispute(owed, 0, 100, owed[0:100]), part=1)
+    record = AuditRecord(ROUND, GROUP, (b"r",), (), (), (lied, honest))
+    assert misbound(record, OWNER.peer_id, owed) == [lied]
+    assert misbound(record, VERIFIER.peer_id, owed) == []
+
+
 def test_slice_disputes_travel_in_audit_records_bounded(task) -> None:  # type: ignore[no-untyped-def]
     owed = task[3]
     disputes = tuple(

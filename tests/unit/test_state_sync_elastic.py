@@ -149,6 +149,26 @@ def test_a_peer_whose_round_failed_adopts_the_majority_state_and_announces_itsel
     assert expected == {p.to_bytes() for p in (me, b, c)}
 
 
+def test_a_joiners_first_round_expects_the_holders_of_the_quorums_state_not_a_liar() -> None:
+    # b holds round 3's state; c and we (d) still show round 2. A liar claims round 3 listing
+    # all of us: the old ranking gave it our support, and every member expected the liar
+    # instead of b in round 4 (a group without b, or a wait for a peer that never comes).
+    me, b, c, liar, joiner = (_peer() for _ in range(5))
+    bcd = [b, c, me]
+    forged = bytes([9]) * 32
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 3, True, bytes(32), members=bcd),
+            str(c): _record(c, 2, True, bytes(32), members=bcd),
+            str(me): _record(me, 2, True, bytes(32), members=bcd),
+            str(liar): _record(liar, 3, True, forged, members=[*bcd, liar]),
+        },
+        join_key(RUN, 4): {str(joiner): announcement(4)},
+    }
+    elastic = _elastic(me, dht, b"", [])
+    assert elastic.expected_peers(4) == {p.to_bytes() for p in (b, joiner, me)}
+
+
 def test_a_peer_in_agreement_downloads_nothing_and_keeps_the_averagers_rule() -> None:
     me, b = _peer(), _peer()
     asked: list[Hashable] = []

@@ -5,17 +5,23 @@ from __future__ import annotations
 import msgpack
 import pytest
 
+from swarmtrain.membership.plan import best_state
 from swarmtrain.membership.progress import (
+    AgreedState,
     JoinAnnouncement,
     Progress,
     ProgressRecord,
-    agreed_state,
     announced_joiners,
     announcement,
     decode_all,
 )
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
+
+
+def agreed_state(records: list[Progress], round_number: int | None = None) -> AgreedState | None:
+    """The most-held state (``state_quorum = 0``): the ranking every quorum starts from."""
+    return best_state(records, 2**31, quorum=0, round_number=round_number)
 
 
 def _p(peer: str, rnd: int, ok: bool, digest: bytes) -> Progress:

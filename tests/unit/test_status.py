@@ -8,7 +8,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from p2p import PeerID
 from swarmtrain.commands.status import StatusReport
 from swarmtrain.config import RunConfig, RunSection, VerifySection
-from swarmtrain.membership.progress import Progress
+from swarmtrain.membership.progress import Progress, member_list
 from swarmtrain.runspec import RunSpec
 from swarmtrain.verified.plan import AGGREGATION, Verdict
 
@@ -77,3 +77,25 @@ def test_a_reachability_field_that_is_not_one_of_the_known_words_is_refused() ->
         assert Progress.from_bytes("p", msgpack.packb([version, code, [*good[:10], bad]])) is None
     assert Progress.from_bytes("p", msgpack.packb([version, code, [*good, "public"]])) is None
     assert Progress.from_bytes("p", msgpack.packb([version, code, good[:10]])) is None
+
+
+def test_the_runs_round_is_the_state_a_joiner_adopts_and_a_forged_one_a_claim() -> None:
+    """Issue 19: status showed the newest round any record claimed as the run's, so one forged
+    record far ahead was "the run's round"; now it is the state a joiner would adopt."""
+    honest = [str(PeerID(_peer())) for _ in range(3)]
+    listed = member_list(honest)
+    records = [
+        Progress(p, 3, True, b"\x01" * 32, 2.5, 100.0, 3, 0, 0, 3, 990.0, "public", listed)
+        for p in honest
+    ]
+    liar = str(PeerID(_peer()))
+    forged = Progress(liar, 10**6, True, b"\x09" * 32, 0.01, 1e9, 1, 0, 0, 1, 990.0, "public",
+                      member_list([liar]))  # fmt: skip
+    spec = RunSpec(RunConfig(run=RunSection(id="r", rounds=10)), "12D3KooWcoordinator", 1.0)
+    shown = StatusReport(spec, [*records, forged], 1000.0).to_json()
+    assert (shown["round"], shown["state_hash"], shown["state_holders"]) == (3, "01" * 32, 3)
+    assert (shown["loss"], shown["tokens_per_s"]) == (2.5, 300.0)  # the holders' figures
+    assert shown["unagreed"] == [{"round": 10**6, "peers": 1}]
+    text = StatusReport(spec, [*records, forged], 1000.0).format()
+    assert text.splitlines()[0].startswith("run r (coordinator 12D3KooWcoordinator): round 3 of 10")
+    assert "a claim of round 1000000 by 1 peer(s) is not agreed" in text

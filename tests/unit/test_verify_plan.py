@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from p2p import RemoteProtocolError
 from swarmtrain.verified.plan import (
     AGGREGATION,
+    CONTRIBUTION_DIFFERS,
     MAX_AUDIT_RESULTS,
     MAX_CLAIMS,
     MAX_NEWCOMERS,
@@ -147,15 +148,40 @@ def test_majority_start_and_disputes() -> None:
 
 
 def _records(
-    owner_claim: Commitment | None, verifier_claim: Commitment | None
+    owner_claim: Commitment | None,
+    verifier_claim: Commitment | None,
+    owner_root: bytes | None = H[3],
+    verifier_root: bytes | None = H[3],
 ) -> dict[bytes, RoundClaims]:
+    """The owner's and its verifier's records, each task claim with its contribution root."""
     owner, verifier = PEERS[0], PEERS[1]
     out = {}
+
+    def roots(root: bytes | None) -> dict[bytes, bytes]:
+        return {} if root is None else {owner: root}
+
     if owner_claim is not None:
-        out[owner] = RoundClaims(H[0], {owner: owner_claim})
+        out[owner] = RoundClaims(H[0], {owner: owner_claim}, roots(owner_root))
     if verifier_claim is not None:
-        out[verifier] = RoundClaims(H[0], {owner: verifier_claim})
+        out[verifier] = RoundClaims(H[0], {owner: verifier_claim}, roots(verifier_root))
     return out
+
+
+@pytest.mark.parametrize(
+    ("owner_root", "verifier_root"), [(H[3], H[4]), (None, H[3]), (H[3], None), (None, None)]
+)
+def test_agreeing_commitments_owing_other_contributions_leave_the_owner_out(
+    owner_root: bytes | None, verifier_root: bytes | None
+) -> None:
+    """Issue 19 point 2: an owner's slices are checked in the round against the contribution
+    root it committed; one its verifier did not compute from the same task (or none) would let
+    it send anything, so its contribution stays out at once (no verdict will come)."""
+    a = Assignment(PEERS[0], PEERS[1])
+    records = _records(_claim(1), _claim(1), owner_root, verifier_root)
+    decision, reason = decide(a, records, [], 3, timed_out=False)
+    assert decision is Decision.EXCLUDE and reason == CONTRIBUTION_DIFFERS
+    record = records[PEERS[0]]
+    assert RoundClaims.from_bytes(record.to_bytes()) == record
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,11 @@ for _package in ("p2p", "swarm", "verify", "swarmtrain"):
     for _module in pkgutil.walk_packages(_root.__path__, prefix=f"{_package}."):
         importlib.import_module(_module.name)
 
-from swarm.averaging import audit, matchmaking  # noqa: E402  (imported above; named for the strategies)
+from swarm.averaging import (  # noqa: E402  (imported above; named for the strategies)
+    audit,
+    matchmaking,
+    session_wire,
+)
 from swarm.pipeline import records as pipeline_records  # noqa: E402
 from swarm.pipeline import wire as pipeline_wire  # noqa: E402
 from swarmtrain.membership import progress, state_sync  # noqa: E402
@@ -287,7 +291,23 @@ def _dial_back_responses() -> st.SearchStrategy[Message]:
     return st.one_of(empty, st.builds(build, st.text(max_size=40), dials))
 
 
+def _hellos() -> st.SearchStrategy[Message]:
+    """An all-reduce ``Hello``: leaf digests come in whole 32-byte digests."""
+    return st.builds(
+        session_wire.Hello,
+        st.text(max_size=40),
+        st.binary(max_size=40),
+        st.binary(max_size=40),
+        st.binary(max_size=64),
+        st.integers(0, 2**20),
+        st.integers(0, 2**20),
+        st.integers(1, 2**20),
+        st.integers(0, 40).map(lambda n: bytes(range(32)) * n),
+    )
+
+
 CUSTOM_STRATEGIES = {
+    session_wire.Hello: _hellos,
     p2p.tensors.TensorHeader: _tensor_headers,
     **_pipeline_messages(),
     **_bulk_control_messages(),
