@@ -7,7 +7,7 @@
         [--sparse-chunk 4096] [--sparse-select part|chunk] [--sparse-outer-lr 2.0]
         [--sparse-outer-momentum M]
         [--sparse-error-decay 1.0] [--fragments F] [--eval-batches 8] [--split-seed 0]
-        [--sequential]
+        [--overlap] [--sequential]
         [--only diloco,...] [--wan [--wan-budget-s 150]]
 
 The embedded default model (``ByteTransformer``) and corpus (the standard library's source), run
@@ -33,6 +33,11 @@ threads (``--sequential``: one after another; the losses do not change, only the
   10,000 (10,703: the bytes of the per-chunk 3 of every 256 it replaced, 10,740).
   ``--sparse-outer-momentum 0``: SparseLoCo's outer step (plain SGD; the error-feedback residual
   in the momentum's place); ``--sparse-error-decay`` < 1: SparseLoCo's decayed residual.
+- Overlap (``--overlap``, as ``bench.diloco_wan``'s): the one-round-delayed outer step
+  (``DiLoCo(overlap=True)``), each round's averaging behind the next inner phase; with
+  ``--compression sparse`` the sparse run's only (the int8 run beside it stays synchronous),
+  else the int8 run's. In process the averaging hides nothing worth timing: this measures what
+  the delay does to the loss, cheaply, without the NAT lab.
 - Streaming fragments (``--fragments F``, both DiLoCo runs): round r averages and outer-steps
   fragment r mod F of the model only (``DiLoCo(fragments=F)``), so a round's bytes are that
   fragment's; the bytes below count each round's fragment.
@@ -259,12 +264,14 @@ def run_diloco(
     outer_momentum: float | None = None,
     outer_lr: float | None = None,
     error_decay: float = 1.0,
+    overlap: bool = False,
     on_round: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """DiLoCo's loss on each of ``evals`` after the run. ``aggregation``: ``LocalAverage``'s
     rule; ``wrap`` (worker, its average) -> what that worker calls instead (``bench.byzantine``'s
     attacker); ``compression``, ``outer_momentum`` and ``outer_lr``: instead of ``args``', and
-    ``error_decay`` (``DiLoCo(error_feedback_decay=)``): the sparse run's;
+    ``error_decay`` (``DiLoCo(error_feedback_decay=)``): the sparse run's; ``overlap``:
+    ``DiLoCo(overlap=True)``;
     ``on_round``: told when worker 0 finishes a round (progress)."""
     local = LocalAverage(args.workers, timeout_s=3600, aggregation=aggregation)
     models = [ByteTransformer(seed=0) for _ in range(args.workers)]
@@ -292,6 +299,7 @@ def run_diloco(
                 compress=None if wire is None else wire.round_trip,
                 error_feedback_decay=error_decay,
                 fragments=args.fragments,
+                overlap=overlap,
             ) as diloco:
                 for r in range(len(args.schedule_h)):
                     for inputs, targets in _batches(corpus, args, r, k):
@@ -450,6 +458,11 @@ def main() -> None:
         "diloco,data_parallel,alone and with --compression sparse diloco_sparse)",
     )  # fmt: skip
     parser.add_argument(
+        "--overlap", action="store_true",
+        help="the one-round-delayed outer step: the sparse run's with --compression sparse, "
+        "else the int8 run's (as bench.diloco_wan)",
+    )  # fmt: skip
+    parser.add_argument(
         "--wan", action="store_true", help="then run bench.diloco_wan (root) for wan_loss_ratio"
     )
     parser.add_argument("--wan-budget-s", type=float, default=150.0, help="per method")
@@ -469,11 +482,12 @@ def main() -> None:
     evals = split_evals(corpus, args)
     params = sum(p.numel() for p in ByteTransformer(seed=0).parameters())
     rounds = len(args.schedule_h)
-    codecs = args.compression.name
+    codecs = args.compression.name + (" with overlap" if args.overlap and not args.sparse else "")
     if args.sparse is not None:
         codecs += (
             f" and {args.sparse.name} (outer lr {_sparse_lr(args)} momentum "
-            f"{_sparse_momentum(args)}, error feedback decay {args.sparse_error_decay})"
+            f"{_sparse_momentum(args)}, error feedback decay {args.sparse_error_decay}"
+            f"{', overlap' if args.overlap else ''})"
         )
     h_text = str(args.schedule_h[0]) if len(set(args.schedule_h)) == 1 else args.inner_steps
     print(
@@ -492,7 +506,13 @@ def main() -> None:
 
     everyone = [*range(args.workers)]
     methods = {
-        "diloco": lambda: run_diloco(corpus, args, evals, on_round=tick("diloco")),
+        "diloco": lambda: run_diloco(
+            corpus,
+            args,
+            evals,
+            overlap=args.overlap and args.sparse is None,
+            on_round=tick("diloco"),
+        ),
         "data_parallel": lambda: run_data_parallel(
             corpus, args, evals, everyone, tick("data_parallel")
         ),
@@ -502,7 +522,8 @@ def main() -> None:
         methods["diloco_sparse"] = lambda: run_diloco(
             corpus, args, evals, compression=args.sparse,
             outer_momentum=_sparse_momentum(args), outer_lr=_sparse_lr(args),
-            error_decay=args.sparse_error_decay, on_round=tick("diloco_sparse"),
+            error_decay=args.sparse_error_decay, overlap=args.overlap,
+            on_round=tick("diloco_sparse"),
         )  # fmt: skip
     losses: dict[str, dict[str, float]] = {}
     names = list(methods) if args.only is None else args.only.split(",")

@@ -30,7 +30,9 @@ or stalls for real; nothing is simulated on the other peers):
     slow-reducing:S      stall the round driver S seconds before sending our reduced part
     garbage:KIND         send a bad slice (KIND: nan, short, index) instead of the first real one;
                          ``commit``: its first value off by one, well-formed (with ``--bind``,
-                         a slice other than the contribution committed before the round)
+                         a slice other than the contribution committed before the round);
+                         sparse rounds also code (the unused code), sparse-index (a chunk's
+                         indices not ascending): the codec's refusals (``bad_sparse``)
     inflate:W            declare weight W, ignoring ``--max-weight`` (a liar claiming work)
 ``--max-weight X``: the run's weight bounds are (0, X] (``AveragerConfig.weight_bounds``).
 ``--bind``: committed contributions (``Averager.slice_root``, issue 19): each ``average`` command
@@ -59,10 +61,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from p2p import HostConfig, NodeConfig, PeerID, open_node
 from swarm import Averager, AveragerConfig, AveragingFailed, Compression, SparseCodec
-from swarm.averaging import grid_session, session_wire
+from swarm.averaging import grid_session, session_wire, sparse_codec
 from swarm.averaging import session as session_module
 from swarm.averaging.allreduce import SendPart, SendReduced
 from swarm.averaging.matchmaking import RoundSchedule
+from swarm.averaging.payload import Layout
 
 
 def vector(seed: int, numel: int) -> np.ndarray:
@@ -122,11 +125,14 @@ def install_fault(spec: str | None) -> None:
                 values[:1] = np.nan
             elif arg == "commit":
                 values[:1] += np.float32(1.0)
-            elif arg == "short":
+            elif arg == "short" and not self.layout.gathers:
                 values = values[:-1]
             elif arg == "index":
                 index = len(self.parts) + 5
-            payload = values.astype(np.float32).tobytes()
+            if self.layout.gathers:  # sparse: the real slice's bytes, bent as KIND says
+                payload = bad_sparse(self.layout, values, start, arg)
+            else:
+                payload = values.astype(np.float32).tobytes()
             inline = payload if len(payload) <= session_wire.INLINE_MAX_BYTES else b""
             # "proof": the right bytes under a signature that is not ours (an audited round)
             proof = b"\x01" * 64 if arg == "proof" else b""
@@ -154,6 +160,31 @@ def install_fault(spec: str | None) -> None:
         pass  # ``main`` reads it: the weight is an averaging argument, not a protocol step
     else:
         raise SystemExit(f"unknown fault {spec!r}")
+
+
+def bad_sparse(layout: Layout, values: np.ndarray, start: int, kind: str) -> bytes:
+    """Our sparse slice ``values`` (at ``start``) encoded, then bent: "short" one byte less,
+    "code" its first four codes the one no encoder writes, "sparse-index" its first chunk's
+    index set with an entry repeated (the right number of ones, not ascending)."""
+    (_, _, codec), *_ = layout.segments(start, start + len(values))
+    assert isinstance(codec, SparseCodec) and not codec.pooled
+    payload = bytearray(layout.encode(values, start))
+    if kind == "short":
+        return bytes(payload[:-1])
+    if kind == "code":  # the codes end the payload; 0b11 in every 2-bit field of a byte
+        kept = codec._shape(len(values))[1]
+        payload[-sparse_codec._packed(kept, codec.bits)] = 0xFF
+        return bytes(payload)
+    if kind == "sparse-index":
+        chunks = -(-len(values) // codec.chunk)
+        n, k = min(codec.chunk, len(values)), codec.kept(min(codec.chunk, len(values)))
+        stream = np.unpackbits(np.frombuffer(payload, np.uint8, offset=chunks), bitorder="little")
+        repeated = np.concatenate([[0], np.arange(k - 1)]).reshape(1, k)  # 0, 0, 1, ...
+        section = sparse_codec._elias_fano(repeated, n)
+        stream[: section.size] = section
+        payload[chunks:] = np.packbits(stream, bitorder="little").tobytes()
+        return bytes(payload)
+    return bytes(payload)
 
 
 def _after_group_forms(averager: Averager, then: Callable[[], None]) -> None:

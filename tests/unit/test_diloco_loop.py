@@ -399,6 +399,70 @@ def test_error_feedback_keeps_what_the_averaging_reports_it_dropped() -> None:
     assert diloco.statistics().rounds_failed == 1
 
 
+@pytest.mark.parametrize("decay", [1.0, 0.75])
+def test_overlap_with_error_feedback_never_keeps_and_resends_the_same_progress(
+    decay: float,
+) -> None:
+    """Overlap and error feedback together (sparse DiLoCo over a WAN), written out by hand and
+    compared bit for bit: a delayed round k-1, applied at the end of phase k, rebases the model
+    on the new global params keeping only the progress made since k-1 was sent, so what the
+    codec dropped from k-1 leaves the model and lives in the residual alone, which the next
+    contribution carries once (scaled by ``decay``). A failed round's progress is sent again
+    with the next phase's and its residual is left as it was. Outer lr 1, momentum 0: the
+    global step is exactly ``G - sent``."""
+    rounds, steps, failing = 4, 2, 1
+    beta = torch.tensor(decay, dtype=torch.float32)
+    member = LocalAverage(1).member("solo")
+    given: dict[int, torch.Tensor] = {}
+
+    def lossy(round: int, vector: torch.Tensor, weight: float) -> AverageOutcome:
+        given[round] = vector.clone()
+        if round == failing:
+            raise ConnectionError("lost")
+        return member(round, vector, weight)
+
+    model = ByteTransformer(CONFIG, seed=11)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ends: list[torch.Tensor] = []  # the model after each inner step, before DiLoCo's round
+    inner.register_step_post_hook(lambda *_: ends.append(_flat(model).clone()))
+    diloco = DiLoCo(model, inner, lossy, inner_steps=steps, overlap=True, compress=_coarse,
+                    outer_lr=1.0, outer_momentum=0.0, error_feedback_decay=decay)  # fmt: skip
+    global_params = diloco.global_state.params.clone()
+    residual = torch.zeros_like(global_params)
+    anchor = pending = None
+    expected: dict[int, torch.Tensor] = {}
+    with diloco:
+        for round in range(rounds):
+            _train_phase(diloco, model, 0)
+            before = ends[-1]
+            if pending is None:  # round 0: sent, the model trains on from where it is
+                delta, rebased = torch.sub(global_params, before), before
+            else:
+                sent_delta, corrected, sent, failed = pending
+                delta = torch.sub(anchor, before)  # progress since the pending round was sent
+                if failed:
+                    delta = torch.add(sent_delta, delta)
+                else:
+                    global_params = torch.sub(global_params, sent)
+                    residual = torch.sub(corrected, sent)
+                rebased = torch.sub(global_params, delta)
+            assert torch.equal(_flat(model), rebased), round
+            assert torch.equal(diloco.global_state.params, global_params), round
+            kept = residual if decay == 1.0 else torch.mul(residual, beta)
+            corrected = torch.add(delta, kept)
+            expected[round] = _coarse(corrected)
+            anchor, pending = rebased, (delta, corrected, expected[round], round == failing)
+    # ``close`` applied the last round: the model is the global params, nothing trained since.
+    global_params = torch.sub(global_params, pending[2])
+    assert torch.equal(diloco.global_state.params, global_params)
+    assert torch.equal(_flat(model), global_params)
+    assert sorted(given) == list(range(rounds))
+    for round, vector in given.items():
+        assert torch.equal(vector, expected[round]), round
+    assert torch.count_nonzero(residual) > 0  # the quantizer dropped something to carry
+    assert diloco.statistics().rounds_failed == 1
+
+
 def test_without_error_feedback_nothing_is_carried_and_a_bad_sent_vector_fails_the_round() -> None:
     member = LocalAverage(1).member("solo")
     sent_vectors: list[torch.Tensor] = []
