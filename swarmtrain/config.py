@@ -567,7 +567,6 @@ class RunConfig:
                     "grad_accumulation",
                     "lr_schedule",
                     "weight_decay",
-                    "grad_clip",
                     "precision",
                     "overlap",
                     "error_feedback",

@@ -60,11 +60,11 @@ def build_raises() -> nn.Module:
 
 
 class Cumulative(nn.Module):
-    """A running product over the sequence: ``torch.cumprod`` on floats, which RepOps has no
+    """A running log-sum-exp over the sequence: ``torch.logcumsumexp``, which RepOps has no
     reproducible mapping for (a verified run refuses it at spec time, naming it)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cumprod(x, dim=1)
+        return torch.logcumsumexp(x, dim=1)
 
 
 def build_cumulative() -> nn.Sequential:

@@ -10,10 +10,12 @@ Two ways to run a step, by the run's model (``dispatched``):
 
 * the default model: ``verify.repops.RepOpsStep``, its hand-written graph (484 records a step;
   1.2x faster than the same model by dispatch, see docs/verification.md);
-* any other model (``[model] kind = "transformers"``, a ``factory``): ``verify.dispatch.
+* any other model (``[model] kind = "transformers"``, a ``factory``), and the default model with
+  ``[training] grad_clip`` (the graph has no clip operators): ``verify.dispatch.
   DispatchStep``, the model's own forward, loss, backward and ``torch.optim.AdamW`` step under
   ``RepOpsMode``; its trace is the dispatch log, and the referee recomputes one aten operator
-  (``recompute_of``). ``check_verifiable`` runs one such step at spec time and refuses a model
+  (``recompute_of``); a clip is ``clip_grad_norm_`` inside the mode, its operators recorded.
+  ``check_verifiable`` runs one such step at spec time and refuses a model
   with an operator RepOps cannot run, naming it.
 
 ``run_traced`` executes a task as a ``verify.dispute.provider.Provider`` (every step's operators
@@ -58,8 +60,14 @@ class NotVerifiable(ValueError):
 
 
 def dispatched(config: RunConfig) -> bool:
-    """Whether the run's tasks are dispatch traces: every model but the default one."""
-    return config.model.kind != "default" or bool(config.model.factory)
+    """Whether the run's tasks are dispatch traces: every model but the default one, and the
+    default one too when its gradients are clipped (``[training] grad_clip``: the hand-written
+    graph has no clip; the model's own step under the mode clips as the native step does)."""
+    return config.model.kind != "default" or bool(config.model.factory) or _clipped(config)
+
+
+def _clipped(config: RunConfig) -> bool:
+    return config.training.grad_clip > 0
 
 
 def model_shape(config: RunConfig) -> ModelShape:
@@ -76,7 +84,11 @@ def inner_optimizer(config: RunConfig) -> AdamWConfig:
 def inner_adamw(config: RunConfig) -> AdamWSettings:
     """The same optimizer for a dispatch trace (``torch.optim.AdamW(fused=True)``, mapped to
     RepOps' one-pass AdamW)."""
-    return AdamWSettings(lr=config.training.inner_lr, weight_decay=config.training.weight_decay)
+    return AdamWSettings(
+        lr=config.training.inner_lr,
+        weight_decay=config.training.weight_decay,
+        grad_clip=config.training.grad_clip,
+    )
 
 
 def recompute_of(config: RunConfig) -> Recompute:

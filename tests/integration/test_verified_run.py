@@ -52,7 +52,10 @@ ROUNDS = 4
 
 
 def _run(
-    tmp_path: Path, *cheat: str, edits: tuple[tuple[str, str], ...] = ()
+    tmp_path: Path,
+    *cheat: str,
+    edits: tuple[tuple[str, str], ...] = (),
+    settings: dict[str, str] = SMALL_VERIFIED,
 ) -> tuple[PeerProcess, str, list[PeerProcess], PeerProcess]:
     """Coordinator, two honest nodes and one started with ``cheat``; waits for every node's
     exit (the cheater's: status 3, banned)."""
@@ -61,7 +64,7 @@ def _run(
         rounds=ROUNDS,
         inner_steps=4,
         matchmaking_timeout_s=6.0,
-        settings=SMALL_VERIFIED,
+        settings=settings,
         edits=edits,
     )
     honest = [node(join, tmp_path / f"n{i}") for i in range(2)]
@@ -141,7 +144,10 @@ def test_a_cheating_peer_is_caught_excluded_and_banned_while_the_others_train_on
 def test_a_reducer_whose_sum_is_wrong_fails_the_round_everywhere_and_is_banned(
     tmp_path: Path,
 ) -> None:
-    coordinator, join, honest, cheater = _run(tmp_path, "--cheat-reduce", "1")
+    """With ``grad_clip``: the default model's clipped tasks are dispatch traces (its graph has
+    no clip), re-executed and agreeing bit for bit on every peer."""
+    clipped = {**SMALL_VERIFIED, "grad_clip": "0.5"}
+    coordinator, join, honest, cheater = _run(tmp_path, "--cheat-reduce", "1", settings=clipped)
     try:
         cheater_id = _summary(tmp_path / "cheater")["peer_id"]
         summaries = [_summary(tmp_path / f"n{i}") for i in (0, 1)]

@@ -337,6 +337,50 @@ def _cumsum(rng: Rng) -> Case:
     return (x, int(rng.integers(-x.ndim, x.ndim))), {}
 
 
+def _cumprod(rng: Rng) -> Case:
+    x = _x(rng, _shape(rng))
+    x = np.where(rng.random(x.shape) < 0.5, x, np.float32(1.0) + x * np.float32(0.01))
+    return (x.astype(np.float32), int(rng.integers(-x.ndim, x.ndim))), {}
+
+
+def _prod(with_dim: bool) -> Callable[[Rng], Case]:
+    def build(rng: Rng) -> Case:
+        # Values near 1 (products that neither vanish nor overflow) and some of any size.
+        x = _x(rng, _shape(rng, 1, 4))
+        x = np.where(rng.random(x.shape) < 0.7, np.float32(1.0) + x * np.float32(0.05), x)
+        x = x.astype(np.float32)
+        if not with_dim:
+            return (x,), {}
+        return (x, int(rng.integers(-x.ndim, x.ndim)), bool(rng.random() < 0.5)), {}
+
+    return build
+
+
+def _maximum_minimum(rng: Rng) -> Case:
+    """Pairs with ties, zeros of either sign, NaNs, and sometimes broadcast or 0-d."""
+    a, b = _pair(rng)
+    tie = rng.random(a.shape) < 0.2
+    b = np.where(tie, a, b)
+    b = np.where(rng.random(a.shape) < 0.1, -a * np.float32(0.0), b)  # +-0 against +-0
+    a = np.where(rng.random(a.shape) < 0.05, np.float32(np.nan), a)
+    b = np.where(rng.random(a.shape) < 0.05, np.float32(np.nan), b).astype(np.float32)
+    shape = rng.integers(0, 3)
+    if shape == 1:
+        b = b[(0,) * (b.ndim - 1)][None].copy() if b.ndim > 1 else b  # broadcast a row
+    elif shape == 2:
+        b = np.asarray(b.reshape(-1)[0], np.float32)  # 0-d: a scalar operand
+    return (a.astype(np.float32), b), {}
+
+
+def _atan(rng: Rng) -> Case:
+    x = _x(rng, _shape(rng))
+    scaled = x * rng.choice([1e-20, 1.0, 1e6, 1e30], x.shape).astype(np.float32)
+    x = np.where(rng.random(x.shape) < 0.5, scaled, x)
+    specials = np.array([np.inf, -np.inf, np.nan, 1.0, -1.0, 0.41421357], np.float32)
+    x = np.where(rng.random(x.shape) < 0.05, rng.choice(specials, x.shape), x)
+    return (x.astype(np.float32),), {}
+
+
 CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.add.Tensor": _binary("alpha"),
     "aten.add.Scalar": _binary("scalar"),
@@ -432,6 +476,12 @@ CASES: dict[str, Callable[[Rng], Case]] = {
     "aten.sign.default": _unary(),
     "aten.baddbmm.default": _baddbmm,
     "aten.cumsum.default": _cumsum,
+    "aten.cumprod.default": _cumprod,
+    "aten.prod.default": _prod(False),
+    "aten.prod.dim_int": _prod(True),
+    "aten.maximum.default": _maximum_minimum,
+    "aten.minimum.default": _maximum_minimum,
+    "aten.atan.default": _atan,
 }
 
 
@@ -520,27 +570,71 @@ def _to_cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
+# ---- backwards --------------------------------------------------------------------------------
+
+
+def _scan_and_extremes(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """maximum, minimum, prod (whole and along a dim), cumprod and atan in one loss."""
+    pair = torch.maximum(x, y) + torch.minimum(x, y * 2)
+    return (
+        torch.prod(x, 1).sum() + torch.prod(pair) + torch.cumprod(x, 1).sum()
+        + torch.atan(pair * 3).sum()
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("zeros", [False, True])
+def test_backwards_of_maximum_minimum_prod_cumprod_atan_are_mapped_and_thread_independent(
+    zeros: bool,
+) -> None:
+    """Autograd's backwards of these operators are made of mapped ones (a product's and a
+    running product's take another path when an input is 0): bit-identical on one and two
+    threads, close to native torch's gradients."""
+    generator = torch.Generator().manual_seed(4)
+    x0 = 1 + 0.1 * torch.randn(4, 6, generator=generator)
+    y0 = 1 + 0.1 * torch.randn(4, 6, generator=generator)
+    y0[0, :3] = x0[0, :3]  # ties: maximum's and minimum's gradients are split
+    if zeros:
+        x0[1, 2] = x0[3, 0] = 0.0
+    grads = {}
+    for threads in (1, 2, 0):  # 0: native torch
+        torch.set_num_threads(max(1, threads))
+        x, y = x0.clone().requires_grad_(), y0.clone().requires_grad_()
+        with RepOpsMode() if threads else contextlib.nullcontext() as mode:
+            _scan_and_extremes(x, y).backward()
+        assert x.grad is not None and y.grad is not None
+        grads[threads] = (x.grad, y.grad)
+        if threads:
+            used = set(mode.ops)  # type: ignore[union-attr]
+    for ours, theirs in zip(grads[1], grads[2], strict=True):
+        assert ours.numpy().tobytes() == theirs.numpy().tobytes()
+    for ours, theirs in zip(grads[1], grads[0], strict=True):
+        assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-5)
+    names = {"aten.maximum.default", "aten.minimum.default", "aten.prod.default",
+             "aten.prod.dim_int", "aten.cumprod.default", "aten.atan.default"}  # fmt: skip
+    assert names <= used, names - used
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 
 
-class _ArcTangent(torch.nn.Module):
-    """A user's module with an operator RepOps has no mapping for (atan: a libm function)."""
+class _ArcSine(torch.nn.Module):
+    """A user's module with an operator RepOps has no mapping for (asin: a libm function)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.atan(x * self.weight).sum()
+        return torch.asin(x * self.weight).sum()
 
 
 def test_unmapped_operator_is_refused_with_its_name_before_it_runs() -> None:
-    x = torch.randn(3, 4)
-    name = r"^aten\.atan\.default has no RepOps mapping"
+    x = torch.rand(3, 4)
+    name = r"^aten\.asin\.default has no RepOps mapping"
     with pytest.raises(UnmappedOperator, match=name), RepOpsMode():
-        _ArcTangent()(x).backward()
-    with pytest.raises(UnmappedOperator, match=r"aten\.prod\.dim_int"), RepOpsMode():
-        torch.prod(x, 0)  # a float reduction in an order of torch's choosing
+        _ArcSine()(x).backward()
+    with pytest.raises(UnmappedOperator, match=r"aten\.nansum\.default"), RepOpsMode():
+        torch.nansum(x, 0)  # a float reduction in an order of torch's choosing
     a = torch.ones(2, 2, dtype=torch.float64)
     refusals = [
         (lambda: torch.mm(a, a), r"aten\.mm .*float64 tensor; RepOps maps float32"),
@@ -576,11 +670,11 @@ def test_integer_arithmetic_and_data_movement_run_natively() -> None:
 
 
 def test_survey_lists_the_operators_and_the_unmapped_ones() -> None:
-    model, x = _ArcTangent(), torch.randn(3, 4)
+    model, x = _ArcSine(), torch.rand(3, 4)
     found = survey(lambda: model(x).backward())
-    assert found.unmapped == {"aten.atan.default"}
+    assert found.unmapped == {"aten.asin.default"}
     assert survey(lambda: torch.randn(2)).unmapped == {"aten.randn.default"}  # no RNG mapped
-    assert found.ops["aten.atan.default"] == 1 and found.ops["aten.sum.default"] == 1
+    assert found.ops["aten.asin.default"] == 1 and found.ops["aten.sum.default"] == 1
     assert model.weight.grad is not None  # it ran, natively
 
 

@@ -372,6 +372,27 @@ def test_fragments_are_signed_and_cut_the_nodes_rounds_as_diloco_does() -> None:
         round_sizes(too_many, model)
 
 
+def test_a_verified_run_accepts_grad_clip_signed_with_the_spec(tmp_path: Path) -> None:
+    """Verified runs clip inside the traced step (``verify.dispatch.DispatchStep``), so the
+    spec takes ``grad_clip`` with ``verify.rate > 0``; other non-default training settings are
+    still refused."""
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nid = "clipped"\n[training]\ngrad_clip = 0.5\n[verify]\nrate = 0.5\n')
+    config = load_config(path)
+    assert config.training.grad_clip == 0.5 and config.verify.rate == 0.5
+    key_pair = create_new_key_pair()
+    coordinator = PeerID.from_pubkey(key_pair.public_key)
+    data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
+    assert verify_spec(data, signature, coordinator).config == config
+    obj = msgpack.unpackb(data, raw=False)
+    changed = [[k, 5.0 if k == "training.grad_clip" else v] for k, v in obj[1]]
+    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    with pytest.raises(SpecRefused, match="tampered with"):
+        verify_spec(tampered, signature, coordinator)
+    with pytest.raises(ConfigError, match=r"^training\.weight_decay: a verified run"):
+        config.replace(training={"weight_decay": 0.1})
+
+
 def test_expected_peers_makes_scheduled_sharded_rounds_signed_with_the_spec() -> None:
     from swarm import RoundSchedule
     from swarmtrain.training.loop import averager_config, matchmaking_wait_s

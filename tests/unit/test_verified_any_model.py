@@ -153,12 +153,12 @@ def test_a_tampered_operator_of_a_transformers_task_names_the_cheating_provider(
 
 def test_a_model_with_an_unmapped_operator_is_refused_at_spec_time_by_name() -> None:
     config = RunConfig().replace(
-        run={"id": "run-cumprod"},
+        run={"id": "run-logcumsumexp"},
         model={"factory": "pipeline_user_model:build_cumulative"},
         training={"sequence_length": 16},
         verify={"rate": 0.5},
     )
-    with pytest.raises(NotVerifiable, match=r"aten\.cumprod\.default has no RepOps mapping"):
+    with pytest.raises(NotVerifiable, match=r"aten\.logcumsumexp\.default has no RepOps mapping"):
         check_verifiable(config)
 
 
@@ -178,7 +178,7 @@ def test_the_coordinator_refuses_it_in_one_line_before_anything_starts(
     assert status == 1
     assert err.splitlines() == [
         "swarmtrain coordinator: verify.rate > 0: the model's training step: "
-        "aten.cumprod.default has no RepOps mapping: a verified run cannot use it"
+        "aten.logcumsumexp.default has no RepOps mapping: a verified run cannot use it"
     ], err
     assert not (tmp_path / "coordinator.key.runs.json").exists()  # no run was started
 

@@ -1,8 +1,8 @@
 """Elementwise aten operators under RepOps: IEEE ``+ - * /`` with their scalars and scale factors
 fixed, compound operators (``lerp``, ``addcmul``, ``addcdiv``) split into single IEEE operations,
 and the functions a library computes differently (``exp``, ``log``, ``log1p``, ``tanh``,
-``sin``, ``cos``, ``sigmoid``, ``silu``, ``gelu``, ``sqrt``, ``rsqrt``, ``pow``; the zeros of
-``relu``, ``sign`` and ``clamp``) defined over RepOps' own kernels (``verify.repops.ops``).
+``sin``, ``cos``, ``atan``, ``sigmoid``, ``silu``, ``gelu``, ``sqrt``, ``rsqrt``, ``pow``; the
+zeros of ``relu``, ``sign`` and ``clamp``) defined over RepOps' own kernels (``verify.repops.ops``).
 Importing it registers them in ``HANDLERS``."""
 
 from __future__ import annotations
@@ -133,6 +133,7 @@ HANDLERS.update(
         aten.sigmoid.default: _unary(_sigmoid, "aten.sigmoid"),
         aten.log.default: _unary(ops.log, "aten.log"),
         aten.log1p.default: _unary(ops.log1p, "aten.log1p"),
+        aten.atan.default: _unary(ops.atan, "aten.atan"),
         aten.reciprocal.default: _unary(lambda x: torch.div(one(x), x), "aten.reciprocal"),
     }
 )

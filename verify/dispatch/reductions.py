@@ -1,8 +1,10 @@
 """Reductions under RepOps beyond ``sum``/``mean``: maxima and minima (exact in any order, signed
-zeros and ties fixed), variance and standard deviation (two passes of the pairwise tree), vector
-norms and ``_foreach_norm`` (what ``torch.nn.utils.clip_grad_norm_`` calls), the mean squared
-error and its backward, and the float ``cumsum`` (sequential in index order). Importing it
-registers them in ``HANDLERS``; ``sum_dims`` is the tree sum every one of them uses."""
+zeros and ties fixed; ``maximum``/``minimum`` elementwise the same way), variance and standard
+deviation (two passes of the pairwise tree), vector norms and ``_foreach_norm`` (what
+``torch.nn.utils.clip_grad_norm_`` calls), the mean squared error and its backward, the float
+``cumsum`` and ``cumprod`` (sequential in index order), and ``prod`` (a fixed pairwise tree of
+multiplies). Importing it registers them in ``HANDLERS``; ``sum_dims`` is the tree sum the
+sums among them use."""
 
 from __future__ import annotations
 
@@ -110,6 +112,30 @@ def _max_min_dim(largest: bool) -> Any:
 
 maps(aten.max.dim)(_max_min_dim(True))
 maps(aten.min.dim)(_max_min_dim(False))
+
+
+def _float(x: torch.Tensor, name: str) -> torch.Tensor:
+    """A float32 operand; an integer one converted as torch promotes it (correctly rounded)."""
+    return as_f32(x, name) if x.is_floating_point() else x.to(F32)
+
+
+def _maximum_minimum(largest: bool) -> Any:
+    name = "aten.maximum" if largest else "aten.minimum"
+
+    def run(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The larger (smaller) of each broadcast pair by float32's total order, so +0 beats -0
+        in a maximum and -0 wins a minimum whichever side it is on; NaN where either is NaN:
+        selections, no arithmetic."""
+        a, b = torch.broadcast_tensors(_float(a, name), _float(b, name))
+        first = _keys(a) >= _keys(b) if largest else _keys(a) <= _keys(b)
+        out = torch.where(first, a, b)
+        return torch.where(torch.isnan(a) | torch.isnan(b), math.nan, out)
+
+    return run
+
+
+maps(aten.maximum.default)(_maximum_minimum(True))
+maps(aten.minimum.default)(_maximum_minimum(False))
 
 
 # ---- variance and standard deviation ------------------------------------------------------------
@@ -235,6 +261,66 @@ def _cumsum(x: torch.Tensor, dim: int, *, dtype: Any = None) -> torch.Tensor:
     for i in range(1, len(out)):
         torch.add(out[i - 1], moved[i], out=out[i])
     return out.movedim(0, dim)
+
+
+@maps(aten.cumprod.default)
+def _cumprod(x: torch.Tensor, dim: int, *, dtype: Any = None) -> torch.Tensor:
+    """out[0] = x[0], out[i] = out[i - 1] * x[i] along ``dim``: sequential, in index order, as
+    ``cumsum``. (Integer cumprods are exact and run natively.)"""
+    if dtype not in (None, F32):
+        raise UnmappedOperator("aten.cumprod", f"dtype {dtype}")
+    x = _float(x, "aten.cumprod")
+    if x.dim() == 0:
+        return x.clone()
+    moved = x.movedim(dim, 0)
+    out = moved.clone(memory_format=torch.contiguous_format)
+    for i in range(1, len(out)):
+        torch.mul(out[i - 1], moved[i], out=out[i])
+    return out.movedim(0, dim)
+
+
+def _product_tree(flat: torch.Tensor) -> torch.Tensor:
+    """The product over the last dim by a fixed pairwise tree: each level multiplies neighbours
+    (0 with 1, 2 with 3, ...), an odd last element passes up unchanged; elementwise IEEE
+    multiplies only, so no thread split or vector width changes a bit."""
+    while flat.shape[-1] > 1:
+        n = flat.shape[-1]
+        pairs = torch.mul(flat[..., 0 : n - 1 : 2], flat[..., 1:n:2])
+        flat = torch.cat([pairs, flat[..., n - 1 :]], -1) if n % 2 else pairs
+    return flat[..., 0].clone()
+
+
+def _prod_dims(x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    """The product over ``dims`` by ``_product_tree`` over their elements in row-major order
+    (an empty product is 1)."""
+    if x.dim() == 0:
+        return x.clone()
+    kept = [d for d in range(x.dim()) if d not in dims]
+    moved = x.permute(*kept, *dims)
+    flat = moved.reshape(*moved.shape[: len(kept)], -1)
+    if flat.shape[-1]:
+        out = _product_tree(flat)
+    else:
+        out = torch.ones(flat.shape[:-1], dtype=x.dtype, device=x.device)
+    if keepdim:
+        out = out.view([1 if d in dims else x.shape[d] for d in range(x.dim())])
+    return out
+
+
+@maps(aten.prod.default)
+def _prod(x: torch.Tensor, *, dtype: Any = None) -> torch.Tensor:
+    if dtype not in (None, F32):
+        raise UnmappedOperator("aten.prod", f"dtype {dtype}")
+    x = _float(x, "aten.prod")
+    return _prod_dims(x, list(range(x.dim())), False)
+
+
+@maps(aten.prod.dim_int)
+def _prod_dim(x: torch.Tensor, dim: int, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    if dtype not in (None, F32):
+        raise UnmappedOperator("aten.prod", f"dtype {dtype}")
+    x = _float(x, "aten.prod")
+    return _prod_dims(x, reduced_dims(x, dim), keepdim)
 
 
 @maps(aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar)

@@ -329,6 +329,54 @@ def cumsum(x: np.ndarray, dim: int, dtype: Any = None) -> np.ndarray:
     return np.moveaxis(out, 0, dim) if x.ndim else out
 
 
+def maximum_minimum(a: np.ndarray, b: np.ndarray, largest: bool) -> np.ndarray:
+    """numpy's maximum (minimum), which propagates NaN; where the pair are zeros of either sign,
+    +0 wins a maximum and -0 a minimum."""
+    a, b = np.broadcast_arrays(_f32_array(a), _f32_array(b))
+    out = np.maximum(a, b) if largest else np.minimum(a, b)
+    zeros = (a == 0) & (b == 0)
+    signed = (np.signbit(a) & np.signbit(b)) if largest else (np.signbit(a) | np.signbit(b))
+    return np.where(zeros, np.where(signed, F32(-0.0), F32(0.0)), out).astype(F32)
+
+
+def _f32_array(x: Any) -> np.ndarray:
+    return np.asarray(x).astype(F32)
+
+
+def cumprod(x: np.ndarray, dim: int, dtype: Any = None) -> np.ndarray:
+    """A Python loop along the dim: out[i] = out[i - 1] * x[i] in float32."""
+    moved = np.moveaxis(x.astype(F32), dim, 0) if x.ndim else x.astype(F32)
+    out = moved.copy()
+    for i in range(1, len(out) if x.ndim else 0):
+        out[i] = out[i - 1] * moved[i]
+    return np.moveaxis(out, 0, dim) if x.ndim else out
+
+
+def _tree_product(values: list[np.float32]) -> np.float32:
+    """The pairwise tree, one level at a time: neighbours multiplied, an odd last one carried."""
+    while len(values) > 1:
+        level = [values[i] * values[i + 1] for i in range(0, len(values) - 1, 2)]
+        values = level + values[-1:] if len(values) % 2 else level
+    return values[0] if values else F32(1.0)
+
+
+def product(x: np.ndarray, dim: Any = None, keepdim: bool = False, dtype: Any = None) -> Any:
+    """Each slice's elements over the dims in row-major order, multiplied by ``_tree_product``."""
+    x = x.astype(F32)
+    if x.ndim == 0:
+        return x.copy()
+    dims = _reduced(x, dim)
+    kept = [d for d in range(x.ndim) if d not in dims]
+    moved = np.transpose(x, kept + dims)
+    flat = moved.reshape(*moved.shape[: len(kept)], -1)
+    out = np.empty(flat.shape[:-1], F32)
+    for index in np.ndindex(*out.shape):
+        out[index] = _tree_product(list(flat[index]))
+    if keepdim:
+        out = out.reshape([1 if d in dims else x.shape[d] for d in range(x.ndim)])
+    return out
+
+
 def clamp(x: np.ndarray, low: Any = None, high: Any = None) -> np.ndarray:
     out = x if low is None else np.where(x < _c(low), _c(low), x)
     return (out if high is None else np.where(out > _c(high), _c(high), out)).astype(F32)
@@ -458,6 +506,12 @@ REFERENCE: dict[str, Callable[..., Any]] = {
     "aten.sign.default": lambda x: np.where(x > 0, ONE, np.where(x < 0, -ONE, x)),
     "aten.baddbmm.default": baddbmm,
     "aten.cumsum.default": cumsum,
+    "aten.cumprod.default": cumprod,
+    "aten.prod.default": lambda x, dtype=None: product(x),
+    "aten.prod.dim_int": lambda x, dim, keepdim=False, dtype=None: product(x, dim, keepdim),
+    "aten.maximum.default": lambda a, b: maximum_minimum(a, b, True),
+    "aten.minimum.default": lambda a, b: maximum_minimum(a, b, False),
+    "aten.atan.default": kernels.atan,
     "aten._fused_adamw_.default": fused_adamw,
     "aten.arange.default": lambda *a, **k: np.arange(*a).astype(F32),
     "aten.arange.start": lambda *a, **k: np.arange(*a).astype(F32),

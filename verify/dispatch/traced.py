@@ -1,9 +1,10 @@
 """``DispatchStep``: any model's traced training step, the provider backend of the dispute game
 for models without a hand-written graph.
 
-One step is the model's own ``loss(inputs, targets)``, ``backward()`` and
-``torch.optim.AdamW(fused=True)``'s step (its operators mapped to RepOps' one-pass AdamW,
-``verify.dispatch.optim``, and called once per parameter), run under ``RepOpsMode`` with a
+One step is the model's own ``loss(inputs, targets)``, ``backward()``, the gradient clip if
+``AdamWSettings.grad_clip`` asks for one, and ``torch.optim.AdamW(fused=True)``'s step (its
+operators mapped to RepOps' one-pass AdamW, ``verify.dispatch.optim``, and called once per
+parameter), run under ``RepOpsMode`` with a
 ``Recorder``: its trace is the dispatch log (``verify.dispatch.record``) and the referee
 recomputes a disputed record with ``verify.dispatch.record.recompute``. The state is plain
 numpy (``verify.trace``'s contract): every parameter and buffer by its
@@ -48,6 +49,13 @@ class AdamWSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    # > 0: ``torch.nn.utils.clip_grad_norm_(params, grad_clip, foreach=False)`` between the
+    # backward and the step, as the native inner step clips (0: no clip).
+    grad_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.grad_clip >= 0:
+            raise ValueError(f"grad_clip must be >= 0, got {self.grad_clip}")
 
 
 def _model_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -166,6 +174,7 @@ class DispatchStep:
         with RepOpsMode(recorder):
             loss = self.loss(self.model, inputs, targets)
             loss.backward()
+            self._clip()
             self._adamw(slots)
         self.last_loss = float(loss.detach())
         after = {name: snapshot(t) for name, t in self._tensors().items()}
@@ -177,6 +186,16 @@ class DispatchStep:
                 after[f"adamw.{moment}.{name}"] = snapshot(slots[name][moment])
         after[STEP_KEY] = snapshot(slots[next(iter(self.params))]["step"])
         return after
+
+    def _clip(self) -> None:
+        """The gradients scaled to global norm ``grad_clip`` at most, inside the mode: each
+        gradient's norm, their norm, the coefficient, its clamp and each gradient's multiply
+        are records of the trace. The per-tensor path (``foreach=False``) rather than the
+        foreach one: the same bits (``test_repops_dispatch_models``), but a disputed norm or
+        multiply opens one parameter's gradient, not all of them."""
+        if self.optimizer.grad_clip > 0:
+            params = list(self.params.values())
+            torch.nn.utils.clip_grad_norm_(params, self.optimizer.grad_clip, foreach=False)
 
     @torch.no_grad()
     def _adamw(self, slots: Mapping[str, Mapping[str, torch.Tensor]]) -> None:

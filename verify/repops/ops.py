@@ -66,6 +66,12 @@ PIO2_HI, PIO2_LO = 1.57079632673412561417e00, 6.07710050650619224932e-11
 # Taylor coefficients of sin(r) / r - 1 and cos(r) - 1 in r^2 (|r| <= pi/4), highest degree first.
 SIN_SERIES = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(8, 0, -1))
 COS_SERIES = tuple((-1) ** k / math.factorial(2 * k) for k in range(8, 0, -1))
+# atan: |x| > 1 inverted (pi/2 - atan(1/|x|)), then t > tan(pi/8) shifted ((t - 1) / (t + 1),
+# plus pi/4), then the Taylor series (-1)^k u^(2k+1) / (2k+1) to u^31 on |u| <= tan(pi/8)
+# (truncation below 1e-13 relative), highest degree first; all in float64, rounded once.
+TAN_PI_8 = 0.41421356237309503
+PI_4, PI_2 = 0.7853981633974483, 1.5707963267948966
+ATAN_SERIES = tuple((-1) ** k / (2 * k + 1) for k in range(15, 0, -1))
 # The constants above as float32, in the order verify/repops/native.c's kernels read them.
 NATIVE_CONSTANTS = torch.tensor(
     [EXP_LO, EXP_HI, LOG2E, EXP_C1, EXP_C2, *EXP_POLY, *ERF_NUM, *ERF_DEN, INV_SQRT2,
@@ -369,6 +375,26 @@ def tanh(x: torch.Tensor) -> torch.Tensor:
         p.mul_(z).add_(c)
     small = p.mul_(z).mul_(x).add_(x)
     return torch.where(a < TANH_SMALL, small, big)
+
+
+def atan(x: torch.Tensor) -> torch.Tensor:
+    """float32 atan, computed in float64 (``ATAN_SERIES``' reductions) and rounded once; x's
+    sign copied onto the result (atan(-0) = -0), NaN for NaN, +-pi/2 at +-inf. Every step is a
+    separate IEEE float64 operation."""
+    x64 = x.to(F64)
+    a = x64.abs()
+    big = a > 1.0
+    t = torch.where(big, torch.div(_c(1.0, a), a), a)
+    mid = t > TAN_PI_8
+    u = torch.where(mid, torch.div(torch.sub(t, 1.0), torch.add(t, 1.0)), t)
+    u2 = torch.mul(u, u)
+    p = torch.mul(u2, ATAN_SERIES[0]).add_(ATAN_SERIES[1])
+    for c in ATAN_SERIES[2:]:
+        p.mul_(u2).add_(c)
+    r = p.mul_(u2).mul_(u).add_(u)
+    r = torch.where(mid, torch.add(r, PI_4), r)
+    r = torch.where(big, torch.sub(_c(PI_2, r), r), r)
+    return torch.copysign(r, x64).to(F32)
 
 
 def sin_cos(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

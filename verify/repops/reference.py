@@ -181,6 +181,26 @@ def tanh(x: np.ndarray) -> np.ndarray:
     return np.where(a < F32(0.625), small, big).astype(F32)
 
 
+def atan(x: np.ndarray) -> np.ndarray:
+    """atan in float64: |x| > 1 inverted, t > tan(pi/8) shifted by pi/4, the Taylor series to
+    u^31, x's sign copied; rounded to float32 once."""
+    x64 = np.asarray(x).astype(np.float64)
+    a = np.abs(x64)
+    big = a > 1.0
+    t = np.where(big, 1.0 / np.where(big, a, 1.0), a)
+    mid = t > 0.41421356237309503
+    u = np.where(mid, (t - 1.0) / (t + 1.0), t)
+    u2 = u * u
+    terms = [(-1) ** k / (2 * k + 1) for k in range(15, 0, -1)]
+    p = np.full_like(u, terms[0])
+    for c in terms[1:]:
+        p = p * u2 + c
+    r = ((p * u2) * u) + u
+    r = np.where(mid, r + 0.7853981633974483, r)
+    r = np.where(big, 1.5707963267948966 - r, r)
+    return np.copysign(r, x64).astype(F32)
+
+
 def sin_cos(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sin x, cos x) in float64 from x - k pi/2 and Taylor series, rounded to float32 once."""
     x64 = x.astype(np.float64)
