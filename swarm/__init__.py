@@ -45,6 +45,7 @@ from swarm.averaging.averager import (
 from swarm.averaging.bandwidth import BandwidthEstimate
 from swarm.averaging.channel_pool import PoolStatistics
 from swarm.averaging.codec import Compression
+from swarm.averaging.commitment import contribution_root
 from swarm.averaging.matchmaking import (
     Declaration,
     Group,
@@ -106,6 +107,7 @@ __all__ = [
     "audited",
     "compression",
     "contested",
+    "contribution_root",
     "decode_audits",
     "derive_groups",
     "encode_audits",

@@ -36,7 +36,6 @@ from torch import nn
 import swarm
 from diloco import AveragingFailed, Corpus
 from p2p import Message, PeerID, RemoteProtocolError, serve_unary
-from swarm.averaging.commitment import contribution_root
 from swarmtrain.config import RunConfig
 from swarmtrain.faults import NO_FAULTS, Faults
 from swarmtrain.keys import aggregate_key, audits_key, verdicts_key, verify_key
@@ -234,7 +233,7 @@ class Verification:
             claims[self.me] = provider.commitment
             final = provider.final_state
             # What we owe the round, committed with the task: our slices are checked against it.
-            roots[self.me] = contribution_root(_pseudo_gradient(params, final))
+            roots[self.me] = swarm.contribution_root(_pseudo_gradient(params, final))
         else:
             final = run_fast(own)
         self._expected = {k: v for k, v in self._expected.items() if k[0] >= r}
@@ -254,7 +253,7 @@ class Verification:
         mine.claims[owner] = provider.commitment
         owed = _pseudo_gradient(mine.params, provider.final_state)
         self._expected[(mine.round, owner)] = owed
-        mine.roots[owner] = contribution_root(owed)
+        mine.roots[owner] = swarm.contribution_root(owed)
 
     def _publish_claims(self) -> None:
         mine = self._round
