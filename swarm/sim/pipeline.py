@@ -173,6 +173,7 @@ class _Server:
     present: bool = True
     froze: bool = False
     busy: bool = False
+    moving: bool = False  # downloading its next stage: ``_rebalance_forever`` awaits ``move_to``
     queue: deque[_Request] = field(default_factory=deque)
     contexts: OrderedDict[int, None] = field(default_factory=OrderedDict)
     announced: dict[tuple[int, int], ServerAnnouncement] = field(default_factory=dict)
@@ -371,13 +372,14 @@ class PipelineSim:
             return
         self._quiet_until = epoch + self.config.rebalance_quiet_epochs
         mover = self.servers[move.peer_id]
-        if mover.present and not mover.froze and mover.stage == move.from_stage:
+        if mover.present and not mover.moving and mover.stage == move.from_stage:
+            mover.moving = True
             self._download(mover, move.to_stage, moving=True)
 
     def _download(self, server: _Server, stage: int, *, moving: bool) -> None:
         holders = [
             s for s in self.servers.values()
-            if s.present and not s.froze and s.serving and s.stage == stage and s is not server
+            if s.present and s.serving and s.stage == stage and s is not server
         ]  # fmt: skip
         if not holders or not self.config.stage_bytes:
             self._serve_stage(server, stage, None, moving)
@@ -395,7 +397,7 @@ class PipelineSim:
         if holder is not None and not holder.present:
             self._download(server, stage, moving=moving)  # another holder, from the start
             return
-        server.stage, server.serving = stage, True
+        server.stage, server.serving, server.moving = stage, True, False
         server.contexts.clear()  # a move swaps the whole active stage
         self.moves += moving
         # Announced at once, as ``move_to`` and a starting server do.
