@@ -20,7 +20,9 @@ Model (every figure ``PipelineSim.run`` returns rests on it):
   backward recomputes the forward), a forward takes ``1/4`` of ``1/rate`` and a backward ``3/4``,
   so a stage's capacity is the sum of its servers' rates. A forward leaves a context (at most
   ``max_contexts``, oldest evicted); a backward without inputs and without its context is refused
-  ``unknown-microbatch``, a request for another stage ``wrong-stage``.
+  ``unknown-microbatch``, a request for another stage ``wrong-stage``. A request whose trainer
+  gave up on it is still computed, as the real handler's is: with too many microbatches in
+  flight, queues outgrow ``hop_timeout_s`` and the retries pile up behind wasted work.
 * Announcements: every ``announce_every_s`` each serving server stores its record (rate as
   throughput, queue, relayed) for ``announce_ttl_s``; right after, every trainer's ``Router``
   is updated with the unexpired records, so a dead server stays routable until its record expires.
@@ -45,6 +47,10 @@ activation_bytes)`` summed.
 Randomness: one generator per concern seeded from ``seed`` (links, rates, churn, each trainer's
 router), so a run is a function of its config, and the same seed without churn gives the same
 swarm.
+
+The module runs past the ~400-line guide: trainers, servers, announcements, rebalancing and churn
+all act on one table of microbatches and one store of records on one clock; split apart they
+would pass those around.
 """
 
 from __future__ import annotations
