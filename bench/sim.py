@@ -5,6 +5,7 @@
         [--params 1e8] [--bytes-per-param 1] [--allreduce-timeout 600]
         [--matchmaking-timeout 4] [--max-group-size 64] [--compute-s 0] [--loss 0]
         [--uplink fifo|shared] [--numel 256] [--protocol butterfly|hierarchical]
+        [--pipeline-stages 4] [--pipeline-servers N] [--pipeline-seconds 120] ...
 
 Peers' links are drawn from ``swarm.sim.NetworkConfig``'s defaults (a fifth in datacenters at
 1-10 Gbit/s, the rest homes with 10-100 Mbit/s uplinks, RTT 10-300 ms, a fifth of homes behind
@@ -24,6 +25,17 @@ line is one JSON object: ``peers``, ``rounds_ok`` (rounds that left one state), 
 ``dht_read_bytes_per_peer_round``, ``groups_per_round``, ``states_per_round_max``,
 ``mismatched_groups`` (groups whose finishers disagree: must be 0), and the run's cost.
 
+The pipeline router (``swarm.sim.pipeline``: the real ``Router``, ``MicrobatchRoute`` and
+``plan_move``): ``--pipeline-servers`` stage servers (default peers / 4) over
+``--pipeline-stages`` stages, ``--pipeline-trainers`` trainers (default servers / 10) keeping
+``--pipeline-in-flight`` microbatches each (default 4 per server over all trainers) of
+``--pipeline-activation-bytes`` per hop, for ``--pipeline-seconds`` of virtual time; churn is
+``--churn`` of the servers leaving (and as many joining) per ``--pipeline-round-s``. It runs
+twice from the same seed, with that churn and without; the row ``pipeline`` and the JSON's
+``pipeline_churn_ratio`` give churned throughput over churn-free throughput (one run and 1.0
+without churn), ``pipeline_throughput_per_s`` both throughputs and ``pipeline_over_bound`` each
+run's throughput over its capacity bound. ``--pipeline-servers 0`` skips it.
+
 ``--protocol hierarchical``: matchmaking forms one group of every declarer and the round runs the
 hierarchical all-reduce (``swarm.averaging.hierarchical``) on rows of at most ``--max-group-size``;
 the JSON adds ``sent_over_vector``, the most bytes one peer sent in a round over the vector's size.
@@ -36,6 +48,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import replace
 
 from bench.common import git_sha
 from bench.progress import BenchProgress
@@ -45,6 +58,9 @@ from swarm.sim import (
     ButterflyRounds,
     HierarchicalRounds,
     NetworkConfig,
+    PipelineConfig,
+    PipelineFigures,
+    PipelineSim,
     SimConfig,
     Simulation,
     VectorModel,
@@ -88,6 +104,13 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Simulation]:
     parser.add_argument("--spread-factor", type=float, default=2.0, help="scheduled: window/spread")
     parser.add_argument("--quorum-share", type=float, default=0.85, help="scheduled: of the hint")
     parser.add_argument("--poll", type=float, default=2.0, help="scheduled: clock-shard poll, s")
+    parser.add_argument("--pipeline-stages", type=int, default=4)
+    parser.add_argument("--pipeline-servers", type=int, help="default peers / 4; 0: no pipeline")
+    parser.add_argument("--pipeline-trainers", type=int, help="default servers / 10")
+    parser.add_argument("--pipeline-in-flight", type=int, help="per trainer; default 4 per server")
+    parser.add_argument("--pipeline-activation-bytes", type=float, default=1e6)
+    parser.add_argument("--pipeline-seconds", type=float, default=120.0, help="virtual")
+    parser.add_argument("--pipeline-round-s", type=float, default=60.0, help="churn's span")
     args = parser.parse_args(argv)
     kind = HierarchicalRounds if args.protocol == "hierarchical" else ButterflyRounds
     if args.matchmaking is None:
@@ -127,9 +150,62 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Simulation]:
             numel=args.numel,
             network=NetworkConfig(loss=args.loss, uplink=args.uplink),
         )
+        args.pipeline = pipeline_config(args)
     except ValueError as exc:
         parser.error(str(exc))
     return args, Simulation(config, protocol)
+
+
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig | None:
+    """The pipeline scenario of ``args`` (module docstring), None for ``--pipeline-servers 0``."""
+    servers = args.pipeline_servers
+    if servers is None:
+        servers = max(args.pipeline_stages, args.peers // 4)
+    if servers == 0:
+        return None
+    trainers = args.pipeline_trainers or max(1, servers // 10)
+    in_flight = args.pipeline_in_flight or max(1, round(4 * servers / trainers))
+    return PipelineConfig(
+        stages=args.pipeline_stages,
+        servers=servers,
+        trainers=trainers,
+        in_flight=in_flight,
+        seconds=args.pipeline_seconds,
+        warmup_s=min(20.0, args.pipeline_seconds / 6),
+        seed=args.seed,
+        churn=args.churn,
+        round_s=args.pipeline_round_s,
+        activation_bytes=args.pipeline_activation_bytes,
+    )
+
+
+def run_pipeline(config: PipelineConfig) -> dict[str, object]:
+    """The scenario with its churn and churn-free (one run when it has none), printed."""
+    churned = PipelineSim(config).run()
+    quiet = PipelineSim(replace(config, churn=0.0)).run() if config.churn else churned
+    rows: list[tuple[str, PipelineFigures]] = [("churn", churned), ("no churn", quiet)]
+    for name, f in rows[: 2 if config.churn else 1]:
+        print(
+            f"pipeline ({name}): {config.stages} stages, {config.servers} servers, "
+            f"{config.trainers} trainers x {config.in_flight} in flight: "
+            f"{f.throughput_per_s:.2f} microbatches/s, bound {f.bound_per_s:.2f}, "
+            f"completed {f.completed}, lost {sum(f.lost.values())} {f.lost}, failovers "
+            f"{f.failovers}, hop failures {f.hop_failures}, moves {f.moves}, "
+            f"left {f.departures}, joined {f.joins}, servers per stage {list(f.servers_per_stage)}"
+        )
+    ratio = churned.throughput_per_s / quiet.throughput_per_s if quiet.throughput_per_s else 0.0
+    print(f"pipeline: churned / churn-free throughput {ratio:.3f}")
+    return {
+        "pipeline_churn_ratio": round(ratio, 3),
+        "pipeline_throughput_per_s": [
+            round(churned.throughput_per_s, 2),
+            round(quiet.throughput_per_s, 2),
+        ],
+        "pipeline_over_bound": [
+            round(f.throughput_per_s / f.bound_per_s, 3) if f.bound_per_s else 0.0
+            for f in (churned, quiet)
+        ],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | int]:
@@ -179,6 +255,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | int]:
         wall_s=round(time.perf_counter() - started, 1),
         cpu_s=round(time.process_time() - cpu, 1),
     )
+    if args.pipeline is not None:
+        cpu = time.process_time()
+        result.update(run_pipeline(args.pipeline))
+        result["pipeline_cpu_s"] = round(time.process_time() - cpu, 1)
     print(json.dumps(result), flush=True)
     return result
 

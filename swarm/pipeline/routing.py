@@ -57,6 +57,14 @@ from swarm.pipeline.records import DEFAULT_RELAY_FACTOR, ServerAnnouncement
 MIN_WEIGHT_FRACTION = 1e-3
 
 
+def penalizes(refusal_code: str | None) -> bool:
+    """Whether a failed hop counts against its server (``HopFailed.penalize``); ``refusal_code``
+    is the server's refusal (``swarm.pipeline.wire.REFUSAL_CODES``), None for a timeout or a
+    broken connection. Only a lost context does not: the server is fine, it evicted our forward
+    or never ran it, and the hop is replayed elsewhere with the inputs resent."""
+    return refusal_code != "unknown-microbatch"
+
+
 class Rng(Protocol):
     """What routing needs of a random source: ``random.Random`` has it."""
 

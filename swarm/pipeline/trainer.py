@@ -44,6 +44,7 @@ from swarm.pipeline.routing import (
     Router,
     RoutingConfig,
     Start,
+    penalizes,
 )
 from swarm.pipeline.wire import REFUSAL_CODES, call_backward, call_forward
 
@@ -191,10 +192,7 @@ class PipelineTrainer:
                     with trio.fail_after(self.config.hop_timeout_s):
                         result = await self._hop(action, microbatch_id, stage_inputs, carried)
                 except (P2PError, trio.TooSlowError) as exc:
-                    # A server that lost our context is fine otherwise: no penalty for it.
-                    penalize = not (
-                        isinstance(exc, RemoteError) and exc.code == "unknown-microbatch"
-                    )
+                    penalize = penalizes(exc.code if isinstance(exc, RemoteError) else None)
                     reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                     self.statistics.hop_failures[hop_failure_kind(exc)] += 1
                     log.info("hop %s failed on %s: %s", action, action.peer_id.hex()[-8:], reason)

@@ -5,7 +5,9 @@ Virtual time (``clock``), a network model of home and datacenter links with NAT,
 (``simulation``), and round protocols (``protocol``: the interface; ``butterfly``: today's
 matchmaking + butterfly all-reduce, driving ``Matchmaker`` through ``matchmaking`` and
 ``AllReduce`` through ``allreduce``; ``hierarchical``: one group of every declarer and the
-``GridAllReduce``). ``report`` turns the records into per-round figures.
+``GridAllReduce``). ``report`` turns the records into per-round figures. ``pipeline`` runs a
+SWARM pipeline apart from the rounds: the real ``Router``, ``MicrobatchRoute`` and ``plan_move``
+with stage servers that compute, queue, leave and join.
 No sockets, threads or wall clock: a run is a function of its config and seed.
 """
 
@@ -15,6 +17,7 @@ from swarm.sim.clock import Clock
 from swarm.sim.dht import DhtModel, SimDht, record_bytes
 from swarm.sim.hierarchical import HierarchicalRounds, SimGrid
 from swarm.sim.network import Network, NetworkConfig, PeerLink, draw_link
+from swarm.sim.pipeline import PipelineConfig, PipelineFigures, PipelineSim
 from swarm.sim.protocol import RoundProtocol, World
 from swarm.sim.report import GroupFigures, PeerRound, RoundFigures, round_figures, summary
 from swarm.sim.simulation import SimConfig, Simulation, sim_peer_id
@@ -31,6 +34,9 @@ __all__ = [
     "NetworkConfig",
     "PeerLink",
     "PeerRound",
+    "PipelineConfig",
+    "PipelineFigures",
+    "PipelineSim",
     "RoundFigures",
     "RoundProtocol",
     "SimConfig",
