@@ -2,7 +2,8 @@
 in ``swarm.sim`` with links fixed to the same rates and latency (issue 21 point 5).
 
     sudo .venv/bin/python -m bench.sim_vs_real --peers 4 --rate 50mbit --delay-ms 25
-        [--numel 8000000] [--rounds 3] [--compression none,int8] [--log-dir DIR]
+        [--numel 8000000] [--rounds 3] [--compression none,int8] [--peer-timeout 10]
+        [--raw-rate] [--log-dir DIR]
 
 Real: ``bench.allreduce_netlab``'s lab and workers, unchanged (each peer in its own network
 namespace, its access link shaped by tbf to ``--rate`` both ways, every packet delayed
@@ -82,7 +83,7 @@ def simulate(
     )
     protocol = ButterflyRounds(
         # The lab's timeouts: a round never runs into them.
-        ButterflyConfig(allreduce_timeout_s=3600.0, peer_timeout_s=3.0, vector=vector)
+        ButterflyConfig(allreduce_timeout_s=3600.0, vector=vector)
     )
     config = SimConfig(
         peers=peers,
@@ -107,7 +108,7 @@ def real(
         rounds=args.rounds,
         queue_kb=0,
         compression=compression,
-        peer_timeout=3.0,
+        peer_timeout=args.peer_timeout,
         trace=False,
         no_pace=False,
         tcp_baseline=False,
@@ -130,6 +131,13 @@ def main() -> int:
         "--raw-rate",
         action="store_true",
         help="give the simulator the tc rate, not its TCP payload share",
+    )
+    parser.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=10.0,
+        help="AveragerConfig.peer_timeout_s [its default, 10 s: 8 peers on 2 busy cores may "
+        "leave a ping unanswered for 3 s, allreduce_netlab's value]",
     )
     parser.add_argument("--log-dir", type=Path, help="keep the workers' logs here")
     args = parser.parse_args()
