@@ -186,6 +186,7 @@ def main() -> int:
                         "compression": setting,
                         "real_allreduce_s": real_s,
                         "real_times_s": measured["times_s"],
+                        "real_peers_cpu_s": measured["peers_cpu_s"],
                         "sim_allreduce_s": round(sim_s, 3),
                         "sim_over_real": round(sim_s / real_s, 3),
                         "limit_s": measured["limit_s"],
@@ -194,7 +195,8 @@ def main() -> int:
                     }
                 )
                 progress.line(
-                    f"{setting}: real median {real_s:.2f} s (rounds {measured['times_s']}), "
+                    f"{setting}: real median {real_s:.2f} s (rounds {measured['times_s']}; "
+                    f"peers' CPU per round {measured['peers_cpu_s']} s), "
                     f"simulated {sim_s:.2f} s, sim/real {sim_s / real_s:.3f}"
                 )
     except KeyboardInterrupt:
