@@ -3,7 +3,7 @@ in ``swarm.sim`` with links fixed to the same rates and latency (issue 21 point 
 
     sudo .venv/bin/python -m bench.sim_vs_real --peers 4 --rate 50mbit --delay-ms 25
         [--numel 8000000] [--rounds 3] [--compression none,int8] [--peer-timeout 10]
-        [--raw-rate] [--log-dir DIR]
+        [--raw-rate] [--tcp-baseline] [--log-dir DIR]
 
 Real: ``bench.allreduce_netlab``'s lab and workers, unchanged (each peer in its own network
 namespace, its access link shaped by tbf to ``--rate`` both ways, every packet delayed
@@ -50,6 +50,7 @@ from bench import allreduce_netlab
 from bench.common import git_sha
 from bench.progress import BenchProgress
 from swarm.averaging.codec import INT8_BLOCK_SIZE
+from swarm.averaging.session_links import PACING_SHARE
 from swarm.averaging.session_wire import chunks_for
 from swarm.sim import (
     ButterflyConfig,
@@ -100,6 +101,9 @@ def real(
     args: argparse.Namespace, compression: str, log_dir: Path, progress: BenchProgress
 ) -> dict[str, Any]:
     """``bench.allreduce_netlab``'s run of this setting (its lab, built and torn down)."""
+    # The plain-TCP baseline paced as the sessions pace their channels.
+    pacing = PACING_SHARE * args.rate / (args.peers - 1)
+    os.environ.setdefault("BLAST_PACING_BPS", str(int(pacing)))
     lab_args = argparse.Namespace(
         peers=args.peers,
         rate=args.rate,
@@ -111,7 +115,7 @@ def real(
         peer_timeout=args.peer_timeout,
         trace=False,
         no_pace=False,
-        tcp_baseline=False,
+        tcp_baseline=args.tcp_baseline,
         verbose=False,
     )
     return allreduce_netlab.run(lab_args, log_dir, progress)
@@ -138,6 +142,12 @@ def main() -> int:
         default=10.0,
         help="AveragerConfig.peer_timeout_s [its default, 10 s: 8 peers on 2 busy cores may "
         "leave a ping unanswered for 3 s, allreduce_netlab's value]",
+    )
+    parser.add_argument(
+        "--tcp-baseline",
+        action="store_true",
+        help="also time plain TCP all-to-all moving the same bytes per link in the same lab, "
+        "paced as the sessions pace (the lab's network without the averaging processes)",
     )
     parser.add_argument("--log-dir", type=Path, help="keep the workers' logs here")
     args = parser.parse_args()
@@ -194,10 +204,19 @@ def main() -> int:
                         "tbf_drops": measured["tbf_drops"],
                     }
                 )
+                baseline = measured.get("tcp_baseline_s", {})
+                tcp_s = next(iter(baseline.values()), None)  # one connection per pair
+                if tcp_s is not None:
+                    rows[-1].update(tcp_s=tcp_s, sim_over_tcp=round(sim_s / tcp_s, 3))
                 progress.line(
                     f"{setting}: real median {real_s:.2f} s (rounds {measured['times_s']}; "
                     f"peers' CPU per round {measured['peers_cpu_s']} s), "
                     f"simulated {sim_s:.2f} s, sim/real {sim_s / real_s:.3f}"
+                    + (
+                        f"; plain TCP all-to-all {tcp_s:.2f} s, sim/TCP {sim_s / tcp_s:.3f}"
+                        if tcp_s
+                        else ""
+                    )
                 )
     except KeyboardInterrupt:
         print(f"sim_vs_real: interrupted; lab torn down; logs in {log_dir}", file=sys.stderr)
