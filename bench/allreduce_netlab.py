@@ -26,7 +26,9 @@ then ``--rounds`` rounds are measured. A round's all-reduce time is max over pee
 time minus max over peers of the time its group formed (wall clock; all workers share this
 machine's clock), so matchmaking is excluded. The bandwidth-optimal limit is 2(N-1)/N x bytes /
 rate with bytes = 4 x numel (the float32 tensor; with a compressing codec the fraction can pass
-1). ``fraction`` = limit_s / median_s. Every peer's result digest must agree.
+1). ``fraction`` = limit_s / median_s. Every peer's result digest must agree. Each round's line
+ends with the CPU seconds the peers used together from the call to the last return (from
+/proc; ``peers_cpu_s`` in the JSON): on a shared 2-core machine 8 peers are CPU-bound.
 
 ``--trace``: each worker times every item it sends/receives, its bulk channel's opening and each
 payload's data phase;

@@ -15,6 +15,10 @@ notice after one latency). As many joins are drawn the same way from Poisson(chu
 a joiner starts at the next round's opening, with no history (it waits for its matchmaking
 deadline, like any peer after a failed round).
 
+``SimConfig.links`` fixes the first ``peers`` peers' links (one each) instead of drawing them
+(``bench.sim_vs_real`` puts them on a lab's shaped links); joiners still draw theirs. Without it
+the draws are the same as ever.
+
 Randomness: one ``numpy.random.Generator`` per concern (links, churn, timing, loss), each seeded
 from ``seed``; a peer's vector and weight for a round come from a generator seeded with
 (seed, its index, the round), so they do not depend on the order events ran in. Nothing iterates
