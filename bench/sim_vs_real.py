@@ -28,10 +28,17 @@ bench converts; ``--raw-rate`` gives it the tc rate instead. What the simulator 
 here: the sessions' pacing (``session_links.PACING_SHARE``, 0.97 of the rate over all channels),
 the round's two opening round trips and CPU time (encode, sum, decode) on this machine.
 
-Per setting (each ``--compression``) it prints the real median, the simulated time and
-sim / real; the last line is one JSON object: ``peers``, ``real_allreduce_s``,
-``sim_allreduce_s``, ``sim_over_real`` (of the first setting), ``within_20pct`` (every setting
-within 20%), and ``settings`` with each one's figures. Needs root (the lab's namespaces).
+``--tcp-baseline`` (float32 only): plain TCP all-to-all moving the same bytes per link in the same
+lab, each connection paced as a session paces its channels: sim / TCP compares the network model
+with the lab's network alone, without the averaging processes (on this 2-core machine 8 real
+peers are CPU-bound: README "Benchmarks").
+
+Per setting (each ``--compression``) it prints the real median (and the peers' CPU seconds per
+round, all together), the simulated time and sim / real; the last line is one JSON object:
+``peers``, ``real_allreduce_s``, ``sim_allreduce_s``, ``sim_over_real`` (of the first setting),
+``within_20pct`` (every setting within 20%), the load average at the start (3) and the end (1),
+and ``settings`` with each one's figures (``tcp_s`` and ``sim_over_tcp`` with the baseline).
+Needs root (the lab's namespaces).
 """
 
 from __future__ import annotations
