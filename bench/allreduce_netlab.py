@@ -26,7 +26,9 @@ then ``--rounds`` rounds are measured. A round's all-reduce time is max over pee
 time minus max over peers of the time its group formed (wall clock; all workers share this
 machine's clock), so matchmaking is excluded. The bandwidth-optimal limit is 2(N-1)/N x bytes /
 rate with bytes = 4 x numel (the float32 tensor; with a compressing codec the fraction can pass
-1). ``fraction`` = limit_s / median_s. Every peer's result digest must agree.
+1). ``fraction`` = limit_s / median_s. Every peer's result digest must agree. Each round's line
+ends with the CPU seconds the peers used together from the call to the last return (from
+/proc; ``peers_cpu_s`` in the JSON): on a shared 2-core machine 8 peers are CPU-bound.
 
 ``--trace``: each worker times every item it sends/receives, its bulk channel's opening and each
 payload's data phase;
@@ -78,6 +80,15 @@ def parse_rate(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError("rate must be positive")
     return value
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sh(*argv: str, timeout_s: float = SETUP_TIMEOUT_S, check: bool = True) -> str:
@@ -406,11 +417,17 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
         wire: list[int] = []
         last: list[dict[str, Any]] = []
         progress.add("allreduce", args.rounds + 1, plain_lines=False)  # a line per round below
+        # The peers' CPU seconds per measured round, the call to the last return (every peer)
+        cpu: list[float] = []
         for r in range(args.rounds + 1):
+            cpu_before = sum(cpu_s(w.proc.pid) for w in workers)
+            wall_before = time.monotonic()
             for worker in workers:
                 worker.send({"cmd": "average", "round": r, "expected": ids})
             deadline = time.monotonic() + allreduce_timeout + 90
             replies = [w.json(deadline - time.monotonic()) for w in workers]
+            round_cpu = sum(cpu_s(w.proc.pid) for w in workers) - cpu_before
+            round_wall = time.monotonic() - wall_before
             failed = [f"peer {k}: {x['error']}" for k, x in enumerate(replies) if not x["ok"]]
             if failed:
                 raise RuntimeError(f"round {r} failed: {'; '.join(failed)}")
@@ -426,12 +443,14 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
                 f"per peer {per_peer} s; "
                 f"groups formed within {spread * 1e3:.0f} ms; "
                 f"sent by return {sum(x['bytes_sent'] for x in replies) / 1e6:.1f} MB; "
-                f"bit-identical {identical}; all {n} contributed {full}"
+                f"bit-identical {identical}; all {n} contributed {full}; "
+                f"peers' CPU {round_cpu:.1f} s in {round_wall:.1f} s from the call"
             )
             progress.advance("allreduce")
             if r == 0:
                 continue
             times.append(seconds)
+            cpu.append(round_cpu)
             all_identical = all_identical and identical and full
             wire.append(sum(x["bytes_sent"] for x in replies))
             last = replies
@@ -481,6 +500,7 @@ def run(args: argparse.Namespace, log_dir: Path, progress: BenchProgress) -> dic
         "libp2p_ping_ms": round(ping_ms, 1),
         "rounds": len(times),
         "times_s": [round(t, 3) for t in times],
+        "peers_cpu_s": [round(c, 2) for c in cpu],
         "median_s": round(median_s, 3),
         "limit_s": round(limit_s, 3),
         "fraction": round(limit_s / median_s, 3),

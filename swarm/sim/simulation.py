@@ -15,6 +15,10 @@ notice after one latency). As many joins are drawn the same way from Poisson(chu
 a joiner starts at the next round's opening, with no history (it waits for its matchmaking
 deadline, like any peer after a failed round).
 
+``SimConfig.links`` fixes the first ``peers`` peers' links (one each) instead of drawing them
+(``bench.sim_vs_real`` puts them on a lab's shaped links); joiners still draw theirs. Without it
+the draws are the same as ever.
+
 Randomness: one ``numpy.random.Generator`` per concern (links, churn, timing, loss), each seeded
 from ``seed``; a peer's vector and weight for a round come from a generator seeded with
 (seed, its index, the round), so they do not depend on the order events ran in. Nothing iterates
@@ -24,6 +28,7 @@ a set where order could matter (bytes hash differently in every process).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,7 +38,7 @@ from swarm.averaging.matchmaking import round_key
 from swarm.sim.clock import Clock
 from swarm.sim.dht import DhtModel, SimDht
 from swarm.sim.matchmaking import Directory
-from swarm.sim.network import Network, NetworkConfig, draw_link
+from swarm.sim.network import Network, NetworkConfig, PeerLink, draw_link
 from swarm.sim.protocol import RoundProtocol
 from swarm.sim.report import PeerRound, RoundFigures, round_figures
 
@@ -58,6 +63,9 @@ class SimConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     dht: DhtModel = field(default_factory=DhtModel)
     run_id: str = "sim"
+    # Fixed links (``bench.sim_vs_real``: the lab's shaped links): the i-th of the first
+    # ``peers`` peers gets ``links[i]`` instead of a draw from ``network``; joiners still draw.
+    links: tuple[PeerLink, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.rounds < 1:
@@ -68,6 +76,13 @@ class SimConfig:
             raise ValueError(f"freeze_share must be in [0, 1], got {self.freeze_share!r}")
         if not (self.compute_s >= 0 and self.start_skew_s >= 0):
             raise ValueError("compute_s and start_skew_s must be >= 0")
+        if self.links is not None:
+            if len(self.links) != self.peers:
+                raise ValueError(f"links: one per peer ({self.peers}), got {len(self.links)}")
+            for link in self.links:
+                rates = (link.up_bps, link.down_bps)
+                if not all(math.isfinite(r) and r > 0 for r in rates) or not link.leg_s >= 0:
+                    raise ValueError(f"links: rates must be > 0 and leg_s >= 0, got {link!r}")
 
 
 class Simulation:
@@ -169,10 +184,16 @@ class Simulation:
         ]
 
     def _add_peer(self) -> bytes:
-        peer = sim_peer_id(self.config.seed, len(self.index))
-        self.index[peer] = len(self.index)
+        index = len(self.index)
+        peer = sim_peer_id(self.config.seed, index)
+        self.index[peer] = index
         self.speed[peer] = self._timing_rng.uniform(0.9, 1.1)
-        self.network.add(peer, draw_link(self.config.network, self._link_rng))
+        fixed = self.config.links
+        if fixed is not None and index < len(fixed):
+            link = fixed[index]
+        else:
+            link = draw_link(self.config.network, self._link_rng)
+        self.network.add(peer, link)
         self.present_peers[peer] = None
         return peer
 
