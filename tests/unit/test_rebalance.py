@@ -128,7 +128,8 @@ def test_a_move_raises_the_minimum_and_keeps_every_stage_served(servers, epoch) 
     assert move.min_before == min(before)
     mover = next(s for s in servers if s.peer_id == move.peer_id)
     # the raise exceeds min_gain of what the mover brings to the bottleneck, and never that whole
-    contribution = _estimated(servers, mover, move.to_stage) * (0.5 if mover.relayed else 1.0)
+    relay = config.relay_factor if mover.relayed else 1.0
+    contribution = _estimated(servers, mover, move.to_stage) * relay
     assert move.min_after > move.min_before
     assert contribution * 0.1 < move.min_after - move.min_before <= contribution * (1 + 1e-9)
     assert mover.stage == move.from_stage != move.to_stage
