@@ -19,9 +19,28 @@ announcements and evaluates ``plan_move``, a pure function of (announcements, ep
    gains its *estimated* throughput there. Stages differ in cost, so the estimate scales its
    throughput by the ratio of the stages' median throughputs (a server twice as fast as its peers
    at the donor is taken to be twice as fast as the bottleneck's servers; ``stage_ratio``); with
-   nobody at the bottleneck to compare, by 1. The move is made only if it raises the minimum
-   stage capacity by more than ``min_gain`` (relative); otherwise nobody moves this epoch (the
-   next epoch's hash may name a mover whose move pays).
+   nobody at the bottleneck to compare, by 1. That estimate, counted at ``relay_factor`` for a
+   relayed mover, is the mover's *contribution* at the bottleneck.
+5. The move is made only if it raises the minimum stage capacity by more than ``min_gain`` times
+   the mover's contribution; otherwise nobody moves this epoch (the next epoch's hash may name a
+   mover whose move pays).
+
+Why the threshold is a share of the mover's contribution, not of the stage's capacity: the raise
+of the minimum never exceeds the contribution (the bottleneck gains exactly that; the donor, if
+it becomes the new minimum, ends lower), so ``min_gain`` in [0, 1) says how much of what the mover
+brings must reach the pipeline rather than be lost to the donor. A move that passes is worth a
+real share of one server, which a small error in the throughputs or in the ``stage_ratio``
+estimate does not wipe out, and whose cost (one download of a stage, while the mover keeps
+serving) is one server's too. A threshold relative to the stage's capacity grew with the swarm:
+at ~60 servers a stage one server adds 2-4% of it, under a 10% ``min_gain``, so a stage of 40
+servers beside three of 70 was never restaffed (``swarm.sim.pipeline``). With servers of equal
+throughput the rule moves while the donor exceeds the bottleneck by more than ``1 + min_gain``
+servers, so it stops within about one server of balance at any size. The contribution is never
+negative, so a move that passes still strictly raises the minimum as read. Near balance, noisy
+measurements can trigger a move that a steady reading would not (the stage totals' noise grows
+with the square root of their size): such a move lowers the minimum by less than the mover's
+throughput, a later reading may move a server back, and the drivers' quiet epochs after every
+planned move bound how often that happens.
 
 At most one server moves per epoch, and every server computes the same one from the same records:
 servers never stampede into the bottleneck together. Views can differ (a DHT read misses a fresh
@@ -58,8 +77,9 @@ class RebalanceConfig:
             raise ValueError("num_stages must be >= 1")
         if not 0 < self.relay_factor <= 1:
             raise ValueError("relay_factor must be in (0, 1]")
-        if self.min_gain < 0:
-            raise ValueError("min_gain must be >= 0")
+        if not 0 <= self.min_gain < 1:
+            # a move never raises the minimum by more than the mover's contribution
+            raise ValueError("min_gain must be in [0, 1) (a share of the mover's contribution)")
         if self.min_servers_per_stage < 1:
             raise ValueError("min_servers_per_stage must be >= 1")
 
@@ -110,7 +130,8 @@ def rank(epoch: int, peer_id: bytes) -> bytes:
 def plan_move(
     servers: Sequence[ServerAnnouncement], epoch: int, config: RebalanceConfig
 ) -> Move | None:
-    """The one move of ``epoch``, or None when no move raises the minimum enough."""
+    """The one move of ``epoch``, or None when its move would not raise the minimum capacity by
+    more than ``min_gain`` of the mover's contribution at the bottleneck."""
     unique = _unique(servers, config)
     by_stage: list[list[ServerAnnouncement]] = [[] for _ in range(config.num_stages)]
     for a in unique:
@@ -130,10 +151,12 @@ def plan_move(
     mover = min(members, key=lambda a: rank(epoch, a.peer_id))
     after = list(totals)
     after[donor] -= mover.effective_throughput(config.relay_factor)
-    gain = mover.throughput * stage_ratio(by_stage[bottleneck], members)
-    after[bottleneck] += gain * (config.relay_factor if mover.relayed else 1.0)
+    estimate = mover.throughput * stage_ratio(by_stage[bottleneck], members)
+    contribution = estimate * (config.relay_factor if mover.relayed else 1.0)
+    after[bottleneck] += contribution
     min_after = min(after)
-    if min_after <= min_before * (1 + config.min_gain) or min_after <= 0:
+    # Scale-free (module docstring): a share of one server, not of a stage of any size.
+    if min_after - min_before <= config.min_gain * contribution or min_after <= 0:
         return None
     return Move(mover.peer_id, donor, bottleneck, min_before, min_after)
 

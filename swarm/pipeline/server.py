@@ -110,7 +110,7 @@ class StageServerConfig:
     rebalance_every_s: float | None = 3.0  # None: never move
     rebalance_after_s: float = 8.0  # let every server announce before anyone judges
     rebalance_quiet_epochs: int = 2  # epochs nobody moves after a move was planned
-    min_gain: float = 0.1
+    min_gain: float = 0.1  # of the mover's contribution at the bottleneck (``rebalance``)
     relay_factor: float = 0.5
     relayed: bool | None = None  # None: relayed when we are private and hold relay slots
     max_contexts: int = 64

@@ -127,7 +127,7 @@ class PipelineConfig:
     rebalance_every_s: float | None = 3.0
     rebalance_after_s: float = 8.0
     rebalance_quiet_epochs: int = 2
-    min_gain: float = 0.1
+    min_gain: float = 0.1  # of the mover's contribution at the bottleneck (``rebalance``)
 
     def __post_init__(self) -> None:
         if min(self.stages, self.servers, self.trainers, self.in_flight) < 1:

@@ -46,6 +46,47 @@ def test_balanced_swarm_stays_put_and_last_server_never_leaves() -> None:
     assert plan_move(lonely, 1, config) is None
 
 
+def test_a_large_swarm_restaffs_its_understaffed_stage() -> None:
+    """40 servers beside three stages of 70: one server adds 2.5% to the bottleneck, under a
+    threshold relative to the stage (10%), but all of its throughput reaches the minimum."""
+    config = RebalanceConfig(num_stages=4)
+    layout = [0] * 40 + [1] * 70 + [2] * 70 + [3] * 70
+    servers = [server(i, stage, 1.0) for i, stage in enumerate(layout)]
+    for epoch in range(5):
+        move = plan_move(servers, epoch, config)
+        assert move is not None and move.to_stage == 0, move
+        assert (move.min_before, move.min_after) == (40.0, 41.0)
+    # scale-free: within one server of balance nobody moves, at 6 servers a stage or at 60
+    for per_stage in (6, 60):
+        near = [per_stage - 1] + [per_stage] * 3
+        layout = [stage for stage, count in enumerate(near) for _ in range(count)]
+        servers = [server(i, stage, 1.0) for i, stage in enumerate(layout)]
+        assert all(plan_move(servers, epoch, config) is None for epoch in range(20))
+        # one more server on the donor and the move pays
+        servers.append(server(len(servers), 1, 1.0))
+        moves = {plan_move(servers, epoch, config) for epoch in range(20)}
+        assert {(m.from_stage, m.to_stage) for m in moves if m} == {(1, 0)}
+
+
+def test_min_gain_is_a_share_of_the_movers_contribution() -> None:
+    with pytest.raises(ValueError, match="min_gain"):
+        RebalanceConfig(num_stages=2, min_gain=1.0)
+    with pytest.raises(ValueError, match="min_gain"):
+        RebalanceConfig(num_stages=2, min_gain=-0.1)
+    # a 2-server gap: the move raises the minimum by 1 server, all the mover brings
+    servers = [server(i, 0, 1.0) for i in range(12)] + [server(12 + i, 1, 1.0) for i in range(10)]
+    assert plan_move(servers, 0, RebalanceConfig(num_stages=2, min_gain=0.99)) is not None
+    # a fast mover (4x) closing a 5-server gap: the minimum gains 1 of its 4, the donor keeps less
+    servers = [server(i, 0, 1.0) for i in range(10)] + [server(10, 0, 4.0)]
+    servers += [server(11 + i, 1, 1.0) for i in range(9)]
+    anyone = RebalanceConfig(num_stages=2, min_gain=0.0)
+    epoch = next(e for e in range(100) if getattr(plan_move(servers, e, anyone), "peer_id", None)
+                 == b"peer-010")  # fmt: skip
+    for min_gain, moves in ((0.2, True), (0.25, False)):
+        move = plan_move(servers, epoch, RebalanceConfig(num_stages=2, min_gain=min_gain))
+        assert (move is not None) == moves, (min_gain, move)
+
+
 def test_empty_stage_gets_a_server() -> None:
     config = RebalanceConfig(num_stages=3)
     move = plan_move([server(0, 0, 5.0), server(1, 0, 5.0), server(2, 1, 5.0)], 3, config)
@@ -85,8 +126,12 @@ def test_a_move_raises_the_minimum_and_keeps_every_stage_served(servers, epoch) 
     assert isinstance(move, Move)
     before = stage_capacities(servers, config)
     assert move.min_before == min(before)
-    assert move.min_after > move.min_before * 1.1
     mover = next(s for s in servers if s.peer_id == move.peer_id)
+    # the raise exceeds min_gain of what the mover brings to the bottleneck, and never that whole
+    relay = config.relay_factor if mover.relayed else 1.0
+    contribution = _estimated(servers, mover, move.to_stage) * relay
+    assert move.min_after > move.min_before
+    assert contribution * 0.1 < move.min_after - move.min_before <= contribution * (1 + 1e-9)
     assert mover.stage == move.from_stage != move.to_stage
     assert before[move.to_stage] == min(before)
     left = [s for s in servers if s.stage == move.from_stage and s.peer_id != move.peer_id]
