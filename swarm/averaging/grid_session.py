@@ -61,11 +61,11 @@ from swarm.averaging.grid_wire import (
     to_wire,
 )
 from swarm.averaging.hierarchical import GridAllReduce, ItemReceived, SendItem
-from swarm.averaging.liveness import CONNECT_WAIT_S, Liveness, LivenessConfig
+from swarm.averaging.liveness import Liveness, LivenessConfig
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import FLUSH_S, RoundResult, SessionConfig
-from swarm.averaging.session_links import Wake, short_id
+from swarm.averaging.session_links import Wake, connect_first, short_id
 from swarm.averaging.session_wire import INLINE_MAX_BYTES, PROTOCOL, THREAD_MIN_NUMEL, Done, Hello
 from swarm.errors import AveragingFailed
 
@@ -303,24 +303,8 @@ class GridSession:
     # -- links -----------------------------------------------------------------------------------
 
     async def _connect_near(self) -> None:
-        """Connect to the near peers before any stream opens, the lower id dialing (two dials
-        crossing reset each other's streams: ``PeerLinks._connect_all``)."""
-
-        async def one(peer: bytes) -> None:
-            peer_id = PeerID(peer)
-            if self.me > peer:
-                with trio.move_on_after(CONNECT_WAIT_S):
-                    while self.node.host.connection_kind(peer_id) is None:
-                        await trio.sleep(0.02)
-            try:
-                await self.node.reach(peer_id)
-            except P2PError as exc:
-                log.debug("connecting to %s: %s", short_id(peer), exc)  # its sender tries again
-
-        with trio.move_on_after(self.config.peer_timeout_s + CONNECT_WAIT_S):
-            async with trio.open_nursery() as nursery:
-                for peer in self.near:
-                    nursery.start_soon(one, peer)
+        """Connect to the near peers before any stream opens (``connect_first``)."""
+        await connect_first(self.node, self.me, self.near, self.config.peer_timeout_s)
 
     def _outbox(self, peer: bytes) -> trio.MemorySendChannel[Any]:
         """The queue of items to ``peer``, its sender task started at first use. Bounded as a

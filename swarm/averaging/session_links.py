@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -109,6 +109,34 @@ class UploadMeter:
                 self.busy_s += time.perf_counter() - self._since
 
 
+async def connect_first(
+    node: Node, me: bytes, peers: Iterable[bytes], peer_timeout_s: float
+) -> None:
+    """Connect to every member before any stream opens, the lower peer id dialing.
+
+    When both ends of a pair dial at once, each side may keep a different one of the two
+    connections and close the other (one connection per peer), which resets the streams on
+    both: at first contact a group of 8 lost whole rounds that way. So the higher id waits a
+    moment for the lower one's dial, then dials itself (the lower one may be behind a NAT).
+    """
+
+    async def one(peer: bytes) -> None:
+        peer_id = PeerID(peer)
+        if me > peer:
+            with trio.move_on_after(CONNECT_WAIT_S):
+                while node.host.connection_kind(peer_id) is None:
+                    await trio.sleep(0.02)
+        try:
+            await node.reach(peer_id)
+        except P2PError as exc:
+            log.debug("connecting to %s: %s", short_id(peer), exc)  # its sender tries again
+
+    with trio.move_on_after(peer_timeout_s + CONNECT_WAIT_S):
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(one, peer)
+
+
 class PeerLinks:
     """Each member's links for one session (see the module docstring)."""
 
@@ -153,29 +181,8 @@ class PeerLinks:
         return self.group.group_id
 
     async def _connect_all(self) -> None:
-        """Connect to every member before any stream opens, the lower peer id dialing.
-
-        When both ends of a pair dial at once, each side may keep a different one of the two
-        connections and close the other (one connection per peer), which resets the streams on
-        both: at first contact a group of 8 lost whole rounds that way. So the higher id waits a
-        moment for the lower one's dial, then dials itself (the lower one may be behind a NAT).
-        """
-
-        async def one(peer: bytes) -> None:
-            peer_id = PeerID(peer)
-            if self.me > peer:
-                with trio.move_on_after(CONNECT_WAIT_S):
-                    while self.node.host.connection_kind(peer_id) is None:
-                        await trio.sleep(0.02)
-            try:
-                await self.node.reach(peer_id)
-            except P2PError as exc:
-                log.debug("connecting to %s: %s", short_id(peer), exc)  # its sender tries again
-
-        with trio.move_on_after(self.config.peer_timeout_s + CONNECT_WAIT_S):
-            async with trio.open_nursery() as nursery:
-                for peer in self._outboxes:
-                    nursery.start_soon(one, peer)
+        """Connect to every member before any stream opens (``connect_first``)."""
+        await connect_first(self.node, self.me, self._outboxes, self.config.peer_timeout_s)
 
     # -- senders ---------------------------------------------------------------------------------
 
