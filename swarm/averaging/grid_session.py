@@ -50,7 +50,7 @@ from p2p import (
     open_channel,
     stream_kind,
 )
-from swarm.averaging.allreduce import DeadlineReached, DropPeer, Fail, Finish, PeerLost
+from swarm.averaging.allreduce import DropPeer, Fail, Finish, PeerLost
 from swarm.averaging.grid import grid_plan
 from swarm.averaging.grid_wire import (
     GridItem,
@@ -65,7 +65,7 @@ from swarm.averaging.liveness import Liveness, LivenessConfig
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.payload import Layout
 from swarm.averaging.session import FLUSH_S, RoundResult, SessionConfig
-from swarm.averaging.session_links import Wake, connect_first, short_id
+from swarm.averaging.session_links import RoundDriver, Wake, connect_first, short_id
 from swarm.averaging.session_wire import INLINE_MAX_BYTES, PROTOCOL, THREAD_MIN_NUMEL, Done, Hello
 from swarm.errors import AveragingFailed
 
@@ -74,7 +74,7 @@ __all__ = ["GridSession"]
 log = logging.getLogger(__name__)
 
 
-class GridSession:
+class GridSession(RoundDriver):
     """One peer's part in one group's hierarchical all-reduce. ``run`` drives it; ``result``
     waits for it. The surface the Averager uses is ``Session``'s."""
 
@@ -250,34 +250,9 @@ class GridSession:
             finalize=finalizer(self.layout),
         )
 
-    async def _drive(self) -> None:
-        await self._apply(await self._call(self.machine.start))
-        while not self._closed:
-            with trio.move_on_at(self.machine.deadline) as wait:
-                event = await self._inbox.receive()
-            if wait.cancelled_caught:
-                await self._apply(await self._call(self.machine.handle, DeadlineReached()))
-                return
-            if not isinstance(event, Wake):
-                try:
-                    actions = await self._call(self.machine.handle, event)
-                except RemoteProtocolError as exc:
-                    log.warning("ignored an event: %s", exc)
-                    continue
-                await self._apply(actions)
-            if self._error is not None:
-                return
-            if self._result is not None and self.alive & self.near <= self._live.done:
-                return  # no near peer can still need a forward, relay or handover from us
-
-    async def _call(self, method: Any, *event: Any) -> list[Any]:
-        now = trio.current_time()
-        if self._big:
-            actions = await trio.to_thread.run_sync(method, *event, now)
-        else:
-            actions = method(*event, now)
-        self.alive = frozenset(self.machine.alive)
-        return actions
+    def _settled(self) -> bool:
+        # no near peer can still need a forward, relay or handover from us
+        return self.alive & self.near <= self._live.done
 
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:
@@ -422,20 +397,3 @@ class GridSession:
         )
         if not result.ok:
             await self._peer_gone(peer, f"no answer to a ping: {result.error}")
-
-    async def _peer_gone(self, peer: bytes, why: str) -> None:
-        finished = self._result is not None
-        if self._live.report(
-            peer, alive=peer in self.alive, closed=self._closed, finished=finished
-        ):
-            log.info("round %s: lost %s: %s", self.group.round, short_id(peer), why)
-            await self._post(PeerLost(peer))
-
-    async def _post(self, event: Any) -> None:
-        try:
-            self._inbox_send.send_nowait(event)
-        except trio.WouldBlock:
-            await self._inbox_send.send(event)
-
-    async def _thread(self, fn: Any, *args: Any) -> Any:
-        return await trio.to_thread.run_sync(fn, *args) if self._big else fn(*args)

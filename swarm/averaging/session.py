@@ -51,7 +51,6 @@ from p2p import (
 )
 from swarm.averaging.allreduce import (
     AllReduce,
-    DeadlineReached,
     DropPeer,
     Fail,
     Finish,
@@ -67,7 +66,7 @@ from swarm.averaging.commitment import check_contribution, leaf_size
 from swarm.averaging.liveness import Liveness, LivenessConfig
 from swarm.averaging.matchmaking import Group
 from swarm.averaging.payload import Layout
-from swarm.averaging.session_links import PeerLinks, UploadMeter, Wake, claim_place, short_id
+from swarm.averaging.session_links import PeerLinks, UploadMeter, claim_place, short_id
 from swarm.averaging.session_wire import (
     THREAD_MIN_NUMEL,
     Done,
@@ -362,34 +361,8 @@ class Session(PeerLinks):
 
     # -- the machine -----------------------------------------------------------------------------
 
-    async def _drive(self) -> None:
-        await self._apply(await self._call(self.machine.start))
-        while not self._closed:
-            with trio.move_on_at(self.machine.deadline) as wait:
-                event = await self._inbox.receive()
-            if wait.cancelled_caught:
-                await self._apply(await self._call(self.machine.handle, DeadlineReached()))
-                return
-            if not isinstance(event, Wake):
-                try:
-                    actions = await self._call(self.machine.handle, event)
-                except RemoteProtocolError as exc:
-                    log.warning("ignored an event: %s", exc)
-                    continue
-                await self._apply(actions)
-            if self._error is not None:
-                return
-            if self._result is not None and self.alive - {self.me} <= self._live.done:
-                return  # everyone still alive has its result: nobody can need a forward
-
-    async def _call(self, method: Any, *event: Any) -> list[Any]:
-        now = trio.current_time()
-        if self._big:
-            actions = await trio.to_thread.run_sync(method, *event, now)
-        else:
-            actions = method(*event, now)
-        self.alive = frozenset(self.machine.alive)
-        return actions
+    def _settled(self) -> bool:
+        return self.alive - {self.me} <= self._live.done  # everyone alive has its result
 
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:

@@ -45,6 +45,7 @@ from p2p import (
 )
 from swarm.averaging.allreduce import (
     AllReduce,
+    DeadlineReached,
     Encoded,
     PartReceived,
     PeerLost,
@@ -137,12 +138,82 @@ async def connect_first(
                 nursery.start_soon(one, peer)
 
 
-class PeerLinks:
+class RoundDriver:
+    """The loop that feeds one round's sans-IO machine (the flat ``AllReduce`` or the grid's
+    ``GridAllReduce``) its events and applies its actions, shared by ``Session`` and
+    ``GridSession``: they differ in their links, their ``_apply`` and ``_settled``."""
+
+    group: Group
+    machine: Any
+    alive: frozenset[bytes]
+    _live: Liveness
+    _big: bool  # big enough for the machine, encoding, decoding and hashing to go to a thread
+    _inbox: trio.MemoryReceiveChannel[Any]
+    _inbox_send: trio.MemorySendChannel[Any]
+    _result: RoundResult | None
+    _error: str | None
+    _closed: bool
+
+    async def _apply(self, actions: list[Any]) -> None:
+        raise NotImplementedError
+
+    def _settled(self) -> bool:
+        """Once we have our result: whether no peer can still need anything from us."""
+        raise NotImplementedError
+
+    async def _drive(self) -> None:
+        await self._apply(await self._call(self.machine.start))
+        while not self._closed:
+            with trio.move_on_at(self.machine.deadline) as wait:
+                event = await self._inbox.receive()
+            if wait.cancelled_caught:
+                await self._apply(await self._call(self.machine.handle, DeadlineReached()))
+                return
+            if not isinstance(event, Wake):
+                try:
+                    actions = await self._call(self.machine.handle, event)
+                except RemoteProtocolError as exc:
+                    log.warning("ignored an event: %s", exc)
+                    continue
+                await self._apply(actions)
+            if self._error is not None:
+                return
+            if self._result is not None and self._settled():
+                return
+
+    async def _call(self, method: Any, *event: Any) -> list[Any]:
+        now = trio.current_time()
+        if self._big:
+            actions = await trio.to_thread.run_sync(method, *event, now)
+        else:
+            actions = method(*event, now)
+        self.alive = frozenset(self.machine.alive)
+        return actions
+
+    async def _thread(self, fn: Any, *args: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, *args) if self._big else fn(*args)
+
+    async def _peer_gone(self, peer: bytes, why: str) -> None:
+        finished = self._result is not None
+        if self._live.report(
+            peer, alive=peer in self.alive, closed=self._closed, finished=finished
+        ):
+            log.info("round %s: lost %s: %s", self.group.round, short_id(peer), why)
+            await self._post(PeerLost(peer))
+
+    async def _post(self, event: Any) -> None:
+        """Into the inbox: at once while it has room (always, for honest peers), else wait."""
+        try:
+            self._inbox_send.send_nowait(event)
+        except trio.WouldBlock:
+            await self._inbox_send.send(event)
+
+
+class PeerLinks(RoundDriver):
     """Each member's links for one session (see the module docstring)."""
 
     node: Node
     run_id: str
-    group: Group
     layout: Layout
     config: SessionConfig
     me: bytes
@@ -150,31 +221,24 @@ class PeerLinks:
     parts: list[tuple[bytes, int, int]]
     align: int
     machine: AllReduce
-    alive: frozenset[bytes]
     dropped: dict[bytes, str]
     bytes_sent: int
     bytes_received: int
     _pool: ChannelPool | None
     _buffers: BufferPool
     _values: RoundValues
-    _live: Liveness
     _kept: KeptChannels[BulkChannel]
     _bulk: BulkConfig
     _upload: UploadMeter
-    _big: bool  # big enough for encoding, decoding and hashing to go to a worker thread
     _out: np.ndarray
     _landed: set[int]
     _landing: set[int]
     _landing_lock: threading.Lock
     _keeps_encoded: bool  # others' lossy slices go to the machine ``Encoded``
     _item_limit: int
-    _inbox_send: trio.MemorySendChannel[Any]
     _outboxes: dict[bytes, tuple[trio.MemorySendChannel[Any], trio.MemoryReceiveChannel[Any]]]
     _flushing: bool
     _finished: trio.Event
-    _result: RoundResult | None
-    _error: str | None
-    _closed: bool
 
     @property
     def group_id(self) -> bytes:
@@ -450,21 +514,6 @@ class PeerLinks:
             yield
         finally:
             self._live.transfer_ended(peer)
-
-    async def _peer_gone(self, peer: bytes, why: str) -> None:
-        finished = self._result is not None
-        if self._live.report(
-            peer, alive=peer in self.alive, closed=self._closed, finished=finished
-        ):
-            log.info("round %s: lost %s: %s", self.group.round, short_id(peer), why)
-            await self._post(PeerLost(peer))
-
-    async def _post(self, event: Any) -> None:
-        """Into the inbox: at once while it has room (always, for honest peers), else wait."""
-        try:
-            self._inbox_send.send_nowait(event)
-        except trio.WouldBlock:
-            await self._inbox_send.send(event)
 
     def _standing(self) -> Standing:
         return Standing(
