@@ -13,28 +13,25 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from referee_game import referee_game
 
 from diloco import Corpus
 from swarmtrain.cli import _run
 from swarmtrain.config import RunConfig, config_from_mapping, default_toml
 from swarmtrain.training.workload import build_model
 from swarmtrain.verified.task import (
-    DATA_LABELS,
     DispatchTaskStep,
     NotVerifiable,
     Task,
     check_verifiable,
     make_task,
     param_layout,
-    recompute_of,
     run_fast,
     run_traced,
-    same_program_every_step,
-    task_data,
 )
-from verify import Answered, Finish, TaskSpec, Verdict, tensor_hash
+from verify import TaskSpec, Verdict, tensor_hash
 from verify.dispatch import tamperable
-from verify.dispute import Provider, Referee, RefereeConfig
+from verify.dispute import Provider
 
 # llama-tiny's architecture (examples/configs/llama-tiny.json), narrower: grouped KV heads,
 # RMS norm, rotary positions, SiLU MLP. Built from the config; nothing is downloaded.
@@ -82,29 +79,9 @@ def honest(config: RunConfig, corpus: Corpus, model: torch.nn.Module) -> tuple[T
 def _referee_game(
     config: RunConfig, corpus: Corpus, spec: TaskSpec, providers: list[Provider]
 ) -> Verdict:
-    """The game as the coordinator's ``RefereeService.referee`` sets it up: the task's data
-    alone (``task_data``) for the leaf oracle, ``recompute_of`` for the disputed record."""
-    data = task_data(config, corpus, RUN_SEED, ROUND, OWNER)
-
-    def data_leaf(index: int, label: str, attrs: bytes) -> bytes | None:
-        if label not in DATA_LABELS or not 0 <= index < len(data.batches):
-            return None
-        return tensor_hash(data.batches[index][DATA_LABELS[label]])
-
-    referee = Referee(
-        TaskSpec(spec.start_state_hash, data.seed, len(data.batches)),
-        recompute_of(config),
-        leaf_oracle=data_leaf,
-        config=RefereeConfig(30.0, same_program_every_step=same_program_every_step(config)),
+    return referee_game(
+        config, corpus, spec, providers, run_seed=RUN_SEED, round_number=ROUND, owner=OWNER
     )
-    actions = referee.start(0.0)
-    for _ in range(200):  # bounded: the game ends in about log2(steps) + log2(ops) rounds
-        finish = next((a for a in actions if isinstance(a, Finish)), None)
-        if finish is not None:
-            return finish.verdict
-        answers = [Answered(q.party, providers[q.party].answer(q.request)) for q in actions]  # type: ignore[union-attr]
-        actions = [out for answer in answers for out in referee.handle(answer, 0.0)]
-    raise AssertionError("the dispute game did not end")
 
 
 def test_a_transformers_task_is_a_dispatch_trace_and_its_fast_run_has_the_same_bits(
