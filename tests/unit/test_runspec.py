@@ -37,6 +37,14 @@ from swarmtrain.runspec import (
 )
 
 
+def _changed(data: bytes, key: str, value: object) -> bytes:
+    """A signed spec's bytes with one setting's value replaced (its signature then no longer
+    matches)."""
+    obj = msgpack.unpackb(data, raw=False)
+    changed = [[k, value if k == key else v] for k, v in obj[1]]
+    return msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+
+
 def test_default_toml_round_trips_to_the_defaults() -> None:
     text = default_toml()
     assert text.count("# ") > 10  # commented
@@ -175,13 +183,11 @@ def test_the_model_factory_is_signed_and_swapping_it_is_refused() -> None:
     obj = msgpack.unpackb(data, raw=False)
     assert dict(obj[1])["model.factory"] == "my_pkg.models:tiny_mlp"
     for value in ["os:system", ""]:  # another factory, or none (the default model)
-        changed = [[k, value if k == "model.factory" else v] for k, v in obj[1]]
-        tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        tampered = _changed(data, "model.factory", value)
         with pytest.raises(SpecRefused, match="tampered with"):
             verify_spec(tampered, signature, coordinator)
     # Validly signed but malformed: refused naming the key before anything imports it.
-    changed = [[k, "os.system; rm" if k == "model.factory" else v] for k, v in obj[1]]
-    bad = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    bad = _changed(data, "model.factory", "os.system; rm")
     with pytest.raises(SpecRefused, match=r"model\.factory must be empty or"):
         verify_spec(bad, key_pair.private_key.sign(SIGNING_DOMAIN + bad), coordinator)
 
@@ -203,8 +209,7 @@ def test_a_signed_pipeline_spec_round_trips_and_tampering_with_its_keys_is_refus
     settings = dict(obj[1])
     assert {f"pipeline.{k}" for k in PIPELINE_KEYS} <= set(settings)
     for key, value in [("pipeline.stages", 2), ("pipeline.average_every_s", 9.0)]:
-        changed = [[k, value if k == key else v] for k, v in obj[1]]
-        tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        tampered = _changed(data, key, value)
         with pytest.raises(SpecRefused, match="tampered with"):
             verify_spec(tampered, signature, coordinator)
     # Dropping the pipeline keys (a DiLoCo spec in disguise) breaks the signature too.
@@ -218,14 +223,12 @@ def test_a_validly_signed_spec_with_a_bad_pipeline_value_is_refused_naming_the_k
     key_pair = create_new_key_pair()
     coordinator = PeerID.from_pubkey(key_pair.public_key)
     data, _ = sign_spec(RunSpec(PIPELINE, str(coordinator), 2.0), key_pair)
-    obj = msgpack.unpackb(data, raw=False)
     for key, value, message in [
         ("pipeline.stages", 4, "pipeline.stages (4) is more than model.n_layers (3)"),
         ("pipeline.stages", -1, "pipeline.stages must be a non-negative integer"),
         ("pipeline.average_every_s", 0.0, "pipeline.average_every_s must be a positive number"),
     ]:
-        changed = [[k, value if k == key else v] for k, v in obj[1]]
-        bad = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        bad = _changed(data, key, value)
         signature = key_pair.private_key.sign(SIGNING_DOMAIN + bad)
         with pytest.raises(SpecRefused, match=re.escape(message)):
             verify_spec(bad, signature, coordinator)
@@ -302,8 +305,7 @@ def test_a_sparse_spec_is_signed_and_tampering_with_its_keys_is_refused() -> Non
         ("training.error_feedback_decay", 1.0),
     ]:
         assert key in dict(obj[1])
-        changed = [[k, value if k == key else v] for k, v in obj[1]]
-        tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+        tampered = _changed(data, key, value)
         with pytest.raises(SpecRefused, match="tampered with"):
             verify_spec(tampered, signature, coordinator)
 
@@ -354,9 +356,7 @@ def test_fragments_are_signed_and_cut_the_nodes_rounds_as_diloco_does() -> None:
     coordinator = PeerID.from_pubkey(key_pair.public_key)
     data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
     assert verify_spec(data, signature, coordinator).config.training.fragments == 3
-    obj = msgpack.unpackb(data, raw=False)
-    changed = [[k, 1 if k == "training.fragments" else v] for k, v in obj[1]]
-    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    tampered = _changed(data, "training.fragments", 1)
     with pytest.raises(SpecRefused, match="tampered with"):
         verify_spec(tampered, signature, coordinator)
 
@@ -384,9 +384,7 @@ def test_a_verified_run_accepts_grad_clip_signed_with_the_spec(tmp_path: Path) -
     coordinator = PeerID.from_pubkey(key_pair.public_key)
     data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
     assert verify_spec(data, signature, coordinator).config == config
-    obj = msgpack.unpackb(data, raw=False)
-    changed = [[k, 5.0 if k == "training.grad_clip" else v] for k, v in obj[1]]
-    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    tampered = _changed(data, "training.grad_clip", 5.0)
     with pytest.raises(SpecRefused, match="tampered with"):
         verify_spec(tampered, signature, coordinator)
     with pytest.raises(ConfigError, match=r"^training\.weight_decay: a verified run"):
@@ -409,9 +407,7 @@ def test_expected_peers_makes_scheduled_sharded_rounds_signed_with_the_spec() ->
     coordinator = PeerID.from_pubkey(key_pair.public_key)
     data, signature = sign_spec(RunSpec(large, str(coordinator), 2.0), key_pair)
     assert verify_spec(data, signature, coordinator).config == large
-    obj = msgpack.unpackb(data, raw=False)
-    changed = [[k, 10 if k == "swarm.expected_peers" else v] for k, v in obj[1]]
-    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    tampered = _changed(data, "swarm.expected_peers", 10)
     with pytest.raises(SpecRefused, match="tampered with"):
         verify_spec(tampered, signature, coordinator)
 
@@ -446,9 +442,7 @@ def test_the_state_quorum_is_signed_and_defaults_to_a_majority() -> None:
         config = RunConfig(run=RunSection(id="q"), swarm=SwarmSection(state_quorum=quorum))
         data, signature = sign_spec(RunSpec(config, str(coordinator), 2.0), key_pair)
         assert verify_spec(data, signature, coordinator).config.swarm.state_quorum == quorum
-    obj = msgpack.unpackb(data, raw=False)
-    changed = [[k, 0 if k == "swarm.state_quorum" else v] for k, v in obj[1]]
-    tampered = msgpack.packb([obj[0], changed, obj[2], obj[3]], use_bin_type=True)
+    tampered = _changed(data, "swarm.state_quorum", 0)
     with pytest.raises(SpecRefused, match="tampered with"):
         verify_spec(tampered, signature, coordinator)
 
