@@ -250,9 +250,8 @@ class GridSession(RoundDriver):
             finalize=finalizer(self.layout),
         )
 
-    def _settled(self) -> bool:
-        # no near peer can still need a forward, relay or handover from us
-        return self.alive & self.near <= self._live.done
+    def _watched(self) -> frozenset[bytes]:
+        return self.alive & self.near  # only near peers exchange items with us
 
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:
@@ -268,7 +267,7 @@ class GridSession(RoundDriver):
                 self._result = RoundResult(
                     action.result, action.contributors, dict(self.dropped), seconds
                 )
-                for peer in sorted(self.alive & self.near):
+                for peer in sorted(self._watched()):
                     await self._outbox(peer).send(Done())
                 self._finished.set()
             elif isinstance(action, Fail):
@@ -373,27 +372,3 @@ class GridSession(RoundDriver):
                 item = await self._thread(from_wire, msg, data, self.plan, self.layout)
             await self._post(ItemReceived(peer, item))
         raise RemoteProtocolError(f"more than {self._item_limit} items in one round")
-
-    # -- time and losses -------------------------------------------------------------------------
-
-    async def _watch_liveness(self) -> None:
-        """Every heartbeat: near peers whose stream to us is overdue are lost, quiet ones are
-        pinged (``liveness`` rules 2 and 3)."""
-        while True:
-            await trio.sleep(self.config.heartbeat_s)
-            watched = self.alive & self.near
-            for peer, why in self._live.overdue(trio.current_time(), watched):
-                await self._peer_gone(peer, why)
-            async with trio.open_nursery() as nursery:
-                for peer in self._live.to_ping(trio.current_time(), watched):
-                    nursery.start_soon(self._ping, peer)
-
-    async def _ping(self, peer: bytes) -> None:
-        result = await self.node.ping(
-            PeerID(peer),
-            rounds=1,
-            deadline_s=self.config.peer_timeout_s,
-            keep_trying_s=self._live.keep_trying_s(trio.current_time()),
-        )
-        if not result.ok:
-            await self._peer_gone(peer, f"no answer to a ping: {result.error}")

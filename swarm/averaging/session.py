@@ -44,7 +44,6 @@ from p2p import (
     BulkTransferFailed,
     Node,
     P2PError,
-    PeerID,
     RemoteProtocolError,
     RpcStream,
     StreamEnded,
@@ -361,8 +360,8 @@ class Session(PeerLinks):
 
     # -- the machine -----------------------------------------------------------------------------
 
-    def _settled(self) -> bool:
-        return self.alive - {self.me} <= self._live.done  # everyone alive has its result
+    def _watched(self) -> frozenset[bytes]:
+        return self.alive - {self.me}  # every other member
 
     async def _apply(self, actions: list[Any]) -> None:
         for action in actions:
@@ -380,38 +379,12 @@ class Session(PeerLinks):
                 )
                 seconds = time.perf_counter() - self._started_at
                 self._result = RoundResult(vector, action.contributors, dict(self.dropped), seconds)
-                for peer in self.alive - {self.me}:
+                for peer in self._watched():
                     self._outboxes[peer][0].send_nowait(Done())
                 self._finished.set()
             elif isinstance(action, Fail):
                 self._error = action.reason
                 self._finished.set()
-
-    # -- time ----------------------------------------------------------------------------------
-
-    async def _watch_liveness(self) -> None:
-        """Every heartbeat, report the members whose stream to us is overdue and ping the quiet
-        ones (``swarm.averaging.liveness`` says which)."""
-        while True:
-            await trio.sleep(self.config.heartbeat_s)
-            for peer, why in self._live.overdue(trio.current_time(), self.alive - {self.me}):
-                await self._peer_gone(peer, why)
-            targets = self._live.to_ping(trio.current_time(), self.alive - {self.me})
-            async with trio.open_nursery() as nursery:
-                for peer in targets:
-                    nursery.start_soon(self._ping, peer)
-
-    async def _ping(self, peer: bytes) -> None:
-        # Reached (or not) like its sender: a member without a connection yet is tried again
-        # until the peer timeout from the round's start, not dropped by a ping's first dial.
-        result = await self.node.ping(
-            PeerID(peer),
-            rounds=1,
-            deadline_s=self.config.peer_timeout_s,
-            keep_trying_s=self._live.keep_trying_s(trio.current_time()),
-        )
-        if not result.ok:
-            await self._peer_gone(peer, f"no answer to a ping: {result.error}")
 
     # -- ends ------------------------------------------------------------------------------------
 

@@ -141,8 +141,10 @@ async def connect_first(
 class RoundDriver:
     """The loop that feeds one round's sans-IO machine (the flat ``AllReduce`` or the grid's
     ``GridAllReduce``) its events and applies its actions, shared by ``Session`` and
-    ``GridSession``: they differ in their links, their ``_apply`` and ``_settled``."""
+    ``GridSession``: they differ in their links, their ``_apply`` and ``_watched``."""
 
+    node: Node
+    config: SessionConfig
     group: Group
     machine: Any
     alive: frozenset[bytes]
@@ -157,8 +159,9 @@ class RoundDriver:
     async def _apply(self, actions: list[Any]) -> None:
         raise NotImplementedError
 
-    def _settled(self) -> bool:
-        """Once we have our result: whether no peer can still need anything from us."""
+    def _watched(self) -> frozenset[bytes]:
+        """The live peers we exchange items with: those whose streams and pings we watch, and
+        who may still need something from us until they said ``Done``."""
         raise NotImplementedError
 
     async def _drive(self) -> None:
@@ -178,8 +181,8 @@ class RoundDriver:
                 await self._apply(actions)
             if self._error is not None:
                 return
-            if self._result is not None and self._settled():
-                return
+            if self._result is not None and self._watched() <= self._live.done:
+                return  # nobody we talk to can still need a forward, relay or handover from us
 
     async def _call(self, method: Any, *event: Any) -> list[Any]:
         now = trio.current_time()
@@ -192,6 +195,30 @@ class RoundDriver:
 
     async def _thread(self, fn: Any, *args: Any) -> Any:
         return await trio.to_thread.run_sync(fn, *args) if self._big else fn(*args)
+
+    async def _watch_liveness(self) -> None:
+        """Every heartbeat, report the watched peers whose stream to us is overdue and ping the
+        quiet ones (``swarm.averaging.liveness`` rules 2 and 3 say which)."""
+        while True:
+            await trio.sleep(self.config.heartbeat_s)
+            for peer, why in self._live.overdue(trio.current_time(), self._watched()):
+                await self._peer_gone(peer, why)
+            targets = self._live.to_ping(trio.current_time(), self._watched())
+            async with trio.open_nursery() as nursery:
+                for peer in targets:
+                    nursery.start_soon(self._ping, peer)
+
+    async def _ping(self, peer: bytes) -> None:
+        # Reached (or not) like its sender: a member without a connection yet is tried again
+        # until the peer timeout from the round's start, not dropped by a ping's first dial.
+        result = await self.node.ping(
+            PeerID(peer),
+            rounds=1,
+            deadline_s=self.config.peer_timeout_s,
+            keep_trying_s=self._live.keep_trying_s(trio.current_time()),
+        )
+        if not result.ok:
+            await self._peer_gone(peer, f"no answer to a ping: {result.error}")
 
     async def _peer_gone(self, peer: bytes, why: str) -> None:
         finished = self._result is not None
