@@ -247,6 +247,18 @@ def _mse_loss_backward(
 # ---- cumulative sum ------------------------------------------------------------------------------
 
 
+def _scan(x: torch.Tensor, dim: int, op: Any) -> torch.Tensor:
+    """out[0] = x[0], out[i] = op(out[i - 1], x[i]) along ``dim``: one IEEE op an element, in
+    index order."""
+    if x.dim() == 0:
+        return x.clone()
+    moved = x.movedim(dim, 0)
+    out = moved.clone(memory_format=torch.contiguous_format)
+    for i in range(1, len(out)):
+        op(out[i - 1], moved[i], out=out[i])
+    return out.movedim(0, dim)
+
+
 @maps(aten.cumsum.default)
 def _cumsum(x: torch.Tensor, dim: int, *, dtype: Any = None) -> torch.Tensor:
     """out[0] = x[0], out[i] = out[i - 1] + x[i] along ``dim``: sequential, in index order.
@@ -254,13 +266,7 @@ def _cumsum(x: torch.Tensor, dim: int, *, dtype: Any = None) -> torch.Tensor:
     if dtype not in (None, F32):
         raise UnmappedOperator("aten.cumsum", f"dtype {dtype}")
     x = as_f32(x, "aten.cumsum") if x.is_floating_point() else x.to(F32)
-    if x.dim() == 0:
-        return x.clone()
-    moved = x.movedim(dim, 0)
-    out = moved.clone(memory_format=torch.contiguous_format)
-    for i in range(1, len(out)):
-        torch.add(out[i - 1], moved[i], out=out[i])
-    return out.movedim(0, dim)
+    return _scan(x, dim, torch.add)
 
 
 @maps(aten.cumprod.default)
@@ -269,14 +275,7 @@ def _cumprod(x: torch.Tensor, dim: int, *, dtype: Any = None) -> torch.Tensor:
     ``cumsum``. (Integer cumprods are exact and run natively.)"""
     if dtype not in (None, F32):
         raise UnmappedOperator("aten.cumprod", f"dtype {dtype}")
-    x = _float(x, "aten.cumprod")
-    if x.dim() == 0:
-        return x.clone()
-    moved = x.movedim(dim, 0)
-    out = moved.clone(memory_format=torch.contiguous_format)
-    for i in range(1, len(out)):
-        torch.mul(out[i - 1], moved[i], out=out[i])
-    return out.movedim(0, dim)
+    return _scan(_float(x, "aten.cumprod"), dim, torch.mul)
 
 
 def _product_tree(flat: torch.Tensor) -> torch.Tensor:
