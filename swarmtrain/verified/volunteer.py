@@ -371,15 +371,16 @@ class Verification:
         r, gid, rate = result.round, bytes.fromhex(result.group_id), self.config.verify.rate
         owed = {owner: v for (k, owner), v in self._expected.items() if k == r}
         misbound = {(d.part, d.peer): d for d in result.refused if d.peer in owed}
-        # Every slice we refused, its sender's signature with it: a refusal against a
-        # sender's committed contribution is evidence its task's verifier takes to the referee.
-        refused = list(result.refused)
+        # Every slice we refused (``misbound`` among them), its sender's signature with it: a
+        # refusal against a committed contribution is evidence its task's verifier takes to
+        # the referee.
+        refused = swarm.slice_disputes(result.refused)
         record = swarm.AuditRecord(
             r,
             gid,
             result.reducers,
             result.audits,
-            slice_disputes=swarm.slice_disputes([*refused, *misbound.values()]),
+            slice_disputes=refused,
         )
         self._report_misbound(r, misbound.values())
         self._publish_audits(record)
@@ -412,7 +413,7 @@ class Verification:
                     record = replace(
                         record,
                         disputed=tuple(sorted(disputed)),
-                        slice_disputes=swarm.slice_disputes([*refused, *misbound.values()]),
+                        slice_disputes=refused,
                     )
                     self._publish_audits(record)
             awaited = drawn | disputed
