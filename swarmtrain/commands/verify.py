@@ -1,8 +1,8 @@
 """``swarmtrain verify``: the Verde dispute game on the default model or any ``transformers``
 model, on loopback.
 
-    swarmtrain verify --steps S [--model-config PATH] [--cheat-step K --cheat-op J]
-                      [--threads T] [--json]
+    swarmtrain verify --steps S [--model-config PATH] [--grad-clip C]
+                      [--cheat-step K --cheat-op J] [--threads T] [--json]
 
 Starts two provider processes (this module run as ``python -m swarmtrain.commands.verify
 provider``), each running the same task (S RepOps training steps from the model's seed-0
@@ -24,7 +24,9 @@ config.json describes (built as a run spec's ``[model] kind = "transformers"`` i
 the dispatch log of its step under ``RepOpsMode`` (``verify.dispatch``): ``--cheat-op`` then
 names an aten operator of that list, and the referee recomputes the disputed one. A config whose
 step uses an operator RepOps cannot run is refused, with the operator's name, before anything
-starts.
+starts. ``--grad-clip C`` clips each step's gradients to global norm C before AdamW, as a run's
+``[training] grad_clip`` does; the default model's step then runs through the dispatch trace as
+well (the hand-written graph has no clip), as a verified run's tasks do.
 
 About 430 lines, over the usual 400: the provider process, the refusals made before anything
 starts and the referee read the same arguments and build the same step, so they stay together.
@@ -89,17 +91,29 @@ def _task_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="a transformers config.json: verify that model's step (default: the default model)",
     )
+    parser.add_argument(
+        "--grad-clip",
+        type=float,
+        default=0.0,
+        metavar="C",
+        help="clip each step's gradients to this global norm, as [training] grad_clip [0: off]",
+    )
     # A smaller model of the same architecture, for tests (not the default model).
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
 
 
+def _shape(args: argparse.Namespace) -> Any:
+    from verify.repops import ModelShape
+
+    return ModelShape(d_model=32, n_layers=1, n_heads=2, context=32) if args.tiny else ModelShape()
+
+
 def _repops(args: argparse.Namespace) -> Any:
     from diloco import load_stdlib_corpus
-    from verify.repops import ModelShape, RepOpsStep
+    from verify.repops import RepOpsStep
 
-    shape = ModelShape(d_model=32, n_layers=1, n_heads=2, context=32) if args.tiny else ModelShape()
     corpus = load_stdlib_corpus(max_bytes=CORPUS_BYTES).train
-    return RepOpsStep(corpus, args.seed, shape=shape, batch_size=BATCH)
+    return RepOpsStep(corpus, args.seed, shape=_shape(args), batch_size=BATCH)
 
 
 def _model_config(path: str) -> dict[str, Any]:
@@ -116,28 +130,50 @@ def _model_config(path: str) -> dict[str, Any]:
 
 
 def _dispatch(args: argparse.Namespace) -> Any:
-    """The ``DispatchStep`` of ``--model-config``'s model; ``_Refused`` for a config that
-    builds no causal LM, or one whose vocabulary cannot hold bytes."""
-    from diloco import ModelError, build_causal_lm, load_stdlib_corpus
+    """The ``DispatchStep`` of ``--model-config``'s model, or of the default model (its
+    ``--tiny`` shape) when only ``--grad-clip`` asks for the trace; ``_Refused`` for a config
+    that builds no causal LM, or one whose vocabulary cannot hold bytes."""
+    from diloco import (
+        ByteTransformer,
+        ByteTransformerConfig,
+        ModelError,
+        build_causal_lm,
+        load_stdlib_corpus,
+    )
     from verify import batch_for
-    from verify.dispatch import DispatchStep
+    from verify.dispatch import AdamWSettings, DispatchStep
 
-    try:
-        model = build_causal_lm(_model_config(args.model_config), seed=0)
-    except ModelError as exc:
-        raise _Refused(f"--model-config {args.model_config}: {exc}") from None
-    if model.vocab_size < 256:
-        raise _Refused(
-            f"--model-config {args.model_config}: vocab_size {model.vocab_size} is below 256, "
-            "and the task trains on bytes"
+    if args.model_config:
+        try:
+            model = build_causal_lm(_model_config(args.model_config), seed=0)
+        except ModelError as exc:
+            raise _Refused(f"--model-config {args.model_config}: {exc}") from None
+        if model.vocab_size < 256:
+            raise _Refused(
+                f"--model-config {args.model_config}: vocab_size {model.vocab_size} is below "
+                "256, and the task trains on bytes"
+            )
+        context = min(model.context, CONTEXT)
+    else:
+        shape = _shape(args)
+        config = ByteTransformerConfig(
+            shape.d_model, shape.n_layers, shape.n_heads, shape.context, shape.mlp_ratio
         )
+        model, context = ByteTransformer(config, seed=0), shape.context
     corpus = load_stdlib_corpus(max_bytes=CORPUS_BYTES).train
-    context, seed = min(model.context, CONTEXT), args.seed
-    return DispatchStep(model, lambda step: batch_for(corpus, seed, step, BATCH, context))
+    seed, optimizer = args.seed, AdamWSettings(grad_clip=args.grad_clip)
+    return DispatchStep(
+        model, lambda step: batch_for(corpus, seed, step, BATCH, context), optimizer=optimizer
+    )
+
+
+def _dispatched(args: argparse.Namespace) -> bool:
+    """Whether the task is a dispatch trace (``verify.dispatch``), not the hand-written graph."""
+    return bool(args.model_config) or args.grad_clip > 0
 
 
 def _traced_step(args: argparse.Namespace) -> Any:
-    return _dispatch(args) if args.model_config else _repops(args)
+    return _dispatch(args) if _dispatched(args) else _repops(args)
 
 
 def _first_step(args: argparse.Namespace, step: Any) -> list[Any]:
@@ -159,14 +195,14 @@ def _preflight(args: argparse.Namespace) -> Any:
     if args.cheat_step is not None and not 0 <= args.cheat_step < args.steps:
         last = args.steps - 1
         raise _Refused(f"--cheat-step {args.cheat_step}: the task's steps are 0 to {last}")
-    if args.cheat_step is None and not args.model_config:
+    if args.cheat_step is None and not _dispatched(args):
         return None
     from verify import LEAF_PREFIX
     from verify.dispatch import CONST_OP, tamperable
 
     step = _traced_step(args)
     records = _first_step(args, step)
-    operator = tamperable if args.model_config else (lambda r: not r.is_leaf)
+    operator = tamperable if _dispatched(args) else (lambda r: not r.is_leaf)
     ops = [i for i, record in enumerate(records) if operator(record)]
     if args.cheat_step is None or args.cheat_op in ops:
         return step
@@ -256,6 +292,7 @@ def _spawn(name: str, args: argparse.Namespace, cheat: bool) -> _Child:
     argv += ["--steps", str(args.steps), "--threads", str(args.threads), "--seed", str(args.seed)]
     argv += ["--tiny"] if args.tiny else []
     argv += ["--model-config", args.model_config] if args.model_config else []
+    argv += ["--grad-clip", repr(args.grad_clip)] if args.grad_clip else []
     if cheat:
         argv += ["--cheat-step", str(args.cheat_step), "--cheat-op", str(args.cheat_op or 0)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(args.threads)}
@@ -294,6 +331,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.steps < 1 or args.threads < 1:
         print("swarmtrain verify: --steps and --threads must be at least 1", file=sys.stderr)
+        return 2
+    if not args.grad_clip >= 0:  # NaN too
+        print(f"swarmtrain verify: --grad-clip {args.grad_clip}: must be 0 (off) or positive",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.model_config and args.tiny:
         print("swarmtrain verify: --tiny is the default model's; not with --model-config",
@@ -359,9 +400,10 @@ def _referee(args: argparse.Namespace, children: list[_Child], step: Any = None)
     # RepOpsStep's graph is the same every step (the step counter is a state tensor); a
     # dispatch trace's is only for a model that does not branch on its data
     # (verify.dispatch.traced).
-    config = RefereeConfig(args.timeout, same_program_every_step=not args.model_config)
+    dispatched = _dispatched(args)
+    config = RefereeConfig(args.timeout, same_program_every_step=not dispatched)
     referee = Referee(
-        task, recompute if args.model_config else run_op, leaf_oracle=data_leaf, config=config
+        task, recompute if dispatched else run_op, leaf_oracle=data_leaf, config=config
     )
     addrs = [multiaddr.Multiaddr(c.ready["addr"]) for c in children]  # type: ignore[index]
     peers = [PeerID.from_base58(a.value_for_protocol("p2p")) for a in addrs]

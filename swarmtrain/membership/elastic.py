@@ -149,6 +149,10 @@ class Elastic:
         self._held: tuple[int, bytes] | None = None
         self._adopted: AgreedState | None = None  # the state the last download adopted
         self._state_bytes = diloco.state_size()
+        # Peers whose records count for nothing (a verified run's banned ones: the training loop
+        # sets it): a banned peer that leaves looked like a live member behind us, and both
+        # honest peers of a run waited a round's budget for it and then trained apart.
+        self.ignored: Callable[[], Collection[str]] = frozenset
 
     # -- records -------------------------------------------------------------------------------
 
@@ -156,12 +160,15 @@ class Elastic:
         return self.runtime.call(self._records)
 
     async def _records(self) -> list[Progress]:
-        """``records`` in the node's loop, for the probes ``_poll`` awaits there."""
+        """``records`` in the node's loop, for the probes ``_poll`` awaits there; those of
+        ``ignored`` peers left out."""
         try:
-            return decode_all(await self.runtime.read_async(progress_key(self.run_id)))
+            found = decode_all(await self.runtime.read_async(progress_key(self.run_id)))
         except Exception as exc:
             log.warning("could not read the run's progress records: %s", exc)
             return []
+        ignored = self.ignored()
+        return [p for p in found if p.peer_id not in ignored] if ignored else found
 
     def _poll(
         self,
@@ -240,10 +247,12 @@ class Elastic:
 
     def starts(self) -> list[Start]:
         try:
-            return decode_starts(self.runtime.read(starts_key(self.run_id)))
+            found = decode_starts(self.runtime.read(starts_key(self.run_id)))
         except Exception as exc:
             log.warning("could not read the run's start announcements: %s", exc)
             return []
+        ignored = self.ignored()
+        return [s for s in found if s.peer_id not in ignored]
 
     def serve_current(self) -> None:
         """Offer the current state to joiners (call after every round, failed or not): from its
@@ -265,12 +274,13 @@ class Elastic:
 
     def _announced(self, round_number: int) -> set[str]:
         try:
-            return announced_joiners(
+            found = announced_joiners(
                 self.runtime.read(join_key(self.run_id, round_number)), round_number
             )
         except Exception as exc:
             log.warning("round %d: could not read announced joiners: %s", round_number, exc)
             return set()
+        return found - set(self.ignored())
 
     def joiners(self, round_number: int) -> frozenset[bytes]:
         """The peers that announced they join at ``round_number`` (a verified run waits for

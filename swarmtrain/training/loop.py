@@ -309,6 +309,7 @@ def train(
     )  # fmt: skip
     if verification is not None:
         verification.joiners = elastic.joiners
+        elastic.ignored = verification.banned_peers
     # The membership needs DiLoCo, which needs the averaging: its rules come last.
     average.set_rules(
         expected=elastic.expected_peers,

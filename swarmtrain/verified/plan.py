@@ -36,7 +36,7 @@ import enum
 import hashlib
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -439,3 +439,27 @@ def encode_audit_results(results: Iterable[AuditResult]) -> bytes:
 def decode_audit_results(data: bytes) -> list[AuditResult]:
     """Raises ``RemoteProtocolError`` for a malformed list."""
     return list(decode(data, AuditResultList).results)
+
+
+def decide_all(
+    plan: Iterable[Assignment],
+    records: Mapping[bytes, RoundClaims],
+    verdicts: Collection[Verdict],
+    round_number: int,
+    members: Collection[bytes],
+    *,
+    timed_out: bool,
+) -> list[tuple[Assignment, Decision, str]]:
+    """``decide`` for each assignment of the round, ``members`` telling newcomers apart. A
+    banned owner is out at once and a banned verifier counts as timed out: neither is waited
+    for (a CI run's honest peer waited its 30 s verify timeout for the claims of a peer banned
+    meanwhile, and missed the next round's matchmaking)."""
+    ban = banned(verdicts)
+    return [
+        (a, Decision.EXCLUDE, f"banned: {ban[a.owner].describe()}")
+        if a.owner in ban
+        else (a, *decide(a, records, verdicts, round_number,
+                         timed_out=timed_out or a.verifier in ban,
+                         newcomer=a.owner not in members))
+        for a in plan
+    ]  # fmt: skip

@@ -56,7 +56,7 @@ from swarmtrain.verified.plan import (
     Verdict,
     assignments,
     banned,
-    decide,
+    decide_all,
     decode_audit_results,
     decode_verdicts,
     newcomers,
@@ -320,11 +320,7 @@ class Verification:
                 if todo:
                     self._publish_claims()
             timed_out = time.monotonic() >= deadline
-            decided = [
-                (a, *decide(a, records, self.verdicts, r, timed_out=timed_out,
-                            newcomer=a.owner not in members))
-                for a in plan
-            ]  # fmt: skip
+            decided = decide_all(plan, records, self.verdicts, r, members, timed_out=timed_out)
             silent = set()
             if not timed_out:
                 silent = awaited - {a.owner for a in plan} - set(banned(self.verdicts))
@@ -512,6 +508,10 @@ class Verification:
         """What ``settle`` decided for the round (banned peers when it did not run)."""
         found = self._excluded.get(round_number)
         return found if found is not None else frozenset(banned(self.verdicts))
+
+    def banned_peers(self) -> frozenset[str]:
+        """Every peer a verdict we read banned, as peer id strings (membership ignores them)."""
+        return frozenset(str(PeerID(cheater)) for cheater in banned(self.verdicts))
 
     def _read_verdicts(self) -> None:
         for v in self._coordinators_list(verdicts_key(self.config.run.id), decode_verdicts):

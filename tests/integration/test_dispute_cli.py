@@ -13,7 +13,7 @@ import pytest
 import torch
 from peerproc import ROOT
 
-from swarmtrain.commands.verify import _repops, _task, run
+from swarmtrain.commands.verify import _dispatch, _first_step, _repops, _task, run
 from verify.dispute.provider import Provider
 
 
@@ -83,7 +83,7 @@ def test_a_transformers_model_config_is_verified_through_its_dispatch_trace(
     path.write_text(json.dumps(config))
     args = argparse.Namespace(
         model_config=str(path), steps=2, threads=1, seed=0, tiny=False, cheat_step=1,
-        cheat_op=0, json=True, timeout=60.0,
+        cheat_op=0, json=True, timeout=60.0, grad_clip=0.0,
     )  # fmt: skip
     assert run(args) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
@@ -98,3 +98,33 @@ def test_a_transformers_model_config_is_verified_through_its_dispatch_trace(
     )  # fmt: skip
     assert result["cheater"] and result["reason"] == "output differs from the referee's"
     assert result["ops_per_step"] == last + 2  # the records, then the step's state record
+
+
+def test_grad_clip_puts_the_clip_in_the_default_models_trace_and_a_cheat_there_is_named() -> None:
+    """Issue 23: ``--grad-clip`` verifies a clipped step, as a run's ``[training] grad_clip``
+    is: the default model's step goes through the dispatch trace, whose records hold the clip
+    (the gradient norms, then the scale). A provider that flips a bit of the total norm is
+    named at that operator."""
+    plain = argparse.Namespace(tiny=True, seed=0, model_config=None, grad_clip=0.0)
+    clipped = argparse.Namespace(**{**vars(plain), "grad_clip": 0.5})
+    names = [r.name for r in _first_step(clipped, _dispatch(clipped))]
+    unclipped = [r.name for r in _first_step(plain, _dispatch(plain))]
+    norms = [i for i, name in enumerate(names) if "linalg_vector_norm" in name]
+    assert norms and not any("linalg_vector_norm" in name for name in unclipped), norms
+    total = norms[-1]  # the norm of the per-tensor norms: the global norm the clip divides by
+    cheat = verify_json(
+        "--steps", "2", "--grad-clip", "0.5", "--cheat-step", "1", "--cheat-op", str(total)
+    )  # fmt: skip
+    assert cheat["cheater"] and (cheat["step"], cheat["op"]) == (1, total), cheat
+    assert cheat["op_name"] == names[total] and "linalg_vector_norm" in cheat["op_name"]
+    assert cheat["reason"] == "output differs from the referee's"
+    assert cheat["ops_per_step"] == len(names) + 1  # the records, then the step's state record
+
+
+def test_a_negative_grad_clip_is_refused_in_one_line() -> None:
+    argv = [sys.executable, "-m", "swarmtrain.commands.verify", "verify", "--tiny"]
+    done = subprocess.run(
+        [*argv, "--grad-clip", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == "swarmtrain verify: --grad-clip -1.0: must be 0 (off) or positive"

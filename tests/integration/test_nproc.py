@@ -179,7 +179,11 @@ def test_an_fsdp_node_and_a_plain_one_agree_every_round_and_learn(tmp_path: Path
     """``--fsdp``: the node's 2 ranks shard the model (FSDP2); each phase starts from the
     node's DiLoCo model, ends in the gathered parameters, and the round's state is the same
     bytes as the plain peer's; the ranks agree on the gathered parameters and the loss falls."""
-    coordinator, join = start_coordinator(tmp_path, rounds=3, inner_steps=4, settings=SETTINGS)
+    # Without outer momentum: at full Nesterov momentum from round 0 the outer step of a
+    # 3-round run overshoots (docs/diloco_tuning.md), and round 2's loss once ended above round
+    # 0's in CI (4.80, 3.61, 5.13); this test is about the sharding, not the outer optimizer.
+    settings = {**SETTINGS, "outer_momentum": "0"}
+    coordinator, join = start_coordinator(tmp_path, rounds=3, inner_steps=4, settings=settings)
     try:
         sharded = node(join, tmp_path / "a", "--nproc-per-node", "2", "--fsdp")
         plain = node(join, tmp_path / "b")

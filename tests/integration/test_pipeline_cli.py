@@ -132,7 +132,12 @@ def test_coordinator_nodes_and_status_run_a_two_stage_pipeline(tmp_path: Path) -
             assert [int(r) for r, _, _ in rounds] == list(range(ROUNDS)), trainer.lines
             assert all(int(n) == MICROBATCHES for _, _, n in rounds), trainer.lines
             losses = [float(loss) for _, loss, _ in rounds]
-            assert losses[-1] < losses[0], (losses, [s.lines[1:] for s in servers])
+            # The best of the second half, not the last round: one round's loss is 4
+            # microbatches, and a round of a stage fed by two replicas between averaging
+            # epochs can spike (3.4 -> 4.9 -> 3.6; once 5.43 at the last round in CI;
+            # docs/pipelines.md, Limits). Typical runs end near 3.0 from 5.2-5.3.
+            late = min(losses[ROUNDS // 2 :])
+            assert late < losses[0] - 1.0, (losses, [s.lines[1:] for s in servers])
             assert trainer.lines[-1].startswith(f"done: trainer, {ROUNDS} rounds, loss ")
             summary = json.loads((tmp_path / "trainer" / "s.json").read_text())
             assert summary["role"] == "trainer" and summary["rounds"] == ROUNDS

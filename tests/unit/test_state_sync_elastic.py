@@ -268,6 +268,29 @@ def test_a_failed_peer_does_not_wait_when_everyone_failed_or_left() -> None:
     assert time.monotonic() - started < 5
 
 
+def test_a_banned_peer_is_neither_waited_for_nor_expected_nor_a_holder() -> None:
+    """A verified run's banned peer that left still had a fresh record of a round behind ours:
+    both honest peers of a CI run waited a round's budget (94 s) for it, then trained apart.
+    Its records, start and join announcement count for nothing once it is ``ignored``."""
+    me, b, cheater = _peer(), _peer(), _peer()
+    data, _ = _world(1)
+    dht = {
+        progress_key(RUN): {
+            str(b): _record(b, 2, False, bytes(32)),
+            str(cheater): _record(cheater, 1, False, bytes(32)),
+        },
+        join_key(RUN, 3): {str(cheater): announcement(3)},
+    }
+    elastic = _elastic(me, dht, data, [])
+    assert elastic.joiners(3) == frozenset({cheater.to_bytes()})
+    elastic.ignored = lambda: {str(cheater)}
+    started = time.monotonic()
+    assert elastic.after_round(2, ok=False, wait_s=30.0) is None  # nobody live behind us
+    assert time.monotonic() - started < 5
+    assert elastic.joiners(3) == frozenset()
+    assert [p.peer_id for p in elastic.records()] == [str(b)]  # nor a holder of any state
+
+
 def _dead_holder_fetcher(
     dead: PeerID | set[PeerID], data: bytes, asked: list[Hashable]
 ) -> Callable[[Any, str, bytes], Callable[[Hashable, Piece], Any]]:

@@ -29,6 +29,7 @@ from swarmtrain.verified.plan import (
     assignments,
     banned,
     decide,
+    decide_all,
     decode_audit_results,
     decode_verdicts,
     disputes,
@@ -234,6 +235,29 @@ def test_a_newcomers_first_task_counts_only_verified() -> None:
     # A slice verdict is about the all-reduce, after the round's tasks were settled.
     slice_verdict = [Verdict(3, a.owner, a.verifier, a.owner, None, 0, SLICE, "slice")]
     assert decide(a, agreed, slice_verdict, 3, timed_out=False)[0] is Decision.ACCEPT
+
+
+def test_a_banned_owner_or_verifier_is_not_waited_for() -> None:
+    """A peer banned for an earlier round's slice (here round 2's) that left: its own task is
+    out at once, and the task it was to verify is decided as at the timeout (a member's goes in
+    unverified, a newcomer's stays out). Without it an honest peer of a CI run waited its whole
+    verify timeout for the banned peer's claims and missed the next round's matchmaking."""
+    cheater, honest, newcomer = PEERS[0], PEERS[1], PEERS[2]
+    ban = [Verdict(2, cheater, honest, cheater, None, 0, SLICE, "slice")]
+    plan = [Assignment(cheater, honest), Assignment(honest, cheater), Assignment(newcomer, cheater)]
+    records = {
+        honest: RoundClaims(H[0], {honest: _claim(1)}, {honest: H[3]}),
+        newcomer: RoundClaims(H[0], {newcomer: _claim(1)}, {newcomer: H[3]}),
+    }
+    members = {cheater, honest}
+    got = decide_all(plan, records, ban, 3, members, timed_out=False)
+    assert [(a.owner, d) for a, d, _ in got] == [
+        (cheater, Decision.EXCLUDE), (honest, Decision.ACCEPT), (newcomer, Decision.EXCLUDE)
+    ]  # fmt: skip
+    assert got[0][2].startswith("banned: round 2") and "verifier published no" in got[1][2]
+    # Without the verdict all three wait, as before.
+    waiting = decide_all(plan, records, [], 3, members, timed_out=False)
+    assert all(d is Decision.WAIT for _, d, _ in waiting), waiting
 
 
 def test_newcomers_are_claimers_of_their_own_task_outside_the_members_bounded() -> None:
