@@ -260,24 +260,35 @@ def test_every_kernel_gives_the_same_bits_split_over_1_2_and_3_threads(
             ops.sum_tree(x, 0), ops.sum_tree(x, 1), stats,
             ops.OPS["layernorm"]([x, stats, g, b], {}),
             ops.OPS["layernorm_backward"]([x, stats, g, z], {}),
+            native.layernorm_xhat_dy(x, stats, z),
+            native.scores_grad_rows(z, ops.softmax_rows(x), 0.5),
             p, m, w,
         ]  # fmt: skip
 
     # Unsplit (these sizes are under the threshold): the kernels the other tests hold to eager.
     want = [_bits(t) for t in every_kernel()]
-    lowered, switch = split.MIN_ELEMENTS_PER_THREAD, os.environ.get("SWARMTRAIN_REPOPS_SPLIT")
+    lib = native.library()
+    assert lib is not None and hasattr(lib, "run_ranges"), "built without OpenMP"
+    original, threads_before = lib.run_ranges, torch.get_num_threads()
+    kernels: set[str] = set()
+
+    def spy(kernel: int, ranges: int, *rest: object) -> int:
+        kernels.add(split.KERNELS[kernel])
+        return original(kernel, ranges, *rest)
+
+    lowered = split.MIN_ELEMENTS_PER_THREAD
     split.MIN_ELEMENTS_PER_THREAD = 1
-    os.environ["SWARMTRAIN_REPOPS_SPLIT"] = "1"  # opt-in (off by default)
+    lib.run_ranges = spy
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             assert [_bits(t) for t in every_kernel()] == want, threads
     finally:
         split.MIN_ELEMENTS_PER_THREAD = lowered
-        if switch is None:
-            del os.environ["SWARMTRAIN_REPOPS_SPLIT"]
-        else:
-            os.environ["SWARMTRAIN_REPOPS_SPLIT"] = switch
+        lib.run_ranges = original
+        torch.set_num_threads(threads_before)
+    if rows > 1:  # each kernel went through OpenMP's threads (AdamW's cut is 256-element blocks)
+        assert kernels == set(split.KERNELS) - ({"adamw"} if rows * cols <= 256 else set())
 
 
 def test_a_nan_input_takes_the_eager_path_and_gives_its_bits() -> None:

@@ -508,3 +508,51 @@ int layernorm_xhat_dy(const float *x, const float *stats, const float *dy, int64
     }
     return 0;
 }
+
+/* One kernel call cut into ranges, run by OpenMP's threads: the library links libgomp.so.1,
+ * the runtime torch has already loaded, so the ranges go to torch's own worker threads (spinning
+ * after its last parallel region) and never wait for a core one of them holds, as a second pool
+ * did (verify/repops/split.py). Each range's arguments are SLOTS slots, in the kernel's order:
+ * pointers and integers as int64, float parameters as double. KERNELS in split.py names the
+ * kernel numbers. Returns each range's return value in codes. Only built with OpenMP: without
+ * it the library has no run_ranges and every call runs whole. */
+#ifdef _OPENMP
+typedef union {
+    int64_t i;
+    double d;
+} slot_t;
+
+#define SLOTS 12
+#define P(k) ((void *)(intptr_t)a[k].i)
+
+static int64_t call_kernel(int kernel, const slot_t *a) {
+    switch (kernel) {
+    case 0:
+        return grid_rows(P(0), P(1), P(2), P(3), a[4].i, a[5].i, a[6].i, a[7].i, (int)a[8].i,
+                         P(9), P(10));
+    case 1: return to_f32(P(0), P(1), a[2].i, a[3].i, P(4));
+    case 2: return exp_vec(P(0), P(1), a[2].i, P(3));
+    case 3: return gelu_cdf(P(0), P(1), a[2].i, P(3));
+    case 4: return gelu_backward(P(0), P(1), P(2), P(3), a[4].i, P(5));
+    case 5: return gelu_vec(P(0), P(1), a[2].i, P(3));
+    case 6: return gelu_backward_x(P(0), P(1), P(2), a[3].i, P(4));
+    case 7:
+        return softmax_rows(P(0), P(1), a[2].i, a[3].i, (float)a[4].d, a[5].i, a[6].i,
+                            (int)a[7].i, P(8), P(9));
+    case 8: return scores_grad_rows(P(0), P(1), P(2), a[3].i, a[4].i, (float)a[5].d, P(6));
+    case 9: return adamw(P(0), P(1), P(2), P(3), a[4].i, P(5));
+    case 10: return sum_tree_axis(P(0), a[1].i, a[2].i, a[3].i, a[4].i, P(5), P(6));
+    case 11: return layernorm_stats(P(0), a[1].i, a[2].i, (float)a[3].d, P(4), P(5));
+    case 12: return layernorm_apply(P(0), P(1), P(2), P(3), a[4].i, a[5].i, P(6));
+    case 13: return layernorm_backward(P(0), P(1), P(2), P(3), a[4].i, a[5].i, P(6), P(7));
+    case 14: return layernorm_xhat_dy(P(0), P(1), P(2), a[3].i, a[4].i, P(5));
+    default: return -1;
+    }
+}
+
+int run_ranges(int kernel, int ranges, const slot_t *args, int64_t *codes) {
+#pragma omp parallel for schedule(static, 1) num_threads(ranges)
+    for (int r = 0; r < ranges; r++) codes[r] = call_kernel(kernel, args + (int64_t)r * SLOTS);
+    return 0;
+}
+#endif

@@ -30,16 +30,18 @@ from pathlib import Path
 
 import torch
 
-from verify.repops.split import split
+from verify.repops.split import Args, all_done, split
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: GCC's C default contracts a * b + c into an FMA (one rounding, not two).
 # -fno-math-errno: sqrtf may then vectorize (errno is all it changes, never a result's bits).
+# -fopenmp: run_ranges, the kernel split over torch's OpenMP threads (split.py); a compiler
+# without OpenMP builds the kernels without it, and every call runs whole.
 FLAGS = (
     "-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-shared",
-    "-fPIC",
+    "-fPIC", "-fopenmp",
 )  # fmt: skip
 BUILD_TIMEOUT_S = 60.0
 ADAMW_BLOCK = 256  # native.c's ADAMW_BLOCK: the kernel checks for non-finite values per block
@@ -88,12 +90,10 @@ def _build() -> ctypes.CDLL | None:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
             os.close(fd)
             try:
-                subprocess.run(
-                    [compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=BUILD_TIMEOUT_S,
-                )
+                try:
+                    _compile(compiler, FLAGS, tmp)
+                except subprocess.CalledProcessError:
+                    _compile(compiler, FLAGS[:-1], tmp)  # without OpenMP
                 os.replace(tmp, target)
             finally:
                 with contextlib.suppress(FileNotFoundError):
@@ -131,7 +131,18 @@ def _build() -> ctypes.CDLL | None:
         kernel = getattr(lib, name)
         kernel.argtypes, kernel.restype = argtypes, int_
     lib.adamw.restype = i64
+    if hasattr(lib, "run_ranges"):
+        lib.run_ranges.argtypes, lib.run_ranges.restype = [int_, int_, ptr, i64p], int_
     return lib
+
+
+def _compile(compiler: str, flags: tuple[str, ...], out: str) -> None:
+    subprocess.run(
+        [compiler, *flags, "-o", out, str(SOURCE), "-lm"],
+        check=True,
+        capture_output=True,
+        timeout=BUILD_TIMEOUT_S,
+    )
 
 
 def library() -> ctypes.CDLL | None:
@@ -180,17 +191,17 @@ def grid_into(x: torch.Tensor, dim: int, bits: int, out: torch.Tensor) -> bool:
     axis = next((a for a in range(3) if shape[a] > 1), 2)
     each = x.numel() // max(1, shape[axis])
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         part = list(shape)
         part[axis] = hi - lo
         rows = part[2]
         work = torch.empty(2 * rows, dtype=F32)  # each row's bound, then its rounding constant
-        return lib.grid_rows(
+        return (
             x.data_ptr() + 4 * lo * xs[axis], xs, out.data_ptr() + 8 * lo * os_[axis], os_,
-            part[0], part[1], rows, part[3], bits, work.data_ptr(), work.data_ptr() + 4 * rows,
+            part[0], part[1], rows, part[3], bits, work, work.data_ptr() + 4 * rows,
         )  # fmt: skip
 
-    return split(shape[axis], each, run) == 0
+    return all_done(split(lib, "grid_rows", shape[axis], each, args))
 
 
 def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -215,11 +226,11 @@ def to_f32_into(x: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None = 
     rows, cols = _rows(x)
     bias_ptr = None if bias is None else bias.data_ptr()
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         at = lo * cols
-        return lib.to_f32(x.data_ptr() + 8 * at, out.data_ptr() + 4 * at, hi - lo, cols, bias_ptr)
+        return x.data_ptr() + 8 * at, out.data_ptr() + 4 * at, hi - lo, cols, bias_ptr
 
-    split(rows, cols, run)
+    split(lib, "to_f32", rows, cols, args)
     return True
 
 
@@ -239,14 +250,13 @@ def _elementwise(kernel: str, inputs: tuple[torch.Tensor, ...], constants: torch
     lib = library()
     if lib is None or not _plain(*inputs):
         return None
-    run_kernel = getattr(lib, kernel)
     out = torch.empty_like(inputs[0])
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         pointers = (t.data_ptr() + 4 * lo for t in (*inputs, out))
-        return run_kernel(*pointers, hi - lo, constants.data_ptr())
+        return *pointers, hi - lo, constants.data_ptr()
 
-    return None if split(out.numel(), 1, run) else out
+    return out if all_done(split(lib, kernel, out.numel(), 1, args)) else None
 
 
 def exp(x: torch.Tensor, constants: torch.Tensor) -> torch.Tensor | None:
@@ -300,14 +310,14 @@ def softmax_rows(
     rows, cols = _rows(x)
     out = torch.empty_like(x)
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
-        return lib.softmax_rows(
+        return (
             x.data_ptr() + at, out.data_ptr() + at, hi - lo, cols, scale, causal, lo, int(safe),
-            constants.data_ptr(), scratch.data_ptr(),
+            constants.data_ptr(), scratch,
         )  # fmt: skip
 
-    return None if split(rows, cols, run) else out
+    return out if all_done(split(lib, "softmax_rows", rows, cols, args)) else None
 
 
 def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -318,12 +328,12 @@ def scores_grad_rows(dp: torch.Tensor, probs: torch.Tensor, scale: float) -> tor
     rows, cols = _rows(dp)
     out = torch.empty_like(dp)
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         at, scratch = 4 * lo * cols, torch.empty(cols, dtype=F32)
         pointers = (t.data_ptr() + at for t in (dp, probs, out))
-        return lib.scores_grad_rows(*pointers, hi - lo, cols, scale, scratch.data_ptr())
+        return *pointers, hi - lo, cols, scale, scratch
 
-    return None if split(rows, cols, run) else out
+    return out if all_done(split(lib, "scores_grad_rows", rows, cols, args)) else None
 
 
 def adamw_(
@@ -336,18 +346,21 @@ def adamw_(
     if lib is None or not _plain(p, g, m, v):
         return None
     n = p.numel()
-    left: dict[int, tuple[int, int]] = {}
 
-    def run(lo: int, hi: int) -> int:
-        start, stop = lo * ADAMW_BLOCK, min(n, hi * ADAMW_BLOCK)
+    def bounds(lo: int, hi: int) -> tuple[int, int]:
+        return lo * ADAMW_BLOCK, min(n, hi * ADAMW_BLOCK)
+
+    def args(lo: int, hi: int) -> Args:
+        start, stop = bounds(lo, hi)
         pointers = (t.data_ptr() + 4 * start for t in (p, g, m, v))
-        done = start + lib.adamw(*pointers, stop - start, constants.data_ptr())
-        if done < stop:
-            left[lo] = (done, stop)
-        return 0
+        return *pointers, stop - start, constants.data_ptr()
 
-    split(-(-n // ADAMW_BLOCK), ADAMW_BLOCK, run)
-    return [left[lo] for lo in sorted(left)]
+    left = []
+    for lo, hi, done in split(lib, "adamw", -(-n // ADAMW_BLOCK), ADAMW_BLOCK, args):
+        start, stop = bounds(lo, hi)  # the kernel returns how many elements it did
+        if start + done < stop:
+            left.append((start + done, stop))
+    return left
 
 
 def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
@@ -369,13 +382,12 @@ def sum_tree(x: torch.Tensor, dim: int) -> torch.Tensor | None:
     out = torch.empty(moved.shape[:-1], dtype=F32)
     rs, ks = flat.stride()
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         buf = torch.empty((hi - lo) * (k // 2 + k % 2), dtype=F32)
         source = flat.data_ptr() + 4 * lo * rs
-        return lib.sum_tree_axis(source, rs, ks, hi - lo, k, out.data_ptr() + 4 * lo,
-                                 buf.data_ptr())  # fmt: skip
+        return source, rs, ks, hi - lo, k, out.data_ptr() + 4 * lo, buf
 
-    return None if split(rows, k, run) else out
+    return out if all_done(split(lib, "sum_tree_axis", rows, k, args)) else None
 
 
 def layernorm_stats(x: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -387,12 +399,11 @@ def layernorm_stats(x: torch.Tensor, eps: float) -> torch.Tensor | None:
     rows, cols = x.shape
     stats = torch.empty(rows, 2, dtype=F32)
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         buf = torch.empty(cols, dtype=F32)
-        return lib.layernorm_stats(x.data_ptr() + 4 * lo * cols, hi - lo, cols, eps,
-                                   stats.data_ptr() + 8 * lo, buf.data_ptr())  # fmt: skip
+        return x.data_ptr() + 4 * lo * cols, hi - lo, cols, eps, stats.data_ptr() + 8 * lo, buf
 
-    return None if split(rows, cols, run) else stats
+    return stats if all_done(split(lib, "layernorm_stats", rows, cols, args)) else None
 
 
 def layernorm_apply(
@@ -406,12 +417,12 @@ def layernorm_apply(
     rows, cols = x.shape
     y = torch.empty_like(x)
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         at = 4 * lo * cols
-        return lib.layernorm_apply(x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(),
-                                   b.data_ptr(), hi - lo, cols, y.data_ptr() + at)  # fmt: skip
+        return (x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(), b.data_ptr(),
+                hi - lo, cols, y.data_ptr() + at)  # fmt: skip
 
-    split(rows, cols, run)
+    split(lib, "layernorm_apply", rows, cols, args)
     return y
 
 
@@ -425,14 +436,14 @@ def layernorm_backward(
     rows, cols = x.shape
     dx = torch.empty_like(x)
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         at, buf = 4 * lo * cols, torch.empty(3 * cols, dtype=F32)
-        return lib.layernorm_backward(
+        return (
             x.data_ptr() + at, stats.data_ptr() + 8 * lo, g.data_ptr(), dy.data_ptr() + at,
-            hi - lo, cols, dx.data_ptr() + at, buf.data_ptr(),
+            hi - lo, cols, dx.data_ptr() + at, buf,
         )  # fmt: skip
 
-    return None if split(rows, cols, run) else dx
+    return dx if all_done(split(lib, "layernorm_backward", rows, cols, args)) else None
 
 
 def _rows_of(x: torch.Tensor, stats: torch.Tensor, *per_column: torch.Tensor) -> bool:
@@ -454,10 +465,10 @@ def layernorm_xhat_dy(
     rows, cols = x.shape
     prod = torch.empty_like(x)
 
-    def run(lo: int, hi: int) -> int:
+    def args(lo: int, hi: int) -> Args:
         at = 4 * lo * cols
-        pointers = (x.data_ptr() + at, stats.data_ptr() + 8 * lo, dy.data_ptr() + at)
-        return lib.layernorm_xhat_dy(*pointers, hi - lo, cols, prod.data_ptr() + at)
+        return (x.data_ptr() + at, stats.data_ptr() + 8 * lo, dy.data_ptr() + at, hi - lo, cols,
+                prod.data_ptr() + at)  # fmt: skip
 
-    split(rows, cols, run)
+    split(lib, "layernorm_xhat_dy", rows, cols, args)
     return prod
