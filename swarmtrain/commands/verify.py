@@ -28,7 +28,7 @@ starts. ``--grad-clip C`` clips each step's gradients to global norm C before Ad
 ``[training] grad_clip`` does; the default model's step then runs through the dispatch trace as
 well (the hand-written graph has no clip), as a verified run's tasks do.
 
-About 430 lines, over the usual 400: the provider process, the refusals made before anything
+About 470 lines, over the usual 400: the provider process, the refusals made before anything
 starts and the referee read the same arguments and build the same step, so they stay together.
 
 The lead wires it into ``swarmtrain.cli`` with ``add_parser(subparsers)`` and ``run(args)``.
