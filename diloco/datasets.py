@@ -238,8 +238,9 @@ def load_token_corpus(patterns: tuple[str, ...], *, dtype: str) -> Corpus:
     """Pre-tokenized ``.bin`` (raw little-endian) or ``.npy`` (1-d) arrays of ``dtype``
     (``uint16`` or ``uint32``), memory-mapped: one stream of the files in order, each file
     staying mapped (several are read through a ``TokenStream``, never concatenated in memory).
-    The vocabulary is the largest token + 1, every file scanned in bounded chunks, so a model
-    whose vocabulary is smaller is refused before training (``training.workload``). Raises
+    The vocabulary is the largest token + 1, every file scanned in bounded chunks once per
+    version of it (``_file_max_token``), so a model whose vocabulary is smaller is refused
+    before training (``training.workload``). Raises
     DataError naming the key or the file."""
     if dtype not in TOKEN_DTYPES:
         raise DataError(f"data.dtype must be one of {', '.join(TOKEN_DTYPES)}, got {dtype!r}")
@@ -249,5 +250,34 @@ def load_token_corpus(patterns: tuple[str, ...], *, dtype: str) -> Corpus:
     train, heldout = split_heldout(tokens)  # a stream slices as an array does
     names = tuple(str(p) for p in files)
     digest = fingerprint("tokens", files, dtype.encode(), train, heldout)
-    vocab_size = max(max_token(a) for a in arrays) + 1
+    vocab_size = max(_file_max_token(p, a) for p, a in zip(files, arrays, strict=True)) + 1
     return Corpus(train, heldout, names, names, digest, vocab_size)
+
+
+def _scan_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "swarmtrain" / "token-max"
+
+
+def _file_max_token(path: Path, array: np.ndarray) -> int:
+    """``max_token`` of one token file, cached per version of the file. Why: the scan reads the
+    whole file, and every node (and the coordinator) did it at every start; a restart, or a
+    second process on the machine, now reads one small cache file. The key is the file's real
+    path, size, modification time (ns), inode and dtype, so a rewritten file is scanned again.
+    An unreadable or unwritable cache only means scanning (``$XDG_CACHE_HOME/swarmtrain``)."""
+    st = path.stat()
+    version = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{array.dtype.str}"
+    cached = _scan_cache() / hashlib.sha256(version.encode()).hexdigest()[:32]
+    try:
+        return int(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    found = max_token(array)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.name}.{os.getpid()}")
+        partial.write_text(str(found))
+        os.replace(partial, cached)  # processes starting together never read a half-written one
+    except OSError:
+        pass
+    return found

@@ -3,6 +3,7 @@ here, pre-tokenized arrays memory-mapped, their fingerprint, and every bad input
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -139,6 +140,34 @@ def test_several_token_files_stay_mapped_and_read_as_their_concatenation(
     assert np.array_equal(corpus.train[695:760], whole[695:760])  # across two boundaries
     assert np.array_equal(corpus.train[[0, 752, 753, -1]], train[[0, 752, 753, -1]])
     assert max_token(parts[2]) == int(parts[2].max())
+
+
+def test_each_token_file_is_scanned_once_per_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The vocabulary scan reads every token of every file: a node restarting on the same files
+    reads its cached result instead; a rewritten file is scanned again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    scans: list[int] = []
+
+    def counted(array: np.ndarray) -> int:
+        scans.append(len(array))
+        return max_token(array)
+
+    monkeypatch.setattr("diloco.datasets.max_token", counted)
+    path = tmp_path / "t.bin"
+    np.arange(1000, dtype="<u2").tofile(path)
+    assert load_token_corpus((str(path),), dtype="uint16").vocab_size == 1000
+    assert load_token_corpus((str(path),), dtype="uint16").vocab_size == 1000
+    assert scans == [1000]  # the second start read the cache
+    ids = np.arange(1000, dtype="<u2")
+    ids[7] = 4000
+    ids.tofile(path)  # the same size, rewritten: another version
+    os.utime(path, ns=(1, 1))  # and a modification time no earlier run left in the cache
+    assert load_token_corpus((str(path),), dtype="uint16").vocab_size == 4001
+    assert scans == [1000, 1000]
+    cache = tmp_path / "cache" / "swarmtrain" / "token-max"
+    assert sorted(int(e.read_text()) for e in cache.iterdir()) == [999, 4000]  # one per version
 
 
 def test_token_ids_beyond_the_models_vocabulary_are_refused_before_training(
