@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from diloco.token_stream import TokenStream
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 8 * 2**20
@@ -142,8 +144,9 @@ def load_stdlib_corpus(max_bytes: int = DEFAULT_MAX_BYTES, root: str | None = No
 SPLIT_BLOCK = 1 << 16
 
 
-def validation_split(corpus: Corpus, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The held-out part cut into ``(validation, test)``: disjoint, together all of it.
+def validation_split(corpus: Corpus, seed: int) -> tuple[TokenStream, TokenStream]:
+    """The held-out part cut into ``(validation, test)``: disjoint, together all of it; each a
+    ``TokenStream`` over views of the held-out part (a large held-out part is not copied).
 
     Why: a setting tuned on the set it is reported on looks better than it is; tune on
     validation, report test. The pieces are the held-out files (``Corpus.heldout_sizes``), else
@@ -176,8 +179,8 @@ def validation_split(corpus: Corpus, seed: int) -> tuple[np.ndarray, np.ndarray]
     test = sorted(dealt[1::2])
     starts = [0, *itertools.accumulate(sizes)]
 
-    def join(pieces: list[int]) -> np.ndarray:
-        return np.concatenate([corpus.heldout[starts[i] : starts[i + 1]] for i in pieces])
+    def join(pieces: list[int]) -> TokenStream:
+        return TokenStream([corpus.heldout[starts[i] : starts[i + 1]] for i in pieces])
 
     return join(validation), join(test)
 
@@ -237,7 +240,7 @@ def eval_batches(
     batches: int = 8,
     batch_size: int = 16,
     context: int = 128,
-    part: np.ndarray | None = None,
+    part: np.ndarray | TokenStream | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed set of held-out batches: windows evenly spaced over the held-out part (or over
     ``part``, e.g. one half of ``validation_split``).

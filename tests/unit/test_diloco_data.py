@@ -22,6 +22,7 @@ from diloco import (
     validation_split,
 )
 from diloco.data import SPLIT_BLOCK
+from diloco.token_stream import TokenStream
 
 torch.set_num_threads(1)
 SMALL = 1 << 20
@@ -100,7 +101,9 @@ def test_eval_batches_are_fixed_and_evaluate_gives_nats_per_byte() -> None:
 
 def test_the_validation_split_is_disjoint_whole_files_and_a_pure_function_of_the_seed() -> None:
     corpus = load_stdlib_corpus(SMALL)
-    validation, test = validation_split(corpus, seed=0)
+    views = validation_split(corpus, seed=0)
+    assert all(isinstance(half, TokenStream) for half in views)  # views: nothing is copied
+    validation, test = (np.asarray(half) for half in views)
     assert np.array_equal(validation, validation_split(corpus, seed=0)[0])
     # Whole files each: every piece of each half is exactly one held-out file's text.
     starts = [0, *itertools.accumulate(corpus.heldout_sizes)]
@@ -121,14 +124,14 @@ def test_the_validation_split_is_disjoint_whole_files_and_a_pure_function_of_the
         not np.array_equal(validation, validation_split(corpus, seed=s)[0]) for s in (1, 2, 3)
     )
     # Evaluation windows come from the half asked for.
-    ((inputs, _),) = eval_batches(corpus, batches=1, batch_size=2, context=16, part=test)
+    ((inputs, _),) = eval_batches(corpus, batches=1, batch_size=2, context=16, part=views[1])
     assert inputs[0].numpy().astype(np.uint8).tobytes() == test[:16].tobytes()
 
 
 def test_a_corpus_without_file_sizes_is_split_in_whole_blocks() -> None:
     tokens = np.arange(3 * SPLIT_BLOCK + 5, dtype=np.uint32)  # every token says where it was
     corpus = Corpus(tokens[:10], tokens, ("f",), ("f",), "x", vocab_size=len(tokens))
-    validation, test = validation_split(corpus, seed=7)
+    validation, test = (np.asarray(half) for half in validation_split(corpus, seed=7))
     assert not set(validation.tolist()) & set(test.tolist())
     assert np.array_equal(np.sort(np.concatenate([validation, test])), tokens)
     for half in (validation, test):
