@@ -126,7 +126,12 @@ class _Scratch(threading.local):
 
 
 _SCRATCH = _Scratch()
-SCRATCH_MAX = 1 << 21  # elements; larger temporaries are allocated (and freed) per call
+# Elements; larger temporaries are allocated (and freed) per call. 8M: a float64 temporary of
+# llama-tiny's LM head (1024 x 4096, 33.5 MB) was above glibc's largest mmap threshold (32 MB),
+# so each call mapped it afresh and page-faulted through it: at 2M such buffers were not kept,
+# and keeping them took llama-tiny's RepOps step from 3.00-3.04x native's to 2.91-2.93x at two
+# threads. Costs up to 64 MB a slot a thread, only for steps with temporaries that large.
+SCRATCH_MAX = 1 << 23
 
 
 def scratch(
