@@ -10,6 +10,7 @@ same mean, and every other step is the same code on the same batches."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,10 @@ def test_two_nodes_and_bench_diloco_on_one_spec_give_the_same_loss_curve_and_sta
         node_curve = [summary["round_losses"][str(r)] for r in range(ROUNDS)]
         assert node_curve == result["round_losses"][peer_id], (node_curve, result)
         assert summary["state_hash"] == result["state_hash"]
-    # Not a curve of constants: training happened.
-    curve = result["round_losses"][peer_ids[0]]
-    assert curve[-1] < curve[0]
+    # Training happened: the final state's held-out loss is well below a uniform guess over
+    # bytes (ln 256 = 5.55). Not the last round's inner loss against the first's: over 3 rounds
+    # of 5 steps the outer step into round 2 can overshoot, and a CI run's round 2 averaged 5.81
+    # and 5.28 against 4.72 in round 0 while its final state scored 3.50 (bench.diloco --config
+    # reproduced it exactly).
+    assert result["eval_loss"] < math.log(256) - 1.0, result
+    assert len(set(result["round_losses"][peer_ids[0]])) == ROUNDS  # not a curve of constants
