@@ -133,6 +133,8 @@ def _build() -> ctypes.CDLL | None:
     lib.adamw.restype = i64
     if hasattr(lib, "run_ranges"):
         lib.run_ranges.argtypes, lib.run_ranges.restype = [int_, int_, ptr, i64p], int_
+    else:  # built without OpenMP: told once, not by a failed symbol lookup every call
+        lib.run_ranges = None
     return lib
 
 

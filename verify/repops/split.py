@@ -69,9 +69,10 @@ def split(
     args_of: Callable[[int, int], Args],
 ) -> list[tuple[int, int, int]]:
     """``kernel(*args_of(lo, hi))`` over ranges covering ``[0, count)`` in order, in parallel
-    when the library has ``run_ranges``; each range's ``(lo, hi, return value)``."""
+    when the library has ``run_ranges`` (None: built without OpenMP); each range's
+    ``(lo, hi, return value)``."""
     function = getattr(lib, kernel)
-    ranges = threads_for(count, elements_each) if hasattr(lib, "run_ranges") else 1
+    ranges = threads_for(count, elements_each) if lib.run_ranges is not None else 1
     if ranges == 1:
         args = args_of(0, count)  # held: a scratch tensor among them must outlive the call
         return [(0, count, function(*map(_value, args)))]
