@@ -3,6 +3,8 @@ raises the slowest stage's capacity; relayed servers count for less; no stage is
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -131,7 +133,12 @@ def test_a_move_raises_the_minimum_and_keeps_every_stage_served(servers, epoch) 
     relay = config.relay_factor if mover.relayed else 1.0
     contribution = _estimated(servers, mover, move.to_stage) * relay
     assert move.min_after > move.min_before
-    assert contribution * 0.1 < move.min_after - move.min_before <= contribution * (1 + 1e-9)
+    # At most the contribution, up to the rounding of min_before + contribution: that error is
+    # about an ulp of the capacity, not a share of the contribution (hypothesis found a
+    # contribution of 1.2e-7 on a capacity of 3.0 whose sum rounded 3.7e-9 of it high).
+    rounding = 2 * math.ulp(move.min_after)
+    raised = move.min_after - move.min_before
+    assert contribution * 0.1 < raised <= contribution * (1 + 1e-9) + rounding
     assert mover.stage == move.from_stage != move.to_stage
     assert before[move.to_stage] == min(before)
     left = [s for s in servers if s.stage == move.from_stage and s.peer_id != move.peer_id]
